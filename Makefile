@@ -1,0 +1,33 @@
+# Two commands do everything: `make train` and `make test`. Each creates .venv on
+# first use and installs the project with pinned versions (see pyproject.toml).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup train test sample benchmark clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python train.py $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+sample: $(STAMP)
+	$(BIN)/python sample.py $(ARGS)
+
+benchmark: $(STAMP)
+	$(BIN)/python scripts/benchmark.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

@@ -1,0 +1,330 @@
+"""The on-disk latent dataset format: a directory with meta.json, latents.npy and labels.npy.
+
+    meta.json    {"format": "tread-latents", "version": 1, "shape": [C, H, W], "dtype": "float16"|"float32",
+                  "num_samples": N, "num_classes": K, "latent_scale": s, "decode": {"type": "identity"} or
+                  {"type": "vae", "vae": "<hub id or path>"}, "source": "...", "class_names": [...] | null,
+                  "files": {"latents": "latents.npy", "labels": "labels.npy"}}
+    latents.npy  (N, C, H, W) of `dtype`; model-space latents are stored values * latent_scale
+    labels.npy   (N,) int64 in [0, K)
+
+Latents are memory-mapped, so random access never loads the whole array into RAM.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+FORMAT, VERSION = "tread-latents", 1
+DTYPES = ("float16", "float32")
+DECODE_TYPES = ("identity", "vae")
+DEFAULT_FILES = {"latents": "latents.npy", "labels": "labels.npy"}
+# Top-level meta.json keys and the JSON types they must have (checked in detail in read_meta).
+META_TYPES: dict[str, tuple[type, ...]] = {
+    "format": (str,), "version": (int,), "shape": (list,), "dtype": (str,), "num_samples": (int,),
+    "num_classes": (int,), "latent_scale": (int, float), "decode": (dict,), "source": (str,),
+    "class_names": (list, type(None)), "files": (dict,),
+}
+REBUILD = "Rebuild the dataset (e.g. with data.write_latent_dataset)."
+FIX_META = "Fix meta.json or rebuild the dataset (e.g. with data.write_latent_dataset)."
+PathLike = Union[str, os.PathLike]
+
+
+class LatentDatasetError(ValueError):
+    """A latent dataset (or its description) is missing, malformed or does not fit the model."""
+
+
+class LatentDatasetExistsError(LatentDatasetError):
+    """write_latent_dataset's target directory already exists (possibly written concurrently)."""
+
+
+# ----------------------------------------------------------------------------- metadata
+
+def _is_type(value: Any, types: tuple[type, ...]) -> bool:
+    # bool is an int subclass, but true/false is never a valid count or scale.
+    return isinstance(value, types) and not isinstance(value, bool)
+
+
+def validate_meta(meta: Any, where: str, advice: str = FIX_META) -> dict:
+    """Check every meta key and value; errors start with `where` (the meta.json path) and end with `advice`."""
+    def fail(key: str, expected: str) -> LatentDatasetError:
+        return LatentDatasetError(f"{where}: key '{key}' is {meta.get(key)!r} but must be {expected}. {advice}")
+
+    if not isinstance(meta, dict):
+        raise LatentDatasetError(f"{where}: expected a JSON object, got {type(meta).__name__}. {advice}")
+    if meta.get("format") != FORMAT:
+        raise fail("format", f"'{FORMAT}' (is this a tread latent dataset?)")
+    missing = [k for k in META_TYPES if k not in meta]
+    if missing:
+        raise LatentDatasetError(f"{where}: missing key(s) {missing}; a v{VERSION} dataset needs all of "
+                                 f"{list(META_TYPES)}. {advice}")
+    for key, types in META_TYPES.items():
+        if not _is_type(meta[key], types):
+            raise fail(key, "of JSON type " + " or ".join("null" if t is type(None) else t.__name__ for t in types))
+    if meta["version"] != VERSION:
+        raise fail("version", f"{VERSION} (the only version this code reads)")
+    shape = meta["shape"]
+    if len(shape) != 3 or not all(_is_type(s, (int,)) and s > 0 for s in shape):
+        raise fail("shape", "[C, H, W] with three positive integers")
+    if meta["dtype"] not in DTYPES:
+        raise fail("dtype", f"one of {list(DTYPES)}")
+    if meta["num_samples"] < 1:
+        raise fail("num_samples", "a positive integer")
+    if meta["num_classes"] < 1:
+        raise fail("num_classes", "a positive integer")
+    if not (math.isfinite(meta["latent_scale"]) and meta["latent_scale"] > 0):
+        raise fail("latent_scale", "a finite number > 0 (1.0 for identity)")
+    decode = meta["decode"]
+    if decode.get("type") not in DECODE_TYPES:
+        raise fail("decode", f"an object with 'type' in {list(DECODE_TYPES)}")
+    if decode["type"] == "vae" and not isinstance(decode.get("vae"), str):
+        raise fail("decode", "{'type': 'vae', 'vae': '<hub id or path>'} (the VAE name is missing)")
+    names = meta["class_names"]
+    if names is not None and (len(names) != meta["num_classes"] or not all(isinstance(n, str) for n in names)):
+        raise fail("class_names", f"null or a list of {meta['num_classes']} strings (one per class)")
+    files = meta["files"]
+    if set(files) != set(DEFAULT_FILES) or not all(isinstance(f, str) and f for f in files.values()):
+        raise fail("files", f"an object with file names for exactly {sorted(DEFAULT_FILES)}")
+    return meta
+
+
+def read_meta(path: PathLike) -> dict:
+    """Read and validate `path`/meta.json; errors name the path, the key and the bad value."""
+    root = Path(path).expanduser().absolute()
+    if not root.is_dir():
+        what = "is a file, not a directory" if root.exists() else "not found"
+        raise LatentDatasetError(
+            f"Latent dataset {what} at '{root}': expected a directory with meta.json, latents.npy, labels.npy. "
+            f"Set data.path=... to such a directory, write one with data.write_latent_dataset(), "
+            f"or use the built-in data (data=toy).")
+    meta_path = root / "meta.json"
+    if not meta_path.is_file():
+        raise LatentDatasetError(f"Latent dataset at '{root}' has no meta.json (expected '{meta_path}'). "
+                                 f"The directory is not a latent dataset or was not written completely. {REBUILD}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise LatentDatasetError(f"{meta_path}: invalid JSON ({err}). {FIX_META}") from None
+    return validate_meta(meta, str(meta_path))
+
+
+# ----------------------------------------------------------------------------- writing
+
+def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray, *, num_classes: int,
+                         latent_scale: float = 1.0, decode: Optional[Mapping[str, Any]] = None, source: str = "",
+                         class_names: Optional[Sequence[str]] = None, dtype: str = "float16",
+                         extra_meta: Optional[Mapping[str, Any]] = None, chunk_size: int = 4096) -> Path:
+    """Write a dataset atomically: build it in a temporary sibling directory, then rename it into place.
+
+    `latents` (N, C, H, W) are the *stored* values (model space / latent_scale). `extra_meta` adds keys to
+    meta.json (e.g. "builtin"). Raises LatentDatasetExistsError if `path` exists and is not an empty directory.
+    """
+    root = Path(path).expanduser().absolute()
+    latents, labels = np.asarray(latents), np.asarray(labels)
+    if latents.ndim != 4 or min(latents.shape) < 1:
+        raise LatentDatasetError(f"latents for '{root}' must be a non-empty (N, C, H, W) array, got shape "
+                                 f"{latents.shape}")
+    if labels.shape != (len(latents),) or not np.issubdtype(labels.dtype, np.integer):
+        raise LatentDatasetError(f"labels for '{root}' must be a 1-D integer array of length N={len(latents)} "
+                                 f"(one per latent), got {labels.dtype} array of shape {labels.shape}")
+    if isinstance(num_classes, np.integer):  # numpy ints are not JSON-serialisable
+        num_classes = int(num_classes)
+    meta = {"format": FORMAT, "version": VERSION, "shape": list(latents.shape[1:]), "dtype": dtype,
+            "num_samples": len(latents), "num_classes": num_classes, "latent_scale": float(latent_scale),
+            "decode": dict(decode or {"type": "identity"}), "source": source,
+            "class_names": None if class_names is None else list(class_names), "files": dict(DEFAULT_FILES),
+            **(extra_meta or {})}
+    validate_meta(meta, f"meta for '{root}'", "Fix the write_latent_dataset() arguments.")  # before any writing
+    if not (labels.min() >= 0 and labels.max() < num_classes):
+        raise LatentDatasetError(f"labels for '{root}' range over [{labels.min()}, {labels.max()}] but must lie in "
+                                 f"[0, num_classes={num_classes}); pass the right num_classes or remap the labels")
+
+    def exists_error() -> LatentDatasetExistsError:
+        return LatentDatasetExistsError(f"'{root}' already exists; refusing to overwrite it. Delete it or "
+                                        f"choose another path.")
+
+    if root.exists() and not (root.is_dir() and not any(root.iterdir())):
+        raise exists_error()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+    try:
+        # Chunked copy through a memmap: casting never needs a second full copy of the array in RAM.
+        out = np.lib.format.open_memmap(tmp / DEFAULT_FILES["latents"], mode="w+", dtype=dtype, shape=latents.shape)
+        for start in range(0, len(latents), chunk_size):
+            with np.errstate(over="ignore"):  # overflow is reported below, with advice
+                chunk = latents[start:start + chunk_size].astype(dtype)
+            if not np.isfinite(chunk).all():
+                raise LatentDatasetError(
+                    f"latents for '{root}' contain non-finite values (NaN/inf) in samples [{start}, "
+                    f"{start + len(chunk)}) after casting to {dtype}" +
+                    (" (float16 overflows above 65504: use dtype='float32' or a smaller scale)"
+                     if dtype == "float16" else ""))
+            out[start:start + len(chunk)] = chunk
+        out.flush()
+        del out
+        np.save(tmp / DEFAULT_FILES["labels"], labels.astype(np.int64))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        for f in tmp.iterdir():  # data on disk before the rename publishes it
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+        try:
+            os.replace(tmp, root)  # atomic; also replaces an empty directory, fails on a non-empty one
+        except OSError:
+            if root.exists():  # another writer got there first
+                raise exists_error() from None
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root
+
+
+# ----------------------------------------------------------------------------- reading
+
+def _open_npy(file: Path, key: str) -> np.ndarray:
+    """Memory-map one .npy file; missing or unreadable files raise LatentDatasetError naming it."""
+    if not file.is_file():
+        raise LatentDatasetError(f"missing {key} file '{file}' (meta.json files.{key}='{file.name}'): the "
+                                 f"dataset is incomplete. {REBUILD}")
+    try:
+        return np.load(file, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise LatentDatasetError(f"cannot read {key} file '{file}' as a .npy array ({err}): it is corrupt or "
+                                 f"truncated. {REBUILD}") from None
+
+
+class LatentDataset(torch.utils.data.Dataset):
+    """Memory-mapped latent dataset; items are (float32 latent (C, H, W) * latent_scale, int64 label)."""
+
+    def __init__(self, path: PathLike, expected_channels: Optional[int] = None,
+                 expected_resolution: Optional[int] = None, expected_num_classes: Optional[int] = None):
+        self.root = Path(path).expanduser().absolute()
+        self._meta = read_meta(self.root)
+        self._latents: Optional[np.ndarray] = None
+        self._labels: Optional[np.ndarray] = None
+        self._validate_files()
+        self._check_expected(expected_channels, expected_resolution, expected_num_classes)
+
+    def _open(self) -> tuple[np.ndarray, np.ndarray]:
+        """Open the memmaps on first use in each process (they are dropped when pickled to workers)."""
+        if self._latents is None:
+            files = self._meta["files"]
+            self._latents = _open_npy(self.root / files["latents"], "latents")
+            self._labels = _open_npy(self.root / files["labels"], "labels")
+        return self._latents, self._labels
+
+    def __getstate__(self) -> dict:
+        # Pickle only the path and meta: a worker re-maps the files instead of receiving a copy of them.
+        return {**self.__dict__, "_latents": None, "_labels": None}
+
+    def _validate_files(self) -> None:
+        latents, labels = self._open()
+        m, files = self._meta, self._meta["files"]
+        lat_file, lab_file = self.root / files["latents"], self.root / files["labels"]
+        want = (m["num_samples"], *m["shape"])
+        if latents.shape != want or latents.dtype != np.dtype(m["dtype"]):
+            raise LatentDatasetError(
+                f"'{lat_file}' holds a {latents.dtype} array of shape {list(latents.shape)} but meta.json says "
+                f"{m['dtype']} of shape {list(want)} (num_samples + shape). {REBUILD}")
+        if labels.shape != (m["num_samples"],) or not np.issubdtype(labels.dtype, np.integer):
+            raise LatentDatasetError(
+                f"'{lab_file}' holds a {labels.dtype} array of shape {list(labels.shape)} but must be int64 of "
+                f"shape [{m['num_samples']}] (meta.json num_samples). {REBUILD}")
+        lo, hi = int(labels.min()), int(labels.max())
+        if lo < 0 or hi >= m["num_classes"]:
+            raise LatentDatasetError(f"'{lab_file}' has labels in [{lo}, {hi}] but meta.json num_classes="
+                                     f"{m['num_classes']} allows only [0, {m['num_classes'] - 1}]. {REBUILD}")
+
+    def _check_expected(self, channels: Optional[int], resolution: Optional[int],
+                        num_classes: Optional[int]) -> None:
+        c, h, w = self._meta["shape"]
+        head = f"data at '{self.root}'"
+        fix = "Point data.path at matching data, or change the data/model config to match it."
+        if channels is not None and c != channels:
+            raise LatentDatasetError(f"{head} has {c} channels (meta.json shape {[c, h, w]}) but the model "
+                                     f"expects in_channels={channels} (data.channels). {fix}")
+        if resolution is not None and (h, w) != (resolution, resolution):
+            raise LatentDatasetError(f"{head} is {h}x{w} (meta.json shape {[c, h, w]}) but the model expects "
+                                     f"input_size={resolution} (data.resolution). {fix}")
+        if num_classes is not None and self._meta["num_classes"] != num_classes:
+            raise LatentDatasetError(f"{head} has {self._meta['num_classes']} classes (meta.json num_classes) but "
+                                     f"the model expects num_classes={num_classes} (data.num_classes). {fix}")
+
+    @property
+    def meta(self) -> dict:
+        """The validated meta.json contents."""
+        return self._meta
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Latent shape (C, H, W)."""
+        return tuple(self._meta["shape"])
+
+    @property
+    def channels(self) -> int:
+        """Latent channels C."""
+        return self._meta["shape"][0]
+
+    @property
+    def resolution(self) -> int:
+        """Latent side H (= W); non-square data has no single resolution."""
+        _, h, w = self._meta["shape"]
+        if h != w:
+            raise LatentDatasetError(f"data at '{self.root}' is {h}x{w}: not square, so it has no single "
+                                     f"resolution (the models take square latents)")
+        return h
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes K (labels lie in [0, K))."""
+        return self._meta["num_classes"]
+
+    @property
+    def latent_scale(self) -> float:
+        """Stored values are multiplied by this to give model-space latents."""
+        return float(self._meta["latent_scale"])
+
+    def __len__(self) -> int:
+        return self._meta["num_samples"]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        latents, labels = self._open()
+        x = torch.from_numpy(np.array(latents[index], dtype=np.float32))  # (C, H, W), copied off the memmap
+        return x * self.latent_scale, torch.tensor(int(labels[index]), dtype=torch.int64)
+
+    def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batched fetch, (x (B, C, H, W) float32, y (B,) int64), with one fancy-indexed read of the memmap."""
+        latents, labels = self._open()
+        idx = np.asarray(indices, dtype=np.int64)
+        order = np.argsort(idx, kind="stable")  # ascending reads are mostly sequential on disk
+        x, y = np.empty((len(idx), *latents.shape[1:]), np.float32), np.empty(len(idx), np.int64)
+        x[order], y[order] = latents[idx[order]], labels[idx[order]]  # read sorted, write back in request order
+        return torch.from_numpy(x) * self.latent_scale, torch.from_numpy(y)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any]) -> torch.Tensor:
+    """Model-space latents (B, C, H, W) -> uint8 images (B, H, W, 3), per meta["decode"]."""
+    decode = meta.get("decode") or {"type": "identity"}
+    if decode.get("type") == "vae":
+        raise NotImplementedError(
+            f"VAE decoding (meta decode.type='vae', vae={decode.get('vae')!r}) is not supported yet; it arrives "
+            f"with the VAE/latents work. Use identity-decoded data (pixels in [-1, 1], e.g. the built-in "
+            f"toy_shapes) for now.")
+    if decode.get("type") != "identity":
+        raise LatentDatasetError(f"meta decode.type={decode.get('type')!r} is unknown; allowed: {list(DECODE_TYPES)}")
+    if latents.ndim != 4 or latents.shape[1] not in (1, 3):
+        raise LatentDatasetError(f"identity decoding needs (B, C, H, W) latents with C = 1 or 3 (pixels), got shape "
+                                 f"{list(latents.shape)}; data with other channel counts needs a decoder "
+                                 f"(meta decode.type='vae')")
+    x = latents.float() / float(meta.get("latent_scale", 1.0))
+    images = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)  # [-1, 1] -> [0, 255]
+    return images.expand(-1, -1, -1, 3).contiguous() if images.shape[-1] == 1 else images.contiguous()

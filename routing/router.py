@@ -1,0 +1,96 @@
+"""The parameter-free TREAD token router: pick kept tokens, gather them, scatter them back.
+
+Shaped like MAE's `random_masking`: score tokens, keep the top-K per sample with one
+gather, restore with one scatter. Set-aside tokens come back with the exact values they
+had at the route's start; gradients reach them through that identity path.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+SELECTION_MODES = ("random", "importance")
+
+
+class TokenRouter:
+    """Chooses which tokens a route keeps, drawing from its own generator.
+
+    The router owns one `torch.Generator` per device, seeded from the run seed (and
+    rank), so turning routing on never shifts the training RNG stream (init, noise,
+    label dropout, data order). Its state is saved in checkpoints for exact resume.
+    """
+
+    def __init__(self, seed: int = 0, mode: str = "random", importance_weight: float = 0.5):
+        if mode not in SELECTION_MODES:
+            raise ValueError(f"routing.selection.mode={mode!r} is not supported; allowed: {list(SELECTION_MODES)}.")
+        if not 0.0 <= float(importance_weight) <= 1.0:
+            raise ValueError(
+                f"routing.selection.importance_weight={importance_weight} must lie in [0, 1] "
+                f"(0 = uniform random, 1 = pure L1-norm importance)."
+            )
+        self.mode = mode                                # "random" (paper) or "importance" (L1 score + noise)
+        self.importance_weight = float(importance_weight)  # weight of the L1 score against the noise
+        self._seed = int(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    # -- generator state -------------------------------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        self._seed = int(seed)
+        self._generators.clear()
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generators[key]
+
+    def state_dict(self) -> dict:
+        return {"seed": self._seed, "states": {k: g.get_state() for k, g in self._generators.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.manual_seed(state["seed"])
+        for key, gen_state in state.get("states", {}).items():
+            self._generator(torch.device(key)).set_state(gen_state)
+
+    # -- selection -------------------------------------------------------------------
+    def select(self, x: torch.Tensor, num_keep: int, force_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Indices (B, K) of the tokens to keep from `x` (B, N, D).
+
+        K = num_keep, grown for the whole batch when some sample force-keeps more tokens
+        than that, so the batch stays rectangular. Force-kept tokens are never dropped.
+        """
+        B, N, _ = x.shape
+        score = torch.rand(B, N, device=x.device, generator=self._generator(x.device))  # (B, N)
+        if self.mode == "importance":
+            with torch.no_grad():
+                l1 = x.detach().float().abs().mean(dim=-1)                              # (B, N)
+                lo, hi = l1.amin(dim=1, keepdim=True), l1.amax(dim=1, keepdim=True)
+                l1 = (l1 - lo) / (hi - lo).clamp_min(1e-12)                             # per-sample [0, 1]
+            w = self.importance_weight
+            score = w * l1 + (1.0 - w) * score
+        if force_keep is not None:
+            if force_keep.shape != (B, N):
+                raise ValueError(f"force_keep mask must have shape (B, N) = {(B, N)}, got {tuple(force_keep.shape)}.")
+            force_keep = force_keep.to(device=x.device, dtype=torch.bool)
+            # Scores lie in [0, 1]; +2 puts every forced token above every free one.
+            score = score + 2.0 * force_keep
+            # One sync per routed step, only when a mask is given: the keep count must be static.
+            num_keep = max(num_keep, int(force_keep.sum(dim=1).max()))
+        num_keep = min(num_keep, N)
+        return score.topk(num_keep, dim=1, sorted=False).indices                      # (B, K)
+
+
+def gather_tokens(x: torch.Tensor, ids_keep: torch.Tensor) -> torch.Tensor:
+    """x (B, N, D), ids_keep (B, K) -> (B, K, D)."""
+    return torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def scatter_tokens(x_full: torch.Tensor, x_kept: torch.Tensor, ids_keep: torch.Tensor) -> torch.Tensor:
+    """Put processed kept tokens (B, K, D) back into x_full (B, N, D) out of place.
+
+    Positions not in ids_keep keep x_full's values (the route-start values), so the
+    set-aside tokens skip the span through an identity path that carries gradients.
+    """
+    index = ids_keep.unsqueeze(-1).expand(-1, -1, x_full.shape[-1])
+    return x_full.scatter(1, index, x_kept.to(x_full.dtype))

@@ -1,0 +1,51 @@
+"""Generate samples from a checkpoint: a PNG folder, a grid and an ADM-format .npz.
+
+    python sample.py checkpoint=outputs/runs/<run> num_samples=100 cfg_scale=1.5
+"""
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="sample")
+def main(cfg: DictConfig) -> None:
+    from training.loop import USER_ERRORS
+
+    try:
+        run(cfg)
+    except USER_ERRORS as err:
+        sys.exit(f"error: {err}")
+
+
+def run(cfg: DictConfig) -> None:
+    import torch
+
+    from data import decode_to_uint8
+    from training.evaluate import generate
+    from training.loop import ConfigError
+    from training.inference import load_for_inference, parse_seeds, resolve_device, run_dir_of, write_samples
+
+    device = resolve_device(cfg.device)
+    net, diffusion, meta, config = load_for_inference(cfg.checkpoint, cfg.use_ema, device)
+    num_classes = int(meta["num_classes"])
+    seeds = parse_seeds(cfg.seeds, cfg.num_samples)
+    classes = list(cfg.classes) if cfg.classes is not None else None
+    bad = [c for c in classes or [] if not 0 <= int(c) < num_classes]
+    if bad:
+        raise ConfigError(f"classes={bad} are out of range: this model has {num_classes} classes (0..{num_classes - 1}).")
+    images, labels = [], []
+    for _, y, x in generate(net, diffusion, seeds, meta["shape"], num_classes, device, batch_size=cfg.batch_size,
+                            classes=classes, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_steps):
+        images.append(decode_to_uint8(x, meta).cpu())
+        labels.append(y.cpu())
+    run_dir = run_dir_of(cfg.checkpoint)
+    out = Path(cfg.out_dir) if cfg.out_dir else run_dir / "samples" / f"sample_{time.strftime('%Y%m%d-%H%M%S')}"
+    paths = write_samples(torch.cat(images), torch.cat(labels), out, cfg.grid_nrow or num_classes)
+    print(f"Wrote {len(seeds)} samples: {paths}")
+
+
+if __name__ == "__main__":
+    main()

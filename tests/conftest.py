@@ -1,0 +1,57 @@
+"""Shared fixtures: compose the real Hydra configs with tiny, CPU-only overrides."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(REPO / "configs")
+
+# A few-second training config: tiny DiT, a small built-in dataset, cheap evaluation.
+TINY = [
+    "model.arch=DiT-T/4",
+    "data.builtin_args.num_per_class=40",
+    "train.batch_size=8",
+    "train.max_steps=4",
+    "train.log_every_steps=1",
+    "train.num_workers=0",
+    "train.lr_warmup_steps=0",
+    "eval.every_steps=2",
+    "eval.num_samples=20",
+    "eval.batch_size=10",
+    "eval.num_steps=2",
+    "eval.grid_size=20",
+    "checkpoint.every_steps=2",
+]
+
+
+def compose_cfg(config_name: str = "train", overrides: list[str] | None = None):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides or [])
+
+
+@pytest.fixture
+def cache_dir(tmp_path_factory) -> Path:
+    """One cache (built-in data, toy classifier, reference stats) shared by a session's tests."""
+    return shared_cache(tmp_path_factory)
+
+
+_CACHE: dict[str, Path] = {}
+
+
+def shared_cache(tmp_path_factory) -> Path:
+    if "dir" not in _CACHE:
+        _CACHE["dir"] = Path(os.environ.get("TREAD_TEST_CACHE") or tmp_path_factory.mktemp("cache"))
+    return _CACHE["dir"]
+
+
+@pytest.fixture
+def tiny_cfg(cache_dir):
+    def make(*extra: str):
+        return compose_cfg("train", TINY + [f"paths.cache_dir={cache_dir}", *extra])
+    return make

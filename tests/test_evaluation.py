@@ -1,0 +1,456 @@
+"""Evaluation: Fréchet distance, feature statistics, feature extractors, image I/O, references, fid.py."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+import torch.nn as nn
+from omegaconf import OmegaConf
+
+from evaluation import features as feat_mod
+from evaluation.features import InceptionFeatures, build_feature_extractor, extract_features
+from evaluation.frechet import FeatureStats, frechet_distance
+from evaluation.images import load_images, make_grid, save_image_grid, save_npz, save_png_folder
+from evaluation.reference import compute_stats, load_reference, reference_for_dataset, save_reference
+from evaluation.toy_classifier import (ToyClassifier, cache_path, load_or_train_toy_classifier,
+                                       save_toy_classifier, train_toy_classifier)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def random_gaussian_stats(rng, d, n=None):
+    x = rng.standard_normal((n or 3 * d, d)) @ rng.standard_normal((d, d)) + rng.standard_normal(d)
+    return x.mean(0), np.cov(x, rowvar=False)
+
+
+def blob_images(n, size=32, seed=0):
+    """Synthetic uint8 NHWC images: coloured rectangles on a dark background."""
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 40, (n, size, size, 3), dtype=np.uint8)
+    for img in images:
+        y, x = rng.integers(0, size // 2, 2)
+        h, w = rng.integers(size // 4, size // 2, 2)
+        img[y:y + h, x:x + w] = rng.integers(100, 256, 3)
+    return images
+
+
+class PixelFeatures(nn.Module):
+    """A fast stand-in extractor: a fixed random projection of 8x8-pooled pixels."""
+
+    name, dim = "pixels", 16
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3 * 64, self.dim)
+
+    def forward(self, x):
+        return self.proj(nn.functional.adaptive_avg_pool2d(x.float() / 255, 8).flatten(1))
+
+
+# ----------------------------------------------------------------------------- frechet
+
+
+def test_frechet_distance_matches_direct_scipy():
+    rng = np.random.default_rng(0)
+    mu1, s1 = random_gaussian_stats(rng, 12)
+    mu2, s2 = random_gaussian_stats(rng, 12)
+    direct = np.sum((mu1 - mu2) ** 2) + np.trace(s1 + s2 - 2 * scipy.linalg.sqrtm(s1 @ s2).real)
+    # Independent formula: tr sqrtm(S1 S2) = sum sqrt(eig(S1^1/2 S2 S1^1/2)).
+    r1 = scipy.linalg.sqrtm(s1).real
+    eig = np.linalg.eigvalsh(r1 @ s2 @ r1)
+    independent = np.sum((mu1 - mu2) ** 2) + np.trace(s1 + s2) - 2 * np.sqrt(np.clip(eig, 0, None)).sum()
+    fid = frechet_distance(mu1, s1, mu2, s2)
+    assert isinstance(fid, float)
+    assert fid == pytest.approx(direct, rel=1e-6)
+    assert fid == pytest.approx(independent, rel=1e-6)
+
+
+def test_frechet_distance_identity_and_mean_shift():
+    rng = np.random.default_rng(1)
+    mu, s = random_gaussian_stats(rng, 10)
+    assert abs(frechet_distance(mu, s, mu, s)) < 1e-6
+    d = rng.standard_normal(10)
+    assert frechet_distance(mu, s, mu + d, s) == pytest.approx(float(d @ d), rel=1e-6, abs=1e-6)
+
+
+def test_frechet_distance_shape_mismatch_is_clear():
+    with pytest.raises(ValueError, match="differ in shape"):
+        frechet_distance(np.zeros(4), np.eye(4), np.zeros(5), np.eye(5))
+    with pytest.raises(ValueError, match="sigma2 has shape"):
+        frechet_distance(np.zeros(4), np.eye(4), np.zeros(4), np.eye(3))
+
+
+def test_feature_stats_streaming_and_merge_match_numpy():
+    x = np.random.default_rng(2).standard_normal((301, 7)) * 3 + 5
+    stream = FeatureStats()
+    for i in range(0, len(x), 64):  # a mix of tensors and arrays
+        stream.update(torch.from_numpy(x[i:i + 64]) if i % 128 else x[i:i + 64])
+    assert stream.n == 301
+    np.testing.assert_allclose(stream.mean(), x.mean(0), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(stream.cov(), np.cov(x, rowvar=False), rtol=1e-10, atol=1e-10)
+    merged = FeatureStats().update(x[:100]).merge(FeatureStats().update(x[100:]))
+    assert merged.n == 301
+    np.testing.assert_allclose(merged.mean(), x.mean(0), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(merged.cov(), np.cov(x, rowvar=False), rtol=1e-10, atol=1e-10)
+    whole = FeatureStats().update(x)
+    np.testing.assert_allclose(whole.cov(), np.cov(x, rowvar=False), rtol=1e-10, atol=1e-10)
+    assert whole.all_reduce() is whole  # not distributed: a no-op
+    assert set(whole.to_npz_dict()) == {"mu", "sigma"}
+    with pytest.raises(ValueError, match="feature dim"):
+        whole.update(np.zeros((2, 3)))
+
+
+def _all_reduce_worker(rank, store_path, x):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    stats = FeatureStats().update(x[rank::2]).all_reduce()
+    torch.save((stats.n, stats.mean(), stats.cov()), f"{store_path}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_feature_stats_all_reduce_two_processes(tmp_path):
+    x = np.random.default_rng(3).standard_normal((50, 4))
+    torch.multiprocessing.spawn(_all_reduce_worker, args=(str(tmp_path / "store"), x), nprocs=2)
+    for rank in range(2):
+        n, mu, cov = torch.load(tmp_path / f"store.{rank}", weights_only=False)
+        assert n == 50
+        np.testing.assert_allclose(mu, x.mean(0), atol=1e-12)
+        np.testing.assert_allclose(cov, np.cov(x, rowvar=False), atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- images
+
+
+def test_npz_round_trip_and_bad_npz(tmp_path):
+    images = blob_images(5, 16)
+    path = save_npz(torch.from_numpy(images), tmp_path / "s.npz", labels=np.arange(5))
+    np.testing.assert_array_equal(load_images(path), images)
+    assert np.load(path)["arr_1"].tolist() == [0, 1, 2, 3, 4]
+    np.savez(tmp_path / "bad.npz", arr_0=images.astype(np.float32))
+    with pytest.raises(ValueError, match="bad.npz"):
+        load_images(tmp_path / "bad.npz")
+    np.savez(tmp_path / "nchw.npz", arr_0=images.transpose(0, 3, 1, 2))
+    with pytest.raises(ValueError, match=r"\(N, H, W, 3\)"):
+        load_images(tmp_path / "nchw.npz")
+    with pytest.raises(FileNotFoundError):
+        load_images(tmp_path / "missing.npz")
+
+
+def test_png_folder_round_trip_and_errors(tmp_path):
+    images = blob_images(4, 16)
+    folder = save_png_folder(images, tmp_path / "imgs", start_index=3)
+    assert sorted(p.name for p in folder.iterdir()) == [f"{i:06d}.png" for i in range(3, 7)]
+    np.testing.assert_array_equal(load_images(folder), images)
+    save_png_folder(blob_images(1, 8), folder, start_index=10)
+    with pytest.raises(ValueError, match="sizes differ"):
+        load_images(folder)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no images"):
+        load_images(tmp_path / "empty")
+
+
+def test_image_grid(tmp_path):
+    grid = make_grid(blob_images(5, 8), nrow=3, upscale=2)
+    assert grid.shape == (2 + 2 * 18, 2 + 3 * 18, 3)
+    path = save_image_grid(blob_images(5, 8), tmp_path / "g" / "grid.png", nrow=3, upscale=2)
+    np.testing.assert_array_equal(load_images(path.parent)[0], grid)
+    assert [p.name for p in path.parent.iterdir()] == ["grid.png"]  # no temp files left behind
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def test_reference_save_load_and_checks(tmp_path):
+    ext = PixelFeatures().eval().requires_grad_(False)
+    images = blob_images(40)
+    stats = compute_stats(ext, images, batch_size=16)
+    ref = save_reference(tmp_path / "ref.npz", stats, ext.name, images=images)
+    mu, sigma = load_reference(ref, ext)
+    np.testing.assert_allclose(mu, stats.mean())
+    assert int(np.load(ref)["num_images"]) == 40 and str(np.load(ref)["feature"]) == "pixels"
+    # An ADM-style file with only images: statistics are computed from arr_0.
+    save_npz(images, tmp_path / "adm.npz")
+    mu2, sigma2 = load_reference(tmp_path / "adm.npz", ext)
+    assert frechet_distance(mu, sigma, mu2, sigma2) == pytest.approx(0, abs=1e-6)
+    other = PixelFeatures()
+    other.name = "inception"
+    with pytest.raises(ValueError, match="'pixels' features.*'inception'"):
+        load_reference(ref, other)
+    with pytest.raises(FileNotFoundError, match="fid.py mode=ref"):
+        load_reference(tmp_path / "nope.npz", ext)
+
+
+def test_extract_features_accepts_tensor_array_or_batches():
+    ext = PixelFeatures().eval()
+    nhwc = blob_images(20)
+    nchw = torch.from_numpy(nhwc).permute(0, 3, 1, 2)
+    expected = compute_stats(ext, nhwc, batch_size=7).mean()
+    for images in (nchw, nchw.numpy(), [nchw[:5], nchw[5:]]):
+        np.testing.assert_allclose(extract_features(ext, images, batch_size=6).mean(), expected, atol=1e-6)
+
+
+class Latents(torch.utils.data.Dataset):
+    """A stand-in latent dataset: pixels in [-1, 1] with identity decoding."""
+
+    meta = {"shape": [3, 16, 16], "num_classes": 2, "decode": {"type": "identity"}}
+
+    def __init__(self, root, batched=False):
+        self.root = root
+        self.x = torch.from_numpy(blob_images(30, 16)).permute(0, 3, 1, 2).float() / 127.5 - 1
+        if batched:  # the optional DataLoader batch hook, as LatentDataset has
+            self.__getitems__ = lambda idx: (self.x[idx], torch.tensor(idx) % 2)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], i % 2
+
+
+def test_reference_for_dataset_decodes_and_caches(tmp_path, monkeypatch):
+    import data
+
+    def decode(latents, meta):
+        return ((latents + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+
+    monkeypatch.setattr(data, "decode_to_uint8", decode, raising=False)
+    ext = PixelFeatures().eval()
+    subset = np.sort(np.random.default_rng(0).choice(30, 20, replace=False))
+    expected = compute_stats(ext, blob_images(30, 16)[subset]).mean()
+    out = tmp_path / "ref.npz"
+    for batched in (False, True):
+        reference_for_dataset(Latents(f"/data/a{batched}", batched), ext, out, max_images=20, batch_size=8)
+        np.testing.assert_allclose(load_reference(out, ext)[0], expected, atol=1e-6)
+    mtime = out.stat().st_mtime_ns
+    reference_for_dataset(Latents("/data/aTrue"), ext, out, max_images=20)  # cached: same features/data/count
+    assert out.stat().st_mtime_ns == mtime
+    reference_for_dataset(Latents("/data/aTrue"), ext, out, max_images=10)  # another count: rebuilt
+    assert int(np.load(out)["num_images"]) == 10
+
+
+# ----------------------------------------------------------------------------- Inception
+
+
+@pytest.fixture(scope="module")
+def random_inception_weights(tmp_path_factory):
+    """torch-fidelity's Inception-v3 architecture with random weights, saved in its weights format."""
+    import torch_fidelity.feature_extractor_inceptionv3 as tfi
+
+    class RandomInit(tfi.FeatureExtractorInceptionV3):
+        def load_state_dict(self, *args, **kwargs):  # keep the random initialisation
+            return None
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tfi, "load_state_dict_from_url", lambda *a, **k: {})
+        net = RandomInit("inception-v3-compat", ["2048"])
+    path = tmp_path_factory.mktemp("inception") / "random-inception.pth"
+    torch.save(net.state_dict(), path)
+    return path
+
+
+def test_inception_url_matches_torch_fidelity():
+    from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3
+
+    assert feat_mod.INCEPTION_URL == URL_INCEPTION_V3
+
+
+def test_inception_features_from_weights_file(random_inception_weights):
+    ext = build_feature_extractor("inception", inception_weights=random_inception_weights)
+    assert ext.name == "inception" and ext.dim == 2048 and not ext.training
+    assert not any(p.requires_grad for p in ext.parameters())
+    out = ext(torch.from_numpy(blob_images(3, 64)).permute(0, 3, 1, 2))
+    assert out.shape == (3, 2048) and out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_inception_missing_weights_and_no_network(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="eval.inception_weights") as err:
+        InceptionFeatures(tmp_path / "absent.pth")
+    assert str(tmp_path / "absent.pth") in str(err.value)
+
+    def offline(*args, **kwargs):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    with pytest.raises(RuntimeError, match="inception_weights=") as err:
+        InceptionFeatures()
+    assert "weights-inception-2015-12-05-6726825d.pth" in str(err.value)
+    assert str(tmp_path / "hub" / "checkpoints") in str(err.value)
+
+
+def test_inception_wrong_weights_file(tmp_path):
+    torch.save({"conv.weight": torch.zeros(1)}, tmp_path / "other.pth")
+    (tmp_path / "garbage.pth").write_bytes(b"not a checkpoint")
+    for name in ("other.pth", "garbage.pth"):
+        with pytest.raises(RuntimeError, match="not usable as torch-fidelity Inception-v3 weights"):
+            InceptionFeatures(tmp_path / name)
+
+
+def test_unknown_features_name():
+    with pytest.raises(ValueError, match="eval.features.*toy_classifier"):
+        build_feature_extractor("clip")
+
+
+def fid_cfg(**kw):
+    base = OmegaConf.load(REPO / "configs" / "fid.yaml")
+    base.pop("defaults"), base.pop("hydra")
+    base.cache_dir = "unused"
+    return OmegaConf.merge(base, kw)
+
+
+@pytest.mark.slow  # ~11 s: 299px Inception on CPU and a 2048x2048 sqrtm
+@pytest.mark.filterwarnings("ignore:Matrix is singular")  # 6 images, 2048-d: rank-deficient covariances
+def test_fid_inception_end_to_end(tmp_path, random_inception_weights):
+    import fid
+
+    save_png_folder(blob_images(6, 48, seed=1), tmp_path / "ref_imgs")
+    save_npz(blob_images(6, 48, seed=2), tmp_path / "samples.npz")
+    common = dict(features="inception", inception_weights=str(random_inception_weights), batch_size=4)
+    ref = fid.run(fid_cfg(mode="ref", source=str(tmp_path / "ref_imgs"), out=str(tmp_path / "ref.npz"), **common))
+    assert ref["num_images"] == 6
+    metrics = fid.run(fid_cfg(mode="calc", images=str(tmp_path / "samples.npz"), ref=str(tmp_path / "ref.npz"),
+                              out_json=str(tmp_path / "m.json"), **common))
+    saved = json.loads((tmp_path / "m.json").read_text())
+    assert saved["fid"] == pytest.approx(metrics["fid"]) and np.isfinite(saved["fid"])
+    assert saved["num_images"] == 6 and saved["features"] == "inception"
+
+
+def test_fid_validates_before_work(tmp_path):
+    import fid
+
+    with pytest.raises(FileNotFoundError, match="images="):
+        fid.run(fid_cfg(mode="calc", images=str(tmp_path / "none.npz"), ref=str(tmp_path / "r.npz")))
+    with pytest.raises(ValueError, match="needs out="):
+        fid.run(fid_cfg(mode="ref", source=str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="inception_weights="):
+        fid.run(fid_cfg(mode="ref", source=str(tmp_path), out="x.npz", features="inception",
+                        inception_weights=str(tmp_path / "w.pth")))
+    with pytest.raises(ValueError, match="mode=ref.*mode=calc"):
+        fid.run(fid_cfg())  # mode is ??? (missing)
+
+
+# ----------------------------------------------------------------------------- toy classifier
+
+SMALL_BUDGET = dict(num_per_class=60, epochs=3)  # ~1-2 s; the default budget is 300 x 4
+
+
+@pytest.fixture(scope="module")
+def small_toy_classifier():
+    pytest.importorskip("data.toy")
+    return train_toy_classifier(**SMALL_BUDGET)
+
+
+def toy_images(num_per_class, seed, with_labels=False):
+    from data.toy import generate_toy_shapes
+
+    x, y = generate_toy_shapes(num_per_class, 32, seed)
+    x = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    return (x, y) if with_labels else x
+
+
+def test_toy_classifier_accuracy_and_determinism(small_toy_classifier):
+    model, acc = small_toy_classifier
+    assert acc > 0.6  # chance is 0.1
+    again, acc2 = train_toy_classifier(**SMALL_BUDGET)
+    x = toy_images(3, seed=7)
+    assert acc2 == acc
+    torch.testing.assert_close(again.features(x), model.features(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Matrix is singular")  # constant images: zero covariance
+def test_toy_classifier_fid_separates_real_from_broken(small_toy_classifier):
+    from evaluation.features import ToyClassifierFeatures
+
+    ext = ToyClassifierFeatures(small_toy_classifier[0]).eval()
+    real_a, (real_b, labels_b) = toy_images(30, seed=101), toy_images(30, seed=202, with_labels=True)
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 256, real_a.shape, generator=gen, dtype=torch.uint8)
+    constant = torch.full_like(real_a, 128)
+    one_class = real_b[labels_b == 0].repeat(10, 1, 1, 1)  # mode collapse: a single class
+
+    def stats(x):
+        s = extract_features(ext, x, batch_size=100)
+        return s.mean(), s.cov()
+
+    ref = stats(real_a)
+    fid_real = frechet_distance(*stats(real_b), *ref)
+    for broken in (noise, constant, one_class):
+        assert frechet_distance(*stats(broken), *ref) > 5 * fid_real
+
+
+def test_toy_classifier_cache_round_trip(tmp_path, monkeypatch):
+    import evaluation.toy_classifier as tc
+
+    calls = []
+
+    def fake_train(resolution, seed, verbose=False):
+        calls.append(seed)
+        torch.manual_seed(seed)
+        return ToyClassifier(resolution=resolution).eval(), 0.95
+
+    monkeypatch.setattr(tc, "train_toy_classifier", fake_train)
+    first = load_or_train_toy_classifier(tmp_path, verbose=False)
+    path = cache_path(tmp_path)
+    assert path.name == "toy_classifier_r32_s12345.pt" and path.is_file()
+    assert json.loads(path.with_suffix(".json").read_text())["accuracy"] == 0.95
+    second = load_or_train_toy_classifier(tmp_path, verbose=False)
+    assert calls == [12345]  # reused, not retrained
+    x = torch.from_numpy(blob_images(4)).permute(0, 3, 1, 2)
+    torch.testing.assert_close(first.features(x), second.features(x))
+    ext = build_feature_extractor("toy_classifier", cache_dir=tmp_path)
+    assert ext.name == "toy_classifier" and ext.dim == 64 and ext(x).shape == (4, 64)
+
+
+def test_fid_ref_from_latent_dataset_then_calc(tmp_path):
+    import fid
+
+    toy = pytest.importorskip("data.toy")
+    torch.manual_seed(0)
+    save_toy_classifier(ToyClassifier().eval(), cache_path(tmp_path / "cache"), {"accuracy": None})
+    root = toy.ensure_toy_dataset(tmp_path / "toy", num_per_class=8)
+    common = dict(cache_dir=str(tmp_path / "cache"), batch_size=32)
+    ref = fid.run(fid_cfg(mode="ref", source=str(root), out=str(tmp_path / "ref.npz"), max_images=50, **common))
+    assert ref["num_images"] == 50 and ref["features"] == "toy_classifier"
+    save_npz(toy_images(8, seed=0).permute(0, 2, 3, 1), tmp_path / "same.npz")  # the dataset's own images
+    metrics = fid.run(fid_cfg(mode="calc", images=str(tmp_path / "same.npz"), ref=str(tmp_path / "ref.npz"), **common))
+    assert metrics["num_images"] == 80 and 0 <= metrics["fid"] < 50
+
+
+# ----------------------------------------------------------------------------- fid.py CLI
+
+
+def run_fid_cli(cache, *overrides):
+    env = {**os.environ, "TREAD_CACHE_DIR": str(cache)}
+    return subprocess.run([sys.executable, "fid.py", *overrides], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_fid_cli_ref_and_calc(tmp_path):
+    # A random-weight classifier in the cache: this checks the plumbing, not the features' quality.
+    torch.manual_seed(0)
+    save_toy_classifier(ToyClassifier().eval(), cache_path(tmp_path / "cache"), {"accuracy": None})
+    save_png_folder(blob_images(80, seed=1), tmp_path / "ref_imgs")
+    save_npz(blob_images(80, seed=2), tmp_path / "samples.npz")
+    ref = run_fid_cli(tmp_path / "cache", "mode=ref", f"source={tmp_path / 'ref_imgs'}", f"out={tmp_path / 'ref.npz'}")
+    assert ref.returncode == 0, ref.stderr
+    calc = run_fid_cli(tmp_path / "cache", "mode=calc", f"images={tmp_path / 'samples.npz'}",
+                       f"ref={tmp_path / 'ref.npz'}", f"out_json={tmp_path / 'm.json'}")
+    assert calc.returncode == 0, calc.stderr
+    assert "FID (toy_classifier, 80 images vs ref.npz):" in calc.stdout
+    assert json.loads((tmp_path / "m.json").read_text())["num_images"] == 80
+    assert not (REPO / "outputs" / "fid").exists() and not (REPO / "fid.log").exists()
+
+
+def test_fid_cli_bad_mode(tmp_path):
+    bad = run_fid_cli(tmp_path, "mode=foo")
+    assert bad.returncode != 0
+    assert "mode=foo is not valid: use mode=ref" in bad.stderr + bad.stdout

@@ -1,0 +1,1 @@
+"""The training loop, EMA, checkpoints, metrics and evaluation as importable functions."""

@@ -1,0 +1,111 @@
+"""Generation and FID for a model: shared by in-training evaluation and sample.py.
+
+Seeds are sharded across processes and every sample has its own generator, so the
+images (and the FID) are the same whatever the batch size or number of processes.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from data import decode_to_uint8
+from diffusion import StackedRandomGenerator
+from evaluation.features import build_feature_extractor
+from evaluation.frechet import FeatureStats, frechet_distance
+from evaluation.images import save_image_grid
+from evaluation.reference import load_reference, reference_for_dataset
+
+
+def class_for_seed(seed: int, num_classes: int) -> int:
+    """Class-balanced labels: sample i gets class i mod K (the grid then has one column per class)."""
+    return seed % num_classes
+
+
+@torch.no_grad()
+def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_classes: int, device: torch.device,
+             *, batch_size: int, classes: Optional[Sequence[int]] = None, cfg_scale: float = 1.0,
+             num_steps: Optional[int] = None) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Yield (seeds, labels, latents) batches. `classes` defaults to class_for_seed."""
+    net.eval()
+    seeds = list(seeds)
+    for i in range(0, len(seeds), batch_size):
+        batch = seeds[i:i + batch_size]
+        gen = StackedRandomGenerator(device, batch)
+        if classes is None:
+            labels = [class_for_seed(s, num_classes) for s in batch]
+        else:
+            labels = [classes[(i + j) % len(classes)] for j in range(len(batch))]
+        labels = torch.tensor(labels, device=device, dtype=torch.long)
+        noise = gen.randn([len(batch), *shape], device=device)
+        x = diffusion.sample(net, noise, labels, null_label=num_classes, cfg_scale=cfg_scale,
+                             num_steps=num_steps, randn_like=gen.randn_like)
+        yield batch, labels, x
+
+
+class Evaluator:
+    """FID of generated samples against the dataset's reference statistics, plus a sample grid."""
+
+    def __init__(self, eval_cfg: Any, dataset, cache_dir: str | Path, accelerator):
+        self.cfg = eval_cfg
+        self.dataset = dataset
+        self.accelerator = accelerator
+        self.device = accelerator.device
+        self.extractor = build_feature_extractor(
+            eval_cfg.features, inception_weights=eval_cfg.get("inception_weights"),
+            cache_dir=str(cache_dir), device=str(self.device),
+            resolution=dataset.resolution)
+        ref = eval_cfg.get("reference")
+        if ref:
+            if not Path(ref).is_file():
+                raise FileNotFoundError(f"eval.reference={ref!r} does not exist; build one with `python fid.py mode=ref ...`.")
+            self.ref_path = Path(ref)
+        else:
+            name = dataset.root.name
+            self.ref_path = Path(cache_dir) / "references" / f"{name}_{self.extractor.name}.npz"
+            with accelerator.main_process_first():  # the first process builds and caches it
+                reference_for_dataset(dataset, self.extractor, self.ref_path,
+                                      max_images=eval_cfg.get("reference_max_images"))
+        self.mu_ref, self.sigma_ref = load_reference(self.ref_path, self.extractor)
+
+    def __call__(self, net, diffusion, step: int, samples_dir: Optional[Path]) -> dict[str, Any]:
+        start = time.time()
+        acc, cfg = self.accelerator, self.cfg
+        seeds = list(range(cfg.num_samples))[acc.process_index::acc.num_processes]
+        shape = [self.dataset.channels, self.dataset.resolution, self.dataset.resolution]
+        stats = FeatureStats()
+        grid_n = min(cfg.grid_size, cfg.num_samples)
+        grid: dict[int, torch.Tensor] = {}
+        for batch, _, x in generate(net, diffusion, seeds, shape, self.dataset.num_classes, self.device,
+                                    batch_size=cfg.batch_size, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_steps):
+            images = decode_to_uint8(x, self.dataset.meta)                           # (B, H, W, 3) uint8
+            stats.update(self.extractor(images.permute(0, 3, 1, 2).to(self.device)))
+            grid.update({s: img.cpu() for s, img in zip(batch, images) if s < grid_n})
+        stats.all_reduce()
+        grid_images = self._gather_grid(grid, grid_n, images.shape[1:])
+        fid = frechet_distance(stats.mean(), stats.cov(), self.mu_ref, self.sigma_ref)
+        if acc.is_main_process and samples_dir is not None:
+            save_image_grid(grid_images, Path(samples_dir) / f"step_{step:07d}.png",
+                            nrow=min(self.dataset.num_classes, grid_n),
+                            upscale=max(1, 64 // self.dataset.resolution))
+        return {"type": "eval", "step": step, "fid": fid, "num_samples": cfg.num_samples,
+                "features": self.extractor.name, "eval_sec": time.time() - start}
+
+    def _gather_grid(self, grid: dict[int, torch.Tensor], n: int, img_shape) -> torch.Tensor:
+        """All grid images on every process, in seed order (seed i lives on rank i mod P)."""
+        acc = self.accelerator
+        per_rank = -(-n // acc.num_processes)
+        local = torch.zeros(per_rank, *img_shape, dtype=torch.uint8)
+        for j, s in enumerate(sorted(grid)):
+            local[j] = grid[s]
+        if acc.num_processes > 1 and dist.is_initialized():
+            parts = [torch.zeros_like(local) for _ in range(acc.num_processes)]
+            dist.all_gather(parts, local.to(acc.device) if dist.get_backend() == "nccl" else local)
+            parts = [p.cpu() for p in parts]
+        else:
+            parts = [local]
+        ordered = [parts[s % acc.num_processes][s // acc.num_processes] for s in range(n)]
+        return torch.stack(ordered)

@@ -1,0 +1,72 @@
+"""Load a checkpoint for inference and write samples: shared by sample.py and fid.py."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from training import checkpoint as ckpt_io
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_for_inference(checkpoint: str | Path, use_ema: bool = True, device: str | torch.device = "cpu"):
+    """-> (net, diffusion, data_meta, config) from a checkpoint dir, model.pt or run dir."""
+    path = Path(checkpoint).expanduser()
+    if path.is_dir() and not (path / "model.pt").is_file():
+        found = ckpt_io.list_checkpoints(path)
+        if not found:
+            raise FileNotFoundError(f"checkpoint={str(checkpoint)!r}: no checkpoints under '{path}'. Give a run directory, "
+                                    f"a checkpoints/step_XXXXXXX directory or its model.pt.")
+        path = found[-1]
+    state = ckpt_io.load_model_file(path)
+    config = OmegaConf.create(state["config"])
+    model = instantiate(config.model)
+    model.load_state_dict(state["ema" if use_ema else "model"])
+    diffusion = instantiate(config.diffusion)
+    net = diffusion.precondition(model).to(device).eval().requires_grad_(False)
+    return net, diffusion, state["data_meta"], config
+
+
+def run_dir_of(checkpoint: str | Path) -> Path:
+    """The run directory that holds a checkpoint (given as run dir, step dir or model.pt)."""
+    path = Path(checkpoint)
+    if path.name == "model.pt":
+        path = path.parent
+    return path.parent.parent if path.parent.name == "checkpoints" else path
+
+
+def parse_seeds(seeds: Any, num_samples: int) -> list[int]:
+    """null -> 0..num_samples-1; "a-b" -> a..b inclusive; "1,5,7" or a list -> as given."""
+    if seeds is None:
+        return list(range(num_samples))
+    if isinstance(seeds, int):
+        return [seeds]
+    if isinstance(seeds, str):
+        out: list[int] = []
+        for part in seeds.split(","):
+            if "-" in part.strip()[1:]:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            elif part.strip():
+                out.append(int(part))
+        return out
+    return [int(s) for s in seeds]
+
+
+def write_samples(images: torch.Tensor, labels: torch.Tensor, out_dir: Path, grid_nrow: Optional[int]) -> dict:
+    """PNG folder, a grid and an ADM-format samples.npz (arr_0 uint8 NHWC, arr_1 labels)."""
+    from evaluation.images import save_image_grid, save_npz, save_png_folder
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_png_folder(images, out_dir / "images")
+    save_npz(images, out_dir / "samples.npz", labels=labels.numpy())
+    save_image_grid(images[:256], out_dir / "grid.png", nrow=grid_nrow, upscale=max(1, 64 // images.shape[1]))
+    return {"images": str(out_dir / "images"), "npz": str(out_dir / "samples.npz"), "grid": str(out_dir / "grid.png")}

@@ -1,0 +1,273 @@
+"""The training loop as importable pieces: setup, step, evaluation, checkpointing.
+
+`train(cfg, run_dir)` is what train.py calls; tests call it directly with tiny configs.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from accelerate import Accelerator
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from data import LatentDatasetError, LatentLoader, build_dataset
+from routing import RouteConfigError, tokens_processed_fraction
+from training import checkpoint as ckpt_io
+from training.ema import ema_decay_at, ema_update
+from training.evaluate import Evaluator
+from training.metrics import MetricsLogger
+
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; raised before any long work starts."""
+
+
+# Errors that mean "your input is wrong": entry points print them without a traceback.
+USER_ERRORS = (ConfigError, RouteConfigError, LatentDatasetError, FileNotFoundError, FileExistsError)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+
+
+def validate_config(cfg: DictConfig, world_size: int) -> int:
+    """Check the keys users set most; returns the per-process micro-batch size."""
+    t = cfg.train
+    for key in ("max_steps", "batch_size", "grad_accum_steps", "log_every_steps"):
+        if not isinstance(t[key], int) or t[key] < 1:
+            raise ConfigError(f"train.{key}={t[key]!r} must be a positive integer.")
+    if not 0.0 <= t.label_dropout < 1.0:
+        raise ConfigError(f"train.label_dropout={t.label_dropout} must lie in [0, 1).")
+    if not 0.0 <= cfg.ema.decay < 1.0:
+        raise ConfigError(f"ema.decay={cfg.ema.decay} must lie in [0, 1).")
+    for key in ("every_steps",):
+        if cfg.eval[key] < 0 or cfg.checkpoint[key] < 0:
+            raise ConfigError(f"eval.{key} and checkpoint.{key} must be >= 0 (0 disables), got "
+                              f"{cfg.eval[key]} and {cfg.checkpoint[key]}.")
+    if cfg.eval.every_steps or cfg.eval.at_end:
+        if cfg.eval.num_samples < 2:
+            raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} must be >= 2 to estimate a covariance.")
+    denom = world_size * t.grad_accum_steps
+    if t.batch_size % denom:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is the global batch and must be divisible by "
+            f"num_processes ({world_size}) x train.grad_accum_steps ({t.grad_accum_steps}) = {denom}.")
+    return t.batch_size // denom
+
+
+def build(node: DictConfig, **kwargs: Any) -> Any:
+    """hydra.utils.instantiate, re-raising our own config errors unwrapped so the user
+    sees "routing.routes[0].selection_ratio=1.5 is out of range ..." first, not a Hydra trace."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, (ValueError, TypeError)):
+            raise err.__cause__ from None
+        raise
+
+
+def build_model_and_diffusion(cfg: DictConfig):
+    """Instantiate backbone (routes validated here) and diffusion; return (diffusion, net)."""
+    model = build(cfg.model)
+    diffusion = build(cfg.diffusion)
+    return diffusion, diffusion.precondition(model)
+
+
+def backbone_of(net: nn.Module) -> nn.Module:
+    return net.model
+
+
+def drop_labels(labels: torch.Tensor, p: float, null_label: int) -> torch.Tensor:
+    """Classifier-free guidance training: replace labels by the null class with probability p."""
+    if p <= 0:
+        return labels
+    drop = torch.rand(labels.shape, device=labels.device) < p
+    return torch.where(drop, torch.full_like(labels, null_label), labels)
+
+
+def prepare_run_dir(run_dir: Path, resume_from: Optional[Path], resume: Any) -> None:
+    """Never overwrite a run: a directory with checkpoints needs resume=auto or another dir."""
+    if resume_from is None and ckpt_io.list_checkpoints(run_dir):
+        raise FileExistsError(
+            f"Run directory '{run_dir}' already holds checkpoints and resume={resume!r}. Use resume=auto to continue "
+            f"it, or a new hydra.run.dir to start fresh; nothing was overwritten.")
+    for sub in ("checkpoints", "samples"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+
+
+def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+    """Train per `cfg`, writing checkpoints, samples and metrics.jsonl under `run_dir`."""
+    run_dir = Path(run_dir)
+    if cfg.train.mixed_precision not in MIXED_PRECISION:  # before accelerate sees it
+        raise ConfigError(f"train.mixed_precision={cfg.train.mixed_precision!r} is not allowed; "
+                          f"use one of {list(MIXED_PRECISION)}.")
+    accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=cfg.train.cpu)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    micro_batch = validate_config(cfg, world)
+    resume_from = ckpt_io.resolve_resume(cfg.resume, run_dir)
+
+    # Routes are validated when the model is built: bad ones fail here, within seconds.
+    torch.manual_seed(cfg.train.seed)                 # identical init on every process
+    diffusion, net = build_model_and_diffusion(cfg)
+    model = backbone_of(net)
+    with accelerator.main_process_first():            # builds the built-in data once
+        dataset = build_dataset(cfg.data)
+    if (dataset.channels, dataset.resolution) != (model.in_channels, model.input_size):
+        raise ConfigError(
+            f"data at '{cfg.data.path}' is {dataset.channels}x{dataset.resolution}x{dataset.resolution} but the model "
+            f"expects {model.in_channels}x{model.input_size}x{model.input_size} (model.in_channels/model.input_size).")
+    if accelerator.is_main_process:
+        prepare_run_dir(run_dir, resume_from, cfg.resume)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    evaluator = Evaluator(cfg.eval, dataset, cfg.paths.cache_dir, accelerator) \
+        if (cfg.eval.every_steps or cfg.eval.at_end) else None
+
+    ema = copy.deepcopy(net).requires_grad_(False).eval()
+    optimizer = build(cfg.optimizer)(params=net.parameters())
+    loader = LatentLoader(dataset, micro_batch, seed=cfg.train.seed, rank=rank, world_size=world,
+                          num_workers=cfg.train.num_workers, pin_memory=accelerator.device.type == "cuda")
+    state = TrainState()
+    # Each process has its own training RNG stream; the router has its own generator too.
+    torch.manual_seed(cfg.train.seed * 1_000_003 + rank)
+    model.routing.router.manual_seed(int(cfg.routing.get("seed") or 0) * 1_000_003 + rank)
+    if resume_from is not None:
+        load_resume_state(resume_from, rank, net, ema, optimizer, loader, state)
+    net, optimizer = accelerator.prepare(net, optimizer)
+    ema.to(accelerator.device)
+
+    logger = MetricsLogger(run_dir, accelerator.is_main_process, OmegaConf.to_container(cfg.wandb),
+                           OmegaConf.to_container(cfg, resolve=True))
+    num_tokens = model.num_tokens
+    tokens_fraction = tokens_processed_fraction(model.routing.routes, model.depth, num_tokens)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": state.step, "tokens_fraction": tokens_fraction}
+    if accelerator.is_main_process:
+        routes = ", ".join(f"{r.selection_ratio:g} over blocks {r.start_layer_idx}..{r.end_layer_idx}"
+                           for r in model.routing.routes) or "none (dense)"
+        n_params = sum(p.numel() for p in model.parameters()) / 1e6
+        tqdm.write(f"{cfg.model.arch} ({n_params:.2f}M params, {num_tokens} tokens, depth {model.depth}); routes: {routes}; "
+                   f"tokens processed {100 * tokens_fraction:.1f}%\n"
+                   f"data: {dataset.root} ({len(dataset)} samples) | world size {world}, global batch "
+                   f"{cfg.train.batch_size} ({micro_batch} per micro-batch) | {accelerator.device}, "
+                   f"mixed precision {cfg.train.mixed_precision}\nrun dir: {run_dir}")
+        if resume_from is not None:
+            tqdm.write(f"Resumed from {resume_from} at step {state.step}.")
+
+    bar = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not accelerator.is_main_process,
+               desc="train", dynamic_ncols=True)
+    null_label = model.num_classes
+    window_loss = torch.zeros((), device=accelerator.device)
+    window_steps, window_start, run_start = 0, time.time(), time.time()
+    data_iter = iter(loader)
+    net.train()
+    while state.step < cfg.train.max_steps:
+        lr = set_lr(optimizer, cfg, state.step)
+        for micro in range(cfg.train.grad_accum_steps):
+            x, y = next(data_iter)
+            x, y = x.to(accelerator.device, non_blocking=True), y.to(accelerator.device, non_blocking=True)
+            y = drop_labels(y, cfg.train.label_dropout, null_label)
+            sync = micro == cfg.train.grad_accum_steps - 1
+            with accelerator.no_sync(net) if not sync else contextlib.nullcontext():
+                with accelerator.autocast():
+                    loss = diffusion.loss(net, x, y).mean()
+                accelerator.backward(loss / cfg.train.grad_accum_steps)
+            window_loss += loss.detach() / cfg.train.grad_accum_steps
+        if cfg.train.grad_clip:
+            accelerator.clip_grad_norm_(net.parameters(), cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ema_update(ema, accelerator.unwrap_model(net), ema_decay_at(state.step, cfg.ema.decay, cfg.ema.warmup))
+        state.step += 1
+        window_steps += 1
+        bar.update(1)
+
+        if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
+            elapsed = time.time() - window_start
+            mean_loss = accelerator.reduce(window_loss, reduction="mean").item() / window_steps
+            record = {"type": "train", "step": state.step, "loss": mean_loss, "lr": lr,
+                      "steps_per_sec": window_steps / elapsed,
+                      "images_per_sec": window_steps * cfg.train.batch_size / elapsed,
+                      "tokens_fraction": tokens_fraction, "elapsed_sec": time.time() - run_start}
+            logger.log(record)
+            bar.set_postfix(loss=f"{mean_loss:.4f}", it_s=f"{record['steps_per_sec']:.2f}")
+            window_loss.zero_()
+            window_steps, window_start = 0, time.time()
+
+        last = state.step == cfg.train.max_steps
+        if evaluator is not None and ((cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0)
+                                      or (last and cfg.eval.at_end)):
+            record = evaluator(ema, diffusion, state.step, run_dir / "samples")
+            logger.log(record)
+            if accelerator.is_main_process:
+                tqdm.write(f"step {state.step}: FID ({record['features']}, {record['num_samples']} samples) "
+                           f"= {record['fid']:.3f}")
+            summary.setdefault("fid", []).append((state.step, record["fid"]))
+            window_start = time.time()  # evaluation time is not training throughput
+        if (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0) or last:
+            save_checkpoint(accelerator, run_dir, cfg, state, net, ema, optimizer, loader, dataset.meta)
+            window_start = time.time()
+    bar.close()
+    logger.close()
+    summary.update({"final_step": state.step, "wall_sec": time.time() - run_start})
+    if accelerator.is_main_process:
+        fids = [f for _, f in summary.get("fid", [])]
+        summary.update({"final_fid": fids[-1] if fids else None, "best_fid": min(fids) if fids else None})
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    accelerator.wait_for_everyone()
+    return summary
+
+
+def set_lr(optimizer: torch.optim.Optimizer, cfg: DictConfig, step: int) -> float:
+    """Linear warm-up to the configured lr, then constant (the paper's schedule)."""
+    base = cfg.optimizer.lr
+    warm = cfg.train.lr_warmup_steps
+    lr = base * min(1.0, (step + 1) / warm) if warm else base
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def save_checkpoint(accelerator, run_dir: Path, cfg: DictConfig, state: TrainState, net, ema, optimizer,
+                    loader, data_meta: dict) -> Path:
+    """Every process saves its RNG; the main process writes weights and renames the dir."""
+    final = ckpt_io.checkpoint_dir(run_dir, state.step)
+    tmp = ckpt_io.tmp_dir(final)
+    accelerator.wait_for_everyone()
+    raw = accelerator.unwrap_model(net)
+    router = backbone_of(raw).routing.router
+    ckpt_io.save_rank_rng(tmp, accelerator.process_index, {"router": router.state_dict()})
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        config = OmegaConf.to_container(cfg, resolve=True)
+        model_state = {"step": state.step, "config": config, "data_meta": data_meta,
+                       "model": backbone_of(raw).state_dict(), "ema": backbone_of(ema).state_dict()}
+        train_state = {"step": state.step, "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
+                       "world_size": accelerator.num_processes}
+        ckpt_io.finalize(final, model_state, train_state, cfg.checkpoint.keep_last)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_resume_state(ckpt: Path, rank: int, net, ema, optimizer, loader, state: TrainState) -> None:
+    model_state = ckpt_io.load_model_file(ckpt)
+    train_state, rng = ckpt_io.load_train_state(ckpt, rank)
+    backbone_of(net).load_state_dict(model_state["model"])
+    backbone_of(ema).load_state_dict(model_state["ema"])
+    optimizer.load_state_dict(train_state["optimizer"])
+    loader.load_state_dict(train_state["loader"])
+    state.step = int(train_state["step"])
+    if rng is not None:  # a resume on a different process count starts fresh streams on new ranks
+        ckpt_io.set_rng_state(rng)
+        backbone_of(net).routing.router.load_state_dict(rng["router"])
