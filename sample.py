@@ -31,6 +31,7 @@ def run(cfg: DictConfig) -> None:
     device = resolve_device(cfg.device)
     net, diffusion, meta, config = load_for_inference(cfg.checkpoint, cfg.use_ema, device)
     num_classes = int(meta["num_classes"])
+    decode_to_uint8(torch.zeros(1, *meta["shape"]), meta)  # undecodable data fails before sampling
     seeds = parse_seeds(cfg.seeds, cfg.num_samples)
     classes = list(cfg.classes) if cfg.classes is not None else None
     bad = [c for c in classes or [] if not 0 <= int(c) < num_classes]

@@ -315,10 +315,11 @@ def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any]) -> torch.Ten
     """Model-space latents (B, C, H, W) -> uint8 images (B, H, W, 3), per meta["decode"]."""
     decode = meta.get("decode") or {"type": "identity"}
     if decode.get("type") == "vae":
-        raise NotImplementedError(
+        raise LatentDatasetError(
             f"VAE decoding (meta decode.type='vae', vae={decode.get('vae')!r}) is not supported yet; it arrives "
-            f"with the VAE/latents work. Use identity-decoded data (pixels in [-1, 1], e.g. the built-in "
-            f"toy_shapes) for now.")
+            f"with the VAE/latents work. Such data trains today: turn in-training evaluation off with "
+            f"eval.every_steps=0 eval.at_end=false, or use identity-decoded data (pixels in [-1, 1], e.g. the "
+            f"built-in toy_shapes).")
     if decode.get("type") != "identity":
         raise LatentDatasetError(f"meta decode.type={decode.get('type')!r} is unknown; allowed: {list(DECODE_TYPES)}")
     if latents.ndim != 4 or latents.shape[1] not in (1, 3):

@@ -178,7 +178,7 @@ def test_decode_channels_and_vae():
     assert torch.equal(gray[..., 0], gray[..., 2])
     with pytest.raises(LatentDatasetError, match=r"C = 1 or 3.*\[2, 4, 8, 8\]"):
         decode_to_uint8(torch.zeros(2, 4, 8, 8), meta)
-    with pytest.raises(NotImplementedError, match=r"decode\.type='vae', vae='stabilityai/sd-vae'"):
+    with pytest.raises(LatentDatasetError, match=r"decode\.type='vae', vae='stabilityai/sd-vae'"):
         decode_to_uint8(torch.zeros(1, 4, 8, 8), {"decode": {"type": "vae", "vae": "stabilityai/sd-vae"}})
 
 

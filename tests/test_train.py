@@ -138,3 +138,24 @@ def test_two_process_gloo_training(tmp_path, cache_dir):
                       timeout=600, launcher=launcher)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in read_metrics(run) if r["type"] == "train"][-2:] == [5, 6]
+
+
+def test_rectified_flow_trains_and_evaluates(tiny_cfg, tmp_path):
+    train(tiny_cfg("diffusion=rf"), tmp_path / "rf")
+    evals = [r for r in read_metrics(tmp_path / "rf") if r["type"] == "eval"]
+    assert len(evals) == 2 and all(np.isfinite(r["fid"]) for r in evals)
+
+
+def test_undecodable_data_fails_before_training_unless_eval_is_off(tiny_cfg, tmp_path):
+    from data import LatentDatasetError, write_latent_dataset
+
+    rng = np.random.default_rng(0)
+    path = write_latent_dataset(tmp_path / "vae_latents", rng.standard_normal((32, 4, 8, 8)).astype(np.float32),
+                                rng.integers(0, 10, 32), num_classes=10, latent_scale=0.18215,
+                                decode={"type": "vae", "vae": "stabilityai/sd-vae-ft-ema"})
+    data = ["data.builtin=null", f"data.path={path}", "data.channels=4", "data.resolution=8", "model.arch=DiT-T/2"]
+    with pytest.raises(LatentDatasetError, match="eval.every_steps=0 eval.at_end=false"):
+        train(tiny_cfg(*data), tmp_path / "run")
+    assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))
+    summary = train(tiny_cfg(*data, "eval.every_steps=0", "eval.at_end=false", "train.max_steps=2"), tmp_path / "run2")
+    assert summary["final_step"] == 2

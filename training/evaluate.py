@@ -54,6 +54,8 @@ class Evaluator:
         self.dataset = dataset
         self.accelerator = accelerator
         self.device = accelerator.device
+        # Fail now, not after the first eval.every_steps of training, if samples cannot be decoded.
+        decode_to_uint8(torch.zeros(1, *dataset.shape), dataset.meta)
         self.extractor = build_feature_extractor(
             eval_cfg.features, inception_weights=eval_cfg.get("inception_weights"),
             cache_dir=str(cache_dir), device=str(self.device),
