@@ -236,3 +236,17 @@ def test_inference_override_routes_in_eval():
     with pytest.raises(RouteConfigError, match="no routes configured"):
         with tiny(None).routing.override(selection_ratio=0.5):
             pass
+
+
+def test_full_keep_in_random_order_equals_dense():
+    """Gather/scatter with every token kept but shuffled is the dense model (attention is permutation-equivariant)."""
+    x, t, y = inputs()
+    dense = tiny(None)
+    routed = tiny(routes_cfg((0.0, 1, 4)))
+    routed.load_state_dict(dense.state_dict())
+    g = torch.Generator().manual_seed(0)
+    routed.routing.router.select = lambda h, k, force_keep=None: torch.stack(
+        [torch.randperm(h.shape[1], generator=g) for _ in range(h.shape[0])])
+    routed.train()
+    out = routed(x, t, y)
+    torch.testing.assert_close(out, dense.train()(x, t, y), rtol=1e-5, atol=1e-5)
