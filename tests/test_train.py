@@ -159,3 +159,20 @@ def test_undecodable_data_fails_before_training_unless_eval_is_off(tiny_cfg, tmp
     assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))
     summary = train(tiny_cfg(*data, "eval.every_steps=0", "eval.at_end=false", "train.max_steps=2"), tmp_path / "run2")
     assert summary["final_step"] == 2
+
+
+@pytest.mark.slow
+def test_multirun_sweep_over_selection_ratio(tmp_path, cache_dir):
+    from conftest import TINY
+
+    sweep = tmp_path / "sweep"
+    proc, _ = run_cli(["train.py", "-m", "routing.routes.0.selection_ratio=0,0.5", *TINY, "eval.every_steps=0",
+                       "checkpoint.every_steps=0", "train.max_steps=2", f"paths.cache_dir={cache_dir}",
+                       f"hydra.sweep.dir={sweep}"], cache_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ratios = []
+    for job in ("0", "1"):
+        cfg = (sweep / job / "config.yaml").read_text()
+        ratios.append(float(cfg.split("selection_ratio:")[1].split()[0]))
+        assert json.loads((sweep / job / "summary.json").read_text())["final_step"] == 2
+    assert ratios == [0.0, 0.5]

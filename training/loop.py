@@ -53,13 +53,11 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
         raise ConfigError(f"train.label_dropout={t.label_dropout} must lie in [0, 1).")
     if not 0.0 <= cfg.ema.decay < 1.0:
         raise ConfigError(f"ema.decay={cfg.ema.decay} must lie in [0, 1).")
-    for key in ("every_steps",):
-        if cfg.eval[key] < 0 or cfg.checkpoint[key] < 0:
-            raise ConfigError(f"eval.{key} and checkpoint.{key} must be >= 0 (0 disables), got "
-                              f"{cfg.eval[key]} and {cfg.checkpoint[key]}.")
-    if cfg.eval.every_steps or cfg.eval.at_end:
-        if cfg.eval.num_samples < 2:
-            raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} must be >= 2 to estimate a covariance.")
+    for group in ("eval", "checkpoint"):
+        if not isinstance(cfg[group].every_steps, int) or cfg[group].every_steps < 0:
+            raise ConfigError(f"{group}.every_steps={cfg[group].every_steps!r} must be an integer >= 0 (0 disables).")
+    if (cfg.eval.every_steps or cfg.eval.at_end) and cfg.eval.num_samples < 2:
+        raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} must be >= 2 to estimate a covariance.")
     denom = world_size * t.grad_accum_steps
     if t.batch_size % denom:
         raise ConfigError(
@@ -98,14 +96,13 @@ def drop_labels(labels: torch.Tensor, p: float, null_label: int) -> torch.Tensor
     return torch.where(drop, torch.full_like(labels, null_label), labels)
 
 
-def prepare_run_dir(run_dir: Path, resume_from: Optional[Path], resume: Any) -> None:
-    """Never overwrite a run: a directory with checkpoints needs resume=auto or another dir."""
+def check_run_dir(run_dir: Path, resume_from: Optional[Path], resume: Any) -> None:
+    """Never overwrite a run: a directory with checkpoints needs resume=auto or another dir.
+    Every process checks (before any collective), so none is left waiting at a barrier."""
     if resume_from is None and ckpt_io.list_checkpoints(run_dir):
         raise FileExistsError(
             f"Run directory '{run_dir}' already holds checkpoints and resume={resume!r}. Use resume=auto to continue "
             f"it, or a new hydra.run.dir to start fresh; nothing was overwritten.")
-    for sub in ("checkpoints", "samples"):
-        (run_dir / sub).mkdir(parents=True, exist_ok=True)
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
@@ -118,19 +115,22 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     rank, world = accelerator.process_index, accelerator.num_processes
     micro_batch = validate_config(cfg, world)
     resume_from = ckpt_io.resolve_resume(cfg.resume, run_dir)
+    check_run_dir(run_dir, resume_from, cfg.resume)
 
     # Routes are validated when the model is built: bad ones fail here, within seconds.
     torch.manual_seed(cfg.train.seed)                 # identical init on every process
     diffusion, net = build_model_and_diffusion(cfg)
     model = backbone_of(net)
-    with accelerator.main_process_first():            # builds the built-in data once
-        dataset = build_dataset(cfg.data)
+    # No main_process_first here: an error on one rank must not leave the others at a
+    # barrier, and building the built-in data is atomic, so every rank may try.
+    dataset = build_dataset(cfg.data)
     if (dataset.channels, dataset.resolution) != (model.in_channels, model.input_size):
         raise ConfigError(
             f"data at '{cfg.data.path}' is {dataset.channels}x{dataset.resolution}x{dataset.resolution} but the model "
             f"expects {model.in_channels}x{model.input_size}x{model.input_size} (model.in_channels/model.input_size).")
     if accelerator.is_main_process:
-        prepare_run_dir(run_dir, resume_from, cfg.resume)
+        for sub in ("checkpoints", "samples"):
+            (run_dir / sub).mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     evaluator = Evaluator(cfg.eval, dataset, cfg.paths.cache_dir, accelerator) \
         if (cfg.eval.every_steps or cfg.eval.at_end) else None
