@@ -47,6 +47,11 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tiny_cfg, tmp_path
     a, b = losses(full), losses(part)
     assert sorted(b) == list(range(1, 21))
     assert all(a[s] == b[s] for s in a), {s: (a[s], b[s]) for s in a if a[s] != b[s]}
+    # resume=PATH: continue another run's checkpoint in a new run directory.
+    other = tmp_path / "other"
+    train(tiny_cfg(*common, "train.max_steps=20", f"resume={part}/checkpoints/step_0000010"), other)
+    c = losses(other)
+    assert sorted(c) == list(range(11, 21)) and all(c[s] == a[s] for s in c)
 
 
 def test_ratio_zero_logs_the_same_losses_as_dense(tiny_cfg, tmp_path):
