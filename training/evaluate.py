@@ -78,7 +78,7 @@ class Evaluator:
         acc, cfg = self.accelerator, self.cfg
         seeds = list(range(cfg.num_samples))[acc.process_index::acc.num_processes]
         shape = [self.dataset.channels, self.dataset.resolution, self.dataset.resolution]
-        stats = FeatureStats()
+        stats = FeatureStats(dim=self.extractor.dim, device=self.device)  # a rank may get no seeds
         grid_n = min(cfg.grid_size, cfg.num_samples)
         grid: dict[int, torch.Tensor] = {}
         for batch, _, x in generate(net, diffusion, seeds, shape, self.dataset.num_classes, self.device,
@@ -87,7 +87,8 @@ class Evaluator:
             stats.update(self.extractor(images.permute(0, 3, 1, 2).to(self.device)))
             grid.update({s: img.cpu() for s, img in zip(batch, images) if s < grid_n})
         stats.all_reduce()
-        grid_images = self._gather_grid(grid, grid_n, images.shape[1:])
+        res = self.dataset.resolution
+        grid_images = self._gather_grid(grid, grid_n, (res, res, 3))
         fid = frechet_distance(stats.mean(), stats.cov(), self.mu_ref, self.sigma_ref)
         if acc.is_main_process and samples_dir is not None:
             save_image_grid(grid_images, Path(samples_dir) / f"step_{step:07d}.png",
