@@ -181,3 +181,17 @@ def test_multirun_sweep_over_selection_ratio(tmp_path, cache_dir):
         ratios.append(float(cfg.split("selection_ratio:")[1].split()[0]))
         assert json.loads((sweep / job / "summary.json").read_text())["final_step"] == 2
     assert ratios == [0.0, 0.5]
+
+
+@pytest.mark.parametrize("extra", [["train.grad_accum_steps=2"], ["train.mixed_precision=bf16"]])
+def test_accumulation_and_bf16_train(tiny_cfg, tmp_path, extra):
+    summary = train(tiny_cfg(*extra, "eval.every_steps=0", "eval.at_end=false", "train.max_steps=2"), tmp_path / "r")
+    assert summary["final_step"] == 2
+    assert all(np.isfinite(r["loss"]) for r in read_metrics(tmp_path / "r"))
+
+
+def test_batch_not_divisible_is_a_clear_error(tiny_cfg, tmp_path):
+    from training.loop import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.batch_size=8 .* train.grad_accum_steps \(3\)"):
+        train(tiny_cfg("train.grad_accum_steps=3"), tmp_path / "r")

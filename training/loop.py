@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -111,6 +112,9 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     if cfg.train.mixed_precision not in MIXED_PRECISION:  # before accelerate sees it
         raise ConfigError(f"train.mixed_precision={cfg.train.mixed_precision!r} is not allowed; "
                           f"use one of {list(MIXED_PRECISION)}.")
+    # AcceleratorState is a process-wide singleton; clear it (keeping the process group)
+    # so train() can run again in one process with other settings (tests, notebooks, sweeps).
+    AcceleratorState._reset_state()
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=cfg.train.cpu)
     rank, world = accelerator.process_index, accelerator.num_processes
     micro_batch = validate_config(cfg, world)
