@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> None:
     import torch
 
-    from data import decode_to_uint8
+    from data import check_decodable, decode_to_uint8
     from training.evaluate import generate
     from training.loop import ConfigError
     from training.inference import load_for_inference, parse_seeds, resolve_device, run_dir_of, write_samples
@@ -31,7 +31,7 @@ def run(cfg: DictConfig) -> None:
     device = resolve_device(cfg.device)
     net, diffusion, meta, config = load_for_inference(cfg.checkpoint, cfg.use_ema, device)
     num_classes = int(meta["num_classes"])
-    decode_to_uint8(torch.zeros(1, *meta["shape"]), meta)  # undecodable data fails before sampling
+    check_decodable(meta)  # undecodable data fails before sampling
     seeds = parse_seeds(cfg.seeds, cfg.num_samples)
     classes = list(cfg.classes) if cfg.classes is not None else None
     bad = [c for c in classes or [] if not 0 <= int(c) < num_classes]

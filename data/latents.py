@@ -329,3 +329,9 @@ def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any]) -> torch.Ten
     x = latents.float() / float(meta.get("latent_scale", 1.0))
     images = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)  # [-1, 1] -> [0, 255]
     return images.expand(-1, -1, -1, 3).contiguous() if images.shape[-1] == 1 else images.contiguous()
+
+
+def check_decodable(meta: Mapping[str, Any]) -> None:
+    """Raise LatentDatasetError now if samples of this data cannot be turned into pixels
+    (so evaluation and sampling fail at start-up, not after hours of training)."""
+    decode_to_uint8(torch.zeros(1, *meta["shape"]), meta)

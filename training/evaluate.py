@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from data import decode_to_uint8
+from data import check_decodable, decode_to_uint8
 from diffusion import StackedRandomGenerator
 from evaluation.features import build_feature_extractor
 from evaluation.frechet import FeatureStats, frechet_distance
@@ -54,8 +54,7 @@ class Evaluator:
         self.dataset = dataset
         self.accelerator = accelerator
         self.device = accelerator.device
-        # Fail now, not after the first eval.every_steps of training, if samples cannot be decoded.
-        decode_to_uint8(torch.zeros(1, *dataset.shape), dataset.meta)
+        check_decodable(dataset.meta)
         self.extractor = build_feature_extractor(
             eval_cfg.features, inception_weights=eval_cfg.get("inception_weights"),
             cache_dir=str(cache_dir), device=str(self.device),
@@ -77,7 +76,7 @@ class Evaluator:
         start = time.time()
         acc, cfg = self.accelerator, self.cfg
         seeds = list(range(cfg.num_samples))[acc.process_index::acc.num_processes]
-        shape = [self.dataset.channels, self.dataset.resolution, self.dataset.resolution]
+        shape = list(self.dataset.shape)
         stats = FeatureStats(dim=self.extractor.dim, device=self.device)  # a rank may get no seeds
         grid_n = min(cfg.grid_size, cfg.num_samples)
         grid: dict[int, torch.Tensor] = {}
@@ -87,8 +86,7 @@ class Evaluator:
             stats.update(self.extractor(images.permute(0, 3, 1, 2).to(self.device)))
             grid.update({s: img.cpu() for s, img in zip(batch, images) if s < grid_n})
         stats.all_reduce()
-        res = self.dataset.resolution
-        grid_images = self._gather_grid(grid, grid_n, (res, res, 3))
+        grid_images = self._gather_grid(grid, grid_n, (*shape[1:], 3))
         fid = frechet_distance(stats.mean(), stats.cov(), self.mu_ref, self.sigma_ref)
         if acc.is_main_process and samples_dir is not None:
             save_image_grid(grid_images, Path(samples_dir) / f"step_{step:07d}.png",
