@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> None:
     import torch
 
-    from data import check_decodable, decode_to_uint8
+    from data import check_decodable, decode_to_uint8, model_shape
     from training.evaluate import generate
     from training.loop import ConfigError
     from training.inference import load_for_inference, parse_seeds, resolve_device, run_dir_of, write_samples
@@ -38,7 +38,7 @@ def run(cfg: DictConfig) -> None:
     if bad:
         raise ConfigError(f"classes={bad} are out of range: this model has {num_classes} classes (0..{num_classes - 1}).")
     images, labels = [], []
-    for _, y, x in generate(net, diffusion, seeds, meta["shape"], num_classes, device, batch_size=cfg.batch_size,
+    for _, y, x in generate(net, diffusion, seeds, model_shape(meta), num_classes, device, batch_size=cfg.batch_size,
                             classes=classes, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_steps):
         images.append(decode_to_uint8(x, meta).cpu())
         labels.append(y.cpu())

@@ -5,15 +5,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .latents import (LatentDataset, LatentDatasetError, LatentDatasetExistsError, check_decodable, decode_to_uint8,
-                      read_meta,
-                      write_latent_dataset)
+                      draw_latents, latent_kind, model_shape, read_meta, write_latent_dataset)
 from .loader import LatentLoader, ShardedBatchSampler
 from .toy import TOY_CLASS_NAMES, ensure_toy_dataset, generate_toy_shapes
 
 BUILTINS = {"toy_shapes": ensure_toy_dataset}  # data.builtin name -> builder(path, **data.builtin_args)
 
 __all__ = ["BUILTINS", "LatentDataset", "LatentDatasetError", "LatentDatasetExistsError", "LatentLoader",
-           "ShardedBatchSampler", "TOY_CLASS_NAMES", "build_dataset", "check_decodable", "decode_to_uint8", "ensure_toy_dataset",
+           "ShardedBatchSampler", "TOY_CLASS_NAMES", "build_dataset", "check_decodable", "decode_to_uint8", "draw_latents",
+           "ensure_toy_dataset", "latent_kind", "model_shape",
            "generate_toy_shapes", "read_meta", "write_latent_dataset"]
 
 

@@ -3,8 +3,11 @@
     meta.json    {"format": "tread-latents", "version": 1, "shape": [C, H, W], "dtype": "float16"|"float32",
                   "num_samples": N, "num_classes": K, "latent_scale": s, "decode": {"type": "identity"} or
                   {"type": "vae", "vae": "<hub id or path>"}, "source": "...", "class_names": [...] | null,
-                  "files": {"latents": "latents.npy", "labels": "labels.npy"}}
-    latents.npy  (N, C, H, W) of `dtype`; model-space latents are stored values * latent_scale
+                  "files": {"latents": "latents.npy", "labels": "labels.npy"},
+                  "latent_kind": "sample" | "moments"   (optional, default "sample")}
+    latents.npy  (N, C, H, W) of `dtype`; model-space latents are stored values * latent_scale.
+                 latent_kind "moments": (N, 2C, H, W) VAE posterior moments (mean, logvar) in raw VAE
+                 units; every read draws one latent, mean + exp(logvar / 2) * eps, then scales it.
     labels.npy   (N,) int64 in [0, K)
 
 Latents are memory-mapped, so random access never loads the whole array into RAM.
@@ -25,6 +28,7 @@ import torch
 FORMAT, VERSION = "tread-latents", 1
 DTYPES = ("float16", "float32")
 DECODE_TYPES = ("identity", "vae")
+LATENT_KINDS = ("sample", "moments")
 DEFAULT_FILES = {"latents": "latents.npy", "labels": "labels.npy"}
 # Top-level meta.json keys and the JSON types they must have (checked in detail in read_meta).
 META_TYPES: dict[str, tuple[type, ...]] = {
@@ -89,6 +93,11 @@ def validate_meta(meta: Any, where: str, advice: str = FIX_META) -> dict:
     names = meta["class_names"]
     if names is not None and (len(names) != meta["num_classes"] or not all(isinstance(n, str) for n in names)):
         raise fail("class_names", f"null or a list of {meta['num_classes']} strings (one per class)")
+    kind = meta.get("latent_kind", "sample")
+    if kind not in LATENT_KINDS:
+        raise fail("latent_kind", f"one of {list(LATENT_KINDS)} (absent means 'sample')")
+    if kind == "moments" and shape[0] % 2:
+        raise fail("shape", "[2C, H, W] with an even channel count for latent_kind 'moments' (mean and logvar)")
     files = meta["files"]
     if set(files) != set(DEFAULT_FILES) or not all(isinstance(f, str) and f for f in files.values()):
         raise fail("files", f"an object with file names for exactly {sorted(DEFAULT_FILES)}")
@@ -244,7 +253,7 @@ class LatentDataset(torch.utils.data.Dataset):
 
     def _check_expected(self, channels: Optional[int], resolution: Optional[int],
                         num_classes: Optional[int]) -> None:
-        c, h, w = self._meta["shape"]
+        c, h, w = model_shape(self._meta)
         head = f"data at '{self.root}'"
         fix = "Point data.path at matching data, or change the data/model config to match it."
         if channels is not None and c != channels:
@@ -264,13 +273,18 @@ class LatentDataset(torch.utils.data.Dataset):
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """Latent shape (C, H, W)."""
-        return tuple(self._meta["shape"])
+        """Model-space latent shape (C, H, W) (for moments data: half the stored channels)."""
+        return model_shape(self._meta)
 
     @property
     def channels(self) -> int:
-        """Latent channels C."""
-        return self._meta["shape"][0]
+        """Model-space latent channels C."""
+        return self.shape[0]
+
+    @property
+    def latent_kind(self) -> str:
+        """"sample" (items are model-space latents) or "moments" (items are raw (mean, logvar): see draw_latents)."""
+        return latent_kind(self._meta)
 
     @property
     def resolution(self) -> int:
@@ -294,10 +308,14 @@ class LatentDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self._meta["num_samples"]
 
+    def _scale(self) -> float:
+        # Moments stay in raw VAE units (logvar must not be scaled); draw_latents scales the drawn latent.
+        return 1.0 if self.latent_kind == "moments" else self.latent_scale
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         latents, labels = self._open()
         x = torch.from_numpy(np.array(latents[index], dtype=np.float32))  # (C, H, W), copied off the memmap
-        return x * self.latent_scale, torch.tensor(int(labels[index]), dtype=torch.int64)
+        return x * self._scale(), torch.tensor(int(labels[index]), dtype=torch.int64)
 
     def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Batched fetch, (x (B, C, H, W) float32, y (B,) int64), with one fancy-indexed read of the memmap."""
@@ -306,7 +324,41 @@ class LatentDataset(torch.utils.data.Dataset):
         order = np.argsort(idx, kind="stable")  # ascending reads are mostly sequential on disk
         x, y = np.empty((len(idx), *latents.shape[1:]), np.float32), np.empty(len(idx), np.int64)
         x[order], y[order] = latents[idx[order]], labels[idx[order]]  # read sorted, write back in request order
-        return torch.from_numpy(x) * self.latent_scale, torch.from_numpy(y)
+        return torch.from_numpy(x) * self._scale(), torch.from_numpy(y)
+
+
+# ----------------------------------------------------------------------------- latent kinds
+
+def latent_kind(meta: Mapping[str, Any]) -> str:
+    """"sample" (stored values are latents) or "moments" (stored (mean, logvar) of the VAE posterior)."""
+    return meta.get("latent_kind", "sample")
+
+
+def model_shape(meta: Mapping[str, Any]) -> tuple[int, int, int]:
+    """Shape (C, H, W) of the latents the model sees: the stored shape, halved in C for moments."""
+    c, h, w = meta["shape"]
+    return (c // 2, h, w) if latent_kind(meta) == "moments" else (c, h, w)
+
+
+def draw_latents(x: torch.Tensor, meta: Mapping[str, Any], mode: str = "sample",
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Dataset items -> model-space latents (B, C, H, W).
+
+    "sample" data is returned as is (already scaled). "moments" data (B, 2C, H, W) = (mean, logvar) in raw
+    VAE units gives latent_scale * (mean + exp(logvar / 2) * eps) with eps ~ N(0, I) from `generator` (the
+    device's global RNG if None); mode="mean" returns latent_scale * mean (no noise, e.g. for references).
+    """
+    if mode not in ("sample", "mean"):
+        raise ValueError(f"draw_latents mode={mode!r}; allowed: 'sample', 'mean'")
+    if latent_kind(meta) != "moments":
+        return x
+    if x.ndim != 4 or x.shape[1] % 2:
+        raise LatentDatasetError(f"moments data needs (B, 2C, H, W) items, got shape {list(x.shape)}")
+    mean, logvar = x.float().chunk(2, dim=1)
+    if mode == "sample":
+        std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))  # the clamp diffusers' DiagonalGaussianDistribution uses
+        mean = mean + std * torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+    return mean * float(meta["latent_scale"])
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -334,4 +386,4 @@ def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any]) -> torch.Ten
 def check_decodable(meta: Mapping[str, Any]) -> None:
     """Raise LatentDatasetError now if samples of this data cannot be turned into pixels
     (so evaluation and sampling fail at start-up, not after hours of training)."""
-    decode_to_uint8(torch.zeros(1, *meta["shape"]), meta)
+    decode_to_uint8(torch.zeros(1, *model_shape(meta)), meta)

@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from data import LatentDatasetError, LatentLoader, build_dataset
+from data import LatentDatasetError, LatentLoader, build_dataset, draw_latents
 from routing import RouteConfigError, tokens_processed_fraction
 from training import checkpoint as ckpt_io
 from training.ema import ema_decay_at, ema_update
@@ -181,6 +181,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         for micro in range(cfg.train.grad_accum_steps):
             x, y = next(data_iter)
             x, y = x.to(accelerator.device, non_blocking=True), y.to(accelerator.device, non_blocking=True)
+            x = draw_latents(x, dataset.meta)  # moments data: one latent drawn per read (training RNG)
             y = drop_labels(y, cfg.train.label_dropout, null_label)
             sync = micro == cfg.train.grad_accum_steps - 1
             with accelerator.no_sync(net) if not sync else contextlib.nullcontext():
