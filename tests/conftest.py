@@ -9,6 +9,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 REPO = Path(__file__).resolve().parents[1]
+# Tests never download: diffusers/huggingface_hub fail at once instead of probing the network
+# (inherited by the CLI subprocesses too).
+os.environ["HF_HUB_OFFLINE"] = "1"
 CONFIG_DIR = str(REPO / "configs")
 
 # A few-second training config: tiny DiT, a small built-in dataset, cheap evaluation.
@@ -55,3 +58,16 @@ def tiny_cfg(cache_dir):
     def make(*extra: str):
         return compose_cfg("train", TINY + [f"paths.cache_dir={cache_dir}", *extra])
     return make
+
+
+def blob_images(n, size=32, seed=0):
+    """Synthetic uint8 NHWC images: coloured rectangles on a dark background."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 40, (n, size, size, 3), dtype=np.uint8)
+    for img in images:
+        y, x = rng.integers(0, size // 2, 2)
+        h, w = rng.integers(size // 4, size // 2, 2)
+        img[y:y + h, x:x + w] = rng.integers(100, 256, 3)
+    return images

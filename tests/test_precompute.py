@@ -1,0 +1,381 @@
+"""scripts/precompute_latents.py, data/images.py (image folders, ADM center crop) and the streaming writer.
+
+A tiny random AutoencoderKL (downsampling 2) and a few generated images of different sizes and aspect
+ratios; resolution 16, so a whole run takes about a second. Nothing touches the network.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from data import LatentDataset, LatentDatasetError, LatentDatasetExistsError, read_meta
+from data.images import ImageFolderError, center_crop_arr, list_image_folder
+from data.latents import LatentDatasetWriter
+from data.vae import clear_vae_cache, encode, load_vae
+
+REPO = Path(__file__).resolve().parents[1]
+RES = 16
+SIZES = [(20, 16), (16, 30), (40, 33), (17, 17), (64, 20)]  # (width, height): landscape, portrait, big, odd
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("precompute_latents", REPO / "scripts" / "precompute_latents.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+pl = load_script()
+
+
+@pytest.fixture(scope="module")
+def vae_dir(tmp_path_factory):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("vae") / "tiny-vae"
+    AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
+                  norm_num_groups=4, sample_size=16).save_pretrained(path)
+    return path
+
+
+def random_image(rng, size):
+    w, h = size
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def class_folder(tmp_path_factory):
+    """3 classes ('b_dog' sorts after 'a_cat') with 2-3 images each; one grayscale, one nested, one JPEG."""
+    root = tmp_path_factory.mktemp("imgs") / "classes"
+    rng = np.random.default_rng(0)
+    layout = {"a_cat": ["x.png", "y.jpg", "sub/z.png"], "b_dog": ["1.png", "2.PNG"], "c_eel": ["e.png"]}
+    k = 0
+    for cls, names in layout.items():
+        for name in names:
+            (root / cls / name).parent.mkdir(parents=True, exist_ok=True)
+            img = random_image(rng, SIZES[k % len(SIZES)])
+            (img.convert("L") if k == 3 else img).save(root / cls / name)
+            k += 1
+    (root / "a_cat" / ".hidden.png").write_bytes(b"not an image")  # hidden files are ignored
+    (root / "notes.txt").write_text("not an image, ignored")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(socket, "create_connection",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("network access in a test")))
+    clear_vae_cache()
+    yield
+    clear_vae_cache()
+
+
+def run(images, out, vae_dir, *extra):
+    return pl.main(["--images", str(images), "--out", str(out), "--vae", str(vae_dir), "--resolution", str(RES),
+                    "--device", "cpu", "--batch-size", "2", "--shard-size", "3", "--workers", "0", *map(str, extra)])
+
+
+def crops(paths):
+    out = []
+    for p in paths:
+        with Image.open(p) as im:
+            out.append(center_crop_arr(im, RES))
+    return np.stack(out)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def test_class_folders_to_dataset_with_flips(tmp_path, class_folder, vae_dir):
+    out = tmp_path / "ds"
+    summary = run(class_folder, out, vae_dir, "--flip")
+    assert summary["num_images"] == 6 and summary["shards"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # parts folder removed, no temp dirs left
+    ds = LatentDataset(out)
+    meta = ds.meta
+    assert len(ds) == 12 and meta["shape"] == [8, 8, 8] and ds.shape == (4, 8, 8) and meta["dtype"] == "float16"
+    assert meta["latent_kind"] == "moments" and meta["flip"] is True and meta["num_source_images"] == 6
+    assert meta["image_resolution"] == RES and meta["class_names"] == ["a_cat", "b_dog", "c_eel"]
+    assert meta["num_classes"] == 3 and meta["latent_scale"] == pytest.approx(0.18215)
+    assert meta["decode"] == {"type": "vae", "vae": str(vae_dir), "subfolder": None, "scaling_factor": 0.18215,
+                              "shift_factor": None}
+    assert str(class_folder) in meta["source"]
+    labels = np.load(out / "labels.npy")
+    assert labels.tolist() == [0, 0, 0, 1, 1, 2] * 2  # [N, 2N) are the flips, labels kept
+
+    paths, _, _ = list_image_folder(class_folder)
+    assert [p.relative_to(class_folder).as_posix() for p in paths] == [
+        "a_cat/sub/z.png", "a_cat/x.png", "a_cat/y.jpg", "b_dog/1.png", "b_dog/2.PNG", "c_eel/e.png"]
+    images = crops(paths)
+    vae = load_vae(str(vae_dir))
+    stored = np.load(out / "latents.npy").astype(np.float32)
+    want = encode(vae, images).numpy()
+    want_flip = encode(vae, np.ascontiguousarray(images[:, :, ::-1])).numpy()
+    np.testing.assert_allclose(stored[:6], want.astype(np.float16), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(stored[6:], want_flip.astype(np.float16), rtol=1e-3, atol=1e-3)
+    assert np.abs(stored[:6] - stored[6:]).max() > 1e-2  # flipped images give other latents
+    # The dataset decodes (start-up check of training / sampling) through the VAE named in meta.json.
+    from data import check_decodable, decode_to_uint8, draw_latents
+
+    check_decodable(meta)
+    assert decode_to_uint8(draw_latents(ds.__getitems__([0, 7])[0], meta), meta).shape == (2, RES, RES, 3)
+
+
+def test_sample_kind_is_deterministic_and_independent_of_batching(tmp_path, class_folder, vae_dir):
+    a = tmp_path / "a"
+    run(class_folder, a, vae_dir, "--kind", "sample", "--dtype", "float32", "--seed", "3")
+    b = tmp_path / "b"
+    pl.main(["--images", str(class_folder), "--out", str(b), "--vae", str(vae_dir), "--resolution", str(RES),
+             "--device", "cpu", "--kind", "sample", "--dtype", "float32", "--seed", "3", "--batch-size", "5",
+             "--shard-size", "4", "--workers", "2"])
+    la, lb = np.load(a / "latents.npy"), np.load(b / "latents.npy")
+    assert la.shape == (6, 4, 8, 8) and read_meta(a)["latent_kind"] == "sample"
+    np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+    c = tmp_path / "c"
+    run(class_folder, c, vae_dir, "--kind", "sample", "--dtype", "float32", "--seed", "4")
+    assert np.abs(np.load(c / "latents.npy") - la).max() > 1e-2  # another seed, other draws
+    mean = encode(load_vae(str(vae_dir)), crops(list_image_folder(class_folder)[0]), kind="mean").numpy()
+    assert 0 < np.abs(la - mean).max()
+
+
+def test_flat_folder_with_labels_file(tmp_path, vae_dir):
+    root = tmp_path / "flat"
+    root.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(4):
+        random_image(rng, SIZES[i]).save(root / f"img{i}.png")
+    csv = tmp_path / "labels.csv"
+    csv.write_text("filename,label\nimg0.png,zebra\nimg1.png,ant\n# a comment\n\nimg2.png,zebra\n./img3.png,ant\n")
+    run(root, tmp_path / "ds", vae_dir, "--labels", csv)
+    meta = read_meta(tmp_path / "ds")
+    assert meta["class_names"] == ["ant", "zebra"] and meta["num_classes"] == 2
+    assert np.load(tmp_path / "ds" / "labels.npy").tolist() == [1, 0, 1, 0]
+    assert meta["labels_file"] == str(csv)
+    js = tmp_path / "labels.json"
+    js.write_text(json.dumps({"img0.png": 7, "img1.png": 0, "img2.png": 3, "img3.png": 7}))
+    paths, labels, names = list_image_folder(root, js)
+    assert [p.name for p in paths] == ["img0.png", "img1.png", "img2.png", "img3.png"]
+    assert labels.tolist() == [7, 0, 3, 7] and names is None
+    run(root, tmp_path / "ds2", vae_dir, "--labels", js, "--max-images", "3")
+    meta = read_meta(tmp_path / "ds2")
+    assert meta["num_classes"] == 8 and meta["class_names"] is None and meta["num_samples"] == 3
+
+
+def test_resume_skips_finished_shards(tmp_path, class_folder, vae_dir, monkeypatch):
+    full = tmp_path / "full"
+    run(class_folder, full, vae_dir, "--shard-size", "2", "--flip")  # 3 shards in one go
+    calls = []
+    real = pl.encode_shard
+
+    def crash_on_second(plan, shard, *args, **kwargs):
+        calls.append(shard)
+        if len(calls) == 2:
+            raise RuntimeError("simulated crash")
+        return real(plan, shard, *args, **kwargs)
+
+    monkeypatch.setattr(pl, "encode_shard", crash_on_second)
+    out = tmp_path / "ds"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(class_folder, out, vae_dir, "--shard-size", "2", "--flip")
+    parts = tmp_path / "ds.parts"
+    assert sorted(p.name for p in parts.iterdir()) == ["settings.json", "shard_00000.npz"] and not out.exists()
+    calls.clear()
+    monkeypatch.setattr(pl, "encode_shard",
+                        lambda plan, shard, *a, **k: calls.append(shard) or real(plan, shard, *a, **k))
+    summary = run(class_folder, out, vae_dir, "--shard-size", "2", "--flip")
+    assert calls == [1, 2] and summary["encoded_here"] == 2  # shard 0 was kept
+    assert not parts.exists()
+    for name in ("latents.npy", "labels.npy"):
+        np.testing.assert_array_equal(np.load(out / name), np.load(full / name))
+
+
+def test_parts_from_other_settings_are_refused(tmp_path, class_folder, vae_dir, monkeypatch):
+    monkeypatch.setattr(pl, "merge_shards", lambda *a: (_ for _ in ()).throw(RuntimeError("stop before merging")))
+    with pytest.raises(RuntimeError, match="stop before merging"):
+        run(class_folder, tmp_path / "ds", vae_dir)
+    with pytest.raises(pl.PrecomputeError, match=r"other settings \(flip: False -> True\).*Delete '.*ds\.parts'"):
+        run(class_folder, tmp_path / "ds", vae_dir, "--flip")
+    # A shard file alone (e.g. settings.json lost) is checked too.
+    (tmp_path / "ds.parts" / "settings.json").unlink()
+    with pytest.raises(pl.PrecomputeError, match=r"shard file '.*shard_00000\.npz' was written with other settings "
+                                                 r"\(resolution: 16 -> 32\)"):
+        pl.main(["--images", str(class_folder), "--out", str(tmp_path / "ds"), "--vae", str(vae_dir),
+                 "--resolution", "32", "--device", "cpu", "--shard-size", "3", "--workers", "0"])
+
+
+def test_shards_done_out_of_order_by_two_processes_merge_in_image_order(tmp_path, class_folder, vae_dir):
+    """World size 2 simulated in one process: rank 1's shards first, then rank 0's, then the merge."""
+    single = tmp_path / "single"
+    run(class_folder, single, vae_dir, "--shard-size", "2", "--flip")
+    args = pl.build_parser().parse_args(["--images", str(class_folder), "--out", str(tmp_path / "two"), "--vae",
+                                         str(vae_dir), "--resolution", str(RES), "--shard-size", "2", "--batch-size",
+                                         "2", "--flip", "--workers", "0"])
+    pl.validate_args(args)
+    plan = pl.make_plan(args)
+    encoded = []
+    for rank in (1, 0):
+        state = SimpleNamespace(process_index=rank, num_processes=2, is_main_process=rank == 0)
+        vae, n = pl.run_encoding(plan, state, torch.device("cpu"))
+        encoded.append(sorted(int(p.stem.split("_")[1]) for p in plan.parts.glob("shard_*.npz")))
+    assert encoded == [[1], [0, 1, 2]]  # rank 1 did shard 1; rank 0 shards 0 and 2
+    pl.merge_shards(plan, pl.dataset_meta(plan, vae))
+    for name in ("latents.npy", "labels.npy"):
+        np.testing.assert_array_equal(np.load(tmp_path / "two" / name), np.load(single / name))
+
+
+def test_reference_statistics(tmp_path, class_folder, vae_dir):
+    from evaluation.toy_classifier import ToyClassifier, cache_path, save_toy_classifier
+
+    cache = tmp_path / "cache"
+    torch.manual_seed(0)  # an untrained toy classifier at 16 px: the feature network is not what is tested here
+    save_toy_classifier(ToyClassifier(resolution=RES).eval(), cache_path(cache, RES), {"accuracy": 0.0})
+    ref = tmp_path / "ref.npz"
+    summary = run(class_folder, tmp_path / "ds", vae_dir, "--ref-out", ref, "--ref-features", "toy_classifier",
+                  "--cache-dir", cache, "--ref-store-images", "4", "--flip")
+    assert summary["ref_out"] == ref
+    with np.load(ref) as z:
+        assert int(z["num_images"]) == 6 and str(z["feature"]) == "toy_classifier"  # unflipped images only
+        assert z["arr_0"].shape == (4, RES, RES, 3) and z["mu"].shape == z["sigma"].shape[:1]
+        assert str(class_folder) in str(z["source"])
+        stored = z["arr_0"]
+    images = crops(list_image_folder(class_folder)[0])
+    assert all(any(np.array_equal(s, im) for im in images) for s in stored)
+
+
+# ----------------------------------------------------------------------------- argument and input errors
+
+@pytest.mark.parametrize("argv, message", [
+    ([], r"--images DIR is required"),
+    (["--images", "{missing}"], r"--images='.*missing'.*no such folder"),
+    (["--images", "{images}"], r"--out DIR is required"),
+    (["--images", "{images}", "--out", "{existing}"], r"--out '.*existing' already exists; refusing to overwrite"),
+    (["--images", "{images}", "--out", "{new}", "--resolution", "4"], r"--resolution=4 .*integer >= 8"),
+    (["--images", "{images}", "--out", "{new}", "--kind", "mode"], r"--kind='mode' .*moments, sample"),
+    (["--images", "{images}", "--out", "{new}", "--dtype", "bfloat16"], r"--dtype='bfloat16' .*float16, float32"),
+    (["--images", "{images}", "--out", "{new}", "--vae-dtype", "int8"], r"--vae-dtype='int8' .*float32, bfloat16"),
+    (["--images", "{images}", "--out", "{new}", "--device", "tpu"], r"--device='tpu' .*auto, cpu, cuda"),
+    (["--images", "{images}", "--out", "{new}", "--shard-size", "0"], r"--shard-size=0 .*>= 1"),
+    (["--images", "{images}", "--out", "{new}", "--labels", "{missing}"], r"--labels='.*missing'.*no such file"),
+    (["--images", "{images}", "--out", "{new}", "--ref-out", "{new}.npz", "--ref-features", "clip"],
+     r"--ref-features='clip' .*inception, toy_classifier"),
+    (["--images", "{images}", "--out", "{new}", "--ref-out", "{existing}"], r"--ref-out '.*existing' already exists"),
+])
+def test_bad_arguments_fail_before_any_work(tmp_path, class_folder, argv, message, monkeypatch):
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "meta.json").write_text("{}")
+    monkeypatch.setattr(pl, "make_plan", lambda args: pytest.fail("work started despite a bad argument"))
+    fill = {"{images}": str(class_folder), "{missing}": str(tmp_path / "missing"), "{existing}": str(existing),
+            "{new}": str(tmp_path / "new")}
+    argv = [fill.get(a, a.replace("{new}", str(tmp_path / "new"))) for a in argv]
+    with pytest.raises(pl.PrecomputeError, match=message):
+        pl.main(argv)
+    assert pl.cli(argv) == 2  # the command line prints "error: ..." and exits 2
+
+
+def test_resolution_must_fit_the_vae_and_missing_vae_is_explained(tmp_path, class_folder, vae_dir):
+    with pytest.raises(pl.PrecomputeError, match=r"--resolution=17 .*multiple of 2"):
+        pl.main(["--images", str(class_folder), "--out", str(tmp_path / "ds"), "--vae", str(vae_dir),
+                 "--resolution", "17", "--device", "cpu"])
+    with pytest.raises(LatentDatasetError, match=r"VAE 'tread-test/no-vae'.*HF_HUB_OFFLINE.*--vae /path/no-vae"):
+        pl.main(["--images", str(class_folder), "--out", str(tmp_path / "ds"), "--vae", "tread-test/no-vae",
+                 "--device", "cpu"])
+
+
+def test_help_is_useful():
+    help_text = pl.build_parser().format_help()
+    for flag in ("--images", "--labels", "--out", "--resolution", "--vae", "--kind", "--flip", "--shard-size",
+                 "--dtype", "--vae-dtype", "--device", "--max-images", "--ref-out", "--ref-features",
+                 "--inception-weights", "accelerate launch"):
+        assert flag in help_text
+
+
+def make_folder(root, layout):
+    rng = np.random.default_rng(0)
+    for name in layout:
+        if name.endswith("/"):  # an empty folder
+            (root / name).mkdir(parents=True, exist_ok=True)
+            continue
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        random_image(rng, (8, 8)).save(root / name)
+    return root
+
+
+@pytest.mark.parametrize("layout, labels, message", [
+    (None, None, r"image folder '.*imgs' not found"),
+    (["a/"], None, r"no images .* found in"),
+    (["x.png", "cls/y.png"], None, r"mixes layouts.*x\.png.*cls"),
+    (["x.png"], None, r"is flat .*--labels"),
+    (["a/x.png", "b/"], None, r"class folder\(s\) without images.*: b"),
+    (["x.png", "y.png"], "x.png,1\ny.png,2\nz.png,1\n", r"names file\(s\) that are not images.*z\.png"),
+    (["x.png", "y.png"], "x.png,1\n", r"have no label in.*y\.png"),
+    (["x.png", "c/y.png"], "x.png,1\n", r"mixes layouts: a labels file was given.*\(c\)"),
+    (["x.png"], "x.png\n", r"line 1: 'x\.png' is not '<file name>,<label>'"),
+    (["x.png"], "x.png,1\nx.png,2\n", r"lists 'x\.png' twice"),
+    (["x.png"], "x.png,-1\n", r"negative labels"),
+])
+def test_image_folder_errors(tmp_path, layout, labels, message):
+    root = tmp_path / "imgs"
+    if layout is not None:
+        root.mkdir()
+        make_folder(root, layout)
+    labels_file = None
+    if labels is not None:
+        labels_file = tmp_path / "labels.tsv"
+        labels_file.write_text(labels)
+    with pytest.raises(ImageFolderError, match=message):
+        list_image_folder(root, labels_file)
+
+
+# ----------------------------------------------------------------------------- center crop
+
+@pytest.mark.parametrize("size", [(16, 16), (20, 16), (16, 45), (33, 70), (200, 64), (5, 9)])
+def test_center_crop_size(size):
+    out = center_crop_arr(Image.new("L", size, 128), RES)  # grayscale in, RGB out; upscales small images too
+    assert out.shape == (RES, RES, 3) and out.dtype == np.uint8 and (out == 128).all()
+
+
+def test_center_crop_follows_the_adm_recipe_step_by_step():
+    y, x = np.mgrid[0:150, 0:70]
+    image = Image.fromarray(np.stack([x * 3, y, (x + y) % 256], -1).astype(np.uint8))  # 70 wide, 150 high
+    # ADM: BOX-halve while the short side >= 2 * 16 (70 -> 35 -> 17; 150 -> 75 -> 37), then BICUBIC so the
+    # short side is 16 (17 x 37 -> 16 x round(37 * 16 / 17) = 16 x 35), then the central 16 x 16.
+    step = image.resize((35, 75), Image.BOX).resize((17, 37), Image.BOX).resize((16, 35), Image.BICUBIC)
+    want = np.asarray(step)[(35 - 16) // 2:(35 - 16) // 2 + 16, :]
+    np.testing.assert_array_equal(center_crop_arr(image, 16), want)
+
+
+# ----------------------------------------------------------------------------- streaming writer
+
+def test_streaming_writer_any_order_atomic_and_complete(tmp_path):
+    x = np.random.default_rng(0).standard_normal((7, 2, 3, 3)).astype(np.float32)
+    y = np.arange(7) % 3
+    with LatentDatasetWriter(tmp_path / "ds", shape=(2, 3, 3), num_samples=7, num_classes=3, dtype="float32",
+                             extra_meta={"note": "streamed"}) as w:
+        w.write(4, x[4:], y[4:])
+        assert not (tmp_path / "ds").exists()  # published only at the end
+        w.write(0, x[:4], y[:4])
+    ds = LatentDataset(tmp_path / "ds")
+    np.testing.assert_array_equal(np.load(tmp_path / "ds" / "latents.npy"), x)
+    assert ds.meta["note"] == "streamed" and np.load(tmp_path / "ds" / "labels.npy").tolist() == y.tolist()
+    with pytest.raises(LatentDatasetError, match=r"incomplete: 2 of 7 samples were never written \(first: \[5, 6\]\)"):
+        with LatentDatasetWriter(tmp_path / "part", shape=(2, 3, 3), num_samples=7, num_classes=3) as w:
+            w.write(0, x[:5], y[:5])
+    with pytest.raises(LatentDatasetError, match=r"samples \[5, 9\) lie outside \[0, num_samples=7\)"):
+        with LatentDatasetWriter(tmp_path / "part", shape=(2, 3, 3), num_samples=7, num_classes=3) as w:
+            w.write(5, x[:4], y[:4])
+    with pytest.raises(LatentDatasetExistsError, match="already exists"):
+        LatentDatasetWriter(tmp_path / "ds", shape=(2, 3, 3), num_samples=7, num_classes=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # failed writers leave nothing behind
