@@ -1,4 +1,4 @@
-"""Streaming Gaussian feature statistics and the Fréchet distance between two of them (FID)."""
+"""Streaming Gaussian feature statistics and the Fréchet distance between two of them (FID, sFID)."""
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -96,9 +96,25 @@ class FeatureStats:
         return {"mu": self.mean(), "sigma": self.cov()}
 
 
+def _trace_sqrt_product(sigma1: np.ndarray, sigma2: np.ndarray) -> float:
+    """tr sqrtm(S1 S2) for symmetric PSD S1, S2 as sum_i sqrt(lambda_i(S1^1/2 S2 S1^1/2)): S1 S2 is similar
+    to that symmetric PSD matrix, so the eigenvalues (and the trace of the square root) agree; two symmetric
+    eigendecompositions are ~10x faster than scipy's Schur-based sqrtm at 2048-d and stable for the
+    rank-deficient covariances of few samples (tiny negative eigenvalues from round-off are clipped to 0)."""
+    w, u = np.linalg.eigh((sigma1 + sigma1.T) / 2)
+    root1 = (u * np.sqrt(np.clip(w, 0, None))) @ u.T
+    m = root1 @ sigma2 @ root1
+    return float(np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum())
+
+
 def frechet_distance(mu1: ArrayLike, sigma1: ArrayLike, mu2: ArrayLike, sigma2: ArrayLike,
-                     eps: float = 1e-6) -> float:
-    """||mu1 - mu2||^2 + tr(S1 + S2 - 2 sqrtm(S1 S2)), in float64 (the ADM / pytorch-fid recipe)."""
+                     eps: float = 1e-6, method: str = "eigh") -> float:
+    """||mu1 - mu2||^2 + tr(S1 + S2 - 2 sqrtm(S1 S2)), in float64.
+
+    method="sqrtm" is the ADM / pytorch-fid recipe verbatim (scipy.linalg.sqrtm of S1 S2; eps * I added to
+    both covariances if that is not finite; an error if the imaginary part is large). The default "eigh"
+    computes the same trace from symmetric eigendecompositions (_trace_sqrt_product): for full-rank
+    statistics both agree to ~1e-12 relative, and it is ~10x faster at 2048-d."""
     mu1, mu2 = (np.atleast_1d(np.asarray(m, dtype=np.float64)) for m in (mu1, mu2))
     sigma1, sigma2 = (np.atleast_2d(np.asarray(s, dtype=np.float64)) for s in (sigma1, sigma2))
     if mu1.shape != mu2.shape:
@@ -108,17 +124,26 @@ def frechet_distance(mu1: ArrayLike, sigma1: ArrayLike, mu2: ArrayLike, sigma2: 
     for name, s in (("sigma1", sigma1), ("sigma2", sigma2)):
         if s.shape != (d, d):
             raise ValueError(f"{name} has shape {s.shape}, expected {(d, d)} to match the {d}-d means")
+    if method not in ("eigh", "sqrtm"):
+        raise ValueError(f"frechet_distance method={method!r}: use 'eigh' or 'sqrtm'")
+    if not (np.isfinite(mu1).all() and np.isfinite(mu2).all() and np.isfinite(sigma1).all()
+            and np.isfinite(sigma2).all()):
+        raise ValueError("feature statistics contain NaN or inf (broken features or images?)")
 
     diff = mu1 - mu2
-    covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
-    if not np.isfinite(covmean).all():
-        # Singular product: regularise both covariances slightly, as pytorch-fid does.
-        offset = np.eye(d) * eps
-        covmean = scipy.linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
-    if np.iscomplexobj(covmean):
-        # Numerical error gives tiny imaginary parts; large ones mean the statistics are broken.
-        max_imag = np.max(np.abs(np.diagonal(covmean).imag))
-        if max_imag > 1e-3:
-            raise ValueError(f"sqrtm(sigma1 @ sigma2) has a large imaginary component ({max_imag:.3g})")
-        covmean = covmean.real
-    return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2.0 * np.trace(covmean))
+    if method == "eigh":
+        tr_covmean = _trace_sqrt_product(sigma1, sigma2)
+    else:
+        covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
+        if not np.isfinite(covmean).all():
+            # Singular product: regularise both covariances slightly, as pytorch-fid does.
+            offset = np.eye(d) * eps
+            covmean = scipy.linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
+        if np.iscomplexobj(covmean):
+            # Numerical error gives tiny imaginary parts; large ones mean the statistics are broken.
+            max_imag = np.max(np.abs(np.diagonal(covmean).imag))
+            if max_imag > 1e-3:
+                raise ValueError(f"sqrtm(sigma1 @ sigma2) has a large imaginary component ({max_imag:.3g})")
+            covmean = covmean.real
+        tr_covmean = float(np.trace(covmean))
+    return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2.0 * tr_covmean)

@@ -15,14 +15,16 @@ import torch.nn as nn
 from omegaconf import OmegaConf
 
 from evaluation import features as feat_mod
-from evaluation.features import InceptionFeatures, build_feature_extractor, extract_features
+from evaluation.features import (InceptionFeatures, ToyClassifierFeatures, build_feature_extractor, extract_features,
+                                 save_random_inception_weights)
 from evaluation.frechet import FeatureStats, frechet_distance
 from evaluation.images import load_images, make_grid, save_image_grid, save_npz, save_png_folder
-from evaluation.reference import compute_stats, load_reference, reference_for_dataset, save_reference
+from evaluation.reference import (compute_stats, load_reference, load_reference_full, reference_for_dataset,
+                                  save_reference)
 from evaluation.toy_classifier import (ToyClassifier, cache_path, load_or_train_toy_classifier,
                                        save_toy_classifier, train_toy_classifier)
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, blob_images
 
 
 def random_gaussian_stats(rng, d, n=None):
@@ -30,28 +32,24 @@ def random_gaussian_stats(rng, d, n=None):
     return x.mean(0), np.cov(x, rowvar=False)
 
 
-def blob_images(n, size=32, seed=0):
-    """Synthetic uint8 NHWC images: coloured rectangles on a dark background."""
-    rng = np.random.default_rng(seed)
-    images = rng.integers(0, 40, (n, size, size, 3), dtype=np.uint8)
-    for img in images:
-        y, x = rng.integers(0, size // 2, 2)
-        h, w = rng.integers(size // 4, size // 2, 2)
-        img[y:y + h, x:x + w] = rng.integers(100, 256, 3)
-    return images
-
-
 class PixelFeatures(nn.Module):
-    """A fast stand-in extractor: a fixed random projection of 8x8-pooled pixels."""
+    """A fast stand-in extractor: a fixed random projection of 8x8-pooled pixels (pool), the 2x2-pooled
+    pixels (spatial) and a projection of the pool features (logits)."""
 
-    name, dim = "pixels", 16
+    name, dim, spatial_dim, num_logits = "pixels", 16, 12, 5
 
     def __init__(self):
         super().__init__()
         self.proj = nn.Linear(3 * 64, self.dim)
+        self.head = nn.Linear(self.dim, self.num_logits)
 
     def forward(self, x):
         return self.proj(nn.functional.adaptive_avg_pool2d(x.float() / 255, 8).flatten(1))
+
+    def forward_all(self, x):
+        pool = self(x)
+        spatial = nn.functional.adaptive_avg_pool2d(x.float() / 255, 2).permute(0, 2, 3, 1).flatten(1)
+        return {"pool": pool, "spatial": spatial, "logits": self.head(pool)}
 
 
 # ----------------------------------------------------------------------------- frechet
@@ -70,6 +68,24 @@ def test_frechet_distance_matches_direct_scipy():
     assert isinstance(fid, float)
     assert fid == pytest.approx(direct, rel=1e-6)
     assert fid == pytest.approx(independent, rel=1e-6)
+
+
+def test_frechet_distance_methods_agree_and_handle_rank_deficiency():
+    rng = np.random.default_rng(4)
+    mu1, s1 = random_gaussian_stats(rng, 30)
+    mu2, s2 = random_gaussian_stats(rng, 30)
+    assert frechet_distance(mu1, s1, mu2, s2) == pytest.approx(frechet_distance(mu1, s1, mu2, s2, method="sqrtm"),
+                                                               rel=1e-9)
+    # 5 samples in 30-d: rank-4 covariances (the few-sample case); still finite and >= 0 up to round-off
+    a, b = rng.standard_normal((5, 30)), rng.standard_normal((5, 30)) + 0.3
+    fid = frechet_distance(a.mean(0), np.cov(a, rowvar=False), b.mean(0), np.cov(b, rowvar=False))
+    assert np.isfinite(fid) and fid > 0
+    same = frechet_distance(a.mean(0), np.cov(a, rowvar=False), a.mean(0), np.cov(a, rowvar=False))
+    assert abs(same) < 1e-6 * fid
+    with pytest.raises(ValueError, match="NaN or inf"):
+        frechet_distance(mu1 * np.nan, s1, mu2, s2)
+    with pytest.raises(ValueError, match="method"):
+        frechet_distance(mu1, s1, mu2, s2, method="svd")
 
 
 def test_frechet_distance_identity_and_mean_shift():
@@ -107,24 +123,62 @@ def test_feature_stats_streaming_and_merge_match_numpy():
         whole.update(np.zeros((2, 3)))
 
 
-def _all_reduce_worker(rank, store_path, x):
+def _metrics_on_this_rank(rank, world, images):
+    """FeatureAccumulator and ReferenceBuilder over this rank's share (rank 1 of 2 adds nothing for the
+    builder, to check that an empty rank still joins), gathered; returns what every rank must agree on."""
+    from evaluation.metrics import FeatureAccumulator
+    from evaluation.reference import ReferenceBuilder
+
+    torch.manual_seed(0)
+    ext = PixelFeatures().eval().requires_grad_(False)
+    acc = FeatureAccumulator(ext, ["fid", "sfid", "is", "kid"])
+    mine = list(range(len(images)))[rank::world]
+    for i in range(0, len(mine), 3):
+        idx = mine[i:i + 3]
+        acc.add(torch.from_numpy(images[idx]).permute(0, 3, 1, 2), idx)
+    acc.gather()
+    builder = ReferenceBuilder(ext, total=len(images), store_images=7, seed=1)
+    if rank == 0:
+        builder.add(images[:9], range(9))
+    if rank == world - 1:
+        builder.add(torch.from_numpy(images[9:]), range(9, len(images)))
+    builder.all_reduce()
+    kept = builder._kept()
+    return {"n": acc.n, "indices": acc.indices, "pool_rows": acc.pool_rows, "logits": acc.logits,
+            "mu": acc.pool_stats.mean(), "sigma_s": acc.spatial_stats.cov(), "ref_n": builder.n,
+            "ref_mu_s": builder.spatial.mean(), "kept": kept[0][np.argsort(kept[1])], "image_size": builder.image_size}
+
+
+def _all_reduce_worker(rank, store_path, x, images):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     stats = FeatureStats().update(x[rank::2]).all_reduce()
-    torch.save((stats.n, stats.mean(), stats.cov()), f"{store_path}.{rank}")
+    torch.save((stats.n, stats.mean(), stats.cov(), _metrics_on_this_rank(rank, 2, images)), f"{store_path}.{rank}")
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_feature_stats_all_reduce_two_processes(tmp_path):
+    """FeatureStats.all_reduce, FeatureAccumulator.gather and ReferenceBuilder.all_reduce over 2 gloo ranks:
+    every rank ends with what one process computes alone."""
     x = np.random.default_rng(3).standard_normal((50, 4))
-    torch.multiprocessing.spawn(_all_reduce_worker, args=(str(tmp_path / "store"), x), nprocs=2)
+    images = blob_images(17, 16, seed=5)
+    torch.multiprocessing.spawn(_all_reduce_worker, args=(str(tmp_path / "store"), x, images), nprocs=2)
+    single = _metrics_on_this_rank(0, 1, images)
     for rank in range(2):
-        n, mu, cov = torch.load(tmp_path / f"store.{rank}", weights_only=False)
+        n, mu, cov, multi = torch.load(tmp_path / f"store.{rank}", weights_only=False)
         assert n == 50
         np.testing.assert_allclose(mu, x.mean(0), atol=1e-12)
         np.testing.assert_allclose(cov, np.cov(x, rowvar=False), atol=1e-12)
+        assert multi["n"] == single["n"] == 17 and multi["ref_n"] == 17 and multi["image_size"] == (16, 16)
+        assert multi["indices"].tolist() == list(range(17))
+        for key in ("pool_rows", "logits"):
+            torch.testing.assert_close(multi[key], single[key])
+        for key in ("mu", "sigma_s", "ref_mu_s"):
+            np.testing.assert_allclose(multi[key], single[key], rtol=1e-10, atol=1e-12)
+        assert multi["kept"].shape == (7, 16, 16, 3)
+        np.testing.assert_array_equal(multi["kept"], single["kept"])
 
 
 # ----------------------------------------------------------------------------- images
@@ -143,6 +197,20 @@ def test_npz_round_trip_and_bad_npz(tmp_path):
         load_images(tmp_path / "nchw.npz")
     with pytest.raises(FileNotFoundError):
         load_images(tmp_path / "missing.npz")
+
+
+def test_npz_streaming_reader(tmp_path):
+    from evaluation.images import iter_npz_batches, npz_array_info
+
+    images = blob_images(7, 8)
+    for save in (np.savez, np.savez_compressed):
+        save(tmp_path / "a.npz", arr_0=images, other=np.arange(3))
+        assert npz_array_info(tmp_path / "a.npz") == ((7, 8, 8, 3), np.dtype(np.uint8))
+        batches = list(iter_npz_batches(tmp_path / "a.npz", batch_size=3))
+        assert [len(b) for b in batches] == [3, 3, 1] and batches[0].flags.writeable
+        np.testing.assert_array_equal(np.concatenate(batches), images)
+    with pytest.raises(ValueError, match="no 'arr_1' array"):
+        npz_array_info(tmp_path / "a.npz", "arr_1")
 
 
 def test_png_folder_round_trip_and_errors(tmp_path):
@@ -219,22 +287,63 @@ class Latents(torch.utils.data.Dataset):
 def test_reference_for_dataset_decodes_and_caches(tmp_path, monkeypatch):
     import data
 
-    def decode(latents, meta):
+    calls = []
+
+    def decode(latents, meta, **kwargs):
+        calls.append(kwargs)
         return ((latents + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
 
     monkeypatch.setattr(data, "decode_to_uint8", decode, raising=False)
     ext = PixelFeatures().eval()
     subset = np.sort(np.random.default_rng(0).choice(30, 20, replace=False))
-    expected = compute_stats(ext, blob_images(30, 16)[subset]).mean()
+    images = blob_images(30, 16)[subset]
+    expected = compute_stats(ext, images).mean()
     out = tmp_path / "ref.npz"
     for batched in (False, True):
         reference_for_dataset(Latents(f"/data/a{batched}", batched), ext, out, max_images=20, batch_size=8)
         np.testing.assert_allclose(load_reference(out, ext)[0], expected, atol=1e-6)
+    with np.load(out) as saved:  # ADM layout: images, pool and spatial statistics
+        np.testing.assert_array_equal(saved["arr_0"], images)
+        assert saved["mu_s"].shape == (12,) and int(saved["resolution"]) == 16
     mtime = out.stat().st_mtime_ns
     reference_for_dataset(Latents("/data/aTrue"), ext, out, max_images=20)  # cached: same features/data/count
     assert out.stat().st_mtime_ns == mtime
     reference_for_dataset(Latents("/data/aTrue"), ext, out, max_images=10)  # another count: rebuilt
     assert int(np.load(out)["num_images"]) == 10
+    # decode options reach decode_to_uint8 and are part of the cache key
+    calls.clear()
+    reference_for_dataset(Latents("/data/aTrue"), ext, out, max_images=10, decode_kwargs={"vae": "x.pt"})
+    assert calls and calls[0] == {"vae": "x.pt"} and str(np.load(out)["decode"]) == "vae='x.pt'"
+    # An older cache (pool statistics only) is rebuilt with the new keys.
+    save_reference(out, compute_stats(ext, images[:10]), ext.name, extra={"source": np.array("/data/aTrue")})
+    reference_for_dataset(Latents("/data/aTrue"), ext, out, max_images=10)
+    assert {"mu_s", "sigma_s", "arr_0"} <= set(np.load(out).files)
+    ref = load_reference_full(out, ext, need=("fid", "sfid", "precision"))
+    assert ref.pool_rows.shape == (10, 16) and ref.mu_s.shape == (12,)
+
+
+def test_reference_for_dataset_uses_the_posterior_mean_of_moments(tmp_path, monkeypatch):
+    """'moments' data (mean, logvar) is decoded from data.draw_latents(mode="mean") = latent_scale * mean:
+    no sampling noise, whatever the variance."""
+    import data
+
+    def decode(latents, meta, **kwargs):  # model-space pixels in [-1, 1] -> uint8 NHWC
+        return ((latents + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+
+    monkeypatch.setattr(data, "decode_to_uint8", decode, raising=False)
+    ext = PixelFeatures().eval()
+
+    class Moments(Latents):
+        meta = {"shape": [6, 16, 16], "num_classes": 2, "latent_kind": "moments", "latent_scale": 0.5,
+                "decode": {"type": "identity"}}
+
+        def __getitem__(self, i):  # raw mean = 2 x (so 0.5 * mean = x), large logvar
+            return torch.cat([self.x[i] * 2, torch.full_like(self.x[i], 3.0)]), i % 2
+
+    reference_for_dataset(Moments("/data/m"), ext, tmp_path / "m.npz", max_images=12)
+    subset = np.sort(np.random.default_rng(0).choice(30, 12, replace=False))
+    with np.load(tmp_path / "m.npz") as saved:
+        np.testing.assert_array_equal(saved["arr_0"], blob_images(30, 16)[subset])
 
 
 # ----------------------------------------------------------------------------- Inception
@@ -243,18 +352,7 @@ def test_reference_for_dataset_decodes_and_caches(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def random_inception_weights(tmp_path_factory):
     """torch-fidelity's Inception-v3 architecture with random weights, saved in its weights format."""
-    import torch_fidelity.feature_extractor_inceptionv3 as tfi
-
-    class RandomInit(tfi.FeatureExtractorInceptionV3):
-        def load_state_dict(self, *args, **kwargs):  # keep the random initialisation
-            return None
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tfi, "load_state_dict_from_url", lambda *a, **k: {})
-        net = RandomInit("inception-v3-compat", ["2048"])
-    path = tmp_path_factory.mktemp("inception") / "random-inception.pth"
-    torch.save(net.state_dict(), path)
-    return path
+    return save_random_inception_weights(tmp_path_factory.mktemp("inception") / "random-inception.pth")
 
 
 def test_inception_url_matches_torch_fidelity():
@@ -267,8 +365,8 @@ def test_inception_features_from_weights_file(random_inception_weights):
     ext = build_feature_extractor("inception", inception_weights=random_inception_weights)
     assert ext.name == "inception" and ext.dim == 2048 and not ext.training
     assert not any(p.requires_grad for p in ext.parameters())
-    out = ext(torch.from_numpy(blob_images(3, 64)).permute(0, 3, 1, 2))
-    assert out.shape == (3, 2048) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    out = ext(torch.from_numpy(blob_images(2, 64)).permute(0, 3, 1, 2))
+    assert out.shape == (2, 2048) and out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
 def test_inception_missing_weights_and_no_network(tmp_path, monkeypatch):
@@ -327,6 +425,7 @@ def test_fid_inception_end_to_end(tmp_path, random_inception_weights):
 def test_fid_validates_before_work(tmp_path):
     import fid
 
+    (tmp_path / "r.npz").touch()
     with pytest.raises(FileNotFoundError, match="images="):
         fid.run(fid_cfg(mode="calc", images=str(tmp_path / "none.npz"), ref=str(tmp_path / "r.npz")))
     with pytest.raises(ValueError, match="needs out="):
@@ -387,6 +486,27 @@ def test_toy_classifier_fid_separates_real_from_broken(small_toy_classifier):
         assert frechet_distance(*stats(broken), *ref) > 5 * fid_real
 
 
+def test_toy_classifier_forward_all(small_toy_classifier, tmp_path):
+    model = small_toy_classifier[0]
+    ext = ToyClassifierFeatures(model).eval()
+    x = toy_images(1, seed=9)                                          # 10 images, 32 px
+    out = ext.forward_all(x)
+    # spatial: block 4's output (64 channels at 8x8 for 32 px), channels [:7] in NHWC order -> 448-d
+    assert ext.dim == 64 and ext.num_logits == 10 and ext.spatial_dim == 8 * 8 * 7 and ext.resolution == 32
+    assert out["pool"].shape == (10, 64) and out["spatial"].shape == (10, 448) and out["logits"].shape == (10, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(out["pool"], ext(x))
+        torch.testing.assert_close(out["logits"], model(x))
+        mid = model.trunk[:ToyClassifierFeatures.SPATIAL_LAYER + 1](model._normalise(x))
+    assert mid.shape == (10, 64, 8, 8)
+    torch.testing.assert_close(out["spatial"].view(10, 8, 8, 7), mid[:, :7].permute(0, 2, 3, 1))
+    assert ToyClassifierFeatures(ToyClassifier(resolution=20)).spatial_dim == 5 * 5 * 7  # 20 -> 10 -> 5
+    # A reference of other-sized images cannot be scored with a classifier trained at 32 px.
+    np.savez(tmp_path / "r64.npz", mu=np.zeros(64), sigma=np.eye(64), resolution=np.array(64))
+    with pytest.raises(ValueError, match="r64.npz.*'resolution'.*64x64 images.*32x32"):
+        load_reference_full(tmp_path / "r64.npz", ext)
+
+
 def test_toy_classifier_cache_round_trip(tmp_path, monkeypatch):
     import evaluation.toy_classifier as tc
 
@@ -424,33 +544,4 @@ def test_fid_ref_from_latent_dataset_then_calc(tmp_path):
     metrics = fid.run(fid_cfg(mode="calc", images=str(tmp_path / "same.npz"), ref=str(tmp_path / "ref.npz"), **common))
     assert metrics["num_images"] == 80 and 0 <= metrics["fid"] < 50
 
-
-# ----------------------------------------------------------------------------- fid.py CLI
-
-
-def run_fid_cli(cache, *overrides):
-    env = {**os.environ, "TREAD_CACHE_DIR": str(cache)}
-    return subprocess.run([sys.executable, "fid.py", *overrides], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-
-
-def test_fid_cli_ref_and_calc(tmp_path):
-    # A random-weight classifier in the cache: this checks the plumbing, not the features' quality.
-    torch.manual_seed(0)
-    save_toy_classifier(ToyClassifier().eval(), cache_path(tmp_path / "cache"), {"accuracy": None})
-    save_png_folder(blob_images(80, seed=1), tmp_path / "ref_imgs")
-    save_npz(blob_images(80, seed=2), tmp_path / "samples.npz")
-    ref = run_fid_cli(tmp_path / "cache", "mode=ref", f"source={tmp_path / 'ref_imgs'}", f"out={tmp_path / 'ref.npz'}")
-    assert ref.returncode == 0, ref.stderr
-    calc = run_fid_cli(tmp_path / "cache", "mode=calc", f"images={tmp_path / 'samples.npz'}",
-                       f"ref={tmp_path / 'ref.npz'}", f"out_json={tmp_path / 'm.json'}")
-    assert calc.returncode == 0, calc.stderr
-    assert "FID (toy_classifier, 80 images vs ref.npz):" in calc.stdout
-    assert json.loads((tmp_path / "m.json").read_text())["num_images"] == 80
-    assert not (REPO / "outputs" / "fid").exists() and not (REPO / "fid.log").exists()
-
-
-def test_fid_cli_bad_mode(tmp_path):
-    bad = run_fid_cli(tmp_path, "mode=foo")
-    assert bad.returncode != 0
-    assert "mode=foo is not valid: use mode=ref" in bad.stderr + bad.stdout
+# The fid.py command line (ref / calc / bench) is tested in tests/test_fid.py.

@@ -1,0 +1,254 @@
+"""Checkpoint benchmarking (fid.py mode=bench): sample N images per checkpoint, decode, score, tabulate.
+
+For each checkpoint: the seeds are sharded across processes (seed i at position p goes to rank p mod P);
+every seed has its own noise generator, so the images do not depend on the number of processes or the
+batch size. Features are gathered in seed order, so the metrics do not either. Every process writes its
+images straight into one shared memory-mapped array, from which the main process writes the ADM-format
+`samples.npz` (arr_0 uint8 NHWC, arr_1 labels) that the TF ADM evaluator also reads. One row per
+checkpoint is appended to `<out_dir>/metrics.jsonl` and the whole table is rewritten as `metrics.csv`.
+"""
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import json
+import math
+import os
+import time
+import zipfile
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from evaluation.images import atomic_write
+
+TABLE_JSONL, TABLE_CSV = "metrics.jsonl", "metrics.csv"
+
+
+class BenchError(ValueError):
+    """A benchmarking input that cannot work (reported before any sampling)."""
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def expand_checkpoints(spec: Any) -> list[Path]:
+    """`spec`: one path, a comma-separated string, a list, or glob patterns of run dirs, checkpoint dirs
+    (…/checkpoints/step_XXXXXXX) or model.pt files. A run dir stands for its latest checkpoint.
+    Returns checkpoint dirs (deduplicated, in the given order; each glob sorted). Missing -> FileNotFoundError."""
+    from training import checkpoint as ckpt_io
+
+    if spec is None:
+        raise BenchError("mode=bench needs checkpoints=<run dir | checkpoint dir | model.pt | glob | list>")
+    items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s) for s in spec]
+    out: list[Path] = []
+    for item in filter(None, items):
+        if glob.has_magic(item):
+            matches = sorted(glob.glob(os.path.expanduser(item)))
+            if not matches:
+                raise FileNotFoundError(f"checkpoints={item!r}: the pattern matches nothing")
+        else:
+            matches = [os.path.expanduser(item)]
+        for m in matches:
+            path = Path(m)
+            if path.name == "model.pt" and path.is_file():
+                path = path.parent
+            if not (path / "model.pt").is_file():
+                found = ckpt_io.list_checkpoints(path) if path.is_dir() else []
+                if not found:
+                    what = "does not exist" if not path.exists() else "holds no checkpoint (model.pt)"
+                    raise FileNotFoundError(f"checkpoints: '{path}' {what}. Give a run directory, a "
+                                            f"checkpoints/step_XXXXXXX directory, its model.pt, or a glob of them.")
+                path = found[-1]
+            if path.resolve() not in [p.resolve() for p in out]:
+                out.append(path)
+    if not out:
+        raise BenchError(f"checkpoints={spec!r} names no checkpoint")
+    return out
+
+
+def checkpoint_label(path: Path) -> str:
+    """'<run name>_step_0001200' for …/<run>/checkpoints/step_0001200, else the directory name."""
+    path = Path(path)
+    return f"{path.parent.parent.name}_{path.name}" if path.parent.name == "checkpoints" else path.name
+
+
+# ----------------------------------------------------------------------------- distributed helpers
+
+def _dist() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _dist()[1] > 1:
+        dist.barrier()
+
+
+def _broadcast_error(err: Optional[BaseException]) -> None:
+    """Raise on every rank if any rank failed (so none waits forever at the next collective)."""
+    rank, world = _dist()
+    if world == 1:
+        if err is not None:
+            raise err
+        return
+    flags = [None] * world
+    dist.all_gather_object(flags, None if err is None else f"rank {rank}: {err}")
+    failed = [f for f in flags if f]
+    if err is not None:
+        raise err
+    if failed:
+        raise RuntimeError("another process failed: " + "; ".join(failed))
+
+
+# ----------------------------------------------------------------------------- npz writing
+
+def write_npz_streaming(path: Path, arrays: dict[str, np.ndarray]) -> Path:
+    """np.savez without holding a copy in RAM: memmaps are streamed into the zip in chunks
+    (numpy's write_array buffers non-file targets). Written atomically."""
+    def write(f) -> None:
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for name, arr in arrays.items():
+                with zf.open(f"{name}.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, np.asanyarray(arr), allow_pickle=False)
+
+    return atomic_write(path, write)
+
+
+# ----------------------------------------------------------------------------- table
+
+def append_row(out_dir: Path, row: dict[str, Any]) -> None:
+    """Append to metrics.jsonl and rewrite metrics.csv from all rows (columns: union of keys, in order)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / TABLE_JSONL, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    rows = read_rows(out_dir)
+    columns: list[str] = []
+    for r in rows:
+        columns += [k for k in r if k not in columns]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(out_dir / TABLE_CSV, lambda fh: fh.write(buf.getvalue().encode()))
+
+
+def read_rows(out_dir: Path) -> list[dict[str, Any]]:
+    path = Path(out_dir) / TABLE_JSONL
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def settings_key(row: dict[str, Any]) -> tuple:
+    return tuple(str(row.get(k)) for k in ("checkpoint", "use_ema", "num_samples", "seeds", "cfg_scale",
+                                            "num_steps", "features", "reference", "metrics"))
+
+
+# ----------------------------------------------------------------------------- benchmarking
+
+def min_samples(metrics: Sequence[str], pr_k: int) -> int:
+    """The fewest images the metrics can be computed from."""
+    need = 2 if {"fid", "sfid", "kid"} & set(metrics) else 1
+    if {"precision", "recall"} & set(metrics):
+        need = max(need, pr_k + 1)
+    return need
+
+
+@torch.no_grad()
+def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[str], seeds: Sequence[int],
+                         out_dir: Path, device: torch.device, batch_size: int, cfg_scale: float,
+                         num_steps: Optional[int], use_ema: bool, decode_kwargs: dict, keep_npz: bool,
+                         metric_kwargs: dict, expected_image_shape: Optional[tuple] = None) -> dict[str, Any]:
+    """Sample `seeds` from one checkpoint on this process's share, score against `reference`, return the row
+    (on every rank). Must be called on every rank of the process group."""
+    from data import decode_to_uint8, model_shape
+    from evaluation.metrics import FeatureAccumulator, compute_metrics
+    from training.evaluate import generate
+    from training.inference import load_for_inference
+
+    rank, world = _dist()
+    start = time.time()
+    net, diffusion, meta, config = load_for_inference(ckpt, use_ema, device)
+    shape = model_shape(meta)
+    image_shape = tuple(decode_to_uint8(torch.zeros(1, *shape, device=device), meta, **decode_kwargs).shape[1:])
+    if expected_image_shape is not None and image_shape != tuple(expected_image_shape):
+        raise BenchError(f"checkpoint '{ckpt}' generates {image_shape[0]}x{image_shape[1]} images but the reference "
+                         f"is for {expected_image_shape[0]}x{expected_image_shape[1]} images: use a reference built "
+                         f"from this model's data (python fid.py mode=ref source=<its dataset> out=...)")
+    label = checkpoint_label(ckpt)
+    sample_dir = out_dir / label
+    npz_path = sample_dir / "samples.npz"
+    buf_path = sample_dir / ".arr_0.npy"
+    n = len(seeds)
+    if rank == 0:
+        sample_dir.mkdir(parents=True, exist_ok=True)
+        if keep_npz:
+            np.lib.format.open_memmap(buf_path, mode="w+", dtype=np.uint8, shape=(n, *image_shape)).flush()
+    _barrier()
+    buf = np.lib.format.open_memmap(buf_path, mode="r+") if keep_npz else None
+    positions = list(range(rank, n, world))
+    my_seeds = [int(seeds[p]) for p in positions]
+    labels = torch.full((n,), -1, dtype=torch.long)
+    acc = FeatureAccumulator(extractor, metrics, device=device)
+    bar = tqdm(total=n, disable=rank != 0, desc=f"bench {label}", dynamic_ncols=True)
+    done = 0
+    for batch_seeds, y, x in generate(net, diffusion, my_seeds, shape, int(meta["num_classes"]), device,
+                                      batch_size=batch_size, cfg_scale=cfg_scale, num_steps=num_steps):
+        images = decode_to_uint8(x, meta, **decode_kwargs)                       # (B, H, W, 3) uint8
+        pos = positions[done:done + len(batch_seeds)]
+        acc.add(images.permute(0, 3, 1, 2), pos)
+        labels[pos] = y.cpu()
+        if buf is not None:
+            buf[pos] = images.cpu().numpy()
+        done += len(batch_seeds)
+        bar.update(len(batch_seeds) * world)
+    bar.close()
+    sample_sec = time.time() - start
+    if buf is not None:
+        buf.flush()
+        del buf
+    if world > 1:  # every label is set by exactly one rank; the others hold -1
+        labels = labels.to(device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(labels, op=dist.ReduceOp.MAX)
+        labels = labels.cpu()
+    acc.gather()
+    scores = compute_metrics(acc, reference, metrics, **metric_kwargs)
+    _barrier()
+    if rank == 0 and keep_npz:
+        arr = np.load(buf_path, mmap_mode="r")
+        write_npz_streaming(npz_path, {"arr_0": arr, "arr_1": labels.numpy()})
+        del arr
+        os.remove(buf_path)
+    diff_cfg = config.get("diffusion", {})
+    steps = num_steps or diff_cfg.get("num_steps")
+    return {"checkpoint": str(ckpt), "label": label, "step": _step_of(ckpt),
+            "model": config.get("model", {}).get("arch"), "use_ema": use_ema, "num_samples": n,
+            "seeds": f"{seeds[0]}..{seeds[-1]}" if list(seeds) == list(range(seeds[0], seeds[0] + n)) else
+            ",".join(map(str, seeds)), "cfg_scale": cfg_scale, "num_steps": num_steps, "sampler_steps": steps,
+            **{k: v for k, v in scores.items() if k != "num_samples"},
+            "features": extractor.name, "npz": str(npz_path) if keep_npz else None, "world_size": world,
+            "sample_sec": round(sample_sec, 3), "images_per_sec": round(n / max(sample_sec, 1e-9), 3),
+            "total_sec": round(time.time() - start, 3)}
+
+
+def _step_of(ckpt: Path) -> Optional[int]:
+    name = Path(ckpt).name
+    return int(name.split("_")[-1]) if name.startswith("step_") and name.split("_")[-1].isdigit() else None
+
+
+def finite_or_none(x: Any) -> Any:
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def rows_to_markdown(rows: Iterable[dict[str, Any]], columns: Sequence[str]) -> str:
+    rows = list(rows)
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
