@@ -1,119 +1,290 @@
-"""FID: build reference statistics, or score generated images against them.
+"""ADM-style evaluation: build references, score images, benchmark checkpoints.
 
-    python fid.py mode=ref source=.cache/toy_shapes_r32_n1000_s0 out=ref_toy.npz
-    python fid.py mode=calc images=outputs/runs/<run>/samples/<...>/samples.npz ref=ref_toy.npz
-    python fid.py mode=ref features=inception inception_weights=/path/weights.pth source=imgs/ out=ref.npz
-    python fid.py mode=calc features=inception images=samples.npz ref=VIRTUAL_imagenet256_labeled.npz
+    # reference statistics (mu/sigma, mu_s/sigma_s and 10K reference images arr_0) from images or a dataset
+    python fid.py mode=ref source=<image folder | samples .npz | latent dataset dir> out=ref.npz
+    # metrics of generated images against a reference (ours, or ADM's VIRTUAL_imagenet256_labeled.npz as is)
+    python fid.py mode=calc images=<folder | .npz> ref=ref.npz out_json=metrics.json
+    # checkpoint benchmarking: sample, decode, score, one table row per checkpoint
+    accelerate launch fid.py mode=bench 'checkpoints=outputs/runs/<run>/checkpoints/step_*' ref=ref.npz \
+        num_samples=50000 cfg_scale=1.5 features=inception
 
-Features default to the offline toy classifier (built-in data); use features=inception for
-FID numbers comparable to the literature. See configs/fid.yaml for every key.
+Metrics: fid, sfid, is, precision, recall, kid (metrics=[...]). Features default to the offline toy
+classifier (built-in data); features=inception gives numbers comparable with the literature.
+See configs/fid.yaml for every key.
 """
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-MODES = ("ref", "calc")
+from evaluation.bench import BenchError as FidError  # a fid.py input that cannot work: `error: ...`, exit 1
+
+MODES = ("ref", "calc", "bench")
+METRIC_CHOICES = ("fid", "sfid", "is", "precision", "recall", "kid")
+VAE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _existing(cfg: DictConfig, key: str, what: str) -> Path:
     if cfg.get(key) is None:
-        raise ValueError(f"mode={cfg.mode} needs {key}=<{what}>")
+        raise FidError(f"mode={cfg.mode} needs {key}=<{what}>")
     path = Path(str(cfg[key])).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"{key}={path} does not exist")
     return path
 
 
+def _positive_int(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
+    value = cfg.get(key)
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise FidError(f"{key}={value!r} must be a positive integer{' or null' if allow_none else ''}")
+
+
+def metric_list(cfg: DictConfig) -> list[str]:
+    metrics = cfg.metrics
+    metrics = [metrics] if isinstance(metrics, str) else list(metrics)
+    bad = [m for m in metrics if m not in METRIC_CHOICES]
+    if bad or not metrics:
+        raise FidError(f"metrics={metrics} is not valid: choose a non-empty list from {list(METRIC_CHOICES)}")
+    return metrics
+
+
 def validate(cfg: DictConfig) -> None:
-    """Cheap checks of modes and paths, before any network is loaded or trained."""
+    """Cheap checks of every key this mode uses, before any network is loaded or any image is made."""
     if OmegaConf.is_missing(cfg, "mode") or cfg.mode not in MODES:
         mode = "???" if OmegaConf.is_missing(cfg, "mode") else cfg.mode
-        raise ValueError(f"mode={mode} is not valid: use mode=ref (build reference statistics) "
-                         f"or mode=calc (FID against a reference)")
-    if cfg.mode == "ref":
-        _existing(cfg, "source", "image folder | .npz | dataset dir")
-        if cfg.get("out") is None:
-            raise ValueError("mode=ref needs out=<reference .npz to write>")
-    else:
-        _existing(cfg, "images", "image folder | .npz")
-        _existing(cfg, "ref", "reference .npz")
+        raise FidError(f"mode={mode} is not valid: use mode=ref (build a reference), mode=calc (metrics of images "
+                       f"against a reference) or mode=bench (sample and score checkpoints)")
     from evaluation.features import FEATURE_NAMES
 
     if cfg.features not in FEATURE_NAMES:
-        raise ValueError(f"features={cfg.features} is not valid: use one of {', '.join(FEATURE_NAMES)}")
+        raise FidError(f"features={cfg.features} is not valid: use one of {', '.join(FEATURE_NAMES)}")
     if cfg.inception_weights is not None and cfg.features == "inception":
         _existing(cfg, "inception_weights", "Inception weights file")
+    if cfg.vae_dtype not in VAE_DTYPES:
+        raise FidError(f"vae_dtype={cfg.vae_dtype} is not valid: use one of {list(VAE_DTYPES)}")
+    for key in ("batch_size", "decode_batch_size"):
+        _positive_int(cfg, key)
+    if cfg.mode == "ref":
+        _existing(cfg, "source", "image folder | .npz | latent dataset dir")
+        if cfg.get("out") is None:
+            raise FidError("mode=ref needs out=<reference .npz to write>")
+        _positive_int(cfg, "max_images", allow_none=True)
+        if not isinstance(cfg.store_images, int) or cfg.store_images < 0:
+            raise FidError(f"store_images={cfg.store_images!r} must be an integer >= 0 (reference images kept as "
+                           f"arr_0 for precision/recall; ADM keeps 10000)")
+        return
+    metric_list(cfg)
+    _existing(cfg, "ref", "reference .npz")
+    if cfg.mode == "calc":
+        _existing(cfg, "images", "image folder | .npz")
+        return
+    from evaluation.bench import expand_checkpoints, min_samples
+
+    expand_checkpoints(cfg.checkpoints)
+    for key in ("num_samples", "sample_batch_size", "pr_k"):
+        _positive_int(cfg, key)
+    _positive_int(cfg, "num_steps", allow_none=True)
+    from training.inference import parse_seeds
+
+    try:
+        seeds = parse_seeds(cfg.seeds, cfg.num_samples)
+    except ValueError as err:
+        raise FidError(f"seeds={cfg.seeds!r} is not valid ({err}): use null, 'a-b', '1,5,7' or a list") from None
+    if len(set(seeds)) != len(seeds):
+        raise FidError(f"seeds={cfg.seeds!r} repeats seeds: every image must have its own seed")
+    need = min_samples(metric_list(cfg), cfg.pr_k)
+    if len(seeds) < need:
+        raise FidError(f"{len(seeds)} images (num_samples/seeds) are too few for metrics={metric_list(cfg)}: "
+                       f"need at least {need} (ADM reports 50000)")
+    if cfg.cfg_scale < 0:
+        raise FidError(f"cfg_scale={cfg.cfg_scale} must be >= 0 (1 = no guidance)")
+
+
+def decode_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """How latents become pixels: the dataset's VAE (overridden by vae=PATH), in vae_dtype, in batches."""
+    return {"vae": cfg.vae, "vae_dtype": cfg.vae_dtype, "batch_size": cfg.decode_batch_size}
+
+
+def metric_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    return {"is_split_size": cfg.is_split_size, "pr_k": cfg.pr_k, "kid_subsets": cfg.kid_subsets,
+            "kid_subset_size": cfg.kid_subset_size, "seed": cfg.metric_seed}
+
+
+def _print_metrics(title: str, metrics: dict[str, Any]) -> None:
+    shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+    print(f"{title}: {shown}")
 
 
 def run_ref(cfg: DictConfig, extractor) -> dict[str, Any]:
-    from evaluation.images import load_images
-    from evaluation.reference import compute_stats, reference_for_dataset, save_reference, subset_indices
+    from evaluation.reference import build_reference
 
     source, out = Path(cfg.source), Path(cfg.out)
-    if (source / "meta.json").is_file():  # a latent dataset: decode it, as in-training evaluation does
-        from data import LatentDataset
+    build_reference(out, extractor, source, max_images=cfg.max_images, store_images=cfg.store_images,
+                    batch_size=cfg.batch_size, decode_kwargs=decode_kwargs(cfg))
+    import numpy as np
 
-        if cfg.store_images:
-            raise ValueError("store_images=true is only supported for image folders / .npz sources")
-        dataset = LatentDataset(str(source))
-        reference_for_dataset(dataset, extractor, out, max_images=cfg.max_images, batch_size=cfg.batch_size,
-                              force=True)
-        num = len(subset_indices(len(dataset), cfg.max_images))
-    else:
-        images = load_images(source)
-        images = images[subset_indices(len(images), cfg.max_images)]
-        stats = compute_stats(extractor, images, cfg.batch_size)
-        save_reference(out, stats, extractor.name, images if cfg.store_images else None)
-        num = stats.n
-    print(f"Reference statistics ({extractor.name}, {num} images from {source}) written to {out}")
+    with np.load(out) as data:
+        num = int(data["num_images"])
+    print(f"Reference ({extractor.name}, {num} images from {source}) written to {out}")
     return {"out": str(out), "num_images": num, "features": extractor.name}
 
 
 def run_calc(cfg: DictConfig, extractor) -> dict[str, Any]:
-    from evaluation.images import atomic_write, load_images
-    from evaluation.reference import fid_against_reference
+    import torch
 
+    from evaluation.images import atomic_write, load_images
+    from evaluation.metrics import FeatureAccumulator, compute_metrics
+    from evaluation.reference import load_reference_full
+
+    metrics = metric_list(cfg)
+    reference = load_reference_full(cfg.ref, extractor, cfg.batch_size, need=metrics)
     images = load_images(cfg.images)
-    fid = fid_against_reference(extractor, images, cfg.ref, cfg.batch_size)
-    metrics = {"fid": fid, "num_images": len(images), "features": extractor.name, "ref": str(cfg.ref),
-               "images": str(cfg.images)}
-    print(f"FID ({extractor.name}, {len(images)} images vs {Path(cfg.ref).name}): {fid:.4f}")
+    acc = FeatureAccumulator(extractor, metrics)
+    for i in range(0, len(images), cfg.batch_size):
+        batch = torch.from_numpy(images[i:i + cfg.batch_size]).permute(0, 3, 1, 2)
+        acc.add(batch, list(range(i, i + len(batch))))
+    scores = compute_metrics(acc, reference, metrics, **metric_kwargs(cfg))
+    result = {**scores, "num_images": len(images), "features": extractor.name, "ref": str(cfg.ref),
+              "images": str(cfg.images)}
+    _print_metrics(f"{extractor.name}, {len(images)} images vs {Path(cfg.ref).name}", scores)
     if cfg.out_json:
-        atomic_write(cfg.out_json, lambda f: f.write(json.dumps(metrics, indent=2).encode()))
+        atomic_write(cfg.out_json, lambda f: f.write(json.dumps(result, indent=2).encode()))
         print(f"Metrics written to {cfg.out_json}")
-    return metrics
+    return result
+
+
+def reference_image_shape(path: Path) -> Optional[tuple[int, int, int]]:
+    """(H, W, 3) of the images a reference .npz describes: its `resolution` key or its arr_0 header
+    (read without loading the images); None if it says nothing."""
+    import zipfile
+
+    import numpy as np
+
+    with np.load(path) as data:
+        if "resolution" in data.files:
+            r = int(data["resolution"])
+            return (r, r, 3)
+    with zipfile.ZipFile(path) as zf:
+        if "arr_0.npy" not in zf.namelist():
+            return None
+        with zf.open("arr_0.npy") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, _, _ = read_header(f)
+    return tuple(shape[1:]) if len(shape) == 4 else None
+
+
+def _checkpoint_image_side(ckpts: list[Path]) -> int:
+    """Image side the toy classifier must be trained at: the first checkpoint's identity-decoded data."""
+    import torch
+
+    from data import model_shape
+
+    meta = torch.load(ckpts[0] / "model.pt", map_location="cpu", weights_only=False, mmap=True)["data_meta"]
+    return int(meta.get("image_resolution") or model_shape(meta)[-1])
+
+
+def run_bench(cfg: DictConfig, extractor, state) -> list[dict[str, Any]]:
+    from evaluation.bench import append_row, benchmark_checkpoint, expand_checkpoints, read_rows, settings_key
+    from evaluation.reference import load_reference_full
+    from training.inference import parse_seeds
+
+    metrics = metric_list(cfg)
+    ckpts = expand_checkpoints(cfg.checkpoints)
+    seeds = parse_seeds(cfg.seeds, cfg.num_samples)
+    reference = load_reference_full(cfg.ref, extractor, cfg.batch_size, need=metrics)
+    ref_shape = reference_image_shape(Path(cfg.ref))
+    out_dir = Path(cfg.out_dir)
+    done = {settings_key(r) for r in read_rows(out_dir) if r.get("status", "ok") == "ok"}
+    rows = []
+    for ckpt in ckpts:
+        settings = {"checkpoint": str(ckpt), "use_ema": cfg.use_ema, "num_samples": len(seeds),
+                    "seeds": _seed_text(seeds), "cfg_scale": cfg.cfg_scale, "num_steps": cfg.num_steps,
+                    "features": extractor.name, "reference": str(cfg.ref), "metrics": ",".join(metrics)}
+        if cfg.skip_existing and settings_key(settings) in done:
+            if state.is_main_process:
+                print(f"{ckpt}: already benchmarked with these settings in {out_dir}; skipped (skip_existing=false "
+                      f"to redo)")
+            continue
+        row = benchmark_checkpoint(
+            ckpt, extractor=extractor, reference=reference, metrics=metrics, seeds=seeds, out_dir=out_dir,
+            device=state.device, batch_size=cfg.sample_batch_size, cfg_scale=cfg.cfg_scale,
+            num_steps=cfg.num_steps, use_ema=cfg.use_ema, decode_kwargs=decode_kwargs(cfg), keep_npz=cfg.keep_npz,
+            metric_kwargs=metric_kwargs(cfg), expected_image_shape=ref_shape)
+        row.update({**settings, "checkpoint": str(ckpt), "reference": str(cfg.ref),
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+        if state.is_main_process:
+            append_row(out_dir, row)
+            _print_metrics(f"{row['label']} ({len(seeds)} images, {extractor.name})",
+                           {m: row[m] for m in ("fid", "sfid", "is", "precision", "recall", "kid") if m in row})
+        rows.append(row)
+    if state.is_main_process:
+        print(f"Table: {out_dir / 'metrics.csv'} ({len(rows)} new row(s))")
+    return rows
+
+
+def _seed_text(seeds: list[int]) -> str:
+    if seeds == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"{seeds[0]}..{seeds[-1]}"
+    return ",".join(map(str, seeds))
 
 
 def _image_side(cfg: DictConfig) -> int:
     """Side of the images to score: the toy classifier is trained at that resolution."""
     from evaluation.images import load_images
 
+    if cfg.mode == "bench":
+        from evaluation.bench import expand_checkpoints
+
+        return _checkpoint_image_side(expand_checkpoints(cfg.checkpoints))
     source = Path(str(cfg.source if cfg.mode == "ref" else cfg.images))
     if (source / "meta.json").is_file():
-        from data import read_meta
+        from data import model_shape, read_meta
 
-        return int(read_meta(source)["shape"][-1])
+        meta = read_meta(source)
+        return int(meta.get("image_resolution") or model_shape(meta)[-1])
     return int(load_images(source).shape[1]) if cfg.features == "toy_classifier" else 32
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig) -> Any:
     """Everything fid.py does, callable without Hydra (cfg: the keys of configs/fid.yaml)."""
     validate(cfg)
     from evaluation.features import build_feature_extractor
 
-    extractor = build_feature_extractor(cfg.features, inception_weights=cfg.inception_weights,
-                                        cache_dir=cfg.cache_dir, device=cfg.device, resolution=_image_side(cfg))
-    return run_ref(cfg, extractor) if cfg.mode == "ref" else run_calc(cfg, extractor)
+    state = None
+    device = cfg.device
+    if cfg.mode == "bench":  # seeds are sharded over the processes `accelerate launch` starts
+        from accelerate import PartialState
+
+        state = PartialState(cpu=cfg.device == "cpu")
+        device = state.device
+    try:
+        extractor = build_feature_extractor(cfg.features, inception_weights=cfg.inception_weights,
+                                            cache_dir=cfg.cache_dir, device=device, resolution=_image_side(cfg))
+    except RuntimeError as err:  # e.g. Inception weights missing with no network: says how to provide them
+        raise FidError(str(err)) from None
+    if cfg.mode == "ref":
+        return run_ref(cfg, extractor)
+    if cfg.mode == "calc":
+        return run_calc(cfg, extractor)
+    return run_bench(cfg, extractor, state)
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="fid")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    try:
+        run(cfg)
+    except (ValueError, FileNotFoundError) as err:  # FidError, LatentDatasetError, bad references: user errors
+        sys.exit(f"error: {err}")
 
 
 if __name__ == "__main__":

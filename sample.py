@@ -24,14 +24,15 @@ def run(cfg: DictConfig) -> None:
     import torch
 
     from data import check_decodable, decode_to_uint8, model_shape
-    from training.evaluate import generate
+    from training.evaluate import decode_options, generate
     from training.loop import ConfigError
     from training.inference import load_for_inference, parse_seeds, resolve_device, run_dir_of, write_samples
 
     device = resolve_device(cfg.device)
     net, diffusion, meta, config = load_for_inference(cfg.checkpoint, cfg.use_ema, device)
     num_classes = int(meta["num_classes"])
-    check_decodable(meta)  # undecodable data fails before sampling
+    decode = decode_options(cfg)
+    check_decodable(meta, **decode)  # undecodable data (or a missing VAE) fails before sampling
     seeds = parse_seeds(cfg.seeds, cfg.num_samples)
     classes = list(cfg.classes) if cfg.classes is not None else None
     bad = [c for c in classes or [] if not 0 <= int(c) < num_classes]
@@ -40,7 +41,7 @@ def run(cfg: DictConfig) -> None:
     images, labels = [], []
     for _, y, x in generate(net, diffusion, seeds, model_shape(meta), num_classes, device, batch_size=cfg.batch_size,
                             classes=classes, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_steps):
-        images.append(decode_to_uint8(x, meta).cpu())
+        images.append(decode_to_uint8(x, meta, **decode).cpu())
         labels.append(y.cpu())
     run_dir = run_dir_of(cfg.checkpoint)
     out = Path(cfg.out_dir) if cfg.out_dir else run_dir / "samples" / f"sample_{time.strftime('%Y%m%d-%H%M%S')}"

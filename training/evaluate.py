@@ -15,9 +15,9 @@ import torch.distributed as dist
 from data import check_decodable, decode_to_uint8
 from diffusion import StackedRandomGenerator
 from evaluation.features import build_feature_extractor
-from evaluation.frechet import FeatureStats, frechet_distance
 from evaluation.images import save_image_grid
-from evaluation.reference import load_reference, reference_for_dataset
+from evaluation.metrics import FeatureAccumulator, compute_metrics
+from evaluation.reference import load_reference_full, reference_for_dataset
 
 
 def class_for_seed(seed: int, num_classes: int) -> int:
@@ -46,19 +46,32 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
         yield batch, labels, x
 
 
+def decode_options(cfg: Any) -> dict[str, Any]:
+    """decode_to_uint8 keyword options from a config node (eval.*, sample.py or fid.py keys)."""
+    return {"vae": cfg.get("vae"), "vae_dtype": cfg.get("vae_dtype") or "float32",
+            "batch_size": cfg.get("decode_batch_size") or 32}
+
+
 class Evaluator:
-    """FID of generated samples against the dataset's reference statistics, plus a sample grid."""
+    """ADM-style metrics (eval.metrics; FID by default) of generated samples against the dataset's
+    reference, plus a sample grid. The VAE (if any) and the reference are loaded once, here."""
 
     def __init__(self, eval_cfg: Any, dataset, cache_dir: str | Path, accelerator):
         self.cfg = eval_cfg
         self.dataset = dataset
         self.accelerator = accelerator
         self.device = accelerator.device
-        check_decodable(dataset.meta)
+        self.decode = decode_options(eval_cfg)
+        self.metrics = [eval_cfg.metrics] if isinstance(eval_cfg.get("metrics"), str) else \
+            list(eval_cfg.get("metrics") or ["fid"])
+        # Loads the VAE now (once per process): missing weights fail before training.
+        check_decodable(dataset.meta, **self.decode, device=self.device)
+        zeros = torch.zeros(1, *dataset.shape, device=self.device)
+        self.image_shape = tuple(decode_to_uint8(zeros, dataset.meta, **self.decode).shape[1:])  # (H, W, 3)
         self.extractor = build_feature_extractor(
             eval_cfg.features, inception_weights=eval_cfg.get("inception_weights"),
             cache_dir=str(cache_dir), device=str(self.device),
-            resolution=dataset.resolution)
+            resolution=self.image_shape[0])
         ref = eval_cfg.get("reference")
         if ref:
             if not Path(ref).is_file():
@@ -69,30 +82,30 @@ class Evaluator:
             self.ref_path = Path(cache_dir) / "references" / f"{name}_{self.extractor.name}.npz"
             with accelerator.main_process_first():  # the first process builds and caches it
                 reference_for_dataset(dataset, self.extractor, self.ref_path,
-                                      max_images=eval_cfg.get("reference_max_images"))
-        self.mu_ref, self.sigma_ref = load_reference(self.ref_path, self.extractor)
+                                      max_images=eval_cfg.get("reference_max_images"), decode_kwargs=self.decode)
+        self.reference = load_reference_full(self.ref_path, self.extractor, need=self.metrics)
 
     def __call__(self, net, diffusion, step: int, samples_dir: Optional[Path]) -> dict[str, Any]:
         start = time.time()
         acc, cfg = self.accelerator, self.cfg
         seeds = list(range(cfg.num_samples))[acc.process_index::acc.num_processes]
         shape = list(self.dataset.shape)
-        stats = FeatureStats(dim=self.extractor.dim, device=self.device)  # a rank may get no seeds
+        feats = FeatureAccumulator(self.extractor, self.metrics, device=self.device)  # a rank may get no seeds
         grid_n = min(cfg.grid_size, cfg.num_samples)
         grid: dict[int, torch.Tensor] = {}
         for batch, _, x in generate(net, diffusion, seeds, shape, self.dataset.num_classes, self.device,
                                     batch_size=cfg.batch_size, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_steps):
-            images = decode_to_uint8(x, self.dataset.meta)                           # (B, H, W, 3) uint8
-            stats.update(self.extractor(images.permute(0, 3, 1, 2).to(self.device)))
+            images = decode_to_uint8(x, self.dataset.meta, **self.decode)            # (B, H, W, 3) uint8
+            feats.add(images.permute(0, 3, 1, 2), batch)                             # indexed by seed
             grid.update({s: img.cpu() for s, img in zip(batch, images) if s < grid_n})
-        stats.all_reduce()
-        grid_images = self._gather_grid(grid, grid_n, (*shape[1:], 3))
-        fid = frechet_distance(stats.mean(), stats.cov(), self.mu_ref, self.sigma_ref)
+        feats.gather()
+        scores = compute_metrics(feats, self.reference, self.metrics)
+        grid_images = self._gather_grid(grid, grid_n, self.image_shape)
         if acc.is_main_process and samples_dir is not None:
             save_image_grid(grid_images, Path(samples_dir) / f"step_{step:07d}.png",
                             nrow=min(self.dataset.num_classes, grid_n),
-                            upscale=max(1, 64 // self.dataset.resolution))
-        return {"type": "eval", "step": step, "fid": fid, "num_samples": cfg.num_samples,
+                            upscale=max(1, 64 // grid_images.shape[1]))
+        return {"type": "eval", "step": step, **scores, "num_samples": cfg.num_samples,
                 "features": self.extractor.name, "eval_sec": time.time() - start}
 
     def _gather_grid(self, grid: dict[int, torch.Tensor], n: int, img_shape) -> torch.Tensor:

@@ -29,6 +29,7 @@ from training.evaluate import Evaluator
 from training.metrics import MetricsLogger
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
+METRIC_NAMES = ("fid", "sfid", "is", "precision", "recall", "kid")  # eval.metrics choices (evaluation.metrics)
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,13 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
             raise ConfigError(f"{group}.every_steps={cfg[group].every_steps!r} must be an integer >= 0 (0 disables).")
     if (cfg.eval.every_steps or cfg.eval.at_end) and cfg.eval.num_samples < 2:
         raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} must be >= 2 to estimate a covariance.")
+    metrics = cfg.eval.get("metrics") or ["fid"]
+    metrics = [metrics] if isinstance(metrics, str) else list(metrics)
+    bad = [m for m in metrics if m not in METRIC_NAMES]
+    if bad:
+        raise ConfigError(f"eval.metrics={metrics} has unknown metric(s) {bad}; allowed: {list(METRIC_NAMES)}.")
+    if cfg.eval.get("vae_dtype", "float32") not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"eval.vae_dtype={cfg.eval.vae_dtype!r} is not allowed; use float32, bfloat16 or float16.")
     denom = world_size * t.grad_accum_steps
     if t.batch_size % denom:
         raise ConfigError(
@@ -216,9 +224,11 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             record = evaluator(ema, diffusion, state.step, run_dir / "samples")
             logger.log(record)
             if accelerator.is_main_process:
-                tqdm.write(f"step {state.step}: FID ({record['features']}, {record['num_samples']} samples) "
-                           f"= {record['fid']:.3f}")
-            summary.setdefault("fid", []).append((state.step, record["fid"]))
+                shown = ", ".join(f"{k} {record[k]:.4g}" for k in METRIC_NAMES if k in record)
+                tqdm.write(f"step {state.step} ({record['features']} features, {record['num_samples']} samples): "
+                           f"{shown}")
+            if "fid" in record:
+                summary.setdefault("fid", []).append((state.step, record["fid"]))
             window_start = time.time()  # evaluation time is not training throughput
         if (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0) or last:
             save_checkpoint(accelerator, run_dir, cfg, state, net, ema, optimizer, loader, dataset.meta)
