@@ -137,24 +137,46 @@ def run_ref(cfg: DictConfig, extractor) -> dict[str, Any]:
     return {"out": str(out), "num_images": num, "features": extractor.name}
 
 
+def iter_images(path: Path, batch_size: int) -> tuple[int, Any]:
+    """(count, iterator of uint8 NHWC batches) of an image folder or an .npz's arr_0, streamed so that
+    50K 256 px samples never sit in memory at once."""
+    from evaluation.images import image_files, iter_image_folder, iter_npz_batches, npz_array_info
+
+    if path.is_dir():
+        return len(image_files(path)), iter_image_folder(path, batch_size)
+    if path.suffix == ".npz":
+        shape, dtype = npz_array_info(path, "arr_0")
+        if str(dtype) != "uint8" or len(shape) != 4 or shape[-1] != 3:
+            raise FidError(f"images={path}: arr_0 must be uint8 (N, H, W, 3) images, got {dtype} {tuple(shape)}")
+        return int(shape[0]), iter_npz_batches(path, "arr_0", batch_size)
+    raise FidError(f"images={path} is neither an image folder nor an .npz file (arr_0 = uint8 NHWC images)")
+
+
 def run_calc(cfg: DictConfig, extractor) -> dict[str, Any]:
     import torch
+    from tqdm.auto import tqdm
 
-    from evaluation.images import atomic_write, load_images
+    from evaluation.bench import min_samples
+    from evaluation.images import atomic_write
     from evaluation.metrics import FeatureAccumulator, compute_metrics
     from evaluation.reference import load_reference_full
 
     metrics = metric_list(cfg)
+    total, batches = iter_images(Path(cfg.images), cfg.batch_size)
+    if total < min_samples(metrics, cfg.pr_k):
+        raise FidError(f"images={cfg.images} holds {total} images: too few for metrics={metrics} (need at least "
+                       f"{min_samples(metrics, cfg.pr_k)})")
     reference = load_reference_full(cfg.ref, extractor, cfg.batch_size, need=metrics)
-    images = load_images(cfg.images)
-    acc = FeatureAccumulator(extractor, metrics)
-    for i in range(0, len(images), cfg.batch_size):
-        batch = torch.from_numpy(images[i:i + cfg.batch_size]).permute(0, 3, 1, 2)
-        acc.add(batch, list(range(i, i + len(batch))))
+    acc, done = FeatureAccumulator(extractor, metrics), 0
+    with tqdm(total=total, desc=f"features ({extractor.name})", unit="img", dynamic_ncols=True, leave=False) as bar:
+        for batch in batches:
+            acc.add(torch.from_numpy(batch).permute(0, 3, 1, 2), list(range(done, done + len(batch))))
+            done += len(batch)
+            bar.update(len(batch))
     scores = compute_metrics(acc, reference, metrics, **metric_kwargs(cfg))
-    result = {**scores, "num_images": len(images), "features": extractor.name, "ref": str(cfg.ref),
+    result = {**scores, "num_images": total, "features": extractor.name, "ref": str(cfg.ref),
               "images": str(cfg.images)}
-    _print_metrics(f"{extractor.name}, {len(images)} images vs {Path(cfg.ref).name}", scores)
+    _print_metrics(f"{extractor.name}, {total} images vs {Path(cfg.ref).name}", scores)
     if cfg.out_json:
         atomic_write(cfg.out_json, lambda f: f.write(json.dumps(result, indent=2).encode()))
         print(f"Metrics written to {cfg.out_json}")
@@ -240,8 +262,6 @@ def _seed_text(seeds: list[int]) -> str:
 
 def _image_side(cfg: DictConfig) -> int:
     """Side of the images to score: the toy classifier is trained at that resolution."""
-    from evaluation.images import load_images
-
     if cfg.mode == "bench":
         from evaluation.bench import expand_checkpoints
 
@@ -252,7 +272,17 @@ def _image_side(cfg: DictConfig) -> int:
 
         meta = read_meta(source)
         return int(meta.get("image_resolution") or model_shape(meta)[-1])
-    return int(load_images(source).shape[1]) if cfg.features == "toy_classifier" else 32
+    if cfg.features != "toy_classifier":
+        return 32  # unused: Inception resizes to 299 itself
+    if source.is_dir():
+        from evaluation.images import image_files
+        from PIL import Image
+
+        with Image.open(image_files(source)[0]) as im:
+            return im.size[1]
+    from evaluation.images import npz_array_info
+
+    return int(npz_array_info(source, "arr_0")[0][1])
 
 
 def run(cfg: DictConfig) -> Any:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from tqdm.auto import tqdm
 
 from evaluation.features import extract_features, extractor_device, forward_features
 from evaluation.frechet import FeatureStats, frechet_distance
@@ -395,7 +396,8 @@ def reference_for_dataset(dataset, extractor: nn.Module, out_path: PathLike, max
     print(f"Building reference statistics ({extractor.name}, {len(indices)} images) -> {out_path}", flush=True)
     device = extractor_device(extractor)
     builder = ReferenceBuilder(extractor, len(indices), store_images)
-    for i in range(0, len(indices), batch_size):
+    for i in tqdm(range(0, len(indices), batch_size), desc=f"reference ({extractor.name})", unit="batch",
+                  dynamic_ncols=True, leave=False):
         x = _latents(dataset, indices[i:i + batch_size]).to(device)
         x = data_mod.draw_latents(x, dataset.meta, mode="mean")
         images = data_mod.decode_to_uint8(x, dataset.meta, **(decode_kwargs or {}))
@@ -434,9 +436,12 @@ def build_reference(out: PathLike, extractor: nn.Module, source: PathLike, *, ma
                          f"dataset directory (with meta.json)")
     builder = ReferenceBuilder(extractor, len(chosen), store_images)
     done = 0
-    for batch in batches:
-        builder.add(batch, np.arange(done, done + len(batch)))
-        done += len(batch)
+    with tqdm(total=len(chosen), desc=f"reference ({extractor.name})", unit="img", dynamic_ncols=True,
+              leave=False) as bar:
+        for batch in batches:
+            builder.add(batch, np.arange(done, done + len(batch)))
+            done += len(batch)
+            bar.update(len(batch))
     return builder.save(out, str(source))
 
 
