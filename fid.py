@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,8 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 from evaluation.bench import BenchError as FidError  # a fid.py input that cannot work: `error: ...`, exit 1
 
 MODES = ("ref", "calc", "bench")
-METRIC_CHOICES = ("fid", "sfid", "is", "precision", "recall", "kid")
-VAE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _existing(cfg: DictConfig, key: str, what: str) -> Path:
@@ -48,12 +45,12 @@ def _positive_int(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
 
 
 def metric_list(cfg: DictConfig) -> list[str]:
-    metrics = cfg.metrics
-    metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-    bad = [m for m in metrics if m not in METRIC_CHOICES]
-    if bad or not metrics:
-        raise FidError(f"metrics={metrics} is not valid: choose a non-empty list from {list(METRIC_CHOICES)}")
-    return metrics
+    from training.evaluate import metric_names
+
+    try:
+        return list(metric_names(cfg))
+    except ValueError as err:
+        raise FidError(str(err)) from None
 
 
 def validate(cfg: DictConfig) -> None:
@@ -68,10 +65,8 @@ def validate(cfg: DictConfig) -> None:
         raise FidError(f"features={cfg.features} is not valid: use one of {', '.join(FEATURE_NAMES)}")
     if cfg.inception_weights is not None and cfg.features == "inception":
         _existing(cfg, "inception_weights", "Inception weights file")
-    if cfg.vae_dtype not in VAE_DTYPES:
-        raise FidError(f"vae_dtype={cfg.vae_dtype} is not valid: use one of {list(VAE_DTYPES)}")
-    for key in ("batch_size", "decode_batch_size"):
-        _positive_int(cfg, key)
+    decode_kwargs(cfg)
+    _positive_int(cfg, "batch_size")
     if cfg.mode == "ref":
         _existing(cfg, "source", "image folder | .npz | latent dataset dir")
         if cfg.get("out") is None:
@@ -82,6 +77,8 @@ def validate(cfg: DictConfig) -> None:
                            f"arr_0 for precision/recall; ADM keeps 10000)")
         return
     metric_list(cfg)
+    for key in ("is_split_size", "pr_k", "kid_subsets", "kid_subset_size"):
+        _positive_int(cfg, key)
     _existing(cfg, "ref", "reference .npz")
     if cfg.mode == "calc":
         _existing(cfg, "images", "image folder | .npz")
@@ -89,7 +86,7 @@ def validate(cfg: DictConfig) -> None:
     from evaluation.bench import expand_checkpoints, min_samples
 
     expand_checkpoints(cfg.checkpoints)
-    for key in ("num_samples", "sample_batch_size", "pr_k"):
+    for key in ("num_samples", "sample_batch_size"):
         _positive_int(cfg, key)
     _positive_int(cfg, "num_steps", allow_none=True)
     from training.inference import parse_seeds
@@ -110,7 +107,12 @@ def validate(cfg: DictConfig) -> None:
 
 def decode_kwargs(cfg: DictConfig) -> dict[str, Any]:
     """How latents become pixels: the dataset's VAE (overridden by vae=PATH), in vae_dtype, in batches."""
-    return {"vae": cfg.vae, "vae_dtype": cfg.vae_dtype, "batch_size": cfg.decode_batch_size}
+    from training.evaluate import decode_options
+
+    try:
+        return decode_options(cfg)
+    except ValueError as err:
+        raise FidError(str(err)) from None
 
 
 def metric_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -183,28 +185,6 @@ def run_calc(cfg: DictConfig, extractor) -> dict[str, Any]:
     return result
 
 
-def reference_image_shape(path: Path) -> Optional[tuple[int, int, int]]:
-    """(H, W, 3) of the images a reference .npz describes: its `resolution` key or its arr_0 header
-    (read without loading the images); None if it says nothing."""
-    import zipfile
-
-    import numpy as np
-
-    with np.load(path) as data:
-        if "resolution" in data.files:
-            r = int(data["resolution"])
-            return (r, r, 3)
-    with zipfile.ZipFile(path) as zf:
-        if "arr_0.npy" not in zf.namelist():
-            return None
-        with zf.open("arr_0.npy") as f:
-            version = np.lib.format.read_magic(f)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                np.lib.format.read_array_header_2_0
-            shape, _, _ = read_header(f)
-    return tuple(shape[1:]) if len(shape) == 4 else None
-
-
 def _checkpoint_image_side(ckpts: list[Path]) -> int:
     """Image side the toy classifier must be trained at: the first checkpoint's identity-decoded data."""
     import torch
@@ -216,7 +196,8 @@ def _checkpoint_image_side(ckpts: list[Path]) -> int:
 
 
 def run_bench(cfg: DictConfig, extractor, state) -> list[dict[str, Any]]:
-    from evaluation.bench import append_row, benchmark_checkpoint, expand_checkpoints, read_rows, settings_key
+    from evaluation.bench import (append_row, bench_settings, benchmark_checkpoint, expand_checkpoints, read_rows,
+                                  settings_key)
     from evaluation.reference import load_reference_full
     from training.inference import parse_seeds
 
@@ -224,14 +205,13 @@ def run_bench(cfg: DictConfig, extractor, state) -> list[dict[str, Any]]:
     ckpts = expand_checkpoints(cfg.checkpoints)
     seeds = parse_seeds(cfg.seeds, cfg.num_samples)
     reference = load_reference_full(cfg.ref, extractor, cfg.batch_size, need=metrics)
-    ref_shape = reference_image_shape(Path(cfg.ref))
     out_dir = Path(cfg.out_dir)
-    done = {settings_key(r) for r in read_rows(out_dir) if r.get("status", "ok") == "ok"}
+    done = {settings_key(r) for r in read_rows(out_dir)}
     rows = []
     for ckpt in ckpts:
-        settings = {"checkpoint": str(ckpt), "use_ema": cfg.use_ema, "num_samples": len(seeds),
-                    "seeds": _seed_text(seeds), "cfg_scale": cfg.cfg_scale, "num_steps": cfg.num_steps,
-                    "features": extractor.name, "reference": str(cfg.ref), "metrics": ",".join(metrics)}
+        settings = bench_settings(ckpt, use_ema=cfg.use_ema, seeds=seeds, cfg_scale=cfg.cfg_scale,
+                                  num_steps=cfg.num_steps, features=extractor.name, reference=reference.path,
+                                  metrics=metrics)
         if cfg.skip_existing and settings_key(settings) in done:
             if state.is_main_process:
                 print(f"{ckpt}: already benchmarked with these settings in {out_dir}; skipped (skip_existing=false "
@@ -241,23 +221,15 @@ def run_bench(cfg: DictConfig, extractor, state) -> list[dict[str, Any]]:
             ckpt, extractor=extractor, reference=reference, metrics=metrics, seeds=seeds, out_dir=out_dir,
             device=state.device, batch_size=cfg.sample_batch_size, cfg_scale=cfg.cfg_scale,
             num_steps=cfg.num_steps, use_ema=cfg.use_ema, decode_kwargs=decode_kwargs(cfg), keep_npz=cfg.keep_npz,
-            metric_kwargs=metric_kwargs(cfg), expected_image_shape=ref_shape)
-        row.update({**settings, "checkpoint": str(ckpt), "reference": str(cfg.ref),
-                    "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+            metric_kwargs=metric_kwargs(cfg))
         if state.is_main_process:
             append_row(out_dir, row)
             _print_metrics(f"{row['label']} ({len(seeds)} images, {extractor.name})",
-                           {m: row[m] for m in ("fid", "sfid", "is", "precision", "recall", "kid") if m in row})
+                           {m: row[m] for m in metrics if m in row})
         rows.append(row)
     if state.is_main_process:
         print(f"Table: {out_dir / 'metrics.csv'} ({len(rows)} new row(s))")
     return rows
-
-
-def _seed_text(seeds: list[int]) -> str:
-    if seeds == list(range(seeds[0], seeds[0] + len(seeds))):
-        return f"{seeds[0]}..{seeds[-1]}"
-    return ",".join(map(str, seeds))
 
 
 def _image_side(cfg: DictConfig) -> int:

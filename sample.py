@@ -25,7 +25,7 @@ def run(cfg: DictConfig) -> None:
 
     from data import check_decodable, decode_to_uint8, model_shape
     from training.evaluate import decode_options, generate
-    from training.loop import ConfigError
+    from training import ConfigError
     from training.inference import load_for_inference, parse_seeds, resolve_device, run_dir_of, write_samples
 
     device = resolve_device(cfg.device)

@@ -13,12 +13,11 @@ import csv
 import glob
 import io
 import json
-import math
 import os
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -90,22 +89,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast_error(err: Optional[BaseException]) -> None:
-    """Raise on every rank if any rank failed (so none waits forever at the next collective)."""
-    rank, world = _dist()
-    if world == 1:
-        if err is not None:
-            raise err
-        return
-    flags = [None] * world
-    dist.all_gather_object(flags, None if err is None else f"rank {rank}: {err}")
-    failed = [f for f in flags if f]
-    if err is not None:
-        raise err
-    if failed:
-        raise RuntimeError("another process failed: " + "; ".join(failed))
-
-
 # ----------------------------------------------------------------------------- npz writing
 
 def write_npz_streaming(path: Path, arrays: dict[str, np.ndarray]) -> Path:
@@ -145,9 +128,28 @@ def read_rows(out_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+SETTINGS = ("checkpoint", "use_ema", "num_samples", "seeds", "cfg_scale", "num_steps", "features", "reference",
+            "metrics")  # what makes two rows the same measurement (skip_existing)
+
+
+def seed_text(seeds: Sequence[int]) -> str:
+    """'a..b' for a consecutive run of seeds, else the comma-separated list."""
+    seeds = [int(s) for s in seeds]
+    if seeds == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"{seeds[0]}..{seeds[-1]}"
+    return ",".join(map(str, seeds))
+
+
+def bench_settings(ckpt: Path, *, use_ema: bool, seeds: Sequence[int], cfg_scale: float, num_steps: Optional[int],
+                   features: str, reference: Any, metrics: Sequence[str]) -> dict[str, Any]:
+    """The SETTINGS columns of a row (num_steps as given: null means the checkpoint's own)."""
+    return {"checkpoint": str(ckpt), "use_ema": use_ema, "num_samples": len(seeds), "seeds": seed_text(seeds),
+            "cfg_scale": cfg_scale, "num_steps": num_steps, "features": features, "reference": str(reference),
+            "metrics": ",".join(metrics)}
+
+
 def settings_key(row: dict[str, Any]) -> tuple:
-    return tuple(str(row.get(k)) for k in ("checkpoint", "use_ema", "num_samples", "seeds", "cfg_scale",
-                                            "num_steps", "features", "reference", "metrics"))
+    return tuple(str(row.get(k)) for k in SETTINGS)
 
 
 # ----------------------------------------------------------------------------- benchmarking
@@ -164,9 +166,9 @@ def min_samples(metrics: Sequence[str], pr_k: int) -> int:
 def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[str], seeds: Sequence[int],
                          out_dir: Path, device: torch.device, batch_size: int, cfg_scale: float,
                          num_steps: Optional[int], use_ema: bool, decode_kwargs: dict, keep_npz: bool,
-                         metric_kwargs: dict, expected_image_shape: Optional[tuple] = None) -> dict[str, Any]:
-    """Sample `seeds` from one checkpoint on this process's share, score against `reference`, return the row
-    (on every rank). Must be called on every rank of the process group."""
+                         metric_kwargs: dict) -> dict[str, Any]:
+    """Sample `seeds` from one checkpoint on this process's share, score against `reference` (an
+    evaluation.reference.Reference), return the table row (on every rank). Call it on every rank."""
     from data import decode_to_uint8, model_shape
     from evaluation.metrics import FeatureAccumulator, compute_metrics
     from training.evaluate import generate
@@ -177,10 +179,11 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
     net, diffusion, meta, config = load_for_inference(ckpt, use_ema, device)
     shape = model_shape(meta)
     image_shape = tuple(decode_to_uint8(torch.zeros(1, *shape, device=device), meta, **decode_kwargs).shape[1:])
-    if expected_image_shape is not None and image_shape != tuple(expected_image_shape):
+    ref_res = getattr(reference, "resolution", None)
+    if ref_res is not None and image_shape[:2] != tuple(ref_res):
         raise BenchError(f"checkpoint '{ckpt}' generates {image_shape[0]}x{image_shape[1]} images but the reference "
-                         f"is for {expected_image_shape[0]}x{expected_image_shape[1]} images: use a reference built "
-                         f"from this model's data (python fid.py mode=ref source=<its dataset> out=...)")
+                         f"is for {ref_res[0]}x{ref_res[1]} images: use a reference built from this model's data "
+                         f"(python fid.py mode=ref source=<its dataset> out=...)")
     label = checkpoint_label(ckpt)
     sample_dir = out_dir / label
     npz_path = sample_dir / "samples.npz"
@@ -225,30 +228,18 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
         write_npz_streaming(npz_path, {"arr_0": arr, "arr_1": labels.numpy()})
         del arr
         os.remove(buf_path)
-    diff_cfg = config.get("diffusion", {})
-    steps = num_steps or diff_cfg.get("num_steps")
-    return {"checkpoint": str(ckpt), "label": label, "step": _step_of(ckpt),
-            "model": config.get("model", {}).get("arch"), "use_ema": use_ema, "num_samples": n,
-            "seeds": f"{seeds[0]}..{seeds[-1]}" if list(seeds) == list(range(seeds[0], seeds[0] + n)) else
-            ",".join(map(str, seeds)), "cfg_scale": cfg_scale, "num_steps": num_steps, "sampler_steps": steps,
+    settings = bench_settings(ckpt, use_ema=use_ema, seeds=seeds, cfg_scale=cfg_scale, num_steps=num_steps,
+                              features=extractor.name, reference=getattr(reference, "path", None), metrics=metrics)
+    return {**settings, "label": label, "step": _step_of(ckpt), "model": config.get("model", {}).get("arch"),
+            "sampler_steps": num_steps or config.get("diffusion", {}).get("num_steps"),
             **{k: v for k, v in scores.items() if k != "num_samples"},
-            "features": extractor.name, "npz": str(npz_path) if keep_npz else None, "world_size": world,
+            "npz": str(npz_path) if keep_npz else None, "world_size": world,
             "sample_sec": round(sample_sec, 3), "images_per_sec": round(n / max(sample_sec, 1e-9), 3),
-            "total_sec": round(time.time() - start, 3)}
+            "total_sec": round(time.time() - start, 3), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _step_of(ckpt: Path) -> Optional[int]:
-    name = Path(ckpt).name
-    return int(name.split("_")[-1]) if name.startswith("step_") and name.split("_")[-1].isdigit() else None
+    from training.checkpoint import STEP_DIR
 
-
-def finite_or_none(x: Any) -> Any:
-    return None if isinstance(x, float) and not math.isfinite(x) else x
-
-
-def rows_to_markdown(rows: Iterable[dict[str, Any]], columns: Sequence[str]) -> str:
-    rows = list(rows)
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
+    match = STEP_DIR.match(Path(ckpt).name)
+    return int(match.group(1)) if match else None

@@ -3,8 +3,8 @@
 An ADM reference batch holds arr_0 (uint8 NHWC reference images, 10K for ImageNet) and optionally mu/sigma
 (pool features) and mu_s/sigma_s (spatial features) computed over the whole dataset; ours add feature
 (extractor name), num_images, source and resolution. load_reference_full reads such files as they are;
-ReferenceBuilder / build_reference / reference_for_dataset write them. The older pool-only API
-(compute_stats, save_reference, load_reference, fid_against_reference) is kept."""
+ReferenceBuilder / build_reference / reference_for_dataset write them. compute_stats / save_reference /
+load_reference are the pool-feature-only (FID) shorthands."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,25 +61,10 @@ def _check_feature(path: Path, data, extractor: nn.Module) -> None:
 
 
 def load_reference(path: PathLike, extractor: nn.Module, batch_size: int = 250) -> tuple[np.ndarray, np.ndarray]:
-    """(mu, sigma) from an npz: its mu/sigma if present (ADM reference batches have them), else
-    computed with `extractor` from its arr_0 images."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"reference statistics {path} not found; build them with "
-                                f"`python fid.py mode=ref source=<image folder|.npz|dataset dir> out={path}`")
-    with np.load(path) as data:
-        _check_feature(path, data, extractor)
-        if "mu" in data and "sigma" in data:
-            mu, sigma = data["mu"].astype(np.float64), data["sigma"].astype(np.float64)
-            if mu.shape != (extractor.dim,):
-                raise ValueError(f"reference {path} has {mu.shape[0]}-d statistics but '{extractor.name}' "
-                                 f"features are {extractor.dim}-d (statistics from another feature network?)")
-            return mu, sigma
-        if "arr_0" not in data:
-            raise ValueError(f"reference {path} has neither mu/sigma nor arr_0 images (keys: {list(data.keys())})")
-        images = data["arr_0"]
-    stats = compute_stats(extractor, to_nhwc_uint8(images, f"arr_0 in {path}"), batch_size)
-    return stats.mean(), stats.cov()
+    """(mu, sigma) of the pool features: load_reference_full(path, extractor, need=("fid",)) -- stored mu/sigma
+    if present (ADM reference batches have them), else computed from the arr_0 images."""
+    ref = load_reference_full(path, extractor, batch_size, need=("fid",))
+    return ref.mu, ref.sigma
 
 
 # ----------------------------------------------------------------------------- ADM metric references
@@ -453,11 +438,3 @@ def _select_rows(batches: Iterable[np.ndarray], chosen: np.ndarray) -> Iterator[
         if hi > lo:
             yield batch[chosen[lo:hi] - start]
         start += len(batch)
-
-
-def fid_against_reference(extractor: nn.Module, images: ImagesLike, ref_path: PathLike,
-                          batch_size: int = 250) -> float:
-    """FID of uint8 NHWC images against a reference npz."""
-    mu_ref, sigma_ref = load_reference(ref_path, extractor, batch_size)
-    stats = compute_stats(extractor, images, batch_size)
-    return frechet_distance(stats.mean(), stats.cov(), mu_ref, sigma_ref)

@@ -16,7 +16,9 @@ from data import check_decodable, decode_to_uint8
 from diffusion import StackedRandomGenerator
 from evaluation.features import build_feature_extractor
 from evaluation.images import save_image_grid
-from evaluation.metrics import FeatureAccumulator, compute_metrics
+from data.vae import VAE_DTYPES
+from evaluation.metrics import METRICS, FeatureAccumulator, check_metrics, compute_metrics
+from training import ConfigError
 from evaluation.reference import load_reference_full, reference_for_dataset
 
 
@@ -46,10 +48,24 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
         yield batch, labels, x
 
 
-def decode_options(cfg: Any) -> dict[str, Any]:
-    """decode_to_uint8 keyword options from a config node (eval.*, sample.py or fid.py keys)."""
-    return {"vae": cfg.get("vae"), "vae_dtype": cfg.get("vae_dtype") or "float32",
-            "batch_size": cfg.get("decode_batch_size") or 32}
+def decode_options(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """decode_to_uint8 keyword options from a config node's vae / vae_dtype / decode_batch_size keys (eval.*,
+    sample.py, fid.py), checked: a bad value raises ConfigError naming `prefix + key`."""
+    dtype, batch = cfg.get("vae_dtype", "float32"), cfg.get("decode_batch_size", 32)
+    if dtype not in VAE_DTYPES:
+        raise ConfigError(f"{prefix}vae_dtype={dtype!r} is not allowed; use one of {list(VAE_DTYPES)}.")
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ConfigError(f"{prefix}decode_batch_size={batch!r} must be a positive integer (latents per VAE call).")
+    return {"vae": cfg.get("vae"), "vae_dtype": dtype, "batch_size": batch}
+
+
+def metric_names(cfg: Any, key: str = "metrics") -> tuple[str, ...]:
+    """The config's metric list (default FID), checked against evaluation.metrics.METRICS."""
+    try:
+        return check_metrics(cfg.get("metrics") or ["fid"])
+    except ValueError:
+        raise ConfigError(f"{key}={cfg.get('metrics')} is not valid: choose a non-empty list from "
+                          f"{list(METRICS)}.") from None
 
 
 class Evaluator:
@@ -61,9 +77,8 @@ class Evaluator:
         self.dataset = dataset
         self.accelerator = accelerator
         self.device = accelerator.device
-        self.decode = decode_options(eval_cfg)
-        self.metrics = [eval_cfg.metrics] if isinstance(eval_cfg.get("metrics"), str) else \
-            list(eval_cfg.get("metrics") or ["fid"])
+        self.decode = decode_options(eval_cfg, "eval.")
+        self.metrics = metric_names(eval_cfg, "eval.metrics")
         # Loads the VAE now (once per process): missing weights fail before training.
         check_decodable(dataset.meta, **self.decode, device=self.device)
         zeros = torch.zeros(1, *dataset.shape, device=self.device)

@@ -22,18 +22,15 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from data import LatentDatasetError, LatentLoader, build_dataset, draw_latents
+from evaluation.metrics import METRICS
 from routing import RouteConfigError, tokens_processed_fraction
+from training import ConfigError
 from training import checkpoint as ckpt_io
 from training.ema import ema_decay_at, ema_update
-from training.evaluate import Evaluator
+from training.evaluate import Evaluator, decode_options, metric_names
 from training.metrics import MetricsLogger
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
-METRIC_NAMES = ("fid", "sfid", "is", "precision", "recall", "kid")  # eval.metrics choices (evaluation.metrics)
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; raised before any long work starts."""
 
 
 # Errors that mean "your input is wrong": entry points print them without a traceback.
@@ -60,13 +57,8 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
             raise ConfigError(f"{group}.every_steps={cfg[group].every_steps!r} must be an integer >= 0 (0 disables).")
     if (cfg.eval.every_steps or cfg.eval.at_end) and cfg.eval.num_samples < 2:
         raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} must be >= 2 to estimate a covariance.")
-    metrics = cfg.eval.get("metrics") or ["fid"]
-    metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-    bad = [m for m in metrics if m not in METRIC_NAMES]
-    if bad:
-        raise ConfigError(f"eval.metrics={metrics} has unknown metric(s) {bad}; allowed: {list(METRIC_NAMES)}.")
-    if cfg.eval.get("vae_dtype", "float32") not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"eval.vae_dtype={cfg.eval.vae_dtype!r} is not allowed; use float32, bfloat16 or float16.")
+    metric_names(cfg.eval, "eval.metrics")
+    decode_options(cfg.eval, "eval.")
     denom = world_size * t.grad_accum_steps
     if t.batch_size % denom:
         raise ConfigError(
@@ -224,7 +216,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             record = evaluator(ema, diffusion, state.step, run_dir / "samples")
             logger.log(record)
             if accelerator.is_main_process:
-                shown = ", ".join(f"{k} {record[k]:.4g}" for k in METRIC_NAMES if k in record)
+                shown = ", ".join(f"{k} {record[k]:.4g}" for k in METRICS if k in record)
                 tqdm.write(f"step {state.step} ({record['features']} features, {record['num_samples']} samples): "
                            f"{shown}")
             if "fid" in record:
