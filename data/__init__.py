@@ -1,14 +1,16 @@
-"""Latent datasets (on-disk format, built-in toy data) and deterministic, resumable loading."""
+"""Latent datasets (on-disk format with optional text conditioning and loss masks, built-in toy data), text
+encoders for text-to-image families (data.text), and deterministic, resumable loading."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Mapping, Union
 
 from .images import ImageFolderError, center_crop_arr, list_image_folder
-from .latents import (LatentDataset, LatentDatasetError, LatentDatasetExistsError, LatentDatasetWriter, check_decodable,
-                      decode_to_uint8, draw_latents, latent_kind, model_shape, read_meta, shift_factor,
-                      write_latent_dataset)
+from .latents import (EXTRA_KEYS, LatentDataset, LatentDatasetError, LatentDatasetExistsError, LatentDatasetWriter,
+                      check_decodable, decode_to_uint8, draw_latents, latent_kind, model_shape, read_meta,
+                      resize_loss_mask, shift_factor, token_keep_mask, write_latent_dataset)
 from .loader import LatentLoader, ShardedBatchSampler
+from .text import TEXT_FAMILIES, TextEncoderError, encode_prompts, load_text_encoders, save_tiny_text_encoders
 from .toy import TOY_CLASS_NAMES, ensure_toy_dataset, generate_toy_shapes
 from .wds import WebDatasetLatents
 
@@ -19,13 +21,16 @@ __all__ = ["BUILTINS", "FORMATS", "LatentDataset", "LatentDatasetError", "Latent
            "ShardedBatchSampler", "TOY_CLASS_NAMES", "build_dataset", "check_decodable", "decode_to_uint8", "draw_latents",
            "ensure_toy_dataset", "latent_kind", "model_shape", "LatentDatasetWriter", "shift_factor",
            "ImageFolderError", "center_crop_arr", "list_image_folder",
-           "generate_toy_shapes", "read_meta", "write_latent_dataset", "WebDatasetLatents"]
+           "generate_toy_shapes", "read_meta", "write_latent_dataset", "WebDatasetLatents",
+           "EXTRA_KEYS", "resize_loss_mask", "token_keep_mask",
+           "TEXT_FAMILIES", "TextEncoderError", "encode_prompts", "load_text_encoders", "save_tiny_text_encoders"]
 
 
 def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, WebDatasetLatents]:
     """The dataset `data_cfg` (the data: config group) describes, building a built-in one first if needed.
 
-    data.format picks the reader: "latents" (default; a directory with meta.json, latents.npy, labels.npy)
+    data.format picks the reader: "latents" (default; a directory with meta.json, latents.npy, labels.npy,
+    optionally per-sample text embeddings / loss masks: see data/latents.py)
     or "wds" (WebDataset tar shards of VAE latents, as the TREAD/MaskDiT code writes them: WebDatasetLatents).
     """
     from omegaconf import OmegaConf

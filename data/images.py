@@ -17,11 +17,12 @@ Order is deterministic: classes by folder name, files by relative path.
 """
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 from PIL import Image
@@ -60,49 +61,91 @@ def _short(items: list, n: int = 5) -> str:
     return ", ".join(map(str, items[:n])) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
+def _json_label(name: str, label: object) -> str:
+    if isinstance(label, bool) or not isinstance(label, (int, str)):
+        raise ValueError(f"label of '{name}' is {label!r}; labels must be integers or class-name strings")
+    return str(label)
+
+
 def read_labels_file(path: PathLike) -> dict[str, str]:
     """{file name: label string} from a JSON object or a CSV/TSV `file,label` file (see the module doc)."""
+    return read_name_value_file(path, what="label", error_cls=ImageFolderError, split="last",
+                                header=(("filename", "file", "path"), ("label", "class")),
+                                json_value=_json_label, json_example='{"file name": label}')
+
+
+def _split_line(line: str, split: str) -> Optional[tuple[str, str]]:
+    """`<name><sep><value>` (sep: a tab when the line has one, else a comma) -> (name, value); None if malformed.
+
+    split="last": at the last separator; name and value must not be empty.
+    split="first": at the first separator, so the value is the rest of the line (it may hold the separator,
+    may be empty and may be quoted as in CSV); the name may be quoted too."""
+    sep = "\t" if "\t" in line else ","
+    if split == "last":
+        name, _, value = line.rpartition(sep)
+        name, value = name.strip(), value.strip()
+        return (name, value) if name and value else None
+    name, found, value = line.partition(sep)
+    name, value = name.strip().strip('"'), value.strip()
+    if not found or not name:
+        return None
+    if value.startswith('"'):  # CSV quoting ("a, b" or "say ""hi""")
+        value = sep.join(next(csv.reader([value], delimiter=sep)))
+    return name, value
+
+
+def read_name_value_file(path: PathLike, *, what: str, error_cls: type[Exception], split: str = "last",
+                         header: tuple[Sequence[str], Sequence[str]] = ((), ()),
+                         json_value: Callable[[str, Any], str], json_example: str,
+                         say_where: bool = False) -> dict[str, str]:
+    """{file name (posix, "./a.png" -> "a.png"): value} from a `<what>s file`: a JSON object {name: value} or
+    a CSV/TSV text file of `<file name>,<value>` lines (see `_split_line` for `split`).
+
+    Blank lines and `#` comments are skipped, and so is a first line whose name and value are (any case) among
+    `header`'s names and values. json_value(name, value) checks a JSON value and returns it as a string, or
+    raises ValueError saying what is wrong. Errors are `error_cls`, naming the file (and the line); a name
+    listed twice names the second place too when `say_where`."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ImageFolderError(f"labels file '{path}' not found")
+        raise error_cls(f"{what}s file '{path}' not found")
     text = path.read_text(encoding="utf-8-sig")
-    entries: list[tuple[str, str]] = []
+    entries: list[tuple[str, str, str]] = []  # (name, value, where)
     if path.suffix.lower() == ".json":
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ImageFolderError(f"labels file '{path}': invalid JSON ({err})") from None
+            raise error_cls(f"{what}s file '{path}': invalid JSON ({err})") from None
         if not isinstance(obj, dict):
-            raise ImageFolderError(f"labels file '{path}': expected a JSON object {{\"file name\": label}}, got "
-                                   f"{type(obj).__name__}")
-        for name, label in obj.items():
-            if isinstance(label, bool) or not isinstance(label, (int, str)):
-                raise ImageFolderError(f"labels file '{path}': label of '{name}' is {label!r}; labels must be "
-                                       f"integers or class-name strings")
-            entries.append((name, str(label)))
+            raise error_cls(f"{what}s file '{path}': expected a JSON object {json_example}, got {type(obj).__name__}")
+        for name, value in obj.items():
+            try:
+                entries.append((name, json_value(name, value), f"key '{name}'"))
+            except ValueError as err:
+                raise error_cls(f"{what}s file '{path}': {err}") from None
     else:
+        names, values = header
         for lineno, line in enumerate(text.splitlines(), 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
+            if not line.strip() or line.lstrip().startswith("#"):
                 continue
-            sep = "\t" if "\t" in line else ","
-            name, _, label = line.rpartition(sep)
-            name, label = name.strip(), label.strip()
-            if not name or not label:
-                raise ImageFolderError(f"labels file '{path}' line {lineno}: {line!r} is not "
-                                       f"'<file name>,<label>' (or tab-separated)")
-            if not entries and name.lower() in ("filename", "file", "path") and label.lower() in ("label", "class"):
+            if split == "last":
+                line = line.strip()
+            parsed = _split_line(line, split)
+            if parsed is None:
+                raise error_cls(f"{what}s file '{path}' line {lineno}: {line!r} is not '<file name>,<{what}>' "
+                                f"(or tab-separated)")
+            name, value = parsed
+            if not entries and name.lower() in names and value.lower() in values:
                 continue  # header
-            entries.append((name, label))
-    labels: dict[str, str] = {}
-    for name, label in entries:
+            entries.append((name, value, f"line {lineno}"))
+    table: dict[str, str] = {}
+    for name, value, where in entries:
         key = Path(name).as_posix()  # "./a.png" -> "a.png"
-        if key in labels:
-            raise ImageFolderError(f"labels file '{path}' lists '{name}' twice")
-        labels[key] = label
-    if not labels:
-        raise ImageFolderError(f"labels file '{path}' has no entries")
-    return labels
+        if key in table:
+            raise error_cls(f"{what}s file '{path}' lists '{name}' twice" + (f" ({where})" if say_where else ""))
+        table[key] = value
+    if not table:
+        raise error_cls(f"{what}s file '{path}' has no entries")
+    return table
 
 
 def list_image_folder(root: PathLike, labels_file: Optional[PathLike] = None

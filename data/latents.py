@@ -16,6 +16,25 @@ raw - shift_factor (shift_factor is null/0 for SD-VAE); decode.scaling_factor re
 value (normally equal to latent_scale; decoding uses latent_scale). scripts/precompute_latents.py writes
 such datasets from image folders, with extra keys "image_resolution", "flip", "num_source_images".
 
+Optional per-sample conditioning and loss masks (text-to-image families, masked-loss training): each file
+is listed in meta.json "files" under its key and described by a meta key; the file and its description
+come together (one without the other is an error). Data without them is class-conditional as above.
+
+    files.text_embeds    text_embeds.npy    (N, L, D) float16|float32: sequence text embeddings, model-ready
+                                            (as the family's pipeline produces them: data/text.py)
+    files.text_mask      text_mask.npy      (N, L) bool: their attention mask (True = real token)
+    files.pooled_embeds  pooled_embeds.npy  (N, P) float16|float32: pooled text embeddings
+    files.loss_mask      loss_mask.npy      (N, Hm, Wm) uint8: coverage 0..255 (255 = fully inside) at any
+                                            resolution (image or latent); read as float (uint8 / 255)
+    meta "conditioning"  {"text": {"seq_len": L, "dim": D, "mask": true|false, ...free keys, e.g. "family",
+                          "encoders", "max_length"}, "pooled": {"dim": P, ...}}   (each part optional)
+    meta "loss_mask"     {"shape": [Hm, Wm]}
+
+LatentDataset items are (x, y) without such files and (x, y, extras) with them: extras is a dict with the
+keys present among "text" float32 (L, D), "text_mask" bool (L,), "pooled" float32 (P,), "loss_mask" float32
+(1, Hm, Wm) in [0, 1] (batched by __getitems__: a leading B). token_keep_mask / resize_loss_mask bring a
+loss mask to the token grid / latent resolution.
+
 Latents are memory-mapped, so random access never loads the whole array into RAM.
 """
 from __future__ import annotations
@@ -36,6 +55,12 @@ DTYPES = ("float16", "float32")
 DECODE_TYPES = ("identity", "vae")
 LATENT_KINDS = ("sample", "moments")
 DEFAULT_FILES = {"latents": "latents.npy", "labels": "labels.npy"}
+# Optional per-sample files: meta "files" key -> default file name.
+EXTRA_FILES = {"text_embeds": "text_embeds.npy", "text_mask": "text_mask.npy", "pooled_embeds": "pooled_embeds.npy",
+               "loss_mask": "loss_mask.npy"}
+# Keys of an extras dict (writer input, reader output), in this order, and the files holding them.
+EXTRA_KEYS = ("text", "text_mask", "pooled", "loss_mask")
+EXTRA_FILE_OF = {"text": "text_embeds", "text_mask": "text_mask", "pooled": "pooled_embeds", "loss_mask": "loss_mask"}
 # Top-level meta.json keys and the JSON types they must have (checked in detail in read_meta).
 META_TYPES: dict[str, tuple[type, ...]] = {
     "format": (str,), "version": (int,), "shape": (list,), "dtype": (str,), "num_samples": (int,),
@@ -125,9 +150,52 @@ def validate_meta(meta: Any, where: str, advice: str = FIX_META) -> dict:
     if kind == "moments" and shape[0] % 2:
         raise fail("shape", "[2C, H, W] with an even channel count for latent_kind 'moments' (mean and logvar)")
     files = meta["files"]
-    if set(files) != set(DEFAULT_FILES) or not all(isinstance(f, str) and f for f in files.values()):
-        raise fail("files", f"an object with file names for exactly {sorted(DEFAULT_FILES)}")
+    if not set(DEFAULT_FILES) <= set(files) <= set(DEFAULT_FILES) | set(EXTRA_FILES) or \
+            not all(isinstance(f, str) and f for f in files.values()):
+        raise fail("files", f"an object with file names for {sorted(DEFAULT_FILES)} and optionally any of "
+                            f"{sorted(EXTRA_FILES)}")
+    _validate_conditioning(meta, where, advice)
     return meta
+
+
+def _pos_int(v: Any) -> bool:
+    return _is_type(v, (int,)) and v > 0
+
+
+def _validate_conditioning(meta: dict, where: str, advice: str) -> None:
+    """The optional "conditioning" / "loss_mask" meta keys, and that they agree with the optional files."""
+    def bad(key: str, value: Any, expected: str) -> LatentDatasetError:
+        return LatentDatasetError(f"{where}: key '{key}' is {value!r} but must be {expected}. {advice}")
+
+    cond = meta.get("conditioning")
+    if cond is None:
+        cond = {}
+    elif not isinstance(cond, dict):
+        raise bad("conditioning", cond, "an object {'text': {...}, 'pooled': {...}} or absent")
+    text, pooled, lm = cond.get("text"), cond.get("pooled"), meta.get("loss_mask")
+    if text is not None:
+        if not isinstance(text, dict) or not (_pos_int(text.get("seq_len")) and _pos_int(text.get("dim"))):
+            raise bad("conditioning.text", text, "an object with positive integers 'seq_len' (L) and 'dim' (D) "
+                                                 "(the shape of each sample's text embeddings) and 'mask': true|false")
+        if not isinstance(text.get("mask", False), bool):
+            raise bad("conditioning.text.mask", text["mask"], "true or false (whether text_mask.npy exists)")
+    if pooled is not None and (not isinstance(pooled, dict) or not _pos_int(pooled.get("dim"))):
+        raise bad("conditioning.pooled", pooled, "an object with a positive integer 'dim' (P, the pooled "
+                                                 "embedding size)")
+    if lm is not None:
+        shape = lm.get("shape") if isinstance(lm, dict) else None
+        if not (isinstance(shape, list) and len(shape) == 2 and all(_pos_int(v) for v in shape)):
+            raise bad("loss_mask", lm, "an object {'shape': [Hm, Wm]} with two positive integers (the mask "
+                                       "resolution)")
+    files = meta["files"]
+    for key, described, what in (("text_embeds", text is not None, "conditioning.text"),
+                                 ("text_mask", bool(text and text.get("mask")), "conditioning.text.mask=true"),
+                                 ("pooled_embeds", pooled is not None, "conditioning.pooled"),
+                                 ("loss_mask", lm is not None, "loss_mask")):
+        if (key in files) != described:
+            have, lack = (f"files.{key}", what) if key in files else (what, f"files.{key}")
+            raise LatentDatasetError(f"{where}: meta has {have} but no {lack}; an optional file and its "
+                                     f"description go together (both or neither). {advice}")
 
 
 def read_meta(path: PathLike) -> dict:
@@ -162,11 +230,88 @@ def _check_target(root: Path) -> None:
         raise _exists_error(root)
 
 
+# What each extras array holds, for error messages.
+EXTRA_WHAT = {"text": "(n, L, D) float array of text embeddings", "text_mask": "(n, L) bool attention mask",
+              "pooled": "(n, P) float array of pooled embeddings",
+              "loss_mask": "(n, Hm, Wm) loss mask (uint8 0..255, or float in [0, 1])"}
+_EXTRA_NDIM = {"text": 3, "text_mask": 2, "pooled": 2, "loss_mask": 3}
+_RESERVED = {"text": ("seq_len", "dim", "mask"), "pooled": ("dim",)}  # conditioning keys the writer sets itself
+
+
+def _dims(value: Any, n: int, name: str, what: str, root: Path) -> Optional[tuple[int, ...]]:
+    """None, or `value` as a tuple of n positive Python ints (n=0: a single int, as a 1-tuple); numpy ints are
+    converted (they are not JSON-serialisable)."""
+    if value is None:
+        return None
+    items = list(value) if isinstance(value, (tuple, list, np.ndarray)) else [value] if n == 0 else None
+    if items is None or len(items) != max(n, 1) or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v > 0 for v in items):
+        raise LatentDatasetError(f"{name} for '{root}' is {value!r} but must be {what}, or None")
+    return tuple(int(v) for v in items)
+
+
+def _conditioning_layout(root: Path, dtype: str, text_shape, text_mask: bool, pooled_dim, loss_mask_shape,
+                         conditioning_meta: Optional[Mapping[str, Any]]) -> tuple[dict, dict]:
+    """(meta keys to add, {extras key: (per-sample shape, storage dtype)}) for the writer's optional arrays."""
+    text = _dims(text_shape, 2, "text_shape", "(L, D): two positive integers (sequence length, embedding size)",
+                 root)
+    pooled = _dims(pooled_dim, 0, "pooled_dim", "a positive integer (P, the pooled embedding size)", root)
+    lm = _dims(loss_mask_shape, 2, "loss_mask_shape", "(Hm, Wm): two positive integers (the mask resolution)",
+               root)
+    if not isinstance(text_mask, (bool, np.bool_)):
+        raise LatentDatasetError(f"text_mask for '{root}' is {text_mask!r} but must be True or False")
+    if text_mask and text is None:
+        raise LatentDatasetError(f"text_mask=True for '{root}' needs text_shape=(L, D): the attention mask belongs "
+                                 f"to the sequence text embeddings")
+    extra = dict(conditioning_meta or {})
+    ours = {"text": None if text is None else {"seq_len": text[0], "dim": text[1], "mask": bool(text_mask)},
+            "pooled": None if pooled is None else {"dim": pooled[0]}}
+    cond: dict = {k: v for k, v in extra.items() if k not in ours}
+    for part, described in ours.items():
+        given = extra.get(part)
+        if given is None:
+            if described is not None:
+                cond[part] = described
+            continue
+        arg = "text_shape" if part == "text" else "pooled_dim"
+        if described is None or not isinstance(given, Mapping):
+            raise LatentDatasetError(f"conditioning_meta['{part}'] for '{root}' is {given!r}, but " +
+                                     (f"no {arg} was given (describe only stored arrays)" if described is None
+                                      else "it must be a dict of descriptive keys (e.g. 'family', 'encoders')"))
+        clash = {k: (given[k], described[k]) for k in _RESERVED[part] if k in given and given[k] != described[k]}
+        if clash:
+            raise LatentDatasetError(f"conditioning_meta['{part}'] for '{root}' contradicts the arrays: {clash} "
+                                     f"(given, from {arg}/text_mask)")
+        cond[part] = {**described, **{k: v for k, v in given.items() if k not in _RESERVED[part]}}
+    meta: dict = {}
+    if conditioning_meta is not None or text is not None or pooled is not None:
+        meta["conditioning"] = cond
+    if lm is not None:
+        meta["loss_mask"] = {"shape": list(lm)}
+    specs: dict = {}
+    if text is not None:
+        specs["text"] = (text, dtype)
+        if text_mask:
+            specs["text_mask"] = (text[:1], "bool")
+    if pooled is not None:
+        specs["pooled"] = (pooled, dtype)
+    if lm is not None:
+        specs["loss_mask"] = (lm, "uint8")
+    return meta, specs
+
+
 class LatentDatasetWriter:
     """Write a dataset piece by piece, never holding it in RAM; atomic like write_latent_dataset.
 
         with LatentDatasetWriter(path, shape=(C, H, W), num_samples=N, num_classes=K, ...) as writer:
             writer.write(start, latents, labels)   # stored values (N_i, C, H, W) and labels (N_i,), any order
+
+    Optional per-sample arrays (see the module doc): text_shape=(L, D) (text_embeds.npy, in the dataset
+    dtype), text_mask=True (text_mask.npy, needs text_shape), pooled_dim=P (pooled_embeds.npy, dataset
+    dtype), loss_mask_shape=(Hm, Wm) (loss_mask.npy, uint8). Each one declared must then come with every
+    write, as write(start, latents, labels, extras={"text": ..., "text_mask": ..., "pooled": ...,
+    "loss_mask": ...}). conditioning_meta adds descriptive keys to meta "conditioning" (e.g. {"text":
+    {"family": "flux", "encoders": [...], "max_length": 512}}); seq_len/dim/mask come from the arrays.
 
     Pieces go into memory-mapped files in a temporary sibling directory; leaving the block without an error
     checks that every sample was written and renames the directory into place (commit()); an error removes
@@ -176,7 +321,10 @@ class LatentDatasetWriter:
     def __init__(self, path: PathLike, *, shape: Sequence[int], num_samples: int, num_classes: int,
                  latent_scale: float = 1.0, decode: Optional[Mapping[str, Any]] = None, source: str = "",
                  class_names: Optional[Sequence[str]] = None, dtype: str = "float16",
-                 extra_meta: Optional[Mapping[str, Any]] = None):
+                 extra_meta: Optional[Mapping[str, Any]] = None, text_shape: Optional[Sequence[int]] = None,
+                 text_mask: bool = False, pooled_dim: Optional[int] = None,
+                 loss_mask_shape: Optional[Sequence[int]] = None,
+                 conditioning_meta: Optional[Mapping[str, Any]] = None):
         self.root = root = Path(path).expanduser().absolute()
         to_int = lambda v: int(v) if isinstance(v, np.integer) else v  # numpy ints are not JSON-serialisable
         self.meta = {"format": FORMAT, "version": VERSION, "shape": [to_int(s) for s in shape], "dtype": dtype,
@@ -184,23 +332,103 @@ class LatentDatasetWriter:
                      "latent_scale": float(latent_scale), "decode": dict(decode or {"type": "identity"}),
                      "source": source, "class_names": None if class_names is None else list(class_names),
                      "files": dict(DEFAULT_FILES), **(extra_meta or {})}
+        clash = sorted({"conditioning", "loss_mask"} & set(extra_meta or {}))
+        if clash:
+            raise LatentDatasetError(f"extra_meta for '{root}' sets {clash}: describe conditioning and loss masks "
+                                     f"with text_shape/text_mask/pooled_dim/loss_mask_shape/conditioning_meta")
+        extra, self._specs = _conditioning_layout(root, dtype, text_shape, text_mask, pooled_dim, loss_mask_shape,
+                                                  conditioning_meta)
+        self.meta.update(extra)
+        self.meta["files"].update({EXTRA_FILE_OF[k]: EXTRA_FILES[EXTRA_FILE_OF[k]] for k in self._specs})
         validate_meta(self.meta, f"meta for '{root}'", "Fix the write_latent_dataset() arguments.")
+        try:
+            json.dumps(self.meta)
+        except (TypeError, ValueError) as err:
+            raise LatentDatasetError(f"meta for '{root}' is not JSON-serialisable ({err}); pass plain "
+                                     f"str/int/float/bool/list/dict values in extra_meta and conditioning_meta"
+                                     ) from None
         _check_target(root)
         root.parent.mkdir(parents=True, exist_ok=True)
         self._tmp: Optional[Path] = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+        self._maps: dict[str, np.ndarray] = {}
         try:
-            n = self.meta["num_samples"]
-            self._latents = np.lib.format.open_memmap(self._tmp / DEFAULT_FILES["latents"], mode="w+", dtype=dtype,
-                                                      shape=(n, *self.meta["shape"]))
-            self._labels = np.lib.format.open_memmap(self._tmp / DEFAULT_FILES["labels"], mode="w+",
-                                                     dtype=np.int64, shape=(n,))
+            n, files = self.meta["num_samples"], self.meta["files"]
+            layout = {"latents": (tuple(self.meta["shape"]), dtype), "labels": ((), np.int64), **self._specs}
+            for key, (tail, dt) in layout.items():
+                name = files[EXTRA_FILE_OF.get(key, key)]
+                self._maps[key] = np.lib.format.open_memmap(self._tmp / name, mode="w+", dtype=dt, shape=(n, *tail))
             self._written = np.zeros(n, dtype=bool)
         except BaseException:
             self.abort()
             raise
 
-    def write(self, start: int, latents: np.ndarray, labels: np.ndarray) -> None:
-        """Store samples [start, start + len(latents)): stored values (cast to the dataset dtype) and labels."""
+    def _prepare_extras(self, extras: Optional[Mapping[str, Any]], n: int, start: int) -> dict[str, np.ndarray]:
+        """Check one write's extras against the declared arrays; returns them cast for storage."""
+        got, want, root = dict(extras or {}), self._specs, self.root
+        unknown = sorted(set(got) - set(EXTRA_KEYS))
+        if unknown:
+            raise LatentDatasetError(f"extras for '{root}' have unknown key(s) {unknown}; allowed: {list(EXTRA_KEYS)}")
+        missing, undeclared = [k for k in want if k not in got], [k for k in got if k not in want]
+        if missing:
+            raise LatentDatasetError(f"extras for '{root}' lack {missing}: the dataset stores {list(want)} (declared "
+                                     f"by the writer's text_shape/text_mask/pooled_dim/loss_mask_shape), so every "
+                                     f"write must give them")
+        if undeclared:
+            raise LatentDatasetError(f"extras for '{root}' include {undeclared}, which the dataset does not store: "
+                                     f"declare them when creating the writer (text_shape=(L, D), text_mask=True, "
+                                     f"pooled_dim=P, loss_mask_shape=(Hm, Wm))")
+        out = {}
+        for key, (tail, dtype) in want.items():
+            a, head = np.asarray(got[key]), f"extras['{key}'] for '{root}'"
+            if a.shape != (n, *tail):
+                want = ", ".join(map(str, (n, *tail)))
+                raise LatentDatasetError(f"{head} must be a {EXTRA_WHAT[key]} of shape ({want}) (one per latent), "
+                                         f"got shape {a.shape}")
+            if key in ("text", "pooled"):
+                if not (np.issubdtype(a.dtype, np.floating) or a.size == 0):
+                    raise LatentDatasetError(f"{head} must be a float array, got {a.dtype}")
+                with np.errstate(over="ignore"):
+                    a = a.astype(dtype)
+                if not np.isfinite(a).all():
+                    raise LatentDatasetError(
+                        f"{head} contains non-finite values (NaN/inf) in samples [{start}, {start + n}) after casting "
+                        f"to {dtype}" + (" (float16 overflows above 65504: use dtype='float32')"
+                                         if dtype == "float16" else ""))
+            elif key == "text_mask":
+                if a.dtype != np.bool_:
+                    if not (np.issubdtype(a.dtype, np.integer) and np.isin(a, (0, 1)).all()):
+                        raise LatentDatasetError(f"{head} must be bool (True = real token) or 0/1 integers, got "
+                                                 f"{a.dtype}" + (f" with values in [{a.min()}, {a.max()}]"
+                                                                 if a.size else ""))
+                    a = a.astype(bool)
+                empty = np.flatnonzero(~a.any(axis=1)) if a.shape[1] else np.arange(n)
+                if len(empty):
+                    raise LatentDatasetError(f"{head}: sample(s) {(start + empty[:5]).tolist()} have no real token "
+                                             f"(all False); attention over no tokens is undefined (a tokenized "
+                                             f"prompt keeps at least its end-of-sequence token)")
+            else:  # loss_mask
+                if a.dtype == np.bool_:
+                    a = a.astype(np.uint8) * 255
+                elif np.issubdtype(a.dtype, np.floating):
+                    if a.size and not (np.isfinite(a).all() and a.min() >= 0 and a.max() <= 1):
+                        raise LatentDatasetError(f"{head} is a float mask, so it must lie in [0, 1] (coverage), "
+                                                 f"got values in [{np.nanmin(a)}, {np.nanmax(a)}]"
+                                                 f"{' with NaN/inf' if not np.isfinite(a).all() else ''}")
+                    a = np.rint(a.astype(np.float64) * 255).astype(np.uint8)
+                elif np.issubdtype(a.dtype, np.integer):
+                    if a.size and (a.min() < 0 or a.max() > 255):
+                        raise LatentDatasetError(f"{head} is an integer mask, so it must lie in [0, 255] (uint8 "
+                                                 f"coverage), got values in [{a.min()}, {a.max()}]")
+                    a = a.astype(np.uint8)
+                else:
+                    raise LatentDatasetError(f"{head} must be uint8 (0..255) or float (0..1), got {a.dtype}")
+            out[key] = a
+        return out
+
+    def write(self, start: int, latents: np.ndarray, labels: np.ndarray,
+              extras: Optional[Mapping[str, np.ndarray]] = None) -> None:
+        """Store samples [start, start + len(latents)): stored values (cast to the dataset dtype), labels, and
+        (exactly) the declared extras {"text", "text_mask", "pooled", "loss_mask"}: see the class doc."""
         if self._tmp is None:
             raise RuntimeError(f"writer for '{self.root}' is already closed")
         latents, labels = np.asarray(latents), np.asarray(labels)
@@ -213,6 +441,7 @@ class LatentDatasetWriter:
                                      f"(one per latent), got {labels.dtype} array of shape {labels.shape}")
         if not 0 <= start <= stop <= n:
             raise LatentDatasetError(f"samples [{start}, {stop}) lie outside [0, num_samples={n}) of '{self.root}'")
+        prepared = self._prepare_extras(extras, len(latents), start)
         if len(latents) == 0:
             return
         k = self.meta["num_classes"]
@@ -227,8 +456,8 @@ class LatentDatasetWriter:
                 f"latents for '{self.root}' contain non-finite values (NaN/inf) in samples [{start}, {stop}) after "
                 f"casting to {dtype}" + (" (float16 overflows above 65504: use dtype='float32' or a smaller scale)"
                                          if dtype == "float16" else ""))
-        self._latents[start:stop] = chunk
-        self._labels[start:stop] = labels
+        for key, value in {"latents": chunk, "labels": labels, **prepared}.items():
+            self._maps[key][start:stop] = value
         self._written[start:stop] = True
 
     def commit(self) -> Path:
@@ -242,9 +471,9 @@ class LatentDatasetWriter:
                                          f"{len(self._written)} samples were never written (first: "
                                          f"{missing[:5].tolist()})")
             tmp = self._tmp
-            self._latents.flush()
-            self._labels.flush()
-            del self._latents, self._labels
+            for array in self._maps.values():
+                array.flush()
+            self._maps.clear()
             (tmp / "meta.json").write_text(json.dumps(self.meta, indent=2) + "\n")
             for f in tmp.iterdir():  # data on disk before the rename publishes it
                 with open(f, "rb+") as fh:
@@ -263,8 +492,7 @@ class LatentDatasetWriter:
 
     def abort(self) -> None:
         """Remove the temporary directory (nothing is published)."""
-        self.__dict__.pop("_latents", None)
-        self.__dict__.pop("_labels", None)
+        self.__dict__.get("_maps", {}).clear()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -282,11 +510,16 @@ class LatentDatasetWriter:
 def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray, *, num_classes: int,
                          latent_scale: float = 1.0, decode: Optional[Mapping[str, Any]] = None, source: str = "",
                          class_names: Optional[Sequence[str]] = None, dtype: str = "float16",
-                         extra_meta: Optional[Mapping[str, Any]] = None, chunk_size: int = 4096) -> Path:
+                         extra_meta: Optional[Mapping[str, Any]] = None, chunk_size: int = 4096,
+                         extras: Optional[Mapping[str, np.ndarray]] = None,
+                         conditioning_meta: Optional[Mapping[str, Any]] = None) -> Path:
     """Write a dataset atomically: build it in a temporary sibling directory, then rename it into place.
 
     `latents` (N, C, H, W) are the *stored* values (model space / latent_scale). `extra_meta` adds keys to
-    meta.json (e.g. "builtin"). Raises LatentDatasetExistsError if `path` exists and is not an empty directory.
+    meta.json (e.g. "builtin"). `extras` optionally adds per-sample conditioning / loss masks as full arrays
+    {"text": (N, L, D), "text_mask": (N, L) bool, "pooled": (N, P), "loss_mask": (N, Hm, Wm) uint8 or float
+    in [0, 1]} (any subset; text_mask needs text), described further by `conditioning_meta` (see
+    LatentDatasetWriter). Raises LatentDatasetExistsError if `path` exists and is not an empty directory.
     Datasets too big for RAM: LatentDatasetWriter.
     """
     root = Path(path).expanduser().absolute()
@@ -297,16 +530,29 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
     if labels.shape != (len(latents),) or not np.issubdtype(labels.dtype, np.integer):
         raise LatentDatasetError(f"labels for '{root}' must be a 1-D integer array of length N={len(latents)} "
                                  f"(one per latent), got {labels.dtype} array of shape {labels.shape}")
+    extras = {k: np.asarray(v) for k, v in (extras or {}).items()}
+    unknown = sorted(set(extras) - set(EXTRA_KEYS))
+    if unknown:
+        raise LatentDatasetError(f"extras for '{root}' have unknown key(s) {unknown}; allowed: {list(EXTRA_KEYS)}")
+    for key, value in extras.items():
+        if value.ndim != _EXTRA_NDIM[key] or len(value) != len(latents):
+            raise LatentDatasetError(f"extras['{key}'] for '{root}' must be a {EXTRA_WHAT[key].replace('(n,', '(N,')} "
+                                     f"with N={len(latents)} (one per latent), got shape {value.shape}")
+    shape_of = lambda key: extras[key].shape[1:] if key in extras else None  # noqa: E731
     with LatentDatasetWriter(root, shape=latents.shape[1:], num_samples=len(latents), num_classes=num_classes,
                              latent_scale=latent_scale, decode=decode, source=source, class_names=class_names,
-                             dtype=dtype, extra_meta=extra_meta) as writer:
+                             dtype=dtype, extra_meta=extra_meta, text_shape=shape_of("text"),
+                             text_mask="text_mask" in extras,
+                             pooled_dim=extras["pooled"].shape[1] if "pooled" in extras else None,
+                             loss_mask_shape=shape_of("loss_mask"), conditioning_meta=conditioning_meta) as writer:
         if not (labels.min() >= 0 and labels.max() < writer.meta["num_classes"]):  # checked before any copying
             raise LatentDatasetError(f"labels for '{root}' range over [{labels.min()}, {labels.max()}] but must lie "
                                      f"in [0, num_classes={num_classes}); pass the right num_classes or remap the "
                                      f"labels")
         # Chunked copy into the memmap: casting never needs a second full copy of the array in RAM.
         for start in range(0, len(latents), chunk_size):
-            writer.write(start, latents[start:start + chunk_size], labels[start:start + chunk_size])
+            part = slice(start, start + chunk_size)
+            writer.write(start, latents[part], labels[part], {k: v[part] for k, v in extras.items()} or None)
     return root
 
 
@@ -389,12 +635,31 @@ class LatentMeta:
         """Stored (or drawn) values are multiplied by this to give model-space latents."""
         return float(self._meta["latent_scale"])
 
+    @property
+    def conditioning(self) -> dict[str, Any]:
+        """The optional per-sample data: {"text": (L, D) or None, "text_mask": bool, "pooled": P or None,
+        "loss_mask": (Hm, Wm) or None} (from meta "conditioning" and "loss_mask")."""
+        cond = self._meta.get("conditioning") or {}
+        text, pooled, lm = cond.get("text"), cond.get("pooled"), self._meta.get("loss_mask")
+        return {"text": None if text is None else (text["seq_len"], text["dim"]),
+                "text_mask": bool(text is not None and text.get("mask", False)),
+                "pooled": None if pooled is None else pooled["dim"],
+                "loss_mask": None if lm is None else tuple(lm["shape"])}
+
+    @property
+    def has_extras(self) -> bool:
+        """True when items carry an extras dict (text / pooled embeddings, loss masks) after (x, y)."""
+        c = self.conditioning
+        return c["text"] is not None or c["pooled"] is not None or c["loss_mask"] is not None
+
     def __len__(self) -> int:
         return self._meta["num_samples"]
 
 
 class LatentDataset(LatentMeta, torch.utils.data.Dataset):
-    """Memory-mapped latent dataset; items are (float32 latent (C, H, W) * latent_scale, int64 label)."""
+    """Memory-mapped latent dataset; items are (float32 latent (C, H, W) * latent_scale, int64 label), or
+    (latent, label, extras) when the dataset has per-sample conditioning / loss masks (has_extras; see the
+    module doc)."""
 
     def __init__(self, path: PathLike, expected_channels: Optional[int] = None,
                  expected_resolution: Optional[int] = None, expected_num_classes: Optional[int] = None):
@@ -402,6 +667,7 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         self._meta = read_meta(self.root)
         self._latents: Optional[np.ndarray] = None
         self._labels: Optional[np.ndarray] = None
+        self._extras: Optional[dict[str, np.ndarray]] = None
         self._validate_files()
         self._check_expected(expected_channels, expected_resolution, expected_num_classes)
 
@@ -411,11 +677,13 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
             files = self._meta["files"]
             self._latents = _open_npy(self.root / files["latents"], "latents")
             self._labels = _open_npy(self.root / files["labels"], "labels")
+            self._extras = {key: _open_npy(self.root / files[EXTRA_FILE_OF[key]], EXTRA_FILE_OF[key])
+                            for key in EXTRA_KEYS if EXTRA_FILE_OF[key] in files}
         return self._latents, self._labels
 
     def __getstate__(self) -> dict:
         # Pickle only the path and meta: a worker re-maps the files instead of receiving a copy of them.
-        return {**self.__dict__, "_latents": None, "_labels": None}
+        return {**self.__dict__, "_latents": None, "_labels": None, "_extras": None}
 
     def _validate_files(self) -> None:
         latents, labels = self._open()
@@ -434,25 +702,118 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         if lo < 0 or hi >= m["num_classes"]:
             raise LatentDatasetError(f"'{lab_file}' has labels in [{lo}, {hi}] but meta.json num_classes="
                                      f"{m['num_classes']} allows only [0, {m['num_classes'] - 1}]. {REBUILD}")
-
+        c, n = self.conditioning, m["num_samples"]
+        expected = {"text": ((n, *(c["text"] or ())), DTYPES, "num_samples, conditioning.text seq_len and dim"),
+                    "text_mask": ((n, (c["text"] or (0,))[0]), ("bool",), "num_samples, conditioning.text seq_len"),
+                    "pooled": ((n, c["pooled"]), DTYPES, "num_samples, conditioning.pooled dim"),
+                    "loss_mask": ((n, *(c["loss_mask"] or ())), ("uint8",), "num_samples, loss_mask.shape")}
+        for key, array in (self._extras or {}).items():
+            shape, dtypes, source = expected[key]
+            if array.shape != shape or array.dtype.name not in dtypes:
+                raise LatentDatasetError(
+                    f"'{self.root / files[EXTRA_FILE_OF[key]]}' (files.{EXTRA_FILE_OF[key]}) holds a {array.dtype} "
+                    f"array of shape {list(array.shape)} but must be {' or '.join(dtypes)} of shape {list(shape)} "
+                    f"(meta.json {source}). {REBUILD}")
 
     def _scale(self) -> float:
         # Moments stay in raw VAE units (logvar must not be scaled); draw_latents scales the drawn latent.
         return 1.0 if self.latent_kind == "moments" else self.latent_scale
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> Union[tuple[torch.Tensor, torch.Tensor],
+                                               tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         latents, labels = self._open()
         x = torch.from_numpy(np.array(latents[index], dtype=np.float32))  # (C, H, W), copied off the memmap
-        return x * self._scale(), torch.tensor(int(labels[index]), dtype=torch.int64)
+        x, y = x * self._scale(), torch.tensor(int(labels[index]), dtype=torch.int64)
+        if not self._extras:
+            return x, y
+        return x, y, {key: _extra_tensor(key, np.array(array[index])[None])[0] for key, array in self._extras.items()}
 
-    def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batched fetch, (x (B, C, H, W) float32, y (B,) int64), with one fancy-indexed read of the memmap."""
+    def __getitems__(self, indices: Sequence[int]) -> Union[tuple[torch.Tensor, torch.Tensor],
+                                                            tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+        """Batched fetch, (x (B, C, H, W) float32, y (B,) int64), with one fancy-indexed read of each memmap;
+        with extras (x, y, {"text": (B, L, D) float32, "text_mask": (B, L) bool, "pooled": (B, P) float32,
+        "loss_mask": (B, 1, Hm, Wm) float32 in [0, 1]}), the keys the dataset has, in request order."""
         latents, labels = self._open()
         idx = np.asarray(indices, dtype=np.int64)
         order = np.argsort(idx, kind="stable")  # ascending reads are mostly sequential on disk
         x, y = np.empty((len(idx), *latents.shape[1:]), np.float32), np.empty(len(idx), np.int64)
         x[order], y[order] = latents[idx[order]], labels[idx[order]]  # read sorted, write back in request order
-        return torch.from_numpy(x) * self._scale(), torch.from_numpy(y)
+        x, y = torch.from_numpy(x) * self._scale(), torch.from_numpy(y)
+        if not self._extras:
+            return x, y
+        extras = {}
+        for key, array in self._extras.items():
+            out = np.empty((len(idx), *array.shape[1:]), array.dtype)
+            out[order] = array[idx[order]]
+            extras[key] = _extra_tensor(key, out)
+        return x, y, extras
+
+
+def _extra_tensor(key: str, batch: np.ndarray) -> torch.Tensor:
+    """A batch read from an extras file -> its tensor: float32 embeddings, bool mask, (B, 1, Hm, Wm) float
+    loss mask in [0, 1] (uint8 / 255)."""
+    t = torch.from_numpy(batch)
+    if key == "text_mask":
+        return t
+    if key == "loss_mask":
+        return t.unsqueeze(1).float().div_(255.0)
+    return t.float()
+
+
+# ----------------------------------------------------------------------------- loss masks and token grids
+
+def _area_weights(src: int, dst: int) -> torch.Tensor:
+    """(dst, src) float64 matrix: row i holds the fraction of target cell i covered by each source pixel.
+
+    Cell i spans [i * src / dst, (i + 1) * src / dst) in source pixels; in units of 1 / dst pixel both the
+    cell and pixel j ([j * dst, (j + 1) * dst)) have integer ends, so the overlaps are exact integers.
+    """
+    i = torch.arange(dst, dtype=torch.int64)[:, None]
+    j = torch.arange(src, dtype=torch.int64)[None, :]
+    overlap = (torch.minimum((i + 1) * src, (j + 1) * dst) - torch.maximum(i * src, j * dst)).clamp_min(0)
+    return overlap.double() / src
+
+
+def _area_resize(mask: torch.Tensor, hw: Sequence[int], name: str) -> torch.Tensor:
+    """Exact area-weighted resize of a (B, 1, Hm, Wm) (or (B, Hm, Wm)) coverage mask to (B, 1, H, W), float64."""
+    if not (isinstance(hw, (tuple, list, torch.Size)) and len(hw) == 2 and
+            all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in hw)):
+        raise ValueError(f"{name}: the target size is {hw!r} but must be (H, W) with two positive integers")
+    if mask.ndim == 3:
+        mask = mask.unsqueeze(1)
+    if mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] < 1 or mask.shape[3] < 1:
+        raise ValueError(f"{name}: loss_mask must be a (B, 1, Hm, Wm) (or (B, Hm, Wm)) coverage mask in [0, 1], "
+                         f"got shape {list(mask.shape)}")
+    if mask.dtype == torch.uint8:
+        raise ValueError(f"{name}: loss_mask is uint8; pass coverage in [0, 1] (uint8 / 255, as LatentDataset "
+                         f"returns it)")
+    (h, w), (hm, wm) = hw, mask.shape[2:]
+    wh, ww = _area_weights(hm, h).to(mask.device), _area_weights(wm, w).to(mask.device)
+    return torch.einsum("hi,bcij,wj->bchw", wh, mask.double(), ww)
+
+
+def resize_loss_mask(loss_mask: torch.Tensor, hw: Sequence[int]) -> torch.Tensor:
+    """Area-resize a (B, 1, Hm, Wm) coverage mask in [0, 1] to (B, 1, H, W) (e.g. the latent resolution).
+
+    Every output value is the exact area-weighted mean of the mask over that output pixel (pixels cut by a
+    non-divisible grid contribute their overlapping fraction; for divisible sizes this is F.interpolate(mode=
+    "area")), so it stays in [0, 1]; the result has the mask's float dtype (float32 for a bool mask).
+    Multiply the per-element loss by it to weight the loss.
+    """
+    out = _area_resize(loss_mask, hw, "resize_loss_mask")
+    dtype = loss_mask.dtype if loss_mask.is_floating_point() else torch.float32
+    return out.clamp_(0.0, 1.0).to(dtype)
+
+
+def token_keep_mask(loss_mask: torch.Tensor, grid_hw: Sequence[int]) -> torch.Tensor:
+    """(B, Ht * Wt) bool: True for the tokens of an (Ht, Wt) token grid of which MORE THAN HALF the area is covered.
+
+    `loss_mask` is a (B, 1, Hm, Wm) coverage mask in [0, 1] at any resolution. A token's coverage is the
+    exact area-weighted mean of the mask over its cell (resize_loss_mask to grid_hw, in float64); a token is
+    kept when that exceeds 0.5 (+1e-6 so that rounding never keeps an exactly half-covered token). Tokens
+    are in row-major order (h, then w), as a patch embedding flattens them.
+    """
+    return (_area_resize(loss_mask, grid_hw, "token_keep_mask") > 0.5 + 1e-6).flatten(1)
 
 
 # ----------------------------------------------------------------------------- latent kinds

@@ -6,7 +6,7 @@ a checkpoint sees exactly the batches an uninterrupted run would have seen.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Union
 
 import torch
 
@@ -70,13 +70,18 @@ class ShardedBatchSampler:
         self.epoch, self.batch = epoch, batch
 
 
+Batch = Union[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+
+
 def _batched(batch: Any) -> Any:
-    """collate_fn: LatentDataset.__getitems__ already returns a collated (x, y) batch."""
+    """collate_fn: LatentDataset.__getitems__ already returns a collated (x, y) or (x, y, extras) batch."""
     return batch
 
 
 class LatentLoader:
-    """Infinite iterator of (x float32 (B, C, H, W), y int64 (B,)) batches that can be checkpointed exactly.
+    """Infinite iterator of (x float32 (B, C, H, W), y int64 (B,)) batches that can be checkpointed exactly;
+    (x, y, extras) batches, passed through as the dataset returns them, for data with per-sample
+    conditioning / loss masks (LatentDataset.has_extras).
 
     Workers prefetch ahead of the caller, so the sampler's own position runs ahead too; the loader instead
     counts the batches it has handed out, and state_dict() is the position of the next one the caller gets.
@@ -105,12 +110,12 @@ class LatentLoader:
     def __iter__(self) -> "LatentLoader":
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> Batch:
         if self._iter is None:
             self._iter = self._start()
-        x, y = next(self._iter)  # pin_memory turns the tuple into a list: hand back a tuple either way
+        batch = next(self._iter)  # pin_memory turns the tuple into a list: hand back a tuple either way
         self._next += 1
-        return x, y
+        return tuple(batch)
 
     def state_dict(self) -> dict[str, int]:
         """Position of the next batch the caller will receive, plus the settings that give it meaning."""

@@ -4,6 +4,10 @@ Images are RGB in [-1, 1] stored as identity-decoded "latents" (3 x R x R, laten
 diffusion model can be trained and its samples judged by eye without downloads or a VAE. Every class
 differs in both shape and colour; per-sample jitter in position, size, colour and background makes each
 class a distribution rather than a single image.
+
+With loss_masks=True (data=toy_masked) the dataset also stores loss_mask.npy: each image's shape coverage
+(the anti-aliased alpha the image was drawn with) as uint8 0..255 at image resolution, for masked-loss
+training. The images themselves are the same as without masks.
 """
 from __future__ import annotations
 
@@ -77,11 +81,14 @@ _SHAPES: list[Callable[..., np.ndarray]] = [
 ]
 
 
-def generate_toy_shapes(num_per_class: int = 1000, resolution: int = 32,
-                        seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def generate_toy_shapes(num_per_class: int = 1000, resolution: int = 32, seed: int = 0,
+                        loss_masks: bool = False) -> Union[tuple[torch.Tensor, torch.Tensor],
+                                                           tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Deterministic toy_shapes: images float32 (N, 3, R, R) in [-1, 1], labels int64 (N,); N = 10 * num_per_class.
 
-    Classes are interleaved (labels 0, 1, ..., 9, 0, 1, ...), so any prefix is class-balanced.
+    Classes are interleaved (labels 0, 1, ..., 9, 0, 1, ...), so any prefix is class-balanced. With
+    loss_masks=True also returns each shape's coverage, uint8 (N, R, R) in 0..255 (255 = fully inside);
+    the images and labels do not depend on it.
     """
     rng = np.random.default_rng(seed)
     n, k, R = num_per_class * len(_SHAPES), len(_SHAPES), resolution
@@ -96,20 +103,32 @@ def generate_toy_shapes(num_per_class: int = 1000, resolution: int = 32,
     x = coords[None, None, :] - centre[:, 0]  # (n, 1, R): x runs along width
     y = coords[None, :, None] - centre[:, 1]  # (n, R, 1): y runs down the image
     images = np.empty((n, 3, R, R), np.float32)
+    masks = np.empty((n, R, R), np.uint8) if loss_masks else None
     for c, shape in enumerate(_SHAPES):
         idx = np.flatnonzero(labels == c)
         alpha = shape(x[idx], y[idx], size[idx], 2 / R)[:, None]  # (m, 1, R, R); a pixel is 2 / R wide
         bg, fg = background[idx, :, None, None], colour[idx, :, None, None]
         images[idx] = bg + (fg - bg) * alpha
-    return torch.from_numpy(images * 2 - 1), torch.from_numpy(labels.astype(np.int64))
+        if masks is not None:
+            masks[idx] = np.rint(np.clip(alpha[:, 0], 0, 1) * 255).astype(np.uint8)
+    out = torch.from_numpy(images * 2 - 1), torch.from_numpy(labels.astype(np.int64))
+    return out if masks is None else (*out, torch.from_numpy(masks))
 
 
 def ensure_toy_dataset(path: Union[str, os.PathLike], num_per_class: int = 1000, resolution: int = 32,
-                       seed: int = 0) -> Path:
-    """Return `path`, first generating the toy_shapes dataset there unless it already holds these parameters."""
+                       seed: int = 0, loss_masks: bool = False) -> Path:
+    """Return `path`, first generating the toy_shapes dataset there unless it already holds these parameters.
+
+    loss_masks=True also stores loss_mask.npy (each shape's coverage, uint8 at image resolution) and records
+    "loss_masks": true in meta builtin; without it the dataset is exactly the plain toy_shapes data.
+    """
     root = Path(path).expanduser().absolute()
+    if not isinstance(loss_masks, (bool, np.bool_)):
+        raise LatentDatasetError(f"data.builtin_args.loss_masks={loss_masks!r} must be true or false")
     params = {"name": "toy_shapes", "num_per_class": int(num_per_class), "resolution": int(resolution),
               "seed": int(seed)}
+    if loss_masks:  # absent when false: the default dataset's meta.json stays as it always was
+        params["loss_masks"] = True
 
     def check_existing() -> Path:
         found = read_meta(root).get("builtin")
@@ -122,13 +141,16 @@ def ensure_toy_dataset(path: Union[str, os.PathLike], num_per_class: int = 1000,
 
     if (root / "meta.json").is_file():
         return check_existing()
-    images, labels = generate_toy_shapes(num_per_class, resolution, seed)
+    generated = generate_toy_shapes(num_per_class, resolution, seed, **({"loss_masks": True} if loss_masks else {}))
+    images, labels = generated[:2]
+    extras = {"loss_mask": generated[2].numpy()} if loss_masks else None
     try:
         write_latent_dataset(
             root, images.numpy(), labels.numpy(), num_classes=len(TOY_CLASS_NAMES), class_names=TOY_CLASS_NAMES,
             source=f"built-in toy_shapes generator (data/toy.py): {num_per_class} per class x "
-                   f"{len(TOY_CLASS_NAMES)} classes, {resolution}x{resolution} RGB in [-1, 1], seed {seed}",
-            dtype="float16", extra_meta={"builtin": params})
+                   f"{len(TOY_CLASS_NAMES)} classes, {resolution}x{resolution} RGB in [-1, 1], seed {seed}"
+                   + (", with shape-coverage loss masks" if loss_masks else ""),
+            dtype="float16", extra_meta={"builtin": params}, extras=extras)
     except LatentDatasetExistsError:
         if not (root / "meta.json").is_file():  # not a concurrent writer's dataset: something else is there
             raise

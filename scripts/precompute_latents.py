@@ -19,6 +19,17 @@ Finished shards are kept in <out>.parts/ so an interrupted run resumes where it 
 parts folder from other settings is an error). When all are done the main process streams them, in image
 order, into <out> (atomically), then deletes the parts folder. The result does not depend on the number of
 processes. --ref-out also writes reference statistics (FID) of the same center-cropped, unflipped images.
+
+Text-to-image data (optional): --captions FILE (CSV/TSV `file name,caption` lines, the caption being the rest of
+the line, or a JSON object {file name: caption}; names relative to --images, e.g. cls/x.png for class folders)
+and/or --caption-from-class 'a photo of a {class}' (captions the images the file does not, from their class
+name), encoded with --text-family {flux,sd3,wan,auraflow,pixart} by the text encoders of a local diffusers
+pipeline folder (--text-encoders DIR; `hf download <repo> --include 'text_encoder*/*' 'tokenizer*/*'
+--local-dir DIR`) or per-encoder folders (--text-encoder-path text_encoder_2=/models/t5), exactly as that
+family's pipeline encodes prompts (data/text.py). Each image's caption is encoded once (its flipped copy reuses
+it) into text_embeds.npy [+ text_mask.npy, pooled_embeds.npy]. --loss-masks DIR adds loss_mask.npy: one
+grayscale mask per image at DIR/<the image's relative path with its stem>.png (any image extension; the image's
+size; 255 = inside), center-cropped like its image to --resolution (flipped copies get flipped masks).
 """
 from __future__ import annotations
 
@@ -47,6 +58,7 @@ STORE_DTYPES = ("float16", "float32")
 VAE_DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 REF_FEATURES = ("inception", "toy_classifier")
+TEXT_ENCODER_DTYPES = ("float32", "bfloat16", "float16")
 SETTINGS_FILE = "settings.json"
 PARTS_VERSION = 1
 
@@ -92,6 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "(default 1000)")
     run.add_argument("--workers", type=int, default=4, help="threads reading and cropping images (default 4; "
                                                             "0: in the main thread)")
+    cond = p.add_argument_group("text conditioning and loss masks (optional)")
+    cond.add_argument("--captions", metavar="FILE", help="captions: CSV/TSV 'file name,caption' lines or a JSON "
+                                                         "object {file name: caption}; names relative to --images")
+    cond.add_argument("--caption-from-class", metavar="TEMPLATE", help="caption the images --captions does not "
+                                                                       "(or all) from their class name, e.g. "
+                                                                       "'a photo of a {class}'")
+    cond.add_argument("--text-family", metavar="NAME", help="encode captions as this model family's pipeline "
+                                                            "does: flux | sd3 | wan | auraflow | pixart")
+    cond.add_argument("--text-encoders", metavar="DIR", help="local diffusers pipeline folder with the family's "
+                                                             "text_encoder*/ and tokenizer*/ sub-folders")
+    cond.add_argument("--text-encoder-path", metavar="KEY=PATH", action="append", default=[],
+                      help="folder of one encoder or tokenizer, overriding --text-encoders (repeatable; KEY: "
+                           "text_encoder, tokenizer, text_encoder_2, tokenizer_2, ...)")
+    cond.add_argument("--max-text-length", type=int, metavar="N", help="T5 sequence length (default: the family's "
+                                                                       "pipeline default: flux 512, sd3 256, wan "
+                                                                       "512, auraflow 256, pixart 120 / Sigma 300)")
+    cond.add_argument("--text-encoder-dtype", default="float32", help="text encoder weights/compute dtype: float32 "
+                                                                      "(default) | bfloat16 | float16")
+    cond.add_argument("--loss-masks", metavar="DIR", help="folder of grayscale loss masks, one per image, at the "
+                                                          "image's relative path and stem (e.g. cls/x.png)")
     ref = p.add_argument_group("reference statistics (FID)")
     ref.add_argument("--ref-out", metavar="PATH", help="also write reference statistics (.npz: mu, sigma, ... and "
                                                        "up to --ref-store-images images) of the center-cropped images")
@@ -155,6 +187,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise _bad("--seed", args.seed, "an integer in [0, 2**31)")
     if args.max_images is not None and args.max_images < 1:
         raise _bad("--max-images", args.max_images, "an integer >= 1 (or leave it out for all images)")
+    validate_conditioning_args(args)
     if args.ref_out is not None:
         ref = Path(args.ref_out).expanduser()
         if ref.exists():
@@ -165,6 +198,75 @@ def validate_args(args: argparse.Namespace) -> None:
         if args.inception_weights is not None and not Path(args.inception_weights).expanduser().is_file():
             raise _bad("--inception-weights", args.inception_weights, "no such file (a torch-fidelity Inception "
                                                                       "weights file)")
+
+
+def text_encoder_paths(args: argparse.Namespace) -> dict[str, str]:
+    """{"pipeline": --text-encoders, KEY: PATH for each --text-encoder-path KEY=PATH} (after validation)."""
+    paths = {} if args.text_encoders is None else {"pipeline": args.text_encoders}
+    for item in args.text_encoder_path:
+        key, _, path = item.partition("=")
+        paths[key.strip()] = path.strip()
+    return paths
+
+
+def validate_conditioning_args(args: argparse.Namespace) -> None:
+    """The captions / text encoder / loss mask flags (cheap: finds the encoder folders, loads nothing)."""
+    from data.text import TEXT_FAMILIES, TextEncoderError, encoder_keys, resolve_text_encoder_paths
+
+    template = args.caption_from_class
+    if template is not None:
+        try:
+            ok = "{class}" in template and template.format(**{"class": "x"}) is not None
+        except (KeyError, IndexError, ValueError):
+            ok = False
+        if not ok:
+            raise _bad("--caption-from-class", template, "a template with {class} for the class name (other braces "
+                                                          "doubled: {{ }}), e.g. 'a photo of a {class}'")
+    if args.captions is not None and not Path(args.captions).expanduser().is_file():
+        raise _bad("--captions", args.captions, "no such file (CSV/TSV 'file name,caption' lines or a JSON object "
+                                                "{file name: caption})")
+    captioned = args.captions is not None or template is not None
+    family = args.text_family
+    if family is None:
+        if captioned:
+            raise PrecomputeError("--captions/--caption-from-class need --text-family (one of "
+                                  f"{', '.join(TEXT_FAMILIES)}) and its text encoders (--text-encoders DIR) to "
+                                  f"encode the captions")
+        used = [f for f, v in (("--text-encoders", args.text_encoders), ("--text-encoder-path",
+                                                                          args.text_encoder_path),
+                               ("--max-text-length", args.max_text_length)) if v]
+        if used:
+            raise PrecomputeError(f"{'/'.join(used)} only apply with --text-family and captions")
+    else:
+        if family not in TEXT_FAMILIES:
+            raise _bad("--text-family", family, f"one of {', '.join(TEXT_FAMILIES)}")
+        if not captioned:
+            raise PrecomputeError(f"--text-family {family} needs captions: --captions FILE and/or "
+                                  f"--caption-from-class 'a photo of a {{class}}'")
+        allowed = [k for k in encoder_keys(family) if k != "pipeline"]
+        for item in args.text_encoder_path:
+            key, eq, path = item.partition("=")
+            if not eq or key.strip() not in allowed or not path.strip():
+                raise _bad("--text-encoder-path", item, f"KEY=PATH with KEY one of {', '.join(allowed)} ({family})")
+        if args.text_encoders is None and not args.text_encoder_path:
+            from data.text import FAMILIES
+
+            raise PrecomputeError(f"--text-family {family} needs its text encoders: --text-encoders DIR, a local "
+                                  f"diffusers pipeline folder with text_encoder*/ and tokenizer*/ (fetch one with "
+                                  f"`hf download {FAMILIES[family].repo} --include 'text_encoder*/*' "
+                                  f"'tokenizer*/*' --local-dir DIR`), or --text-encoder-path KEY=PATH per encoder")
+        try:
+            resolve_text_encoder_paths(family, text_encoder_paths(args))
+        except TextEncoderError as err:
+            raise PrecomputeError(str(err)) from None
+        if args.max_text_length is not None and args.max_text_length < 1:
+            raise _bad("--max-text-length", args.max_text_length, "an integer >= 1 (tokens), or leave it out for the "
+                                                                  "family's default")
+        if args.text_encoder_dtype not in TEXT_ENCODER_DTYPES:
+            raise _bad("--text-encoder-dtype", args.text_encoder_dtype, f"one of {', '.join(TEXT_ENCODER_DTYPES)}")
+    if args.loss_masks is not None and not Path(args.loss_masks).expanduser().is_dir():
+        raise _bad("--loss-masks", args.loss_masks, "no such folder (a folder of grayscale masks, one per image, "
+                                                    "with the image's relative path and stem)")
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -182,6 +284,9 @@ class Plan:
     settings: dict
     shard_size: int
     args: argparse.Namespace = field(repr=False)
+    captions: Optional[list[str]] = field(default=None, repr=False)    # per image, with --text-family
+    mask_paths: Optional[list[Path]] = field(default=None, repr=False)  # per image, with --loss-masks
+    text_paths: Optional[dict[str, str]] = None                         # resolved encoder / tokenizer folders
 
     @property
     def num_images(self) -> int:
@@ -209,10 +314,14 @@ def make_plan(args: argparse.Namespace) -> Plan:
     out = Path(args.out).expanduser().absolute()
     paths, labels, class_names = list_image_folder(root, args.labels)
     num_classes = len(class_names) if class_names is not None else int(labels.max()) + 1
+    captions = plan_captions(args, root, paths, labels, class_names) if args.text_family else None
+    mask_paths = plan_masks(args, root, paths) if args.loss_masks else None
     if args.max_images is not None and args.max_images < len(paths):
         # a fixed random subset (sorted): folders are stored class by class, so the first N would be one class
         keep = np.sort(np.random.default_rng(args.seed).choice(len(paths), size=args.max_images, replace=False))
         paths, labels = [paths[i] for i in keep], labels[keep]
+        captions = None if captions is None else [captions[i] for i in keep]
+        mask_paths = None if mask_paths is None else [mask_paths[i] for i in keep]
     digest = hashlib.sha256()
     for p, y in zip(paths, labels):
         digest.update(f"{p.relative_to(root).as_posix()}\t{y}\n".encode())
@@ -224,8 +333,81 @@ def make_plan(args: argparse.Namespace) -> Plan:
         "vae_dtype": args.vae_dtype, "kind": args.kind, "flip": bool(args.flip), "dtype": args.dtype,
         "shard_size": args.shard_size, "seed": args.seed, "max_images": args.max_images,
     }
+    text_paths = None
+    if captions is not None:  # only with these options: settings of plain runs stay as they were
+        from data.text import resolve_text_encoder_paths
+
+        text_paths = {k: str(v) for k, v in resolve_text_encoder_paths(args.text_family,
+                                                                        text_encoder_paths(args)).items()}
+        settings["text"] = {"family": args.text_family, "encoders": text_paths, "max_length": args.max_text_length,
+                            "encoder_dtype": args.text_encoder_dtype, "captions_sha256": _digest(captions)}
+    if mask_paths is not None:
+        settings["loss_masks"] = {"dir": str(Path(args.loss_masks).expanduser().absolute()),
+                                  "sha256": _digest([p.as_posix() for p in mask_paths])}
     return Plan(root, out, parts_dir_of(out), paths, labels, class_names, num_classes, settings, args.shard_size,
-                args)
+                args, captions, mask_paths, text_paths)
+
+
+def _digest(items: Sequence[str]) -> str:
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(item.encode("utf-8", "surrogateescape") + b"\0")
+    return digest.hexdigest()
+
+
+def _short(items: Sequence[Any], n: int = 5) -> str:
+    return ", ".join(map(str, items[:n])) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def plan_captions(args: argparse.Namespace, root: Path, paths: list[Path], labels: np.ndarray,
+                  class_names: Optional[list[str]]) -> list[str]:
+    """Every image's caption: from --captions (by path relative to --images), else --caption-from-class."""
+    from data.text import TextEncoderError, read_captions_file
+
+    try:
+        table = read_captions_file(args.captions) if args.captions else {}
+    except TextEncoderError as err:
+        raise PrecomputeError(str(err)) from None
+    rel = [p.relative_to(root).as_posix() for p in paths]
+    unknown = sorted(set(table) - set(rel))
+    if unknown:
+        raise PrecomputeError(f"--captions '{args.captions}' names file(s) that are not images in '{root}': "
+                              f"{_short(unknown)} (names are relative to --images, e.g. "
+                              f"'{rel[0]}')")
+    template = args.caption_from_class
+    if template is not None and class_names is None:
+        raise PrecomputeError(f"--caption-from-class needs class names, but the labels of '{root}' are class "
+                              f"indices (integer labels); use class sub-folders or class-name labels, or caption "
+                              f"every image with --captions")
+    captions = [table.get(r) if r in table or template is None else template.format(**{"class": class_names[y]})
+                for r, y in zip(rel, labels)]
+    missing = [r for r, c in zip(rel, captions) if c is None]
+    if missing:
+        raise PrecomputeError(f"{len(missing)} of {len(rel)} image(s) have no caption in --captions "
+                              f"'{args.captions}': {_short(missing)}. Add them, or caption the rest from their "
+                              f"class with --caption-from-class 'a photo of a {{class}}'.")
+    return captions
+
+
+def plan_masks(args: argparse.Namespace, root: Path, paths: list[Path]) -> list[Path]:
+    """Every image's loss mask: <--loss-masks>/<relative path, any image extension>."""
+    from data.images import _images_under
+
+    mask_root = Path(args.loss_masks).expanduser().absolute()
+    found: dict[str, Path] = {}
+    for m in _images_under(mask_root):
+        key = m.relative_to(mask_root).with_suffix("").as_posix()
+        if key in found:
+            raise PrecomputeError(f"--loss-masks '{mask_root}' has two masks for '{key}': '{found[key].name}' and "
+                                  f"'{m.name}'; keep one")
+        found[key] = m
+    stems = [p.relative_to(root).with_suffix("").as_posix() for p in paths]
+    missing = [s for s in stems if s not in found]
+    if missing:
+        raise PrecomputeError(f"--loss-masks '{mask_root}' has no mask for {len(missing)} of {len(stems)} image(s): "
+                              f"{_short(missing)} (expected e.g. '{mask_root / missing[0]}.png': the image's "
+                              f"relative path and stem)")
+    return [found[s] for s in stems]
 
 
 def _settings_text(settings: dict) -> str:
@@ -303,11 +485,28 @@ def read_shard(plan: Plan, shard: int, arrays: bool = True) -> Optional[dict]:
 # ----------------------------------------------------------------------------- encoding
 
 @dataclass
+class TextEncoder:
+    """Captions -> encode_prompts arrays with the loaded family encoders."""
+    family: str
+    encoders: Any
+    max_length: Optional[int]
+    device: Any
+    dtype: Any
+
+    def __call__(self, captions: list[str]) -> dict[str, np.ndarray]:
+        from data.text import encode_prompts
+
+        return encode_prompts(self.family, self.encoders, captions, max_length=self.max_length, device=self.device,
+                              dtype=self.dtype)
+
+
+@dataclass
 class Encoder:
     vae: Any
     kind: str
     seed: int
     shift: float
+    text: Optional[TextEncoder] = None
 
     def __call__(self, images: np.ndarray, sample_indices: np.ndarray) -> np.ndarray:
         """uint8 (B, H, W, 3) -> stored values: raw (mean, logvar) for moments; raw draw - shift for sample.
@@ -328,25 +527,57 @@ class Encoder:
         return (mean + torch.exp(0.5 * logvar) * eps - self.shift).cpu().numpy()
 
 
-def iter_images(plan: Plan, start: int, stop: int, batch_size: int, pool: Optional[ThreadPoolExecutor]):
-    """(global indices, uint8 (B, R, R, 3)) batches of center-cropped images [start, stop), in order. With a
-    thread pool the next batches are read while the caller encodes the current one."""
+def load_image_and_mask(image_path: Path, mask_path: Path, resolution: int) -> tuple[np.ndarray, np.ndarray]:
+    """An image and its loss mask, both center-cropped alike: uint8 (R, R, 3) and (R, R) (grayscale, 255 = in)."""
+    from PIL import Image
+
+    from data.images import center_crop_arr, load_image
+
+    image = load_image(image_path, resolution)
+    try:
+        with Image.open(image_path) as im:
+            size = im.size
+        with Image.open(mask_path) as m:
+            m.load()
+            if m.size != size:
+                raise PrecomputeError(f"loss mask '{mask_path}' is {m.size[0]}x{m.size[1]} but its image "
+                                      f"'{image_path}' is {size[0]}x{size[1]}; a mask must have its image's size")
+            # The RGB copy of the gray mask goes through the very same ADM crop; every channel equals the gray one.
+            mask = center_crop_arr(m.convert("L"), resolution)[..., 0]
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise PrecomputeError(f"cannot read loss mask '{mask_path}': {err}") from None
+    return image, np.ascontiguousarray(mask)
+
+
+def iter_images(plan: Plan, start: int, stop: int, batch_size: int, pool: Optional[ThreadPoolExecutor],
+                masks: bool = False):
+    """(global indices, uint8 (B, R, R, 3)) batches of center-cropped images [start, stop), in order; with
+    masks=True (global indices, images, uint8 (B, R, R) loss masks). With a thread pool the next batches are
+    read while the caller encodes the current one."""
     from data.images import load_image
 
     res = plan.args.resolution
+    load = (lambda i: load_image_and_mask(plan.paths[i], plan.mask_paths[i], res)) if masks else \
+        (lambda i: load_image(plan.paths[i], res))
+
+    def batch(idx, items):
+        if not masks:
+            return idx, np.stack(items)
+        return idx, np.stack([im for im, _ in items]), np.stack([m for _, m in items])
+
     batches = iter([np.arange(b, min(stop, b + batch_size)) for b in range(start, stop, batch_size)])
     if pool is None:
         for idx in batches:
-            yield idx, np.stack([load_image(plan.paths[i], res) for i in idx])
+            yield batch(idx, [load(i) for i in idx])
         return
-    submit = lambda idx: (idx, [pool.submit(load_image, plan.paths[i], res) for i in idx])  # noqa: E731
+    submit = lambda idx: (idx, [pool.submit(load, i) for i in idx])  # noqa: E731
     pending = deque(submit(idx) for idx in islice(batches, 2))
     while pending:
         idx, futures = pending.popleft()
         following = next(batches, None)
         if following is not None:
             pending.append(submit(following))
-        yield idx, np.stack([f.result() for f in futures])
+        yield batch(idx, [f.result() for f in futures])
 
 
 def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[ThreadPoolExecutor], progress=None) -> None:
@@ -354,11 +585,17 @@ def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[Thread
     start, stop = plan.shard_range(shard)
     n = plan.num_images
     store = np.dtype(plan.settings["dtype"])
-    lat, flipped = [], []
-    for idx, images in iter_images(plan, start, stop, plan.args.batch_size, pool):
+    with_masks = plan.mask_paths is not None
+    lat, flipped, masks, text = [], [], [], {}
+    for idx, images, *mask in iter_images(plan, start, stop, plan.args.batch_size, pool, masks=with_masks):
         lat.append(encoder(images, idx))
         if plan.settings["flip"]:
             flipped.append(encoder(np.ascontiguousarray(images[:, :, ::-1]), idx + n))
+        if with_masks:
+            masks.append(mask[0])
+        if encoder.text is not None:  # once per image: flipped copies reuse it
+            for key, value in encoder.text([plan.captions[i] for i in idx]).items():
+                text.setdefault(key, []).append(value)
         if progress is not None:
             progress.update(len(idx))
     arrays = {"latents": np.concatenate(lat)}
@@ -374,6 +611,23 @@ def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[Thread
                                   f"e.g. {files}" + (" (float16 overflows above 65504: try --dtype float32)"
                                                      if store == np.float16 else "") +
                                   (" (try --vae-dtype float32)" if plan.settings["vae_dtype"] != "float32" else ""))
+    if masks:
+        arrays["loss_mask"] = np.concatenate(masks).astype(np.uint8)
+    for key, values in text.items():  # text (B, L, D), [text_mask (B, L) bool], [pooled (B, P)]
+        value = np.concatenate(values)
+        if key != "text_mask":
+            with np.errstate(over="ignore"):
+                value = value.astype(store)
+            bad = np.flatnonzero(~np.isfinite(value).reshape(len(value), -1).all(axis=1))
+            if len(bad):
+                files = [str(plan.paths[start + i]) for i in bad[:3]]
+                raise PrecomputeError(f"non-finite {key} embeddings (NaN/inf) after casting to {store} for the "
+                                      f"captions of {len(bad)} image(s), e.g. {files}"
+                                      + (" (float16 overflows above 65504: try --dtype float32)"
+                                         if store == np.float16 else "")
+                                      + (" (try --text-encoder-dtype float32)"
+                                         if plan.settings["text"]["encoder_dtype"] != "float32" else ""))
+        arrays[key] = value
     arrays.update(labels=plan.labels[start:stop].astype(np.int64), indices=np.arange(start, stop, dtype=np.int64),
                   settings=np.array(_settings_text(plan.settings)))
     _atomic_save(plan.shard_file(shard), lambda f: np.savez(f, **arrays))
@@ -387,17 +641,26 @@ def merge_shards(plan: Plan, meta: dict) -> Path:
     if missing:
         raise PrecomputeError(f"shard(s) {missing[:10]} are missing from '{plan.parts}' after all processes finished; "
                               f"rerun the same command to encode them")
+    from data.latents import EXTRA_KEYS
+
     n, flip = plan.num_images, plan.settings["flip"]
     first = read_shard(plan, 0)
+    keys = [k for k in EXTRA_KEYS if k in first]
+    shapes = {k: first[k].shape[1:] for k in keys}
     with LatentDatasetWriter(plan.out, shape=first["latents"].shape[1:], num_samples=n * (2 if flip else 1),
                              num_classes=plan.num_classes, class_names=plan.class_names,
-                             dtype=plan.settings["dtype"], **meta) as writer:
+                             dtype=plan.settings["dtype"], text_shape=shapes.get("text"),
+                             text_mask="text_mask" in shapes, pooled_dim=shapes["pooled"][0] if "pooled" in shapes
+                             else None, loss_mask_shape=shapes.get("loss_mask"), **meta) as writer:
         for shard in range(plan.num_shards):
             z = first if shard == 0 else read_shard(plan, shard)
             start, _ = plan.shard_range(shard)
-            writer.write(start, z["latents"], z["labels"])
-            if flip:
-                writer.write(n + start, z["flipped"], z["labels"])
+            extras = {k: z[k] for k in keys}
+            writer.write(start, z["latents"], z["labels"], extras or None)
+            if flip:  # the mirror image keeps its caption; its mask is mirrored too
+                if "loss_mask" in extras:
+                    extras["loss_mask"] = extras["loss_mask"][:, :, ::-1]
+                writer.write(n + start, z["flipped"], z["labels"], extras or None)
             first = None
     return plan.out
 
@@ -409,7 +672,7 @@ def dataset_meta(plan: Plan, vae) -> dict:
     s = plan.settings
     source = (f"scripts/precompute_latents.py: {s['num_images']} images from {plan.root}"
               f"{' (+ horizontal flips)' if s['flip'] else ''} at {s['resolution']}px, VAE {s['vae']}")
-    return {"latent_scale": scale, "source": source,
+    meta = {"latent_scale": scale, "source": source,
             "decode": {"type": "vae", "vae": s["vae"], "subfolder": s["vae_subfolder"], "scaling_factor": scale,
                        "shift_factor": None if shift is None else float(shift)},
             "extra_meta": {"latent_kind": s["kind"], "image_resolution": s["resolution"], "flip": s["flip"],
@@ -417,6 +680,20 @@ def dataset_meta(plan: Plan, vae) -> dict:
                            "labels_file": None if plan.args.labels is None
                            else str(Path(plan.args.labels).expanduser().absolute()),
                            "images_sha256": s["images_sha256"]}}
+    if "text" in s:
+        from data.text import default_max_length, family_spec
+
+        t, args = s["text"], plan.args
+        length = t["max_length"] or default_max_length(t["family"], text_encoder_paths(args))
+        meta["conditioning_meta"] = {"text": {
+            "family": t["family"], "encoders": [t["encoders"][slot.model] for slot in family_spec(t["family"]).slots],
+            "max_length": length, "encoder_dtype": t["encoder_dtype"]}}
+        meta["extra_meta"].update(
+            captions_file=None if args.captions is None else str(Path(args.captions).expanduser().absolute()),
+            caption_from_class=args.caption_from_class, captions_sha256=t["captions_sha256"])
+    if "loss_masks" in s:
+        meta["extra_meta"]["loss_masks_dir"] = s["loss_masks"]["dir"]
+    return meta
 
 
 # ----------------------------------------------------------------------------- processes
@@ -472,7 +749,16 @@ def run_encoding(plan: Plan, state, device) -> tuple[Any, int]:
         raise _bad("--resolution", args.resolution, f"a multiple of {factor} (the VAE '{args.vae}' downsamples by "
                                                     f"{factor})")
     shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
-    encoder = Encoder(vae, args.kind, args.seed, shift)
+    text = None
+    if plan.captions is not None:
+        import torch
+
+        from data.text import load_text_encoders
+
+        dtype = getattr(torch, args.text_encoder_dtype)
+        encoders = load_text_encoders(args.text_family, text_encoder_paths(args), device=device, dtype=dtype)
+        text = TextEncoder(args.text_family, encoders, args.max_text_length, device, dtype)
+    encoder = Encoder(vae, args.kind, args.seed, shift, text)
     if state.is_main_process:  # only once the VAE and resolution are known to work
         write_parts_settings(plan)
     else:
@@ -555,10 +841,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
 def cli(argv: Optional[Sequence[str]] = None) -> int:
     from data.latents import LatentDatasetError
+    from data.text import TextEncoderError
 
     try:
         main(argv)
-    except (PrecomputeError, LatentDatasetError) as err:
+    except (PrecomputeError, LatentDatasetError, TextEncoderError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -379,3 +379,195 @@ def test_streaming_writer_any_order_atomic_and_complete(tmp_path):
     with pytest.raises(LatentDatasetExistsError, match="already exists"):
         LatentDatasetWriter(tmp_path / "ds", shape=(2, 3, 3), num_samples=7, num_classes=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # failed writers leave nothing behind
+
+
+# ----------------------------------------------------------------------------- captions, text encoders, loss masks
+
+CAPTIONS = "file_name,caption\na_cat/x.png,a cat, sitting on a mat\nc_eel/e.png,an eel\n"
+
+
+@pytest.fixture(scope="module")
+def text_dirs(tmp_path_factory):
+    """Tiny random text encoders (data.text.save_tiny_text_encoders) as pipeline folders, per family."""
+    from data.text import save_tiny_text_encoders
+
+    root = tmp_path_factory.mktemp("text")
+    return {f: save_tiny_text_encoders(f, root / f) for f in ("pixart", "flux")}
+
+
+def write_masks(images_root, masks_root, skip=()):
+    """One grayscale mask per image (same relative path and stem, .png, the image's size): a gradient."""
+    for path in list_image_folder(images_root)[0]:
+        rel = path.relative_to(images_root).with_suffix(".png")
+        if rel.as_posix() in skip:
+            continue
+        with Image.open(path) as im:
+            w, h = im.size
+        (masks_root / rel).parent.mkdir(parents=True, exist_ok=True)
+        gradient = (np.add.outer(np.arange(h) * 7, np.arange(w) * 3) % 256).astype(np.uint8)
+        Image.fromarray(gradient, mode="L").save(masks_root / rel)
+    return masks_root
+
+
+def test_captions_text_embeddings_and_loss_masks_end_to_end(tmp_path, class_folder, vae_dir, text_dirs):
+    from data.text import encode_prompts, load_text_encoders
+
+    captions = tmp_path / "captions.csv"
+    captions.write_text(CAPTIONS)
+    masks = write_masks(class_folder, tmp_path / "masks")
+    out = tmp_path / "ds"
+    run(class_folder, out, vae_dir, "--flip", "--captions", captions, "--caption-from-class", "a photo of a {class}",
+        "--text-family", "pixart", "--text-encoders", text_dirs["pixart"], "--max-text-length", "8",
+        "--loss-masks", masks)
+    ds = LatentDataset(out)
+    assert len(ds) == 12 and ds.has_extras
+    assert ds.conditioning == {"text": (8, 32), "text_mask": True, "pooled": None, "loss_mask": (RES, RES)}
+    meta = ds.meta
+    assert meta["conditioning"]["text"] == {"seq_len": 8, "dim": 32, "mask": True, "family": "pixart",
+                                            "encoders": [str(text_dirs["pixart"] / "text_encoder")],
+                                            "max_length": 8, "encoder_dtype": "float32"}
+    assert meta["captions_file"] == str(captions) and meta["caption_from_class"] == "a photo of a {class}"
+    assert meta["loss_masks_dir"] == str(masks)
+
+    # text: each image's caption encoded once, as encode_prompts does; the flipped copies reuse it
+    want_captions = ["a photo of a a_cat", "a cat, sitting on a mat", "a photo of a a_cat", "a photo of a b_dog",
+                     "a photo of a b_dog", "an eel"]  # images in order: a_cat/sub/z, a_cat/x, a_cat/y, b_dog/1, ...
+    want = encode_prompts("pixart", load_text_encoders("pixart", text_dirs["pixart"]), want_captions, max_length=8)
+    _, _, extras = ds.__getitems__(list(range(12)))
+    np.testing.assert_allclose(extras["text"][:6].numpy(), want["text"].astype(np.float16), rtol=1e-3, atol=1e-3)
+    assert torch.equal(extras["text"][6:], extras["text"][:6])
+    assert torch.equal(extras["text_mask"], torch.from_numpy(np.concatenate([want["text_mask"]] * 2)))
+    # loss masks: cropped exactly as the images (ADM center crop), mirrored for the flipped copies
+    paths = list_image_folder(class_folder)[0]
+    crops_m = []
+    for p in paths:
+        with Image.open(masks / p.relative_to(class_folder).with_suffix(".png")) as m:
+            crops_m.append(center_crop_arr(m, RES)[..., 0])
+    stored = np.load(out / "loss_mask.npy")
+    assert stored.dtype == np.uint8 and stored.shape == (12, RES, RES)
+    np.testing.assert_array_equal(stored[:6], np.stack(crops_m))
+    np.testing.assert_array_equal(stored[6:], np.stack(crops_m)[:, :, ::-1])
+    torch.testing.assert_close(extras["loss_mask"][:, 0], torch.from_numpy(stored).float() / 255, rtol=0, atol=0)
+    # the latents are those of a run without conditioning
+    plain = tmp_path / "plain"
+    run(class_folder, plain, vae_dir, "--flip")
+    np.testing.assert_array_equal(np.load(out / "latents.npy"), np.load(plain / "latents.npy"))
+    assert sorted(p.name for p in plain.iterdir()) == ["labels.npy", "latents.npy", "meta.json"]
+
+
+def test_flux_pooled_with_per_encoder_paths_and_flat_folder(tmp_path, vae_dir, text_dirs):
+    root = tmp_path / "flat"
+    root.mkdir()
+    rng = np.random.default_rng(2)
+    for i in range(3):
+        random_image(rng, SIZES[i]).save(root / f"img{i}.png")
+    (tmp_path / "labels.csv").write_text("img0.png,3\nimg1.png,0\nimg2.png,1\n")
+    (tmp_path / "captions.json").write_text(json.dumps({"img0.png": "red disc", "img1.png": "a square",
+                                                        "img2.png": ""}))
+    flux = text_dirs["flux"]
+    out = tmp_path / "ds"
+    run(root, out, vae_dir, "--labels", tmp_path / "labels.csv", "--captions", tmp_path / "captions.json",
+        "--text-family", "flux", "--text-encoder-path", f"text_encoder={flux / 'text_encoder'}",
+        "--text-encoder-path", f"tokenizer={flux / 'tokenizer'}", "--text-encoder-path", f"text_encoder_2={flux}",
+        "--max-text-length", "5")
+    ds = LatentDataset(out)
+    assert ds.conditioning == {"text": (5, 32), "text_mask": False, "pooled": 16, "loss_mask": None}
+    assert sorted(p.name for p in out.iterdir()) == ["labels.npy", "latents.npy", "meta.json", "pooled_embeds.npy",
+                                                     "text_embeds.npy"]
+    assert ds.meta["conditioning"]["text"]["encoders"] == [str(flux / "text_encoder"), str(flux / "text_encoder_2")]
+    x, y, extras = ds.__getitems__([2, 0])
+    assert list(extras) == ["text", "pooled"] and extras["pooled"].shape == (2, 16)
+
+
+def test_changed_captions_refuse_the_parts_folder(tmp_path, class_folder, vae_dir, text_dirs, monkeypatch):
+    captions = tmp_path / "captions.csv"
+    captions.write_text(CAPTIONS)
+    args = ["--captions", captions, "--caption-from-class", "{class}", "--text-family", "pixart", "--text-encoders",
+            text_dirs["pixart"], "--max-text-length", "4"]
+    monkeypatch.setattr(pl, "merge_shards", lambda *a: (_ for _ in ()).throw(RuntimeError("stop before merging")))
+    with pytest.raises(RuntimeError, match="stop before merging"):
+        run(class_folder, tmp_path / "ds", vae_dir, *args)
+    captions.write_text(CAPTIONS.replace("an eel", "a long eel"))
+    with pytest.raises(pl.PrecomputeError, match=r"other settings \(text: .*'captions_sha256'"):
+        run(class_folder, tmp_path / "ds", vae_dir, *args)
+    with pytest.raises(pl.PrecomputeError, match=r"other settings \(text: .* -> None\)"):
+        run(class_folder, tmp_path / "ds", vae_dir)  # dropping the captions is a change too
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--captions", "{captions}"], r"--captions/--caption-from-class need --text-family \(one of flux, sd3, wan, "
+                                   r"auraflow, pixart\)"),
+    (["--captions", "{missing}"], r"--captions='.*missing' is not valid: no such file"),
+    (["--text-family", "pixart"], r"--text-family pixart needs captions: --captions FILE and/or --caption-from-class"),
+    (["--text-family", "sdxl", "--captions", "{captions}"], r"--text-family='sdxl' .*flux, sd3, wan, auraflow, pixart"),
+    (["--text-family", "pixart", "--captions", "{captions}"],
+     r"--text-family pixart needs its text encoders: --text-encoders DIR.*hf download PixArt-alpha/PixArt-XL-2-512x512 "
+     r"--include 'text_encoder\*/\*' 'tokenizer\*/\*' --local-dir DIR"),
+    (["--text-family", "pixart", "--captions", "{captions}", "--text-encoders", "{missing}"],
+     r"pixart text encoders: the pipeline folder '.*missing' does not exist.*hf download"),
+    (["--text-family", "flux", "--captions", "{captions}", "--text-encoders", "{pixart}"],
+     r"flux text encoder 'text_encoder_2' \(T5 \(T5EncoderModel\)\): no model at '.*pixart/text_encoder_2'"),
+    (["--text-family", "pixart", "--captions", "{captions}", "--text-encoders", "{pixart}", "--text-encoder-path",
+      "text_encoder_2=/x"], r"--text-encoder-path='text_encoder_2=/x' .*KEY one of text_encoder, tokenizer \(pixart\)"),
+    (["--text-family", "pixart", "--captions", "{captions}", "--text-encoders", "{pixart}", "--max-text-length", "0"],
+     r"--max-text-length=0 .*>= 1"),
+    (["--text-family", "pixart", "--captions", "{captions}", "--text-encoders", "{pixart}", "--text-encoder-dtype",
+      "int8"], r"--text-encoder-dtype='int8' .*float32, bfloat16, float16"),
+    (["--text-encoders", "{pixart}"], r"--text-encoders only apply with --text-family and captions"),
+    (["--caption-from-class", "a photo", "--text-family", "pixart"], r"--caption-from-class='a photo' .*\{class\}"),
+    (["--caption-from-class", "{class} {x}", "--text-family", "pixart"], r"--caption-from-class='\{class\} \{x\}'"),
+    (["--loss-masks", "{missing}"], r"--loss-masks='.*missing' is not valid: no such folder"),
+])
+def test_bad_conditioning_arguments_fail_before_any_work(tmp_path, class_folder, text_dirs, argv, message,
+                                                         monkeypatch):
+    monkeypatch.setattr(pl, "make_plan", lambda args: pytest.fail("work started despite a bad argument"))
+    captions = tmp_path / "captions.csv"
+    captions.write_text(CAPTIONS)
+    fill = {"{captions}": str(captions), "{missing}": str(tmp_path / "missing"), "{pixart}": str(text_dirs["pixart"])}
+    argv = ["--images", str(class_folder), "--out", str(tmp_path / "new")] + [fill.get(a, a) for a in argv]
+    with pytest.raises(pl.PrecomputeError, match=message):
+        pl.main(argv)
+    assert pl.cli(argv) == 2
+
+
+def test_missing_captions_and_masks_fail_before_encoding(tmp_path, class_folder, vae_dir, text_dirs, monkeypatch):
+    monkeypatch.setattr(pl, "run_encoding", lambda *a: pytest.fail("encoding started despite bad inputs"))
+    captions = tmp_path / "captions.csv"
+    captions.write_text(CAPTIONS)
+    text = ["--text-family", "pixart", "--text-encoders", text_dirs["pixart"]]
+    with pytest.raises(pl.PrecomputeError, match=r"4 of 6 image\(s\) have no caption in --captions '.*captions\.csv': "
+                                                 r"a_cat/sub/z\.png, a_cat/y\.jpg, b_dog/1\.png, b_dog/2\.PNG\. .*"
+                                                 r"--caption-from-class"):
+        run(class_folder, tmp_path / "ds", vae_dir, "--captions", captions, *text)
+    captions.write_text(CAPTIONS + "a_cat/missing.png,gone\n")
+    with pytest.raises(pl.PrecomputeError, match=r"names file\(s\) that are not images in '.*': a_cat/missing\.png"):
+        run(class_folder, tmp_path / "ds", vae_dir, "--captions", captions, "--caption-from-class", "{class}", *text)
+    masks = write_masks(class_folder, tmp_path / "masks", skip=("c_eel/e.png",))
+    with pytest.raises(pl.PrecomputeError, match=r"--loss-masks '.*masks' has no mask for 1 of 6 image\(s\): c_eel/e "
+                                                 r"\(expected e\.g\. '.*masks/c_eel/e\.png'"):
+        run(class_folder, tmp_path / "ds", vae_dir, "--loss-masks", masks)
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    random_image(np.random.default_rng(0), (8, 8)).save(flat / "a.png")
+    (tmp_path / "labels.csv").write_text("a.png,4\n")
+    with pytest.raises(pl.PrecomputeError, match=r"--caption-from-class needs class names.*integer labels"):
+        run(flat, tmp_path / "ds", vae_dir, "--labels", tmp_path / "labels.csv", "--caption-from-class", "{class}",
+            *text)
+    assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.parts").exists()
+
+
+def test_loss_mask_of_another_size_is_an_error(tmp_path, class_folder, vae_dir):
+    masks = write_masks(class_folder, tmp_path / "masks")
+    Image.new("L", (5, 5), 255).save(masks / "b_dog" / "1.png")
+    with pytest.raises(pl.PrecomputeError, match=r"loss mask '.*b_dog/1\.png' is 5x5 but its image '.*b_dog/1\.png' "
+                                                 r"is \d+x\d+; a mask must have its image's size"):
+        run(class_folder, tmp_path / "ds", vae_dir, "--loss-masks", masks)
+    assert pl.cli(["--images", str(class_folder), "--out", str(tmp_path / "ds2"), "--vae", str(vae_dir),
+                   "--resolution", str(RES), "--device", "cpu", "--loss-masks", str(masks)]) == 2
+
+
+def test_help_lists_the_conditioning_flags():
+    help_text = pl.build_parser().format_help()
+    for flag in ("--captions", "--caption-from-class", "--text-family", "--text-encoders", "--text-encoder-path",
+                 "--max-text-length", "--text-encoder-dtype", "--loss-masks", "hf download"):
+        assert flag in help_text

@@ -1,0 +1,446 @@
+"""Text conditioning: load a model family's text encoders from local folders and encode prompts the way that
+family's diffusers (0.42) pipeline does, into the arrays a latent dataset stores (data/latents.py:
+text_embeds.npy, text_mask.npy, pooled_embeds.npy). Families (encoders by diffusers pipeline subfolder):
+
+    flux      text_encoder: CLIP-L (CLIPTextModel); text_encoder_2: T5 (T5EncoderModel)
+              text   (B, 512, D): T5 last hidden state (no attention mask passed to T5)
+              pooled (B, P): CLIP pooler_output
+    sd3       text_encoder, text_encoder_2: CLIP-L, CLIP-G (CLIPTextModelWithProjection); text_encoder_3: T5
+              text   (B, 77 + 256, D): [CLIP-L ; CLIP-G] penultimate hidden states (77 tokens) joined on the
+                     feature axis and zero-padded to the T5 width D, then the T5 output on the sequence axis
+              pooled (B, P): [CLIP-L ; CLIP-G] text_embeds (projections)
+    wan       text_encoder: UMT5 (UMT5EncoderModel)
+              text (B, 512, D): last hidden state (mask passed), padding positions zeroed; prompts are
+                   whitespace/HTML-cleaned as the pipeline does; text_mask (B, 512)
+    auraflow  text_encoder: UMT5 (or T5)
+              text (B, 256, D): last hidden state (mask passed) times the mask; text_mask (B, 256)
+    pixart    text_encoder: T5 (T5EncoderModel)
+              text (B, 120, D): last hidden state (mask passed); 300 tokens for PixArt-Sigma (detected from
+                   the folder's model_index.json); text_mask (B, L)
+
+Every tokenizer pads to max_length and truncates; CLIP tokenizers use their model_max_length (77). "mask" is
+the tokenizer's attention mask (True = real token), stored for the families whose pipelines compute one.
+PixArt's optional caption cleaning (clean_caption, which needs bs4/ftfy) is not applied: prompts are used
+as given. Weights are never downloaded: pass a local diffusers pipeline folder (text_encoder*/ and
+tokenizer*/ subfolders), e.g. fetched with
+    hf download black-forest-labs/FLUX.1-dev --include 'text_encoder*/*' 'tokenizer*/*' --local-dir DIR
+or per-encoder folders. save_tiny_text_encoders writes tiny random encoders for tests.
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .images import read_name_value_file
+
+TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart")
+PathLike = Union[str, os.PathLike]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
+CLIP_DEFAULT_LENGTH = 77
+
+
+class TextEncoderError(ValueError):
+    """A text encoder cannot be found / loaded, or prompts cannot be encoded; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class EncoderSlot:
+    """One text encoder of a family: its pipeline subfolders and what it is."""
+    model: str        # subfolder of the model in a diffusers pipeline folder, e.g. "text_encoder_2"
+    tokenizer: str    # subfolder of its tokenizer, e.g. "tokenizer_2"
+    kind: str         # "clip" (CLIPTextModel) | "clip_proj" (CLIPTextModelWithProjection) | "t5" (T5/UMT5 encoder)
+    what: str         # for messages
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    slots: tuple[EncoderSlot, ...]
+    max_length: int   # default sequence length of the T5-type encoder (the pipeline's max_sequence_length)
+    mask: bool        # whether encode_prompts returns "text_mask"
+    pooled: bool      # whether encode_prompts returns "pooled"
+    repo: str         # a hub repo with these encoders (for the download advice)
+    pipeline: str     # diffusers pipeline class (model_index.json of save_tiny_text_encoders)
+
+
+_CLIP_L = EncoderSlot("text_encoder", "tokenizer", "clip", "CLIP-L (CLIPTextModel)")
+FAMILIES: dict[str, FamilySpec] = {
+    "flux": FamilySpec((_CLIP_L, EncoderSlot("text_encoder_2", "tokenizer_2", "t5", "T5 (T5EncoderModel)")),
+                       512, mask=False, pooled=True, repo="black-forest-labs/FLUX.1-dev", pipeline="FluxPipeline"),
+    "sd3": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "clip_proj", "CLIP-L (CLIPTextModelWithProjection)"),
+                       EncoderSlot("text_encoder_2", "tokenizer_2", "clip_proj",
+                                   "CLIP-G (CLIPTextModelWithProjection)"),
+                       EncoderSlot("text_encoder_3", "tokenizer_3", "t5", "T5 (T5EncoderModel)")),
+                      256, mask=False, pooled=True, repo="stabilityai/stable-diffusion-3-medium-diffusers",
+                      pipeline="StableDiffusion3Pipeline"),
+    "wan": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "UMT5 (UMT5EncoderModel)"),), 512, mask=True,
+                      pooled=False, repo="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", pipeline="WanPipeline"),
+    "auraflow": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "UMT5 (UMT5EncoderModel)"),), 256,
+                           mask=True, pooled=False, repo="fal/AuraFlow", pipeline="AuraFlowPipeline"),
+    "pixart": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "T5 (T5EncoderModel)"),), 120, mask=True,
+                         pooled=False, repo="PixArt-alpha/PixArt-XL-2-512x512", pipeline="PixArtAlphaPipeline"),
+}
+PIXART_SIGMA_LENGTH = 300
+
+
+def family_spec(family: str) -> FamilySpec:
+    if family not in FAMILIES:
+        raise TextEncoderError(f"text family {family!r} is unknown; allowed: {', '.join(TEXT_FAMILIES)}")
+    return FAMILIES[family]
+
+
+def encoder_keys(family: str) -> tuple[str, ...]:
+    """The path keys load_text_encoders accepts for `family`: "pipeline" and each model/tokenizer subfolder."""
+    return ("pipeline",) + tuple(k for s in family_spec(family).slots for k in (s.model, s.tokenizer))
+
+
+@dataclass
+class TextEncoders:
+    """A family's loaded encoders: models and tokenizers by pipeline subfolder name (e.g. "text_encoder_2",
+    "tokenizer_2"), where they came from, and the default sequence length for these weights (None: the
+    family's)."""
+    family: str
+    models: dict[str, Any]
+    tokenizers: dict[str, Any]
+    paths: dict[str, str] = field(default_factory=dict)
+    max_length: Optional[int] = None
+
+
+# ----------------------------------------------------------------------------- locating and loading
+
+def _advice(family: str, slot: EncoderSlot) -> str:
+    return (f"Text encoders are read from local folders only (nothing is downloaded). Fetch them with "
+            f"`hf download {FAMILIES[family].repo} --include 'text_encoder*/*' 'tokenizer*/*' --local-dir DIR` and "
+            f"pass DIR (a diffusers pipeline folder; --text-encoders DIR), or give this encoder's own folder "
+            f"({slot.model}=PATH, and {slot.tokenizer}=PATH if its tokenizer lives elsewhere).")
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in TOKENIZER_FILES)
+
+
+def resolve_text_encoder_paths(family: str, paths: Union[PathLike, Mapping[str, PathLike]]) -> dict[str, Path]:
+    """{model or tokenizer subfolder name: local folder} for every encoder of `family`, without loading anything.
+
+    `paths` is a diffusers pipeline folder, or a dict with "pipeline" (that folder) and/or explicit folders
+    per model / tokenizer key (encoder_keys(family)). An explicit model folder holds config.json (or is a
+    pipeline-like folder with the subfolder inside); its tokenizer is taken from the explicit tokenizer key,
+    else that pipeline-like folder, else the pipeline folder, else the model folder itself. Missing files
+    raise TextEncoderError naming the family, the encoder, the path tried and how to get the files.
+    """
+    spec = family_spec(family)
+    given = {"pipeline": paths} if isinstance(paths, (str, os.PathLike)) else dict(paths or {})
+    unknown = sorted(set(given) - set(encoder_keys(family)))
+    if unknown:
+        raise TextEncoderError(f"{family} text encoder paths have unknown key(s) {unknown}; allowed: "
+                               f"{list(encoder_keys(family))}")
+    given = {k: Path(v).expanduser().absolute() for k, v in given.items() if v is not None and str(v)}
+    pipe = given.get("pipeline")
+    if pipe is not None and not pipe.is_dir():
+        slot = spec.slots[0]
+        raise TextEncoderError(f"{family} text encoders: the pipeline folder '{pipe}' does not exist. "
+                               f"{_advice(family, slot)}")
+    out: dict[str, Path] = {}
+    for slot in spec.slots:
+        explicit, own_pipe = given.get(slot.model), None
+        if explicit is not None and not (explicit / "config.json").is_file() and \
+                (explicit / slot.model / "config.json").is_file():
+            own_pipe, explicit = explicit, explicit / slot.model  # a pipeline-like folder given for this encoder
+        model = explicit if explicit is not None else (pipe / slot.model if pipe is not None else None)
+        if model is None:
+            raise TextEncoderError(f"{family} text encoder '{slot.model}' ({slot.what}): no path given (neither a "
+                                   f"pipeline folder nor {slot.model}=PATH). {_advice(family, slot)}")
+        if not (model / "config.json").is_file():
+            why = "no such folder" if not model.exists() else "no config.json there"
+            raise TextEncoderError(f"{family} text encoder '{slot.model}' ({slot.what}): no model at '{model}' "
+                                   f"({why}). {_advice(family, slot)}")
+        candidates = [given[slot.tokenizer]] if slot.tokenizer in given else \
+            [c / slot.tokenizer for c in (own_pipe, pipe) if c is not None] + [model]
+        tokenizer = next((c for c in candidates if _has_tokenizer(c)), None)
+        if tokenizer is None:
+            tried = " or ".join(f"'{c}'" for c in candidates)
+            raise TextEncoderError(f"{family} tokenizer '{slot.tokenizer}' of text encoder '{slot.model}' "
+                                   f"({slot.what}): no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tried}. "
+                                   f"{_advice(family, slot)}")
+        out[slot.model], out[slot.tokenizer] = model, tokenizer
+    return out
+
+
+def _model_class(family: str, slot: EncoderSlot, folder: Path):
+    import transformers
+
+    if slot.kind == "clip":
+        return transformers.CLIPTextModel
+    if slot.kind == "clip_proj":
+        return transformers.CLIPTextModelWithProjection
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as err:
+        raise TextEncoderError(f"{family} text encoder '{slot.model}': cannot read '{folder / 'config.json'}' "
+                               f"({err})") from None
+    classes = {"t5": transformers.T5EncoderModel, "umt5": transformers.UMT5EncoderModel}
+    if model_type not in classes:
+        raise TextEncoderError(f"{family} text encoder '{slot.model}' at '{folder}' is a {model_type!r} model; "
+                               f"expected {slot.what} (config.json model_type 't5' or 'umt5')")
+    return classes[model_type]
+
+
+def load_text_encoders(family: str, paths: Union[PathLike, Mapping[str, PathLike]], device: Any = "cpu",
+                       dtype: torch.dtype = torch.float32) -> TextEncoders:
+    """Load `family`'s text encoders (transformers CLIPTextModel / CLIPTextModelWithProjection /
+    T5EncoderModel / UMT5EncoderModel + AutoTokenizer) from local folders (see resolve_text_encoder_paths),
+    on `device` in `dtype`, in eval mode without gradients. Never downloads: missing files raise
+    TextEncoderError saying how to provide them."""
+    from transformers import AutoTokenizer
+
+    spec = family_spec(family)
+    found = resolve_text_encoder_paths(family, paths)
+    models, tokenizers = {}, {}
+    for slot in spec.slots:
+        folder, tok_folder = found[slot.model], found[slot.tokenizer]
+        cls = _model_class(family, slot, folder)
+        try:
+            model = cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as err:
+            raise TextEncoderError(f"{family} text encoder '{slot.model}' ({slot.what}): cannot load it from "
+                                   f"'{folder}' ({err}). {_advice(family, slot)}") from None
+        models[slot.model] = model.to(device).eval().requires_grad_(False)
+        try:
+            tokenizers[slot.tokenizer] = AutoTokenizer.from_pretrained(tok_folder, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise TextEncoderError(f"{family} tokenizer '{slot.tokenizer}': cannot load it from '{tok_folder}' "
+                                   f"({err}). {_advice(family, slot)}") from None
+    length = default_max_length(family, paths)
+    return TextEncoders(family, models, tokenizers, {k: str(v) for k, v in found.items()},
+                        None if length == spec.max_length else length)
+
+
+def default_max_length(family: str, paths: Union[PathLike, Mapping[str, PathLike], None] = None) -> int:
+    """The sequence length `family`'s pipeline uses by default (FAMILIES[family].max_length); for PixArt, 300
+    when the pipeline folder's model_index.json names a PixArt-Sigma pipeline (120 for Alpha)."""
+    spec = family_spec(family)
+    if family != "pixart" or not paths:
+        return spec.max_length
+    pipe = paths if isinstance(paths, (str, os.PathLike)) else paths.get("pipeline")
+    index = Path(pipe).expanduser() / "model_index.json" if pipe else None
+    try:
+        if index is not None and "Sigma" in str(json.loads(index.read_text()).get("_class_name", "")):
+            return PIXART_SIGMA_LENGTH
+    except (OSError, json.JSONDecodeError, AttributeError):
+        pass
+    return spec.max_length
+
+
+# ----------------------------------------------------------------------------- encoding
+
+def _wan_clean(text: str) -> str:
+    """Wan's prompt cleaning: fix mojibake (ftfy, if installed), undo (double) HTML escaping, collapse
+    whitespace."""
+    try:
+        import ftfy
+        text = ftfy.fix_text(text)
+    except ImportError:
+        pass
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _tokenize(tokenizer, prompts: list[str], length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    out = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+    return out["input_ids"].to(device), out["attention_mask"].to(device)
+
+
+def _clip_length(tokenizer, model) -> int:
+    """The CLIP pipelines' sequence length: the tokenizer's model_max_length (77), within the model's positions."""
+    length = getattr(tokenizer, "model_max_length", None)
+    if not isinstance(length, int) or length <= 0 or length > 100_000:  # unset: transformers' huge sentinel
+        length = CLIP_DEFAULT_LENGTH
+    return min(length, int(model.config.max_position_embeddings))
+
+
+def _as_encoders(family: str, encoders: Union[TextEncoders, Mapping[str, Any]]) -> TextEncoders:
+    if isinstance(encoders, TextEncoders):
+        if encoders.family != family:
+            raise TextEncoderError(f"encoders were loaded for family {encoders.family!r}, not {family!r}")
+        enc = encoders
+    elif isinstance(encoders, Mapping):
+        spec = family_spec(family)
+        models = {s.model: encoders[s.model] for s in spec.slots if s.model in encoders}
+        toks = {s.tokenizer: encoders[s.tokenizer] for s in spec.slots if s.tokenizer in encoders}
+        enc = TextEncoders(family, models, toks)
+    else:
+        raise TextEncoderError(f"encoders must be a TextEncoders (load_text_encoders) or a dict of models and "
+                               f"tokenizers by pipeline subfolder name, got {type(encoders).__name__}")
+    missing = [k for s in family_spec(family).slots for k, d in ((s.model, enc.models), (s.tokenizer, enc.tokenizers))
+               if k not in d]
+    if missing:
+        raise TextEncoderError(f"{family} text encoding needs {missing} (model / tokenizer by pipeline subfolder "
+                               f"name); got {sorted(enc.models) + sorted(enc.tokenizers)}")
+    return enc
+
+
+def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]], prompts: Union[str, Sequence[str]],
+                   *, max_length: Optional[int] = None, device: Any = "cpu",
+                   dtype: Optional[torch.dtype] = torch.float32) -> dict[str, np.ndarray]:
+    """Encode `prompts` as `family`'s pipeline does (see the module doc): {"text": float32 (B, L, D),
+    "text_mask": bool (B, L) (wan, auraflow, pixart), "pooled": float32 (B, P) (flux, sd3)} as numpy arrays.
+
+    `encoders`: load_text_encoders' result, or a dict {pipeline subfolder name: model or tokenizer}.
+    max_length: the T5-type sequence length (default: the family's; 300 for PixArt-Sigma weights). The
+    models run on `device` in `dtype`, without gradients; models elsewhere are moved (in place: load them
+    there with load_text_encoders to avoid it; dtype None keeps theirs).
+    """
+    spec = family_spec(family)
+    enc = _as_encoders(family, encoders)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    bad = [p for p in prompts if not isinstance(p, str)]
+    if not prompts or bad:
+        raise TextEncoderError(f"prompts must be a non-empty list of strings, got "
+                               f"{'an empty list' if not prompts else f'{type(bad[0]).__name__} {bad[0]!r}'}")
+    length = max_length if max_length is not None else (enc.max_length or spec.max_length)
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise TextEncoderError(f"max_length={length!r} must be a positive integer (tokens)")
+    device = torch.device(device)
+    models = {}
+    for key, model in enc.models.items():
+        if model.device != device:
+            model = model.to(device)
+        if dtype is not None and model.dtype != dtype:  # only then: a cast would undo T5's fp32-kept layers
+            model = model.to(dtype=dtype)
+        models[key] = model
+    tok = enc.tokenizers
+    out: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        if family == "flux":
+            clip, t5 = models["text_encoder"], models["text_encoder_2"]
+            ids, _ = _tokenize(tok["tokenizer"], prompts, _clip_length(tok["tokenizer"], clip), device)
+            out["pooled"] = clip(ids, output_hidden_states=False).pooler_output
+            ids, _ = _tokenize(tok["tokenizer_2"], prompts, length, device)
+            out["text"] = t5(ids)[0]  # FLUX passes no attention mask to T5
+        elif family == "sd3":
+            hidden, pooled = [], []
+            for model_key, tok_key in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+                model = models[model_key]
+                ids, _ = _tokenize(tok[tok_key], prompts, _clip_length(tok[tok_key], model), device)
+                result = model(ids, output_hidden_states=True)
+                hidden.append(result.hidden_states[-2].float())  # penultimate layer (clip_skip=None)
+                pooled.append(result.text_embeds.float())
+            if hidden[0].shape[1] != hidden[1].shape[1]:
+                raise TextEncoderError(f"sd3: the CLIP tokenizers give {hidden[0].shape[1]} and {hidden[1].shape[1]} "
+                                       f"tokens; both must use the same length (77)")
+            ids, _ = _tokenize(tok["tokenizer_3"], prompts, length, device)
+            t5 = models["text_encoder_3"](ids)[0].float()  # no attention mask, as the SD3 pipeline
+            clip = torch.cat(hidden, dim=-1)
+            if clip.shape[-1] > t5.shape[-1]:
+                raise TextEncoderError(f"sd3: the CLIP hidden states are {clip.shape[-1]} wide together, more than "
+                                       f"the T5 width {t5.shape[-1]} they are zero-padded to")
+            clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+            out["text"] = torch.cat([clip, t5], dim=1)
+            out["pooled"] = torch.cat(pooled, dim=-1)
+        else:  # one T5-type encoder that sees the attention mask: wan, auraflow, pixart
+            if family == "wan":
+                prompts = [_wan_clean(p) for p in prompts]
+            ids, mask = _tokenize(tok["tokenizer"], prompts, length, device)
+            hidden = models["text_encoder"](input_ids=ids, attention_mask=mask)[0]
+            if family in ("wan", "auraflow"):  # padding positions zeroed (Wan keeps the first seq_len rows)
+                hidden = hidden * mask[..., None].to(hidden.dtype)
+            out["text"], out["text_mask"] = hidden, mask.bool()
+    arrays = {k: v.detach().cpu().numpy() if v.dtype == torch.bool else v.detach().float().cpu().numpy()
+              for k, v in out.items()}
+    return {k: arrays[k] for k in ("text", "text_mask", "pooled") if k in arrays}
+
+
+# ----------------------------------------------------------------------------- captions files
+
+def _json_caption(name: str, caption: Any) -> str:
+    if not isinstance(caption, str):
+        raise ValueError(f"the caption of '{name}' is {caption!r}; captions must be strings")
+    return caption
+
+
+def read_captions_file(path: PathLike) -> dict[str, str]:
+    """{file name (relative to the image folder, posix): caption} from a JSON object {"file": "caption"} or a
+    CSV/TSV file of `file name,caption` lines (tab-separated when the line has a tab; the caption is the rest of
+    the line, so it may contain commas, and may be quoted as in CSV). Blank lines, `#` comments and a
+    `file_name,caption` header are skipped."""
+    return read_name_value_file(path, what="caption", error_cls=TextEncoderError, split="first",
+                                header=(("file_name", "filename", "file", "path", "image"),
+                                        ("caption", "text", "prompt")),
+                                json_value=_json_caption, json_example='{"file name": "caption"}', say_where=True)
+
+
+# ----------------------------------------------------------------------------- tiny random encoders (tests)
+
+TINY_WORDS = ("a an the of photo picture image with on in and red green blue yellow magenta cyan orange white "
+              "purple lime disc square triangle ring plus horizontal vertical stripes checkerboard diamond x cat "
+              "dog eel bird tree house").split()
+
+
+def _tiny_tokenizer(style: str, words: Sequence[str], max_length: int):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    if style == "clip":  # eos id 1 (not 2: CLIP treats eos_token_id 2 as "argmax of the ids")
+        special = {"<|startoftext|>": 0, "<|endoftext|>": 1, "<unk>": 2}
+        bos, eos, pad = "<|startoftext|>", "<|endoftext|>", "<|endoftext|>"
+        template = f"{bos} $A {eos}"
+    else:  # T5 / UMT5: pad 0, eos 1, unk 2; no bos
+        special = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+        bos, eos, pad = None, "</s>", "<pad>"
+        template = f"$A {eos}"
+    vocab = dict(special)
+    for w in words:
+        vocab.setdefault(w.lower(), len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[(t, vocab[t]) for t in (bos, eos) if t is not None])
+    kwargs = {"bos_token": bos} if bos else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, unk_token="<unk>",
+                                   model_max_length=max_length, **kwargs), vocab
+
+
+def save_tiny_text_encoders(family: str, out_dir: PathLike, *, seed: int = 0,
+                            words: Sequence[str] = TINY_WORDS) -> Path:
+    """Write tiny randomly initialised text encoders + word-level tokenizers for `family` as a diffusers-style
+    pipeline folder (text_encoder*/, tokenizer*/, model_index.json) at `out_dir`; returns it. For tests and
+    offline trials only: the embeddings mean nothing. Widths: CLIP-L 16, CLIP-G 24, T5 32 (48 for sd3, so
+    the 40 CLIP features fit); 2 layers each. Leaves the global RNG alone."""
+    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel,
+                              UMT5Config, UMT5EncoderModel)
+
+    spec = family_spec(family)
+    out = Path(out_dir).expanduser().absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    clip_widths = iter((16, 24))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for slot in spec.slots:
+            if slot.kind in ("clip", "clip_proj"):
+                tokenizer, vocab = _tiny_tokenizer("clip", words, CLIP_DEFAULT_LENGTH)
+                width = next(clip_widths)
+                config = CLIPTextConfig(hidden_size=width, intermediate_size=37, num_hidden_layers=2,
+                                        num_attention_heads=4, vocab_size=len(vocab), projection_dim=width,
+                                        max_position_embeddings=CLIP_DEFAULT_LENGTH, bos_token_id=0, eos_token_id=1,
+                                        pad_token_id=1)
+                model = (CLIPTextModel if slot.kind == "clip" else CLIPTextModelWithProjection)(config)
+            else:
+                tokenizer, vocab = _tiny_tokenizer("t5", words, 512)
+                width = 48 if family == "sd3" else 32
+                kwargs = dict(d_model=width, d_ff=37, num_layers=2, num_heads=4, d_kv=8, vocab_size=len(vocab),
+                              pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+                umt5 = family in ("wan", "auraflow")
+                model = (UMT5EncoderModel(UMT5Config(**kwargs)) if umt5 else T5EncoderModel(T5Config(**kwargs)))
+            model.eval().save_pretrained(out / slot.model)
+            tokenizer.save_pretrained(out / slot.tokenizer)
+    index = {"_class_name": spec.pipeline, "_note": "tiny random text encoders (data.text.save_tiny_text_encoders)"}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out
