@@ -29,18 +29,23 @@ Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def classifier_free_guidance(net: Denoiser, cfg_scale: float, null_label: int) -> Denoiser:
-    """Wrap net(x, noise, labels) so it returns uncond + cfg_scale * (cond - uncond).
+    """Wrap net(x, noise, labels, **cond) so it returns uncond + cfg_scale * (cond - uncond).
 
-    cfg_scale == 1 is the plain conditional model (one evaluation per step).
+    cfg_scale == 1 is the plain conditional model (one evaluation per step). Per-sample conditioning
+    tensors in `cond` (text embeddings, ...) are repeated for the unconditional half, whose null label
+    tells the model to drop them.
     """
     if cfg_scale == 1.0:
         return net
 
-    def guided(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def guided(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond) -> torch.Tensor:
         """x (B, ...), noise (B,), labels (B,): one batched call for both branches."""
         null = torch.full_like(labels, null_label)
-        out = net(torch.cat([x, x]), torch.cat([noise, noise]), torch.cat([labels, null]))
-        cond, uncond = out.chunk(2)
-        return uncond + cfg_scale * (cond - uncond)
+        both = {k: (torch.cat([v, v]) if isinstance(v, torch.Tensor) else
+                    {kk: torch.cat([vv, vv]) for kk, vv in v.items()} if isinstance(v, dict) else v)
+                for k, v in cond.items()}
+        out = net(torch.cat([x, x]), torch.cat([noise, noise]), torch.cat([labels, null]), **both)
+        cond_out, uncond = out.chunk(2)
+        return uncond + cfg_scale * (cond_out - uncond)
 
     return guided

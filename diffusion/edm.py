@@ -81,8 +81,10 @@ class EDM:
 
     @torch.no_grad()
     def sample(self, net, noise: torch.Tensor, labels: torch.Tensor, *, null_label: int, cfg_scale: float = 1.0,
-               num_steps: Optional[int] = None, randn_like=torch.randn_like) -> torch.Tensor:
-        """Heun (EDM Algorithm 2) from unit-variance `noise`; net(x, sigma, labels) -> denoised."""
+               num_steps: Optional[int] = None, randn_like=torch.randn_like, cond: Optional[dict] = None
+               ) -> torch.Tensor:
+        """Heun (EDM Algorithm 2) from unit-variance `noise`; net(x, sigma, labels, **cond) -> denoised."""
+        extra = {"cond": cond} if cond else {}
         denoise = classifier_free_guidance(net, cfg_scale, null_label)
         t_steps = self.sigma_steps(num_steps, noise.device)
         n = len(t_steps) - 1
@@ -93,17 +95,17 @@ class EDM:
             t_hat = t_cur + gamma * t_cur
             if gamma > 0:
                 x_cur = x_cur + (t_hat ** 2 - t_cur ** 2).sqrt() * self.S_noise * randn_like(x_cur)
-            d_cur = (x_cur - self._denoise(denoise, x_cur, t_hat, labels)) / t_hat
+            d_cur = (x_cur - self._denoise(denoise, x_cur, t_hat, labels, extra)) / t_hat
             x_next = x_cur + (t_next - t_hat) * d_cur
             if i < n - 1:  # 2nd-order correction, except for the last step to sigma=0
-                d_prime = (x_next - self._denoise(denoise, x_next, t_next, labels)) / t_next
+                d_prime = (x_next - self._denoise(denoise, x_next, t_next, labels, extra)) / t_next
                 x_next = x_cur + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
         return x_next.to(torch.float32)
 
     @staticmethod
-    def _denoise(denoise, x: torch.Tensor, sigma: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _denoise(denoise, x: torch.Tensor, sigma: torch.Tensor, labels: torch.Tensor, extra: dict) -> torch.Tensor:
         sigmas = sigma.to(torch.float32).expand(x.shape[0])
-        return denoise(x.to(torch.float32), sigmas, labels).to(torch.float64)
+        return denoise(x.to(torch.float32), sigmas, labels, **extra).to(torch.float64)
 
     def sampling_nfe(self, num_steps: Optional[int] = None) -> int:
         return 2 * (num_steps or self.num_steps) - 1

@@ -61,13 +61,14 @@ class RectifiedFlow:
 
     @torch.no_grad()
     def sample(self, net, noise: torch.Tensor, labels: torch.Tensor, *, null_label: int, cfg_scale: float = 1.0,
-               num_steps: Optional[int] = None, randn_like=None) -> torch.Tensor:
-        """Euler integration of dz/dt = v from z_1 = noise to z_0."""
+               num_steps: Optional[int] = None, randn_like=None, cond: Optional[dict] = None) -> torch.Tensor:
+        """Euler integration of dz/dt = v from z_1 = noise to z_0; `cond` goes to the model (e.g. text)."""
+        extra = {"cond": cond} if cond else {}
         velocity = classifier_free_guidance(net, cfg_scale, null_label)
         ts = self.t_steps(num_steps, noise.device)
         x = noise.to(torch.float64)
         for t_cur, t_next in zip(ts[:-1], ts[1:]):
-            v = velocity(x.to(torch.float32), t_cur.to(torch.float32).expand(x.shape[0]), labels)
+            v = velocity(x.to(torch.float32), t_cur.to(torch.float32).expand(x.shape[0]), labels, **extra)
             x = x + (t_next - t_cur) * v.to(torch.float64)
         return x.to(torch.float32)
 

@@ -136,6 +136,7 @@ class DiT(nn.Module):
         mlp_ratio: float = 4.0,        # MLP hidden = mlp_ratio * D
         num_classes: int = 1000,       # class count; index num_classes is the null class
         routing: Optional[Mapping[str, Any]] = None,  # `routing` config group ({enabled, routes, selection})
+        gradient_checkpointing: bool = False,  # recompute blocks in backward (less memory, ~1/3 more compute)
     ):
         super().__init__()
         if input_size % patch_size:
@@ -148,6 +149,8 @@ class DiT(nn.Module):
         self.input_size = input_size
         self.num_classes = num_classes
         self.depth = depth
+        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.last_route_stats: list = []  # (start, end, kept, total) per route of the last forward
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
         self.t_embedder = TimestepEmbedder(hidden_size)
@@ -171,6 +174,12 @@ class DiT(nn.Module):
     @property
     def num_tokens(self) -> int:
         return self.x_embedder.num_patches
+
+    def tokens_from_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A (B, 1, H, W) loss-mask coverage in [0, 1] -> (B, N) bool: tokens more than half covered."""
+        from data import token_keep_mask
+        side = self.input_size // self.patch_size
+        return token_keep_mask(mask, (side, side))
 
     def forward_flops(self, routes=None) -> float:
         """Theoretical FLOPs of one forward pass per sample (multiply-add = 2), given routes.
@@ -227,7 +236,9 @@ class DiT(nn.Module):
         c = self.t_embedder(noise_level) + self.y_embedder(labels)                # (B, D)
         routes = self.routing.active_routes(self.training)
         blocks = [lambda h, blk=blk: blk(h, c) for blk in self.blocks]
-        x = run_blocks(blocks, x, routes, self.routing.router, force_keep)       # (B, N, D)
+        self.last_route_stats = []
+        x = run_blocks(blocks, x, routes, self.routing.router, force_keep,        # (B, N, D)
+                       checkpoint=self.gradient_checkpointing and self.training, stats=self.last_route_stats)
         x = self.final_layer(x, c)                                                # (B, N, p*p*C)
         return self.unpatchify(x)                                                 # (B, C, H, W)
 

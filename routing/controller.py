@@ -10,6 +10,7 @@ import contextlib
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
+import torch.utils.checkpoint
 
 from routing.router import TokenRouter, gather_tokens, scatter_tokens
 from routing.spec import Route, RouteConfigError, resolve_routes
@@ -64,14 +65,29 @@ class RoutingController:
             self._override = previous
 
 
-def run_blocks(blocks: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, routes: Sequence[Route],
-               router: TokenRouter, force_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Run `blocks` over tokens x (B, N, D), routing a subset past each route's span.
+def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, routes: Sequence[Route],
+               router: TokenRouter, force_keep: Optional[torch.Tensor] = None, *, context: Any = None,
+               per_token: Optional[Mapping[str, torch.Tensor]] = None, checkpoint: bool = False,
+               stats: Optional[list] = None) -> Any:
+    """Run `blocks` over routable tokens x (B, N, D), routing a subset past each route's span.
 
-    Each block is a callable on (B, n, D) tokens; per-sample conditioning is bound by
-    the caller. At a route's start the kept tokens are gathered; after its end they are
-    scattered back over the route-start tokens, so set-aside tokens re-enter unchanged.
+    Two calling conventions, one routing semantics:
+
+    * plain (DiT): `block(x) -> x`, per-sample conditioning bound by the caller; returns x.
+    * with `context` or `per_token` (diffusers families): `block(x, context, per_token) -> (x, context)`.
+      `context` is state that is never routed (text stream, register tokens, ...) and flows through every
+      block; `per_token` holds tensors shaped (B, N, ...) that belong to the tokens (per-sample RoPE
+      frequencies, per-token timestep modulation) and are gathered with them. Returns (x, context).
+
+    At a route's start the kept tokens (and their per-token tensors) are gathered; after its end they are
+    scattered back over the route-start tokens, so set-aside tokens re-enter unchanged. `force_keep` (B, N)
+    marks tokens that are never dropped. `checkpoint` recomputes each block in backward (activation
+    checkpointing); selection happens outside the checkpointed call, so recomputation sees the same tokens.
+    `stats`, when given, receives one (start, end, kept, total) tuple per route taken.
     """
+    plain = context is None and per_token is None
+    full_tokens = dict(per_token or {})
+    tokens = full_tokens
     starts = {r.start_layer_idx: r for r in routes}
     route: Optional[Route] = None
     x_start = ids_keep = None
@@ -81,8 +97,21 @@ def run_blocks(blocks: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torc
             x_start = x
             ids_keep = router.select(x, route.num_keep(x.shape[1]), force_keep)   # (B, K)
             x = gather_tokens(x, ids_keep)                                         # (B, K, D)
-        x = block(x)
+            tokens = {k: gather_tokens(v, ids_keep) for k, v in full_tokens.items()}
+            if stats is not None:
+                stats.append((route.start_layer_idx, route.end_layer_idx, ids_keep.shape[1], x_start.shape[1]))
+        if plain:
+            x = _call(block, checkpoint, x)
+        else:
+            x, context = _call(block, checkpoint, x, context, tokens)
         if route is not None and i == route.end_layer_idx:
             x = scatter_tokens(x_start, x, ids_keep)                               # (B, N, D)
+            tokens = full_tokens
             route = x_start = ids_keep = None
-    return x
+    return x if plain else (x, context)
+
+
+def _call(block: Callable[..., Any], checkpoint: bool, *args: Any) -> Any:
+    if checkpoint and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+    return block(*args)

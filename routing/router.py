@@ -82,8 +82,9 @@ class TokenRouter:
 
 
 def gather_tokens(x: torch.Tensor, ids_keep: torch.Tensor) -> torch.Tensor:
-    """x (B, N, D), ids_keep (B, K) -> (B, K, D)."""
-    return torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    """x (B, N, ...), ids_keep (B, K) -> (B, K, ...): the kept tokens with all their trailing dims."""
+    index = ids_keep.reshape(*ids_keep.shape, *([1] * (x.dim() - 2))).expand(*ids_keep.shape, *x.shape[2:])
+    return torch.gather(x, 1, index)
 
 
 def scatter_tokens(x_full: torch.Tensor, x_kept: torch.Tensor, ids_keep: torch.Tensor) -> torch.Tensor:

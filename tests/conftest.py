@@ -54,6 +54,18 @@ def shared_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny CPU models: one intra-op thread is faster and avoids OpenMP spin contention on shared cores
+    (family test files opt in: pytestmark = pytest.mark.usefixtures("one_thread"))."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def tiny_cfg(cache_dir):
     def make(*extra: str):
         return compose_cfg("train", TINY + [f"paths.cache_dir={cache_dir}", *extra])

@@ -114,3 +114,25 @@ def load_train_state(ckpt: Path, rank: int) -> tuple[dict[str, Any], Optional[di
     rng_path = Path(ckpt) / f"rng_rank{rank}.pt"
     rng = torch.load(rng_path, map_location="cpu", weights_only=False) if rng_path.is_file() else None
     return state, rng
+
+
+def model_weights(model: torch.nn.Module, trainable: Optional[set[str]]) -> dict[str, torch.Tensor]:
+    """The state dict to save: all of it, or (adapter-only checkpoints) just the `trainable` names."""
+    state = model.state_dict()
+    return state if trainable is None else {k: v for k, v in state.items() if k in trainable}
+
+
+def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], adapter_only: bool = False,
+                       where: str = "checkpoint") -> None:
+    """Load full weights strictly, or adapter-only weights over a freshly built base (model.pretrained or the
+    seeded initialisation); every key of an adapter-only checkpoint must exist in the model."""
+    if not adapter_only:
+        model.load_state_dict(weights)
+        return
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected:
+        raise ValueError(f"{where}: adapter weights {sorted(unexpected)[:5]} do not exist in the model built from its "
+                         f"config; was model.lora changed?")
+    lora = [k for k in missing if "lora_" in k]
+    if lora:
+        raise ValueError(f"{where}: adapter-only checkpoint lacks adapter weights {sorted(lora)[:5]}.")

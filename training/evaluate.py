@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,10 @@ def class_for_seed(seed: int, num_classes: int) -> int:
 @torch.no_grad()
 def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_classes: int, device: torch.device,
              *, batch_size: int, classes: Optional[Sequence[int]] = None, cfg_scale: float = 1.0,
-             num_steps: Optional[int] = None) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """Yield (seeds, labels, latents) batches. `classes` defaults to class_for_seed."""
+             num_steps: Optional[int] = None, cond_fn: Optional[Callable[[list[int]], dict]] = None
+             ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Yield (seeds, labels, latents) batches. `classes` defaults to class_for_seed; `cond_fn(seeds)` gives
+    per-sample conditioning (text embeddings) for text-conditioned models."""
     net.eval()
     seeds = list(seeds)
     for i in range(0, len(seeds), batch_size):
@@ -43,9 +45,26 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
             labels = [classes[(i + j) % len(classes)] for j in range(len(batch))]
         labels = torch.tensor(labels, device=device, dtype=torch.long)
         noise = gen.randn([len(batch), *shape], device=device)
+        extra = {}
+        if cond_fn is not None:
+            extra["cond"] = {k: v.to(device) for k, v in cond_fn(batch).items()}
         x = diffusion.sample(net, noise, labels, null_label=num_classes, cfg_scale=cfg_scale,
-                             num_steps=num_steps, randn_like=gen.randn_like)
+                             num_steps=num_steps, randn_like=gen.randn_like, **extra)
         yield batch, labels, x
+
+
+def text_conditioning_for_seeds(dataset, net) -> Optional[Callable[[list[int]], dict]]:
+    """Text-conditioned data and model: sample seed i with the text embeddings of dataset item i mod N (so
+    samples follow the data's caption distribution); None for class-conditional data or models."""
+    if not (getattr(dataset, "conditioning", None) or {}).get("text"):
+        return None
+    if not hasattr(getattr(net, "model", net), "conditioning"):  # DiT: class labels only
+        return None
+
+    def cond(seeds: list[int]) -> dict:
+        batch = dataset.__getitems__([s % len(dataset) for s in seeds])
+        return {k: v for k, v in batch[2].items() if k in ("text", "text_mask", "pooled")}
+    return cond
 
 
 def decode_options(cfg: Any, prefix: str = "") -> dict[str, Any]:
@@ -109,7 +128,8 @@ class Evaluator:
         grid_n = min(cfg.grid_size, cfg.num_samples)
         grid: dict[int, torch.Tensor] = {}
         for batch, _, x in generate(net, diffusion, seeds, shape, self.dataset.num_classes, self.device,
-                                    batch_size=cfg.batch_size, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_steps):
+                                    batch_size=cfg.batch_size, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_steps,
+                                    cond_fn=text_conditioning_for_seeds(self.dataset, net)):
             images = decode_to_uint8(x, self.dataset.meta, **self.decode)            # (B, H, W, 3) uint8
             feats.add(images.permute(0, 3, 1, 2), batch)                             # indexed by seed
             grid.update({s: img.cpu() for s, img in zip(batch, images) if s < grid_n})

@@ -28,8 +28,9 @@ def load_for_inference(checkpoint: str | Path, use_ema: bool = True, device: str
         path = found[-1]
     state = ckpt_io.load_model_file(path)
     config = OmegaConf.create(state["config"])
+    torch.manual_seed(int(config.train.seed))  # the training's initialisation: the base of adapter-only checkpoints
     model = instantiate(config.model)
-    model.load_state_dict(state["ema" if use_ema else "model"])
+    ckpt_io.load_model_weights(model, state["ema" if use_ema else "model"], bool(state.get("adapter_only")), str(path))
     diffusion = instantiate(config.diffusion)
     net = diffusion.precondition(model).to(device).eval().requires_grad_(False)
     return net, diffusion, state["data_meta"], config

@@ -29,6 +29,7 @@ from training import checkpoint as ckpt_io
 from training.ema import ema_decay_at, ema_update
 from training.evaluate import Evaluator, decode_options, metric_names
 from training.metrics import MetricsLogger
+from models.lora import adapter_state_dict, has_lora
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
@@ -97,6 +98,52 @@ def drop_labels(labels: torch.Tensor, p: float, null_label: int) -> torch.Tensor
     return torch.where(drop, torch.full_like(labels, null_label), labels)
 
 
+def split_batch(batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(x, y) or (x, y, extras) from the loader, on `device`; extras: text / text_mask / pooled / loss_mask."""
+    x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+    extras = {k: v.to(device, non_blocking=True) for k, v in (batch[2] if len(batch) > 2 else {}).items()}
+    return x, y, extras
+
+
+def batch_conditioning(extras: dict, use_mask: bool) -> tuple[dict, Optional[torch.Tensor]]:
+    """Split loader extras into model conditioning (text embeddings) and the loss mask (or None)."""
+    cond = {k: extras[k] for k in ("text", "text_mask", "pooled") if k in extras}
+    return cond, (extras.get("loss_mask") if use_mask else None)
+
+
+def reduce_loss(loss: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Mean of the unreduced loss (B, C, ...); with a loss mask (B, 1, h, w) in [0, 1], the mask-weighted mean
+    over the covered latent cells (the mask is area-resized to the latent grid)."""
+    if mask is None:
+        return loss.mean()
+    from data import resize_loss_mask
+    weight = resize_loss_mask(mask, loss.shape[-2:]).to(loss.dtype)
+    if loss.dim() == 5:  # video (B, C, T, H, W): the same mask for every frame
+        weight = weight.unsqueeze(2)
+    return (loss * weight).sum() / (weight.sum() * loss.shape[1]).clamp_min(1e-8)
+
+
+def processed_fraction(model: nn.Module, num_tokens: int) -> float:
+    """Fraction of token-block evaluations of the last forward (1.0 dense); force-kept tokens raise it."""
+    stats = getattr(model, "last_route_stats", None) or []
+    saved = sum((end - start + 1) * (total - kept) for start, end, kept, total in stats)
+    return 1.0 - saved / (model.depth * num_tokens)
+
+
+def check_loss_mask(cfg: DictConfig, dataset) -> bool:
+    """Whether this run uses the data's loss masks (train.masked_loss: auto | true | false)."""
+    setting = cfg.train.get("masked_loss", "auto")
+    if setting not in ("auto", True, False):
+        raise ConfigError(f"train.masked_loss={setting!r} is not allowed; use auto (use the data's loss masks when it "
+                          f"has them), true (require them) or false (ignore them).")
+    has = bool(getattr(dataset, "conditioning", {}) or {}) and dataset.conditioning.get("loss_mask") is not None
+    if setting is True and not has:
+        raise ConfigError(f"train.masked_loss=true but the data at '{dataset.root}' has no loss masks "
+                          f"(loss_mask.npy); build it with --loss-masks, use data=toy_masked, or set "
+                          f"train.masked_loss=auto.")
+    return has and setting is not False
+
+
 def check_run_dir(run_dir: Path, resume_from: Optional[Path], resume: Any) -> None:
     """Never overwrite a run: a directory with checkpoints needs resume=auto or another dir.
     Every process checks (before any collective), so none is left waiting at a barrier."""
@@ -125,6 +172,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     torch.manual_seed(cfg.train.seed)                 # identical init on every process
     diffusion, net = build_model_and_diffusion(cfg)
     model = backbone_of(net)
+    trainable_names(cfg, model)  # checkpoint.adapter_only without LoRA fails here, before any work
     # No main_process_first here: an error on one rank must not leave the others at a
     # barrier, and building the built-in data is atomic, so every rank may try.
     dataset = build_dataset(cfg.data)
@@ -140,7 +188,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         if (cfg.eval.every_steps or cfg.eval.at_end) else None
 
     ema = copy.deepcopy(net).requires_grad_(False).eval()
-    optimizer = build(cfg.optimizer)(params=net.parameters())
+    # LoRA (model.lora) freezes the base weights: only parameters that require grad are optimised.
+    optimizer = build(cfg.optimizer)(params=[p for p in net.parameters() if p.requires_grad])
     loader = LatentLoader(dataset, micro_batch, seed=cfg.train.seed, rank=rank, world_size=world,
                           num_workers=cfg.train.num_workers, pin_memory=accelerator.device.type == "cuda")
     state = TrainState()
@@ -156,6 +205,9 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                            OmegaConf.to_container(cfg, resolve=True))
     num_tokens = model.num_tokens
     tokens_fraction = tokens_processed_fraction(model.routing.routes, model.depth, num_tokens)
+    use_mask = check_loss_mask(cfg, dataset)
+    # Text embeddings in the data condition the diffusers families; DiT is class-conditional and ignores them.
+    takes_text = hasattr(model, "conditioning")
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": state.step, "tokens_fraction": tokens_fraction}
     if accelerator.is_main_process:
         routes = ", ".join(f"{r.selection_ratio:g} over blocks {r.start_layer_idx}..{r.end_layer_idx}"
@@ -168,27 +220,36 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                    f"mixed precision {cfg.train.mixed_precision}\nrun dir: {run_dir}")
         if resume_from is not None:
             tqdm.write(f"Resumed from {resume_from} at step {state.step}.")
+        if (getattr(dataset, "conditioning", None) or {}).get("text") and not takes_text:
+            tqdm.write("note: the data has text embeddings but this model is class-conditional; they are ignored.")
+        if use_mask:
+            tqdm.write(f"masked loss: on (loss_mask.npy); masked tokens force-kept: "
+                       f"{bool(cfg.train.mask_force_keep and model.routing.enabled)}")
 
     bar = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not accelerator.is_main_process,
                desc="train", dynamic_ncols=True)
     null_label = model.num_classes
     window_loss = torch.zeros((), device=accelerator.device)
-    window_steps, window_start, run_start = 0, time.time(), time.time()
+    window_steps, window_tokens, window_start, run_start = 0, 0.0, time.time(), time.time()
     data_iter = iter(loader)
     net.train()
     while state.step < cfg.train.max_steps:
         lr = set_lr(optimizer, cfg, state.step)
         for micro in range(cfg.train.grad_accum_steps):
-            x, y = next(data_iter)
-            x, y = x.to(accelerator.device, non_blocking=True), y.to(accelerator.device, non_blocking=True)
+            x, y, extras = split_batch(next(data_iter), accelerator.device)
             x = draw_latents(x, dataset.meta)  # moments data: one latent drawn per read (training RNG)
             y = drop_labels(y, cfg.train.label_dropout, null_label)
+            cond, mask = batch_conditioning(extras, use_mask)
+            kwargs = {"cond": cond} if cond and takes_text else {}
+            if mask is not None and cfg.train.mask_force_keep and model.routing.enabled:
+                kwargs["force_keep"] = model.tokens_from_mask(mask)      # tokens > half under the mask
             sync = micro == cfg.train.grad_accum_steps - 1
             with accelerator.no_sync(net) if not sync else contextlib.nullcontext():
                 with accelerator.autocast():
-                    loss = diffusion.loss(net, x, y).mean()
+                    loss = reduce_loss(diffusion.loss(net, x, y, **kwargs), mask)
                 accelerator.backward(loss / cfg.train.grad_accum_steps)
             window_loss += loss.detach() / cfg.train.grad_accum_steps
+            window_tokens += processed_fraction(model, num_tokens) / cfg.train.grad_accum_steps
         if cfg.train.grad_clip:
             accelerator.clip_grad_norm_(net.parameters(), cfg.train.grad_clip)
         optimizer.step()
@@ -204,11 +265,11 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             record = {"type": "train", "step": state.step, "loss": mean_loss, "lr": lr,
                       "steps_per_sec": window_steps / elapsed,
                       "images_per_sec": window_steps * cfg.train.batch_size / elapsed,
-                      "tokens_fraction": tokens_fraction, "elapsed_sec": time.time() - run_start}
+                      "tokens_fraction": window_tokens / window_steps, "elapsed_sec": time.time() - run_start}
             logger.log(record)
             bar.set_postfix(loss=f"{mean_loss:.4f}", it_s=f"{record['steps_per_sec']:.2f}")
             window_loss.zero_()
-            window_steps, window_start = 0, time.time()
+            window_steps, window_tokens, window_start = 0, 0.0, time.time()
 
         last = state.step == cfg.train.max_steps
         if evaluator is not None and ((cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0)
@@ -236,6 +297,24 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
+def trainable_names(cfg: DictConfig, model: nn.Module) -> Optional[set[str]]:
+    """checkpoint.adapter_only: the names to save (trainable parameters); None saves everything."""
+    if not cfg.checkpoint.get("adapter_only", False):
+        return None
+    if not has_lora(model):
+        raise ConfigError("checkpoint.adapter_only=true needs LoRA adapters (model.lora={rank: ..., target_modules: "
+                          "[...]}); without them every weight trains and must be saved.")
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def export_adapter(model: nn.Module, path: Path) -> None:
+    """Write the LoRA adapter of `model`'s diffusers transformer as peft-format safetensors."""
+    from safetensors.torch import save_file
+    target = getattr(model, "transformer", model)
+    state = {k: v.detach().contiguous().cpu() for k, v in adapter_state_dict(target).items()}
+    save_file(state, str(path))
+
+
 def set_lr(optimizer: torch.optim.Optimizer, cfg: DictConfig, step: int) -> float:
     """Linear warm-up to the configured lr, then constant (the paper's schedule)."""
     base = cfg.optimizer.lr
@@ -258,8 +337,12 @@ def save_checkpoint(accelerator, run_dir: Path, cfg: DictConfig, state: TrainSta
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         config = OmegaConf.to_container(cfg, resolve=True)
+        trainable = trainable_names(cfg, backbone_of(raw))
         model_state = {"step": state.step, "config": config, "data_meta": data_meta,
-                       "model": backbone_of(raw).state_dict(), "ema": backbone_of(ema).state_dict()}
+                       "model": ckpt_io.model_weights(backbone_of(raw), trainable),
+                       "ema": ckpt_io.model_weights(backbone_of(ema), trainable), "adapter_only": trainable is not None}
+        if has_lora(backbone_of(raw)):  # the EMA adapter alone in peft's format, for diffusers pipelines
+            export_adapter(backbone_of(ema), tmp / "adapter_model.safetensors")
         train_state = {"step": state.step, "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
                        "world_size": accelerator.num_processes}
         ckpt_io.finalize(final, model_state, train_state, cfg.checkpoint.keep_last)
@@ -270,8 +353,9 @@ def save_checkpoint(accelerator, run_dir: Path, cfg: DictConfig, state: TrainSta
 def load_resume_state(ckpt: Path, rank: int, net, ema, optimizer, loader, state: TrainState) -> None:
     model_state = ckpt_io.load_model_file(ckpt)
     train_state, rng = ckpt_io.load_train_state(ckpt, rank)
-    backbone_of(net).load_state_dict(model_state["model"])
-    backbone_of(ema).load_state_dict(model_state["ema"])
+    adapter_only = bool(model_state.get("adapter_only"))
+    ckpt_io.load_model_weights(backbone_of(net), model_state["model"], adapter_only, str(ckpt))
+    ckpt_io.load_model_weights(backbone_of(ema), model_state["ema"], adapter_only, str(ckpt))
     optimizer.load_state_dict(train_state["optimizer"])
     loader.load_state_dict(train_state["loader"])
     state.step = int(train_state["step"])

@@ -1,0 +1,233 @@
+"""FLUX (diffusers FluxTransformer2DModel) with TREAD routing.
+
+Route indices count over the double-stream blocks first, then the single-stream blocks, as one
+sequence: with 19 + 38 blocks, index 19 is the first single-stream block and -1 the last one.
+
+Latents (B, C, H, W) are packed 2x2 into tokens (B, H/2 * W/2, 4C) as the FLUX pipeline does, with
+position ids (0, row, col). RoPE: diffusers computes one (cos, sin) table for the concatenated
+[text, image] ids. We split it: the text rows are shared by the batch, the image rows become
+per-token tensors (B, N, head_dim) that run_blocks gathers with the kept tokens, so each kept token
+keeps its true 2-D position. `BatchedRopeFluxAttnProcessor` accepts these per-sample tables (and
+the shared (S, head_dim) form), with separate or fused QKV projections alike.
+
+Single-stream blocks concatenate [text, image] inside diffusers' block; the block only ever sees the
+kept image tokens, and force-keep masks live on the image tokens alone, so their shape is the same
+in double- and single-stream blocks.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from models.families.base import Embedded, FamilyConfigError, RoutedFamily
+
+FLUX_PRESETS: dict[str, dict[str, Any]] = {
+    # CPU tests and the built-in data: 2 double + 6 single blocks, width 64 (paper route = blocks 2..4).
+    "tiny": dict(patch_size=1, num_layers=2, num_single_layers=6, attention_head_dim=16, num_attention_heads=4,
+                 joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=[4, 6, 6]),
+    # A mid-size model for GPU benchmarks (~0.6B parameters).
+    "mid": dict(patch_size=1, num_layers=4, num_single_layers=12, attention_head_dim=128, num_attention_heads=12,
+                joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=False,
+                axes_dims_rope=[16, 56, 56]),
+    # FLUX.1-dev / schnell geometry: load the weights with model.pretrained.
+    "dev": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=[16, 56, 56]),
+}
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """FLUX's real-valued RoPE on x (B, S, H, Dh) (interleaved pairs), with cos/sin (S, Dh) or (B, S, Dh)."""
+    if cos.dim() == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    cos, sin = cos.to(x.device), sin.to(x.device)
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class BatchedRopeFluxAttnProcessor:
+    """FLUX attention (same maths as diffusers' FluxAttnProcessor) whose RoPE table may be per sample.
+
+    image_rotary_emb: (cos, sin), each (S, Dh) shared by the batch or (B, S, Dh) per sample, S being the
+    text + image length the block attends over. Uses diffusers' attention dispatcher, so a backend chosen
+    with `set_attention_backend` still applies.
+    """
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
+                 encoder_hidden_states: Optional[torch.Tensor] = None,
+                 attention_mask: Optional[torch.Tensor] = None,
+                 image_rotary_emb: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Any:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        if getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        heads = lambda t: t.unflatten(-1, (-1, attn.head_dim))
+        query, key, value = heads(query), heads(key), heads(value)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if attn.added_kv_proj_dim is not None and encoder_hidden_states is not None:
+            if getattr(attn, "fused_projections", False):
+                eq, ek, ev = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
+            else:
+                eq, ek, ev = (attn.add_q_proj(encoder_hidden_states), attn.add_k_proj(encoder_hidden_states),
+                              attn.add_v_proj(encoder_hidden_states))
+            eq, ek, ev = heads(eq), heads(ek), heads(ev)
+            eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
+            query, key, value = torch.cat([eq, query], 1), torch.cat([ek, key], 1), torch.cat([ev, value], 1)
+        if image_rotary_emb is not None:
+            cos, sin = image_rotary_emb
+            query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
+                                    parallel_config=self._parallel_config)
+        out = out.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is not None:
+            text_len = encoder_hidden_states.shape[1]
+            context, out = out[:, :text_len], out[:, text_len:]
+            out = attn.to_out[1](attn.to_out[0](out.contiguous()))
+            return out, attn.to_add_out(context.contiguous())
+        return out
+
+
+class FluxFamily(RoutedFamily):
+    family = "flux"
+    hub_hint = "black-forest-labs/FLUX.1-dev"
+    PACK = 2   # the FLUX pipeline packs 2x2 latent cells into one token
+
+    @staticmethod
+    def transformer_class() -> type:
+        from diffusers import FluxTransformer2DModel
+        return FluxTransformer2DModel
+
+    @classmethod
+    def data_config(cls, in_channels: int, input_size: int) -> dict[str, Any]:
+        return {"in_channels": in_channels * cls.PACK ** 2}
+
+    def __init__(self, transformer: nn.Module, *, guidance: Optional[float] = None, **kwargs: Any):
+        self.guidance = guidance
+        super().__init__(transformer, **kwargs)
+        if transformer.config.guidance_embeds and guidance is None:
+            raise FamilyConfigError("model.guidance must be set for a guidance-distilled FLUX (guidance_embeds: "
+                                    "true), e.g. model.guidance=3.5 (FLUX.1-dev's default); got null.")
+
+    @property
+    def text_dim(self) -> int:
+        return int(self.transformer.config.joint_attention_dim)
+
+    @property
+    def pooled_dim(self) -> Optional[int]:
+        return int(self.transformer.config.pooled_projection_dim)
+
+    def latent_patch(self) -> tuple[int, int, int]:
+        p = self.PACK * int(self.transformer.config.patch_size)
+        return 1, p, p
+
+    def check_shapes(self) -> None:
+        c = self.transformer.config
+        if c.patch_size != 1:
+            raise FamilyConfigError(f"model.config.patch_size={c.patch_size}: FLUX packs 2x2 latent cells into "
+                                    f"tokens itself and needs the transformer's patch_size 1.")
+        if c.in_channels != self.in_channels * self.PACK ** 2:
+            raise FamilyConfigError(
+                f"FLUX packs 2x2 latent cells into one token, so its transformer needs in_channels = 4 x "
+                f"data channels = {self.in_channels * 4}, but model.config.in_channels={c.in_channels} "
+                f"(data.channels={self.in_channels}). Match them, or use data with {c.in_channels // 4} channels.")
+        if self.input_size % self.PACK:
+            raise FamilyConfigError(f"data.resolution={self.input_size} must be even: FLUX packs 2x2 latent cells.")
+        if sum(c.axes_dims_rope) != c.attention_head_dim:
+            raise FamilyConfigError(f"model.config.axes_dims_rope={list(c.axes_dims_rope)} must sum to "
+                                    f"attention_head_dim={c.attention_head_dim}.")
+
+    def install_processors(self) -> None:
+        for module in self.transformer.modules():
+            if hasattr(module, "set_processor") and hasattr(module, "norm_q"):
+                module.set_processor(BatchedRopeFluxAttnProcessor())
+
+    def routable_blocks(self) -> list[nn.Module]:
+        return [*self.transformer.transformer_blocks, *self.transformer.single_transformer_blocks]
+
+    def timestep(self, noise_level: torch.Tensor) -> torch.Tensor:
+        return noise_level / 1000.0   # diffusers' FLUX takes t in [0, 1] and scales by 1000 itself
+
+    # -- packing and ids (the FLUX pipeline's conventions) -----------------------------------------
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x.shape
+        p = self.PACK
+        x = x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(B, (H // p) * (W // p), C * p * p)
+
+    def unpack(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, N, C*2*2) with features ordered (C, 2, 2) -> (B, C, H, W): the inverse of pack."""
+        _, h, w = self.token_grid
+        p, B = self.PACK, tokens.shape[0]
+        x = tokens.reshape(B, h, w, -1, p, p).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(B, -1, h * p, w * p)
+
+    def image_ids(self, device: torch.device) -> torch.Tensor:
+        _, h, w = self.token_grid
+        ids = torch.zeros(h, w, 3, device=device)
+        ids[..., 1] = torch.arange(h, device=device)[:, None]
+        ids[..., 2] = torch.arange(w, device=device)[None, :]
+        return ids.reshape(h * w, 3)
+
+    def text_ids(self, text_len: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(text_len, 3, device=device)
+
+    def _guidance(self, batch: int, device: torch.device) -> Optional[torch.Tensor]:
+        if not self.transformer.config.guidance_embeds:
+            return None
+        return torch.full((batch,), float(self.guidance), device=device)
+
+    def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
+        tr = self.transformer
+        hidden = tr.x_embedder(self.pack(x))                                       # (B, N, D)
+        t = timestep.to(hidden.dtype) * 1000
+        guidance = self._guidance(x.shape[0], x.device)
+        temb = tr.time_text_embed(t, cond["pooled"]) if guidance is None else \
+            tr.time_text_embed(t, guidance.to(hidden.dtype) * 1000, cond["pooled"])
+        context = tr.context_embedder(cond["text"])                                # (B, L, D)
+        L, B, N = context.shape[1], x.shape[0], hidden.shape[1]
+        cos, sin = tr.pos_embed(torch.cat([self.text_ids(L, x.device), self.image_ids(x.device)]))  # (L+N, Dh)
+        per_token = {"rope_cos": cos[L:].unsqueeze(0).expand(B, N, -1),
+                     "rope_sin": sin[L:].unsqueeze(0).expand(B, N, -1)}
+        return Embedded(hidden, context, per_token, {"temb": temb, "text_cos": cos[:L], "text_sin": sin[:L]})
+
+    def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
+        temb, text_cos, text_sin = emb.extra["temb"], emb.extra["text_cos"], emb.extra["text_sin"]
+
+        def run(block: nn.Module) -> Callable[..., Any]:
+            def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
+                B, L = x.shape[0], context.shape[1]
+                cos = torch.cat([text_cos.unsqueeze(0).expand(B, L, -1), tok["rope_cos"]], dim=1)
+                sin = torch.cat([text_sin.unsqueeze(0).expand(B, L, -1), tok["rope_sin"]], dim=1)
+                context, x = block(hidden_states=x, encoder_hidden_states=context, temb=temb,
+                                   image_rotary_emb=(cos, sin))
+                return x, context
+            return fn
+
+        return [run(b) for b in self.routable_blocks()]
+
+    def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
+        tr = self.transformer
+        return self.unpack(tr.proj_out(tr.norm_out(x, emb.extra["temb"])))         # (B, C, H, W)
+
+    def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
+                          transformer: nn.Module) -> torch.Tensor:
+        L = cond["text"].shape[1]
+        out = transformer(hidden_states=self.pack(x), encoder_hidden_states=cond["text"],
+                               pooled_projections=cond["pooled"], timestep=timestep,
+                               img_ids=self.image_ids(x.device), txt_ids=self.text_ids(L, x.device),
+                               guidance=self._guidance(x.shape[0], x.device), return_dict=False)[0]
+        return self.unpack(out)
+
+
+FAMILY = FluxFamily
+PRESETS = FLUX_PRESETS

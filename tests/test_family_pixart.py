@@ -1,0 +1,129 @@
+"""PixArt (diffusers PixArtTransformer2DModel) with TREAD routing: the correctness proofs, with class
+conditioning and with masked text from the data."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import family_checks as fc
+
+FAMILY = "pixart"
+SPAN = [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def masked_text(model, batch: int = 3, length: int = 6, seed: int = 2) -> dict:
+    """Text embeddings as the data gives them, with a keep-mask of a different prompt length per sample."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([length, 3, 1, 4][:batch])
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    return {"text": torch.randn(batch, length, model.text_dim, generator=g), "text_mask": mask}
+
+
+def test_dense_equals_diffusers():
+    fc.check_dense_equals_diffusers(FAMILY)
+
+
+def test_dense_with_text_mask_equals_diffusers():
+    model = fc.make(FAMILY).eval()
+    x, t, y = fc.inputs(model)
+    cond = masked_text(model)
+    with torch.no_grad():
+        ours, ref = model(x, t, y, cond=cond), model.reference_forward(x, t, y, cond=cond)
+        unmasked = model(x, t, y, cond={"text": cond["text"]})
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(ours[1:], unmasked[1:])      # the mask is honoured
+
+
+def test_learned_sigma_dropped_and_plain_output_accepted():
+    """out_channels = 2C (learned sigma): we return the first C channels of diffusers' output."""
+    model = fc.make(FAMILY).eval()
+    assert model.transformer.config.out_channels == 2 * model.in_channels
+    x, t, y = fc.inputs(model)
+    text = model.conditioning(y, None)
+    with torch.no_grad():
+        full = model.pristine_transformer()(hidden_states=x, encoder_hidden_states=text["text"], timestep=t,
+                                            added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+                                            return_dict=False)[0]
+        assert full.shape[1] == 2 * model.in_channels
+        torch.testing.assert_close(model(x, t, y), full[:, :model.in_channels], rtol=1e-6, atol=1e-6)
+    fc.check_dense_equals_diffusers(FAMILY, config={"out_channels": 4})
+
+
+def test_additional_conditions_equal_diffusers():
+    """PixArt-alpha 1024 conditions on resolution and aspect ratio (pixels), as its pipeline passes them."""
+    cfg = {"use_additional_conditions": True, "attention_head_dim": 12, "cross_attention_dim": 48}  # width 48
+    fc.check_dense_equals_diffusers(FAMILY, config=cfg)
+    model = fc.make(FAMILY, config=cfg, vae_scale_factor=8)
+    res = model._added_cond(torch.zeros(2, 4, 8, 8))
+    assert res["resolution"].tolist() == [[64.0, 64.0]] * 2 and res["aspect_ratio"].tolist() == [[1.0]] * 2
+
+
+def test_ratio_zero_permuted_equals_dense():
+    fc.check_ratio_zero_permuted_equals_dense(FAMILY)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["class-text", "masked-text"])
+@pytest.mark.parametrize("routes", [SPAN, [{"selection_ratio": 0.75, "start_layer_idx": 0, "end_layer_idx": -1}]],
+                         ids=["inner", "all-blocks"])
+def test_kept_tokens_equal_blocks_on_subsequence(routes, masked):
+    """3. Kept tokens after the route = diffusers' BasicTransformerBlocks run on the kept subsequence, per
+    sample: the dense route-start tokens (absolute position embedding already added) sliced by the kept ids,
+    the sample's own adaLN-single modulation, its projected text and its text mask."""
+    r = fc.routed_run(FAMILY, routes, cond=masked_text if masked else None)
+    model, x, t, y, cond, seen, routed_in, route = r.model, r.x, r.t, r.y, r.cond, r.dense, r.routed, r.route
+    _, x_kept, ids, _ = r.scatter
+    ref = model.pristine_transformer()
+    text = cond["text"] if masked else model.conditioning(y, None)["text"]
+    with torch.no_grad():
+        for b in range(x.shape[0]):
+            t6, _ = ref.adaln_single(t[b:b + 1], {"resolution": None, "aspect_ratio": None}, batch_size=1,
+                                     hidden_dtype=x.dtype)
+            ctx = ref.caption_projection(text[b:b + 1])
+            torch.testing.assert_close(seen[route.start_layer_idx][1][b:b + 1], ctx, rtol=0, atol=0)
+            bias = None
+            if masked:
+                bias = torch.where(cond["text_mask"][b:b + 1], 0.0, -10000.0)[:, None, :]   # (1, 1, L)
+            h = seen[route.start_layer_idx][0][b:b + 1, ids[b]]          # dense route-start tokens, kept subset
+            for blk in ref.transformer_blocks[route.start_layer_idx:route.end_layer_idx + 1]:
+                h = blk(h, encoder_hidden_states=ctx, encoder_attention_mask=bias, timestep=t6)
+            torch.testing.assert_close(x_kept[b:b + 1], h, rtol=1e-5, atol=1e-5)
+        # the text stream enters every block unchanged, full length
+        assert all(torch.equal(c, seen[0][1]) for _, c in routed_in)
+
+
+def test_set_aside_bit_identical_and_text_untouched():
+    fc.check_set_aside_and_text(FAMILY, SPAN)
+
+
+def test_gradients_reach_every_trained_parameter():
+    fc.check_gradients_reach_all(FAMILY, SPAN)
+
+
+def test_force_keep():
+    fc.check_force_keep(FAMILY, [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 2},
+                                 {"selection_ratio": 0.75, "start_layer_idx": 4, "end_layer_idx": 7}])
+
+
+def test_gradient_checkpointing_same_gradients():
+    fc.check_checkpointing_same_grads(FAMILY, SPAN)
+
+
+def test_text_data_conditioning_mask_and_null_drop():
+    """Text embeddings (+ mask) from the data replace the class table; the null label zeroes the text (CFG)."""
+    model, x, t, y, cond, _ = fc.check_text_conditioning(FAMILY, SPAN, with_mask=True)
+    model.train()   # routed training step with masked text data
+    out = model(x, t, y, cond=cond)
+    assert out.shape == x.shape and model.last_route_stats
+
+
+def test_tiny_preset_builds_for_toy_data_with_paper_route():
+    fc.check_paper_route_on_toy_data(FAMILY, batch=2)
+
+
+def test_config_errors_name_the_key():
+    fc.check_config_errors(FAMILY, ("out_channels=6", {"config": {"out_channels": 6}}),
+                           ("cross_attention_dim=32", {"config": {"cross_attention_dim": 32}}),
+                           # width 64: not a multiple of 3
+                           ("use_additional_conditions=true", {"config": {"use_additional_conditions": True}}))

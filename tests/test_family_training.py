@@ -1,0 +1,139 @@
+"""The diffusers families in the training loop: flow-matching training, LoRA, adapter checkpoints,
+text conditioning through sampling, and resume."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from training.checkpoint import load_model_file
+from training.inference import load_for_inference
+from training.loop import train
+
+FAMILY_TINY = ["eval.every_steps=0", "eval.at_end=false", "train.batch_size=16", "optimizer.lr=1e-3"]
+LORA = "model.lora={rank:8,alpha:8,target_modules:[to_q,to_k,to_v,to_out.0,proj_mlp,proj_out]}"
+
+
+def losses(run):
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+
+
+@pytest.mark.parametrize("family", ["flux"])
+def test_family_trains_with_routes_and_evaluates(family, tiny_cfg, tmp_path):
+    run = tmp_path / "run"
+    summary = train(tiny_cfg(f"model={family}", "model.arch=null", "train.max_steps=3", "eval.every_steps=3",
+                             "train.batch_size=8", "eval.num_samples=10", "eval.batch_size=10"), run)
+    assert summary["final_step"] == 3 and summary["final_fid"] is not None
+    rec = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["tokens_fraction"] < 1 for r in rec if r["type"] == "train")
+    net, diffusion, meta, config = load_for_inference(run)
+    assert config.model.family == family and type(diffusion).__name__ == "RectifiedFlow"
+
+
+def test_lora_trains_adapters_only_and_saves_them_alone(tiny_cfg, tmp_path):
+    run = tmp_path / "lora"
+    cfg = tiny_cfg("model=flux", LORA, "checkpoint.adapter_only=true", "train.max_steps=30",
+                   "train.log_every_steps=10", *FAMILY_TINY)
+    from training.loop import build_model_and_diffusion
+    torch.manual_seed(cfg.train.seed)
+    _, net0 = build_model_and_diffusion(cfg)
+    base0 = {k: v.clone() for k, v in net0.model.state_dict().items() if "lora_" not in k and "conditioner" not in k}
+    train(cfg, run)
+    loss = losses(run)
+    assert loss[-1] < loss[0] * 0.9, loss
+    state = load_model_file(run / "checkpoints" / "step_0000030")
+    assert state["adapter_only"] and state["ema"].keys() == state["model"].keys()
+    assert all("lora_" in k or k.startswith("conditioner.") for k in state["model"])
+    assert (run / "checkpoints" / "step_0000030" / "adapter_model.safetensors").is_file()
+    # The base weights did not move: a fresh, seeded build plus the adapter gives the trained model.
+    net, _, _, _ = load_for_inference(run, use_ema=False)
+    after = net.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base0.items())
+    assert any(not torch.equal(after[k], net0.model.state_dict()[k]) for k in state["model"] if "lora_B" in k)
+
+
+def test_adapter_only_without_lora_is_refused(tiny_cfg, tmp_path):
+    from training import ConfigError
+    with pytest.raises(ConfigError, match="adapter_only"):
+        train(tiny_cfg("model=flux", "checkpoint.adapter_only=true", *FAMILY_TINY), tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_bad_lora_config_names_the_key(tiny_cfg, tmp_path):
+    from models.lora import LoraConfigError
+    with pytest.raises(LoraConfigError, match=r"model.lora.target_modules \['nope'\]"):
+        train(tiny_cfg("model=flux", "model.lora={rank:4,target_modules:[nope]}", *FAMILY_TINY), tmp_path / "x")
+    with pytest.raises(LoraConfigError, match="model.lora.rank=0"):
+        train(tiny_cfg("model=flux", "model.lora={rank:0,target_modules:[to_q]}", *FAMILY_TINY), tmp_path / "x")
+
+
+def test_resume_is_exact_for_a_family(tiny_cfg, tmp_path):
+    common = ["model=flux", *FAMILY_TINY, "checkpoint.every_steps=4", "train.log_every_steps=1"]
+    train(tiny_cfg(*common, "train.max_steps=8"), tmp_path / "full")
+    train(tiny_cfg(*common, "train.max_steps=4"), tmp_path / "part")
+    train(tiny_cfg(*common, "train.max_steps=8", "resume=auto"), tmp_path / "part")
+    assert losses(tmp_path / "full") == losses(tmp_path / "part")
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan", "auraflow", "pixart"])
+def test_pretrained_weights_load_unchanged(family, tmp_path):
+    """model.pretrained loads a diffusers folder with from_pretrained; names and values are diffusers' own."""
+    from models.families import build_family, family_module
+    try:
+        family_module(family)
+    except ImportError:
+        pytest.skip(f"{family} not built yet")
+    torch.manual_seed(0)
+    kw = dict(input_size=8, in_channels=4, num_classes=3)
+    src = build_family(family, **kw)
+    src.transformer.save_pretrained(tmp_path / "pipe" / "transformer")
+    torch.manual_seed(1)
+    loaded = build_family(family, pretrained=str(tmp_path / "pipe"), **kw)
+    a, b = src.transformer.state_dict(), loaded.transformer.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        ours = loaded.eval()(x, torch.tensor([3.0, 700.0]), torch.tensor([0, 1]))
+        ref = loaded.reference_forward(x, torch.tensor([3.0, 700.0]), torch.tensor([0, 1]))
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_missing_pretrained_weights_say_how_to_get_them(tmp_path):
+    from models.families import build_family
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_family("flux", input_size=8, in_channels=4, num_classes=3, pretrained=str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="hf download black-forest-labs/FLUX.1-dev"):
+        build_family("flux", input_size=8, in_channels=4, num_classes=3, pretrained="black-forest-labs/FLUX.1-dev")
+
+
+@pytest.mark.parametrize("model", ["tread", "flux"])
+def test_masked_loss_force_keeps_masked_tokens(model, tiny_cfg, tmp_path):
+    """Loss masks from the data: the loss is masked, masked tokens are force-kept, the logged fraction rises."""
+    # Shapes cover 11..22 of the 64 tokens: at ratio 0.75 (16 kept) some batches force more than the budget.
+    common = [f"model={model}", "data=toy_masked", "model.arch=null" if model == "flux" else "model.arch=DiT-T/2",
+              *FAMILY_TINY, "train.max_steps=2", "train.log_every_steps=1", "routing.routes.0.selection_ratio=0.75"]
+    train(tiny_cfg(*common), tmp_path / "masked")
+    train(tiny_cfg(*common, "train.mask_force_keep=false"), tmp_path / "free")
+    rec = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    masked, free = rec(tmp_path / "masked"), rec(tmp_path / "free")
+    nominal = 1 - 7 * 48 / (12 * 64) if model == "tread" else 1 - 3 * 48 / (8 * 64)  # blocks 2..-4, 48 dropped
+    assert all(r["tokens_fraction"] == pytest.approx(nominal) for r in free)
+    assert all(r["tokens_fraction"] >= nominal - 1e-9 for r in masked)
+    assert max(r["tokens_fraction"] for r in masked) > nominal + 0.01
+
+
+def test_masked_loss_weights_only_covered_cells():
+    from training.loop import reduce_loss
+    loss = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
+    mask = torch.zeros(2, 1, 8, 8)
+    mask[:, :, :4, :4] = 1.0                                   # the top-left latent cells 0..1 x 0..1
+    expected = loss[:, :, :2, :2].mean()
+    torch.testing.assert_close(reduce_loss(loss, mask), expected)
+    assert reduce_loss(loss, None) == loss.mean()
+
+
+def test_masked_loss_true_without_masks_is_refused(tiny_cfg, tmp_path):
+    from training import ConfigError
+    with pytest.raises(ConfigError, match="train.masked_loss=true"):
+        train(tiny_cfg("model=flux", "train.masked_loss=true", *FAMILY_TINY), tmp_path / "x")
