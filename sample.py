@@ -26,7 +26,8 @@ def run(cfg: DictConfig) -> None:
     from data import check_decodable, decode_to_uint8, model_shape
     from training.evaluate import decode_options, generate
     from training import ConfigError
-    from training.inference import load_for_inference, parse_seeds, resolve_device, run_dir_of, write_samples
+    from training.inference import (load_for_inference, parse_seeds, resolve_device, run_dir_of, text_conditioning,
+                                    write_samples)
 
     device = resolve_device(cfg.device)
     net, diffusion, meta, config = load_for_inference(cfg.checkpoint, cfg.use_ema, device)
@@ -40,7 +41,8 @@ def run(cfg: DictConfig) -> None:
         raise ConfigError(f"classes={bad} are out of range: this model has {num_classes} classes (0..{num_classes - 1}).")
     images, labels = [], []
     for _, y, x in generate(net, diffusion, seeds, model_shape(meta), num_classes, device, batch_size=cfg.batch_size,
-                            classes=classes, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_steps):
+                            classes=classes, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_steps,
+                            cond_fn=text_conditioning(net, meta, config)):
         images.append(decode_to_uint8(x, meta, **decode).cpu())
         labels.append(y.cpu())
     run_dir = run_dir_of(cfg.checkpoint)

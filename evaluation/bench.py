@@ -172,7 +172,7 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
     from data import decode_to_uint8, model_shape
     from evaluation.metrics import FeatureAccumulator, compute_metrics
     from training.evaluate import generate
-    from training.inference import load_for_inference
+    from training.inference import load_for_inference, text_conditioning
 
     rank, world = _dist()
     start = time.time()
@@ -201,8 +201,10 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
     acc = FeatureAccumulator(extractor, metrics, device=device)
     bar = tqdm(total=n, disable=rank != 0, desc=f"bench {label}", dynamic_ncols=True)
     done = 0
+    cond_fn = text_conditioning(net, meta, config)  # text-conditioned checkpoints: the training data's text
     for batch_seeds, y, x in generate(net, diffusion, my_seeds, shape, int(meta["num_classes"]), device,
-                                      batch_size=batch_size, cfg_scale=cfg_scale, num_steps=num_steps):
+                                      batch_size=batch_size, cfg_scale=cfg_scale, num_steps=num_steps,
+                                      cond_fn=cond_fn):
         images = decode_to_uint8(x, meta, **decode_kwargs)                       # (B, H, W, 3) uint8
         pos = positions[done:done + len(batch_seeds)]
         acc.add(images.permute(0, 3, 1, 2), pos)

@@ -36,6 +36,23 @@ def load_for_inference(checkpoint: str | Path, use_ema: bool = True, device: str
     return net, diffusion, state["data_meta"], config
 
 
+def text_conditioning(net, meta: dict, config) -> Optional[Any]:
+    """For a text-conditioned checkpoint (a diffusers family trained on data with text embeddings): a
+    cond_fn(seeds) giving sample i the text embeddings of training item i mod N, read from the training data
+    (config.data). None for class-conditional checkpoints."""
+    if not hasattr(getattr(net, "model", net), "conditioning") or not (meta.get("conditioning") or {}).get("text"):
+        return None
+    from data import LatentDatasetError, build_dataset
+    from training.evaluate import text_conditioning_for_seeds
+    try:
+        dataset = build_dataset(config.data)
+    except (LatentDatasetError, FileNotFoundError) as err:
+        raise FileNotFoundError(
+            f"this checkpoint is text-conditioned: samples take their text embeddings from the training data "
+            f"(data.path={config.data.get('path')!r}), which cannot be read here: {err}") from None
+    return text_conditioning_for_seeds(dataset, net)
+
+
 def run_dir_of(checkpoint: str | Path) -> Path:
     """The run directory that holds a checkpoint (given as run dir, step dir or model.pt)."""
     path = Path(checkpoint)
