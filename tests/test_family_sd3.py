@@ -92,3 +92,8 @@ def test_config_errors_name_the_key():
     fc.check_config_errors(FAMILY, ("pos_embed_max_size=2", {"config": {"pos_embed_max_size": 2}}),
                            ("caption_projection_dim=32", {"config": {"caption_projection_dim": 32}}),
                            ("does not take", {"config": {"num_single_layers": 2}}))
+
+
+def test_patch_size_one_sizes_the_position_table():
+    """model.config.patch_size=1 (4x the tokens): the position table follows the preset's patch size."""
+    fc.check_dense_equals_diffusers(FAMILY, config={"patch_size": 1})

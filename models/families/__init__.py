@@ -38,7 +38,8 @@ def build_family(family: str, *, input_size: int, in_channels: int, num_classes:
         if preset not in module.PRESETS:
             raise FamilyConfigError(f"model.preset={preset!r} is not a {family} preset; allowed: "
                                     f"{sorted(module.PRESETS)} (or model.pretrained=PATH for real weights).")
-        kwargs = {**cls.data_config(int(in_channels), int(input_size)), **module.PRESETS[preset], **dict(config or {})}
+        chosen = {**module.PRESETS[preset], **dict(config or {})}
+        kwargs = {**cls.data_config(int(in_channels), int(input_size), chosen), **chosen}
         try:
             transformer = cls.transformer_class()(**kwargs)
         except TypeError as err:

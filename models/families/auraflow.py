@@ -52,10 +52,11 @@ class AuraFlowFamily(RoutedFamily):
         return AuraFlowTransformer2DModel
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int) -> dict[str, Any]:
-        # pos_embed_max_size counts positions of a square grid, sized for the presets' patch 2.
+    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+        # pos_embed_max_size counts the positions of a square grid: the data's token grid.
+        patch = int(config.get("patch_size", 2))
         return {"in_channels": in_channels, "out_channels": in_channels, "sample_size": input_size,
-                "pos_embed_max_size": max(1, input_size // 2) ** 2}
+                "pos_embed_max_size": max(1, input_size // patch) ** 2}
 
     @property
     def text_dim(self) -> int:

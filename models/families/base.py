@@ -138,8 +138,9 @@ class RoutedFamily(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int) -> dict[str, Any]:
-        """diffusers config keys that follow from the data (channels, sample size); presets may override."""
+    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+        """diffusers config keys that follow from the data (channels, sample size) and from `config` (the preset
+        merged with model.config overrides, e.g. its patch_size); explicit preset/override keys win."""
         return {}
 
     @property

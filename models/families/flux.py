@@ -108,7 +108,7 @@ class FluxFamily(RoutedFamily):
         return FluxTransformer2DModel
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
         return {"in_channels": in_channels * cls.PACK ** 2}
 
     def __init__(self, transformer: nn.Module, *, guidance: Optional[float] = None, **kwargs: Any):

@@ -62,7 +62,7 @@ class PixArtFamily(RoutedFamily):
         return PixArtTransformer2DModel
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
         # learned sigma (2C outputs) as the released models; the sincos position table fits the data size
         return {"in_channels": in_channels, "out_channels": 2 * in_channels, "sample_size": input_size}
 

@@ -66,7 +66,7 @@ class WanFamily(RoutedFamily):
         return WanTransformer3DModel
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
         return {"in_channels": in_channels, "out_channels": in_channels}
 
     def __init__(self, transformer: nn.Module, *, expand_timesteps: bool = False, **kwargs: Any):
