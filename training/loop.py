@@ -29,13 +29,15 @@ from training import checkpoint as ckpt_io
 from training.ema import ema_decay_at, ema_update
 from training.evaluate import Evaluator, decode_options, metric_names
 from training.metrics import MetricsLogger
-from models.lora import adapter_state_dict, has_lora
+from models.families.base import FamilyConfigError
+from models.lora import LoraConfigError, adapter_state_dict, has_lora
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
 
 # Errors that mean "your input is wrong": entry points print them without a traceback.
-USER_ERRORS = (ConfigError, RouteConfigError, LatentDatasetError, FileNotFoundError, FileExistsError)
+USER_ERRORS = (ConfigError, RouteConfigError, LatentDatasetError, FamilyConfigError, LoraConfigError,
+               FileNotFoundError, FileExistsError)
 
 
 @dataclass
@@ -74,7 +76,7 @@ def build(node: DictConfig, **kwargs: Any) -> Any:
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
-        if isinstance(err.__cause__, (ValueError, TypeError)):
+        if isinstance(err.__cause__, (ValueError, TypeError, FileNotFoundError)):
             raise err.__cause__ from None
         raise
 
