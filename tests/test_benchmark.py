@@ -1,0 +1,187 @@
+"""scripts/benchmark.py: FLOPs arithmetic (training/flops.py), output schema, the --family path."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from training.flops import (as_routes, device_peak_flops, dit_forward_flops, dit_train_flops, fraction_of_bound,
+                            train_step_flops)
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER = [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ----------------------------------------------------------------------------- FLOPs by hand
+def hand_forward_flops(D: int, depth: int, routed_blocks: range, n_tokens=256, patch=2, channels=4) -> int:
+    """First principles, multiply-add = 2. Per block with n tokens: qkv (3 D^2) + proj (D^2) + MLP fc1/fc2
+    (2 D H, H = 4D) matmuls = 2 n (4 D^2 + 2 D H); attention scores Q K^T and A V = 2 * 2 n^2 D. Routed blocks
+    see n = N - int(0.5 N) tokens. Patch embed (p^2 C -> D) and final linear (D -> p^2 C) on all N tokens."""
+    H = 4 * D
+    total = 0
+    for i in range(depth):
+        n = n_tokens - int(n_tokens * 0.5) if i in routed_blocks else n_tokens
+        total += 2 * n * (4 * D * D + 2 * D * H) + 4 * n * n * D
+    total += 2 * (2 * n_tokens * D * patch * patch * channels)
+    return total
+
+
+@pytest.mark.parametrize("arch,D,depth", [("DiT-B/2", 768, 12), ("DiT-XL/2", 1152, 28)])
+def test_dit_flops_match_hand_computation(arch, D, depth):
+    dense = hand_forward_flops(D, depth, range(0))
+    paper = hand_forward_flops(D, depth, range(2, depth - 4 + 1))     # blocks 2..-4, inclusive
+    assert dit_forward_flops(arch, 32, 4) == dense
+    assert dit_forward_flops(arch, 32, 4, PAPER) == paper
+    assert dit_forward_flops(arch, 32, 4, {"enabled": True, "routes": PAPER}) == paper
+    assert dit_forward_flops(arch, 32, 4, {"enabled": False, "routes": PAPER}) == dense
+    for batch in (1, 64):
+        assert dit_train_flops(arch, 32, 4, None, batch) == 3 * dense * batch
+        assert dit_train_flops(arch, 32, 4, PAPER, batch) == 3 * paper * batch
+
+
+def test_dit_xl2_numbers_match_the_papers():
+    # DiT paper: DiT-XL/2 at 256 px (32x32 latents) is 118.6 GFLOPs counted as multiply-adds.
+    dense = dit_forward_flops("DiT-XL/2", 32, 4)
+    assert dense / 2 == pytest.approx(118.6e9, rel=0.01)
+    # TREAD paper route: half the tokens skip 23 of 28 blocks, so about (5 + 23/2) / 28 = 0.589 of the
+    # linear-layer cost; attention (quadratic in n) makes it slightly cheaper still.
+    ratio = dit_forward_flops("DiT-XL/2", 32, 4, PAPER) / dense
+    assert (5 + 23 / 2) / 28 - 0.015 < ratio < (5 + 23 / 2) / 28
+    assert 1.69 < 1 / ratio < 1.75
+
+
+def test_flops_functions_equal_the_models_own_count():
+    from models import build_dit
+
+    for arch, res, ch in (("DiT-T/4", 16, 3), ("DiT-S/2", 8, 4)):
+        model = build_dit(arch, res, ch, 10)
+        routes = as_routes(PAPER, model.depth)
+        assert dit_forward_flops(arch, res, ch) == model.forward_flops([])
+        assert dit_forward_flops(arch, res, ch, PAPER) == model.forward_flops(routes)
+
+
+def test_small_helpers():
+    assert train_step_flops(10.0, 4) == 120.0
+    assert fraction_of_bound(1.5, 100.0, 50.0) == pytest.approx(0.75)
+    assert device_peak_flops("NVIDIA H100 80GB HBM3")[0] == 989e12
+    assert device_peak_flops("NVIDIA H100 PCIe")[0] == 756e12
+    assert device_peak_flops("NVIDIA H200")[0] == 989e12
+    assert device_peak_flops("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    peak, note = device_peak_flops("NVIDIA GeForce GTX 1080")
+    assert peak is None and "unknown" in note
+    with pytest.raises(ValueError):
+        dit_forward_flops("DiT-B/2", 31, 4)
+
+
+def test_route_configs_add_a_dense_baseline():
+    bench = load_benchmark()
+    labels = [label for label, _ in bench.route_configs(["paper", "balanced"])]
+    assert labels == ["dense", "paper", "balanced"]
+    cfgs = bench.route_configs(["paper", "dense", '{"selection_ratio": 0.25, "start_layer_idx": 1, '
+                                                  '"end_layer_idx": 3}'])
+    assert [bench.is_dense(r) for _, r in cfgs] == [False, True, False]
+    assert cfgs[2][1]["routes"][0]["selection_ratio"] == 0.25
+    assert bench.split_steps(5, 2) == [3, 2] and bench.split_steps(1, 3) == [1]
+
+
+# ----------------------------------------------------------------------------- output schema
+RESULT_KEYS = {
+    "model": str, "family": str, "config": str, "dense": bool, "baseline": bool, "routes": list, "tokens": int,
+    "batch": int, "step_ms": float, "step_ms_all": list, "images_per_s": float, "tokens_per_s": float,
+    "peak_mem_bytes": int, "static_mem_bytes": int, "step_mem_bytes": int, "peak_mem_method": str,
+    "forward_flops_per_sample": float, "train_flops_per_step": float, "flops_ratio": float, "speedup": float,
+    "speedup_bound": float, "fraction_of_bound": float, "achieved_flops_per_s": float,
+}
+SETTINGS_KEYS = {
+    "model": str, "tokens": int, "batch": int, "device": str, "device_name": str, "threads": int,
+    "precision": str, "compile": bool, "torch": str, "resolution": int, "channels": int, "steps": int,
+    "warmup": int, "rounds": int, "route_specs": list, "flops_source": str, "mfu_note": str,
+    "peak_mem_method": str,
+}
+
+
+def check_schema(out: dict, n_configs: int) -> None:
+    for key, typ in SETTINGS_KEYS.items():
+        assert isinstance(out["settings"][key], typ), key
+    assert len(out["results"]) == n_configs
+    for r in out["results"]:
+        for key, typ in RESULT_KEYS.items():
+            assert isinstance(r[key], typ), (key, r[key])
+        assert "mfu" in r and (r["mfu"] is None or r["mfu"] > 0)
+        assert r["step_ms"] > 0 and r["peak_mem_bytes"] >= r["static_mem_bytes"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["images_per_s"] * r["tokens"])
+        assert r["speedup_bound"] == pytest.approx(1 / r["flops_ratio"])
+        assert r["fraction_of_bound"] == pytest.approx(r["speedup"] / r["speedup_bound"])
+        assert 0.05 < r["fraction_of_bound"] < 5
+    base = out["results"][0]
+    assert base["baseline"] and base["dense"] and base["speedup"] == 1.0 and base["flops_ratio"] == 1.0
+    assert base["fraction_of_bound"] == 1.0
+    assert sum(r["baseline"] for r in out["results"]) == 1
+
+
+def test_dit_output_schema(tmp_path):
+    bench = load_benchmark()
+    js, md = tmp_path / "b.json", tmp_path / "b.md"
+    out = bench.main(["--arch", "DiT-T/4", "--resolution", "8", "--channels", "3", "--batch", "4", "--steps", "2",
+                      "--warmup", "1", "--routes", "none", "paper", "--json", str(js), "--markdown", str(md),
+                      "--sampling", "--sampling-steps", "2", "--eval-features", "--image-size", "16",
+                      "--eval-batch", "8", "--eval-repeats", "1", "--threads", "1"])
+    check_schema(out, 2)
+    s = out["settings"]
+    assert s["model"] == "DiT-T/4" and s["tokens"] == 4 and s["batch"] == 4 and s["compile"] is False
+    assert s["route_specs"] == ["dense", "paper"]
+    paper = out["results"][1]
+    assert paper["routes"] == [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": 8}]
+    assert paper["forward_flops_per_sample"] == dit_forward_flops("DiT-T/4", 8, 3, PAPER)
+    assert paper["train_flops_per_step"] == dit_train_flops("DiT-T/4", 8, 3, PAPER, 4)
+    assert paper["flops_ratio"] < 1
+    if s["device"] == "cpu":
+        assert all(r["mfu"] is None for r in out["results"])
+    sm = out["sampling"]
+    assert sm["sampler"] == "edm_heun" and sm["num_steps"] == 2 and sm["nfe"] == 3 and sm["images_per_s"] > 0
+    ev = out["eval"]
+    assert ev["features"] == "toy_classifier" and ev["image_size"] == 16 and ev["images_per_s"] > 0
+    assert json.loads(js.read_text()) == json.loads(json.dumps(out))
+    rows = [line for line in md.read_text().splitlines() if line.startswith("| DiT-T/4 |")]
+    assert len(rows) == 2 and "dense" in rows[0] and "paper" in rows[1]
+
+
+def test_dense_baseline_added_and_tokens_flag():
+    bench = load_benchmark()
+    out = bench.main(["--arch", "DiT-T/4", "--tokens", "4", "--channels", "3", "--batch", "2", "--steps", "1",
+                      "--warmup", "1", "--routes", '[{"selection_ratio":0.5,"start_layer_idx":1,"end_layer_idx":-2}]',
+                      "--threads", "1"])
+    check_schema(out, 2)
+    assert out["settings"]["resolution"] == 8 and out["results"][0]["config"] == "dense"
+
+
+def test_family_path_new_schema(tmp_path):
+    bench = load_benchmark()
+    out = bench.main(["--family", "flux", "--preset", "tiny", "--resolution", "8", "--channels", "3",
+                      "--batch", "4", "--steps", "2", "--warmup", "1", "--threads", "1",
+                      "--sampling", "--sampling-steps", "2", "--json", str(tmp_path / "f.json")])
+    check_schema(out, 2)   # default --routes paper, plus the dense baseline
+    assert out["settings"]["model"] == "flux/tiny" and out["results"][1]["family"] == "flux"
+    assert out["results"][1]["flops_ratio"] < 1 and "FlopCounterMode" in out["settings"]["flops_source"]
+    assert out["sampling"]["sampler"] == "rf_euler" and out["sampling"]["nfe"] == 2
+
+
+def test_compile_reports_graphs():
+    bench = load_benchmark()
+    out = bench.main(["--arch", "DiT-T/4", "--resolution", "8", "--channels", "3", "--batch", "2", "--steps", "1",
+                      "--warmup", "2", "--routes", "none", "--compile", "--device", "cpu", "--threads", "1"])
+    check_schema(out, 1)
+    s, r = out["settings"], out["results"][0]
+    assert s["compile"] is True and s["compile_backend"] == "aot_eager"
+    assert r["compile"]["warmup"]["unique_graphs"] >= 1
+    assert r["compile"]["recompiles_timed"] == 0
