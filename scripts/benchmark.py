@@ -324,17 +324,22 @@ def bench_sampling(bundle: dict, args, device, dtype) -> dict:
             obj.sample(net, noise, y, null_label=1000, num_steps=n)
 
     run(1 if bundle["family"] is not None else 2)  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    run(steps)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    sec = time.perf_counter() - t0
+    sec = timed(lambda: run(steps), device)
     model.train()
     return {"model": bundle["name"], "sampler": bundle["sampler"], "num_steps": steps, "nfe": nfe,
             "batch": int(x.shape[0]), "routes": [], "cfg_scale": 1.0, "seconds": sec,
             "images_per_s": x.shape[0] / sec, "ms_per_nfe": 1e3 * sec / nfe}
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of fn takes, synchronising CUDA around it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def bench_eval_features(args, device) -> dict:
@@ -349,15 +354,7 @@ def bench_eval_features(args, device) -> dict:
                          generator=gen, dtype=torch.uint8).to(device)
     with torch.no_grad():
         fwd(imgs)  # warm-up
-        times = []
-        for _ in range(args.eval_repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fwd(imgs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
+        times = [timed(lambda: fwd(imgs), device) for _ in range(args.eval_repeats)]
     med = statistics.median(times)
     return {"features": args.features, "image_size": args.image_size, "batch": int(imgs.shape[0]),
             "repeats": args.eval_repeats, "median_batch_s": med, "images_per_s": imgs.shape[0] / med,
