@@ -132,6 +132,28 @@ def processed_fraction(model: nn.Module, num_tokens: int) -> float:
     return 1.0 - saved / (model.depth * num_tokens)
 
 
+def maybe_compile(cfg: DictConfig, model: nn.Module, device: torch.device) -> bool:
+    """torch.compile the backbone in place (train.compile: auto = only with CUDA). Parameter names and
+    checkpoints are unchanged. Keep counts are static per route, so shapes never change between steps
+    and nothing recompiles after the first step (tests/test_compile.py counts recompiles)."""
+    setting = cfg.train.get("compile", "auto")
+    if setting not in ("auto", True, False):
+        raise ConfigError(f"train.compile={setting!r} is not allowed; use auto (on with CUDA), true or false.")
+    mode = cfg.train.get("compile_mode")
+    if mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        raise ConfigError(f"train.compile_mode={mode!r} is not allowed; use null, default, reduce-overhead, "
+                          f"max-autotune or max-autotune-no-cudagraphs.")
+    if not (setting is True or (setting == "auto" and device.type == "cuda")):
+        return False
+    backend = cfg.train.get("compile_backend") or "inductor"
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in backends:
+        raise ConfigError(f"train.compile_backend={backend!r} is not a torch.compile backend; available: "
+                          f"{sorted(backends)}.")
+    model.compile(backend=backend, mode=mode)
+    return True
+
+
 def check_loss_mask(cfg: DictConfig, dataset) -> bool:
     """Whether this run uses the data's loss masks (train.masked_loss: auto | true | false)."""
     setting = cfg.train.get("masked_loss", "auto")
@@ -190,6 +212,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         if (cfg.eval.every_steps or cfg.eval.at_end) else None
 
     ema = copy.deepcopy(net).requires_grad_(False).eval()
+    compiled = maybe_compile(cfg, model, accelerator.device)  # after the EMA copy: evaluation stays eager
     # LoRA (model.lora) freezes the base weights: only parameters that require grad are optimised.
     optimizer = build(cfg.optimizer)(params=[p for p in net.parameters() if p.requires_grad])
     loader = LatentLoader(dataset, micro_batch, seed=cfg.train.seed, rank=rank, world_size=world,
@@ -219,7 +242,9 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                    f"tokens processed {100 * tokens_fraction:.1f}%\n"
                    f"data: {dataset.root} ({len(dataset)} samples) | world size {world}, global batch "
                    f"{cfg.train.batch_size} ({micro_batch} per micro-batch) | {accelerator.device}, "
-                   f"mixed precision {cfg.train.mixed_precision}\nrun dir: {run_dir}")
+                   f"mixed precision {cfg.train.mixed_precision}"
+                   f"{', torch.compile (' + str(cfg.train.compile_backend) + ')' if compiled else ''}\n"
+                   f"run dir: {run_dir}")
         if resume_from is not None:
             tqdm.write(f"Resumed from {resume_from} at step {state.step}.")
         if (getattr(dataset, "conditioning", None) or {}).get("text") and not takes_text:

@@ -1,0 +1,75 @@
+"""train.compile: torch.compile of the backbone with routing inside, on CPU with the aot_eager backend
+(no code generation). Same losses as eager, and no recompiles after the first step."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from training import ConfigError
+from training.loop import train
+
+COMMON = ["eval.every_steps=0", "eval.at_end=false", "train.max_steps=6", "train.log_every_steps=1",
+          "checkpoint.every_steps=0"]
+
+
+def losses(run):
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tread", "flux"])
+def test_compiled_training_matches_eager(model, tiny_cfg, tmp_path):
+    import torch._dynamo
+    extra = [f"model={model}"] + (["model.arch=null"] if model == "flux" else [])
+    train(tiny_cfg(*COMMON, *extra, "train.compile=false"), tmp_path / "eager")
+    torch._dynamo.reset()
+    train(tiny_cfg(*COMMON, *extra, "train.compile=true", "train.compile_backend=aot_eager"), tmp_path / "compiled")
+    torch._dynamo.reset()
+    a, b = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert len(a) == len(b) == 6
+    assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["dit", "flux"])
+def test_no_recompiles_after_the_first_step(family):
+    """Keep counts are static: after the first routed step, later steps compile nothing new."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from diffusion import RectifiedFlow
+    from models import build_dit
+    from models.families import build_family
+    routing = {"enabled": True, "routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]}
+    torch.manual_seed(0)
+    model = build_dit("DiT-T/4", 16, 3, 10, routing=routing) if family == "dit" else \
+        build_family("flux", input_size=16, in_channels=3, num_classes=10, routing=routing)
+    torch._dynamo.reset()
+    counters.clear()
+    model.compile(backend="aot_eager")
+    rf = RectifiedFlow()
+    net = rf.precondition(model).train()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+
+    def step():
+        rf.loss(net, x, y).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    compiled = dict(counters["stats"])
+    assert compiled.get("unique_graphs", 0) > 0
+    for _ in range(3):
+        step()
+    assert dict(counters["stats"]) == compiled, (compiled, dict(counters["stats"]))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("override,needle", [("train.compile=maybe", "train.compile='maybe' is not allowed"),
+                                             ("train.compile_mode=fastest", "train.compile_mode='fastest'"),
+                                             ("train.compile_backend=nope", "train.compile_backend='nope'")])
+def test_bad_compile_settings_are_named(override, needle, tiny_cfg, tmp_path):
+    with pytest.raises(ConfigError, match=needle):
+        train(tiny_cfg(*COMMON, "train.compile=true", override) if "compile=" not in override.split(".")[1][:8]
+              else tiny_cfg(*COMMON, override), tmp_path / "r")
