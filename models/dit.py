@@ -14,7 +14,7 @@ import torch.nn as nn
 from timm.layers import Mlp, PatchEmbed
 from timm.models.vision_transformer import Attention
 
-from routing import RoutingController, TokenRouter, routing_from_config, run_blocks
+from routing import RoutingController, run_blocks
 
 #################################################################################
 #                     Embedders: noise level, class label, positions            #
@@ -163,12 +163,7 @@ class DiT(nn.Module):
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
 
         # Routes are validated here, against this depth, before any training work starts.
-        routing = dict(routing or {})
-        selection = dict(routing.get("selection") or {})
-        self.routing = RoutingController(
-            routing_from_config(routing, depth), depth,
-            TokenRouter(seed=int(routing.get("seed") or 0), **selection),
-        )
+        self.routing = RoutingController.from_config(routing, depth)
         self.initialize_weights()
 
     @property
@@ -238,7 +233,8 @@ class DiT(nn.Module):
         blocks = [lambda h, blk=blk: blk(h, c) for blk in self.blocks]
         self.last_route_stats = []
         x = run_blocks(blocks, x, routes, self.routing.router, force_keep,        # (B, N, D)
-                       checkpoint=self.gradient_checkpointing and self.training, stats=self.last_route_stats)
+                       checkpoint=self.gradient_checkpointing and self.training, stats=self.last_route_stats,
+                       fp32_blocks=self.routing.fp32_blocks(routes))
         x = self.final_layer(x, c)                                                # (B, N, p*p*C)
         return self.unpatchify(x)                                                 # (B, C, H, W)
 

@@ -13,17 +13,36 @@ import torch
 import torch.utils.checkpoint
 
 from routing.router import TokenRouter, gather_tokens, scatter_tokens
-from routing.spec import Route, RouteConfigError, resolve_routes
+from routing.spec import Route, RouteConfigError, resolve_routes, routing_from_config
 
 
 class RoutingController:
     """Holds a model's validated routes, its router and the inference-time override."""
 
-    def __init__(self, routes: Sequence[Route], depth: int, router: Optional[TokenRouter] = None):
+    def __init__(self, routes: Sequence[Route], depth: int, router: Optional[TokenRouter] = None,
+                 fp32_after_route: bool = False):
         self.routes = list(routes)    # validated at build time, non-negative indices
         self.depth = depth            # number of routable blocks
         self.router = router or TokenRouter()
+        self.fp32_after_route = bool(fp32_after_route)  # the paper code's fp32 block after each route
         self._override: Optional[list[Route]] = None
+
+    @classmethod
+    def from_config(cls, routing: Optional[Mapping[str, Any]], depth: int) -> "RoutingController":
+        """The controller a `routing` config group describes ({enabled, routes, seed, selection,
+        fp32_after_route}), validated against `depth`; every backbone builds its routing here."""
+        routing = dict(routing or {})
+        flag = routing.get("fp32_after_route", False)
+        if not isinstance(flag, bool):
+            raise RouteConfigError(f"routing.fp32_after_route={flag!r} must be true or false.")
+        router = TokenRouter(seed=int(routing.get("seed") or 0), **dict(routing.get("selection") or {}))
+        return cls(routing_from_config(routing, depth), depth, router, fp32_after_route=flag)
+
+    def fp32_blocks(self, routes: Sequence[Route]) -> frozenset[int]:
+        """Blocks to run in fp32 (outside autocast): the one after each route's end, when enabled."""
+        if not self.fp32_after_route:
+            return frozenset()
+        return frozenset(r.end_layer_idx + 1 for r in routes if r.end_layer_idx + 1 < self.depth)
 
     @property
     def enabled(self) -> bool:
@@ -68,7 +87,7 @@ class RoutingController:
 def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, routes: Sequence[Route],
                router: TokenRouter, force_keep: Optional[torch.Tensor] = None, *, context: Any = None,
                per_token: Optional[Mapping[str, torch.Tensor]] = None, checkpoint: bool = False,
-               stats: Optional[list] = None) -> Any:
+               stats: Optional[list] = None, fp32_blocks: frozenset[int] = frozenset()) -> Any:
     """Run `blocks` over routable tokens x (B, N, D), routing a subset past each route's span.
 
     Two calling conventions, one routing semantics:
@@ -83,7 +102,8 @@ def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, routes: Se
     scattered back over the route-start tokens, so set-aside tokens re-enter unchanged. `force_keep` (B, N)
     marks tokens that are never dropped. `checkpoint` recomputes each block in backward (activation
     checkpointing); selection happens outside the checkpointed call, so recomputation sees the same tokens.
-    `stats`, when given, receives one (start, end, kept, total) tuple per route taken.
+    `stats`, when given, receives one (start, end, kept, total) tuple per route taken. Blocks in
+    `fp32_blocks` run outside autocast on float32 inputs (RoutingController.fp32_blocks).
     """
     plain = context is None and per_token is None
     full_tokens = dict(per_token or {})
@@ -100,15 +120,29 @@ def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, routes: Se
             tokens = {k: gather_tokens(v, ids_keep) for k, v in full_tokens.items()}
             if stats is not None:
                 stats.append((route.start_layer_idx, route.end_layer_idx, ids_keep.shape[1], x_start.shape[1]))
-        if plain:
-            x = _call(block, checkpoint, x)
-        else:
-            x, context = _call(block, checkpoint, x, context, tokens)
+        fp32 = i in fp32_blocks
+        with torch.autocast(x.device.type, enabled=False) if fp32 else contextlib.nullcontext():
+            if plain:
+                x = _call(block, checkpoint, _f32(x) if fp32 else x)
+            else:
+                args = (x, context, tokens) if not fp32 else (_f32(x), _f32(context), _f32(tokens))
+                x, context = _call(block, checkpoint, *args)
         if route is not None and i == route.end_layer_idx:
             x = scatter_tokens(x_start, x, ids_keep)                               # (B, N, D)
             tokens = full_tokens
             route = x_start = ids_keep = None
     return x if plain else (x, context)
+
+
+def _f32(value: Any) -> Any:
+    """float32 copies of the floating-point tensors in value (a tensor, tuple/list or dict)."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_f32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _f32(v) for k, v in value.items()}
+    return value
 
 
 def _call(block: Callable[..., Any], checkpoint: bool, *args: Any) -> Any:

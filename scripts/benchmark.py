@@ -171,7 +171,10 @@ class Stepper:
 
     fused_adamw = True  # as configs/optimizer/adamw.yaml (fused: true); --unfused-adamw measures torch's default
 
+    gradient_checkpointing = False  # --gradient-checkpointing: recompute blocks in backward (memory for time)
+
     def __init__(self, model: torch.nn.Module, objective, device: torch.device, dtype, compile_backend=None):
+        model.gradient_checkpointing = self.gradient_checkpointing
         self.model = model.to(device).train()
         backbone = torch.compile(self.model, backend=compile_backend) if compile_backend else self.model
         self.net = objective.precondition(backbone).to(device).train()
@@ -342,6 +345,31 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def bench_loader(args, device, step_ms: float) -> dict:
+    """The training data loader alone (LatentLoader: sharded sampler, workers, pinned memory, prefetch) on
+    --data-path or the built-in toy data; with workers a batch is fetched while the step runs, so the wait
+    per step is what the loader cannot hide behind a step of `step_ms`. train.py logs the real wait
+    (data_wait_frac in metrics.jsonl)."""
+    from data import LatentDataset, LatentLoader, ensure_toy_dataset
+    path = args.data_path or ensure_toy_dataset(Path(args.cache_dir) / "toy_shapes_r16_n1000_s0",
+                                                num_per_class=1000, resolution=16, seed=0)
+    dataset = LatentDataset(path)
+    loader = LatentLoader(dataset, args.batch, seed=0, num_workers=args.loader_workers,
+                          pin_memory=device.type == "cuda")
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    n = max(10, args.steps)
+    start = time.perf_counter()
+    for _ in range(n):
+        batch = next(it)
+        batch[0].to(device, non_blocking=True)
+    ms = 1e3 * (time.perf_counter() - start) / n
+    wait = ms if args.loader_workers == 0 else max(0.0, ms - step_ms)
+    return {"data": str(path), "workers": args.loader_workers, "batch": args.batch, "ms_per_batch": ms,
+            "images_per_s": 1e3 * args.batch / ms, "step_ms": step_ms, "wait_ms_per_step": wait}
+
+
 def bench_eval_features(args, device) -> dict:
     """Images/s of the FID feature extractor's forward (forward_all: pool, spatial and logits when it has one)."""
     from evaluation.features import build_feature_extractor
@@ -436,6 +464,11 @@ def markdown(out: dict) -> str:
         e = out["eval"]
         lines.append(f"\nEval features {e['features']} at {e['image_size']} px, batch {e['batch']}: "
                      f"{e['images_per_s']:.1f} images/s")
+    if out.get("loader"):
+        d = out["loader"]
+        lines.append(f"\nData loader ({d['data']}, {d['workers']} workers, batch {d['batch']}): {d['ms_per_batch']:.2f} "
+                     f"ms per batch ({d['images_per_s']:.0f} images/s); the dense step takes "
+                     f"{d['step_ms']:.1f} ms, so a step waits {d['wait_ms_per_step']:.2f} ms for data")
     if s.get("mfu_note"):
         lines.append(f"\nMFU: {s['mfu_note']}. Peak memory: {s['peak_mem_method']}.")
     return "\n".join(lines)
@@ -472,6 +505,12 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default="auto")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--data-loader", action="store_true",
+                   help="also time the training data loader (--data-path, default the built-in toy data)")
+    p.add_argument("--data-path", default=None, help="a latent dataset directory for --data-loader")
+    p.add_argument("--loader-workers", type=int, default=0, help="DataLoader workers for --data-loader")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute every block in backward (model.gradient_checkpointing): less memory, more time")
     p.add_argument("--unfused-adamw", action="store_true",
                    help="torch's default AdamW implementation instead of the fused one the training config uses")
     p.add_argument("--compile", action="store_true", help="torch.compile the model of every config")
@@ -495,6 +534,7 @@ def main(argv=None) -> dict:
     """Run the benchmark; returns {"settings", "results"[, "sampling", "eval"]} (also what --json writes)."""
     args = parse_args(argv)
     Stepper.fused_adamw = not args.unfused_adamw
+    Stepper.gradient_checkpointing = bool(args.gradient_checkpointing)
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -537,6 +577,7 @@ def run(args) -> dict:
         "depth": infos[0]["depth"], "params": infos[0]["params"], "models": infos,
         "batch": args.batch, "device": str(device), "device_name": name, "threads": torch.get_num_threads(),
         "precision": args.precision, "compile": bool(args.compile), "fused_adamw": not args.unfused_adamw,
+        "gradient_checkpointing": bool(args.gradient_checkpointing),
         "compile_backend": args.compile_backend if args.compile else None, "torch": torch.__version__,
         "steps": args.steps, "warmup": args.warmup, "rounds": len(split_steps(args.steps, args.rounds)),
         "route_specs": [label for label, _ in configs], "flops_source": infos[0]["flops_source"],
@@ -548,6 +589,8 @@ def run(args) -> dict:
         out["sampling"] = samplings[0] if len(samplings) == 1 else samplings
     if args.eval_features:
         out["eval"] = bench_eval_features(args, device)
+    if args.data_loader:
+        out["loader"] = bench_loader(args, device, results[0]["step_ms"])
     table = markdown(out)
     print(table)
     if args.json:

@@ -185,3 +185,14 @@ def test_compile_reports_graphs():
     assert s["compile"] is True and s["compile_backend"] == "aot_eager"
     assert r["compile"]["warmup"]["unique_graphs"] >= 1
     assert r["compile"]["recompiles_timed"] == 0
+
+
+def test_loader_and_checkpointing_options(tmp_path):
+    """--data-loader times the training loader on the built-in data; --gradient-checkpointing is recorded."""
+    bench = load_benchmark()
+    out = bench.main(["--arch", "DiT-T/4", "--resolution", "8", "--channels", "3", "--batch", "4", "--steps", "2",
+                      "--warmup", "1", "--routes", "none", "--data-loader", "--gradient-checkpointing",
+                      "--cache-dir", str(tmp_path)])
+    d = out["loader"]
+    assert d["ms_per_batch"] > 0 and d["images_per_s"] > 0 and d["wait_ms_per_step"] >= 0 and d["workers"] == 0
+    assert out["settings"]["gradient_checkpointing"] is True

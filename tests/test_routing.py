@@ -250,3 +250,40 @@ def test_full_keep_in_random_order_equals_dense():
     routed.train()
     out = routed(x, t, y)
     torch.testing.assert_close(out, dense.train()(x, t, y), rtol=1e-5, atol=1e-5)
+
+
+def _fp32_routing(flag):
+    return {"enabled": True, "fp32_after_route": flag, "seed": 0,
+            "routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": 2}]}
+
+
+@pytest.mark.parametrize("family", ["dit", "flux", "sd3", "wan", "auraflow", "pixart"])
+def test_fp32_block_after_route_runs_outside_autocast(family):
+    """routing.fp32_after_route: the block after a route's end computes in float32 under bf16 autocast."""
+    from models import build_dit
+    from models.families import build_family
+    dtypes = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model = build_dit("DiT-T/4", 16, 3, 10, routing=_fp32_routing(flag)) if family == "dit" else \
+            build_family(family, input_size=8, in_channels=3, num_classes=10, routing=_fp32_routing(flag))
+        blocks = model.blocks if family == "dit" else model.routable_blocks()
+        seen = {}
+        for i, blk in enumerate(blocks):
+            lin = next(m for m in blk.modules() if isinstance(m, torch.nn.Linear))
+            lin.register_forward_hook(lambda m, a, out, i=i: (seen.setdefault(i, out.dtype), None)[1])
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(2, 3, model.input_size, model.input_size), torch.tensor([1.0, 500.0]),
+                        torch.tensor([0, 3]))
+        out.float().mean().backward()
+        dtypes[flag] = seen
+    assert dtypes[False][3] == torch.bfloat16 and dtypes[False][2] == torch.bfloat16
+    assert dtypes[True][3] == torch.float32                      # block 3 follows the route 1..2
+    assert dtypes[True][2] == torch.bfloat16 and dtypes[True][4] == torch.bfloat16
+
+
+def test_fp32_after_route_must_be_a_bool():
+    from routing import RouteConfigError, RoutingController
+    with pytest.raises(RouteConfigError, match="routing.fp32_after_route='yes'"):
+        RoutingController.from_config({**_fp32_routing(True), "fp32_after_route": "yes"}, 12)

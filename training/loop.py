@@ -257,13 +257,15 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                desc="train", dynamic_ncols=True)
     null_label = model.num_classes
     window_loss = torch.zeros((), device=accelerator.device)
-    window_steps, window_tokens, window_start, run_start = 0, 0.0, time.time(), time.time()
+    window_steps, window_tokens, window_data, window_start, run_start = 0, 0.0, 0.0, time.time(), time.time()
     data_iter = iter(loader)
     net.train()
     while state.step < cfg.train.max_steps:
         lr = set_lr(optimizer, cfg, state.step)
         for micro in range(cfg.train.grad_accum_steps):
+            t_data = time.perf_counter()
             x, y, extras = split_batch(next(data_iter), accelerator.device)
+            window_data += time.perf_counter() - t_data  # time the step waited for data (0 when prefetch keeps up)
             x = draw_latents(x, dataset.meta)  # moments data: one latent drawn per read (training RNG)
             y = drop_labels(y, cfg.train.label_dropout, null_label)
             cond, mask = batch_conditioning(extras, use_mask)
@@ -292,11 +294,12 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             record = {"type": "train", "step": state.step, "loss": mean_loss, "lr": lr,
                       "steps_per_sec": window_steps / elapsed,
                       "images_per_sec": window_steps * cfg.train.batch_size / elapsed,
-                      "tokens_fraction": window_tokens / window_steps, "elapsed_sec": time.time() - run_start}
+                      "tokens_fraction": window_tokens / window_steps, "data_wait_frac": window_data / elapsed,
+                      "elapsed_sec": time.time() - run_start}
             logger.log(record)
             bar.set_postfix(loss=f"{mean_loss:.4f}", it_s=f"{record['steps_per_sec']:.2f}")
             window_loss.zero_()
-            window_steps, window_tokens, window_start = 0, 0.0, time.time()
+            window_steps, window_tokens, window_data, window_start = 0, 0.0, 0.0, time.time()
 
         last = state.step == cfg.train.max_steps
         if evaluator is not None and ((cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from models.families.base import Embedded, FamilyConfigError, RoutedFamily, unpack_patches
+from models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
 
 AURAFLOW_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 2 joint + 6 single blocks, width 64 (paper route = blocks 2..4).
@@ -103,14 +103,14 @@ class AuraFlowFamily(RoutedFamily):
 
         def joint(block: nn.Module) -> Callable[..., Any]:
             def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
-                context, x = block(hidden_states=x, encoder_hidden_states=context, temb=temb)
+                context, x = block(hidden_states=x, encoder_hidden_states=context, temb=cond32(temb))
                 return x, context
             return fn
 
         def single(block: nn.Module) -> Callable[..., Any]:
             def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
                 L = context.shape[1]
-                out = block(hidden_states=torch.cat([context, x], dim=1), temb=temb)   # [registers, text, image]
+                out = block(hidden_states=torch.cat([context, x], dim=1), temb=cond32(temb))  # [registers, text, image]
                 return out[:, L:], out[:, :L]
             return fn
 

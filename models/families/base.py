@@ -32,7 +32,7 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from routing import RoutingController, TokenRouter, routing_from_config, run_blocks
+from routing import RoutingController, run_blocks
 
 
 class FamilyConfigError(ValueError):
@@ -125,10 +125,7 @@ class RoutedFamily(nn.Module):
         self.text_len = text_len
         self.install_processors()
         depth = len(self.routable_blocks())
-        routing = dict(routing or {})
-        self.routing = RoutingController(
-            routing_from_config(routing, depth), depth,
-            TokenRouter(seed=int(routing.get("seed") or 0), **dict(routing.get("selection") or {})))
+        self.routing = RoutingController.from_config(routing, depth)
         self.last_route_stats: list = []   # (start, end, kept, total) per route of the last forward
 
     # -- what a family provides ---------------------------------------------------------------
@@ -256,7 +253,7 @@ class RoutedFamily(nn.Module):
         h, emb.context = run_blocks(self.block_fns(emb), emb.x, routes, self.routing.router, force_keep,
                                     context=emb.context, per_token=emb.per_token,
                                     checkpoint=self.gradient_checkpointing and self.training,
-                                    stats=self.last_route_stats)
+                                    stats=self.last_route_stats, fp32_blocks=self.routing.fp32_blocks(routes))
         return self.from_model_layout(self.head(h, emb), x)
 
     def pristine_transformer(self) -> nn.Module:
@@ -288,6 +285,14 @@ class RoutedFamily(nn.Module):
         for blk in blocks:
             total += sum(m.weight.numel() for m in blk.modules() if isinstance(m, nn.Linear))
         return 2.0 * total / max(1, len(blocks))
+
+
+def cond32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Per-sample conditioning that block closures hold (temb, modulation): float32 when autocast is off,
+    i.e. inside a routing.fp32_after_route block, so it matches the block's float32 inputs and weights."""
+    if t is None or not t.is_floating_point() or torch.is_autocast_enabled(t.device.type):
+        return t
+    return t.float()
 
 
 def unpack_patches(x: torch.Tensor, grid: Sequence[int], patch: Sequence[int], channels: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from models.families.base import Embedded, FamilyConfigError, RoutedFamily
+from models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32
 
 FLUX_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 2 double + 6 single blocks, width 64 (paper route = blocks 2..4).
@@ -208,7 +208,7 @@ class FluxFamily(RoutedFamily):
                 B, L = x.shape[0], context.shape[1]
                 cos = torch.cat([text_cos.unsqueeze(0).expand(B, L, -1), tok["rope_cos"]], dim=1)
                 sin = torch.cat([text_sin.unsqueeze(0).expand(B, L, -1), tok["rope_sin"]], dim=1)
-                context, x = block(hidden_states=x, encoder_hidden_states=context, temb=temb,
+                context, x = block(hidden_states=x, encoder_hidden_states=context, temb=cond32(temb),
                                    image_rotary_emb=(cos, sin))
                 return x, context
             return fn

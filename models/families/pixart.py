@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from models.families.base import Embedded, FamilyConfigError, RoutedFamily, unpack_patches
+from models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
 
 _BLOCK = dict(norm_type="ada_norm_single", num_embeds_ada_norm=1000, activation_fn="gelu-approximate",
               attention_bias=True, norm_elementwise_affine=False, norm_eps=1e-6)
@@ -128,7 +128,7 @@ class PixArtFamily(RoutedFamily):
         def run(block: nn.Module) -> Callable[..., Any]:
             def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
                 x = block(x, attention_mask=None, encoder_hidden_states=context, encoder_attention_mask=mask,
-                          timestep=t6, cross_attention_kwargs=None, class_labels=None)
+                          timestep=cond32(t6), cross_attention_kwargs=None, class_labels=None)
                 return x, context
             return fn
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from models.families.base import Embedded, FamilyConfigError, RoutedFamily, unpack_patches
+from models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
 
 SD3_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 8 joint blocks, width 64. SD3.5-style: dual attention in the first
@@ -114,7 +114,7 @@ class SD3Family(RoutedFamily):
 
         def run(block: nn.Module) -> Callable[..., Any]:
             def fn(x: torch.Tensor, context: Optional[torch.Tensor], tok: Mapping[str, torch.Tensor]):
-                context, x = block(hidden_states=x, encoder_hidden_states=context, temb=temb)
+                context, x = block(hidden_states=x, encoder_hidden_states=context, temb=cond32(temb))
                 return x, context          # context is None after the context_pre_only (last) block
             return fn
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from models.families.base import Embedded, FamilyConfigError, RoutedFamily, unpack_patches
+from models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
 
 WAN_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 8 blocks, width 64 (4 heads x 16), umT5 stand-in of width 32.
@@ -153,7 +153,7 @@ class WanFamily(RoutedFamily):
         def run(block: nn.Module) -> Callable[..., Any]:
             def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
                 proj = tok["timestep_proj"] if shared_proj is None else shared_proj
-                return block(x, context, proj, (tok["rope_cos"], tok["rope_sin"])), context
+                return block(x, context, cond32(proj), (tok["rope_cos"], tok["rope_sin"])), context
             return fn
 
         return [run(b) for b in self.routable_blocks()]
