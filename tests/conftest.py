@@ -83,3 +83,14 @@ def blob_images(n, size=32, seed=0):
         h, w = rng.integers(size // 4, size // 2, 2)
         img[y:y + h, x:x + w] = rng.integers(100, 256, 3)
     return images
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: skipped (and reported as such) on machines without it, such as CI."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
