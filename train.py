@@ -13,12 +13,23 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    from training.loop import USER_ERRORS, train  # imported here so --help stays fast
+    from hydra.types import RunMode
 
+    from training.loop import USER_ERRORS, record_failure, train  # imported here so --help stays fast
+
+    hc = HydraConfig.get()
+    run_dir, overrides = hc.runtime.output_dir, list(hc.overrides.task)
     try:
-        train(cfg, HydraConfig.get().runtime.output_dir)
-    except USER_ERRORS as err:
-        sys.exit(f"error: {err}")
+        train(cfg, run_dir, overrides=overrides)
+    except Exception as err:
+        if hc.mode == RunMode.MULTIRUN:  # a sweep: record this job as failed and let the others run
+            record_failure(run_dir, overrides, err)
+            print(f"job {hc.job.num} failed ({type(err).__name__}: {err}); recorded in {run_dir}/summary.json",
+                  file=sys.stderr)
+            return
+        if isinstance(err, USER_ERRORS):
+            sys.exit(f"error: {err}")
+        raise
 
 
 if __name__ == "__main__":

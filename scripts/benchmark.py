@@ -50,8 +50,8 @@ from omegaconf import OmegaConf  # noqa: E402
 from diffusion import EDM, RectifiedFlow  # noqa: E402
 from models import build_dit  # noqa: E402
 from models.families import FAMILIES, build_family  # noqa: E402
-from training.flops import (device_peak_flops, dit_forward_flops, fraction_of_bound, mfu,  # noqa: E402
-                            parse_dit_arch, train_step_flops)
+from training.flops import (counted_forward_flops, device_peak_flops, dit_forward_flops, fraction_of_bound,  # noqa: E402
+                            mfu, parse_dit_arch, train_step_flops)
 
 PRESETS = ROOT / "configs" / "routing"
 DENSE_NAMES = ("none", "dense")
@@ -237,14 +237,6 @@ def time_configs(steppers: list[Stepper], x, y, steps: int, warmup: int, rounds:
 
 
 # ----------------------------------------------------------------------------- models
-def counted_flops(model, x, y) -> float:
-    """Forward FLOPs of `model` on one sample, counted by torch's FlopCounterMode (routes as configured)."""
-    from torch.utils.flop_counter import FlopCounterMode
-    with FlopCounterMode(display=False) as counter, torch.enable_grad():
-        model(x[:1], torch.full((1,), 500.0, device=x.device), y[:1])
-    return float(counter.get_total_flops())
-
-
 def dit_resolution(args) -> int:
     if args.tokens is None:
         return args.resolution
@@ -301,7 +293,7 @@ def build_models(args, family: Optional[str], configs, device) -> dict:
             assert math.isclose(m.forward_flops([Route(**r) for r in rt]), f), (m.forward_flops(), f)
         flops_source = "analytic (training/flops.py, = DiT.forward_flops)"
     else:
-        fwd = [counted_flops(m.to(device).train(), x, y) for m in models]
+        fwd = [counted_forward_flops(m.to(device).train(), x, y) for m in models]
         flops_source = "torch FlopCounterMode, one forward"
     return {"name": name, "family": family, "resolution": res, "models": models, "base_idx": base_idx,
             "objective": objective, "sampler": sampler, "x": x, "y": y, "routes": routes, "forward_flops": fwd,

@@ -110,3 +110,42 @@ def mfu(achieved_flops_per_s: float, peak: Optional[float]) -> Optional[float]:
 __all__ = ["DEVICE_PEAK_BF16", "as_routes", "device_peak_flops", "dit_forward_flops", "dit_train_flops",
            "fraction_of_bound", "mfu", "parse_dit_arch", "speedup_bound", "tokens_per_block",
            "train_step_flops", "transformer_forward_flops"]
+
+
+def counted_forward_flops(model: Any, x: Any, labels: Any, cond: Optional[Mapping[str, Any]] = None) -> float:
+    """Forward FLOPs of `model` on the first sample of x, counted by torch's FlopCounterMode (matmuls and
+    attention), with the routes the model applies in grad-enabled training."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter, torch.enable_grad():
+        extra = {"cond": {k: v[:1] for k, v in cond.items()}} if cond else {}
+        model(x[:1], torch.full((1,), 500.0, device=x.device), labels[:1], **extra)
+    return float(counter.get_total_flops())
+
+
+def model_forward_flops(model: Any, cond: Optional[Mapping[str, Any]] = None) -> float:
+    """Theoretical forward FLOPs per sample of a backbone with its configured routes: DiT's analytic
+    forward_flops, or counted on one sample for the diffusers families (with `cond`, the data's text
+    conditioning of one sample, when the data has it)."""
+    if hasattr(model, "forward_flops"):
+        return float(model.forward_flops())
+    import torch
+    param = next(model.parameters())
+    shape = [1, model.in_channels, model.input_size, model.input_size]
+    if getattr(model, "frames_axis", False) and getattr(model, "frames", 1) > 1:
+        shape.insert(2, model.frames)
+    was_training = model.training
+    router = getattr(getattr(model, "routing", None), "router", None)
+    saved = router.state_dict() if router is not None else None  # counting must not advance the router's RNG
+    compiled = getattr(model, "_compiled_call_impl", None)      # count the eager forward: no extra compile
+    model._compiled_call_impl = None
+    model.train()
+    try:
+        return counted_forward_flops(model, torch.zeros(shape, device=param.device),
+                                     torch.zeros(1, dtype=torch.long, device=param.device),
+                                     {k: v.to(param.device) for k, v in (cond or {}).items()})
+    finally:
+        model.train(was_training)
+        model._compiled_call_impl = compiled
+        if router is not None:
+            router.load_state_dict(saved)

@@ -28,6 +28,7 @@ from training import ConfigError
 from training import checkpoint as ckpt_io
 from training.ema import ema_decay_at, ema_update
 from training.evaluate import Evaluator, decode_options, metric_names
+from training.flops import model_forward_flops, train_step_flops
 from training.metrics import MetricsLogger
 from models.families.base import FamilyConfigError
 from models.lora import LoraConfigError, adapter_state_dict, has_lora
@@ -177,8 +178,9 @@ def check_run_dir(run_dir: Path, resume_from: Optional[Path], resume: Any) -> No
             f"it, or a new hydra.run.dir to start fresh; nothing was overwritten.")
 
 
-def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Train per `cfg`, writing checkpoints, samples and metrics.jsonl under `run_dir`."""
+def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] = None) -> dict[str, Any]:
+    """Train per `cfg`, writing checkpoints, samples, metrics.jsonl and summary.json under `run_dir`;
+    `overrides` (the command-line overrides, e.g. a sweep job's) are recorded in summary.json."""
     run_dir = Path(run_dir)
     if cfg.train.mixed_precision not in MIXED_PRECISION:  # before accelerate sees it
         raise ConfigError(f"train.mixed_precision={cfg.train.mixed_precision!r} is not allowed; "
@@ -233,7 +235,16 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     use_mask = check_loss_mask(cfg, dataset)
     # Text embeddings in the data condition the diffusers families; DiT is class-conditional and ignores them.
     takes_text = hasattr(model, "conditioning")
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": state.step, "tokens_fraction": tokens_fraction}
+    # Theoretical training FLOPs (3 x forward, matmuls incl. attention) with the configured routes.
+    sample_cond = None
+    if takes_text and (getattr(dataset, "conditioning", None) or {}).get("text"):
+        sample_cond = batch_conditioning(dataset.__getitems__([0])[2], False)[0]   # one sample's text
+    flops_per_step = train_step_flops(model_forward_flops(model, sample_cond), cfg.train.batch_size)
+    summary: dict[str, Any] = {
+        "status": "running", "run_dir": str(run_dir), "overrides": list(overrides or []),
+        "model": str(cfg.model.get("arch") or cfg.model.get("family")),
+        "routes": [r.__dict__ for r in model.routing.routes], "start_step": state.step,
+        "tokens_fraction": tokens_fraction, "train_flops_per_step": flops_per_step}
     if accelerator.is_main_process:
         routes = ", ".join(f"{r.selection_ratio:g} over blocks {r.start_layer_idx}..{r.end_layer_idx}"
                            for r in model.routing.routes) or "none (dense)"
@@ -260,7 +271,9 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     window_steps, window_tokens, window_data, window_start, run_start = 0, 0.0, 0.0, time.time(), time.time()
     data_iter = iter(loader)
     net.train()
+    train_sec, tokens_sum = 0.0, 0.0   # training time without evaluation/checkpoints; measured token share
     while state.step < cfg.train.max_steps:
+        step_start = time.time()
         lr = set_lr(optimizer, cfg, state.step)
         for micro in range(cfg.train.grad_accum_steps):
             t_data = time.perf_counter()
@@ -278,7 +291,9 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                     loss = reduce_loss(diffusion.loss(net, x, y, **kwargs), mask)
                 accelerator.backward(loss / cfg.train.grad_accum_steps)
             window_loss += loss.detach() / cfg.train.grad_accum_steps
-            window_tokens += processed_fraction(model, num_tokens) / cfg.train.grad_accum_steps
+            fraction = processed_fraction(model, num_tokens) / cfg.train.grad_accum_steps
+            window_tokens += fraction
+            tokens_sum += fraction
         if cfg.train.grad_clip:
             accelerator.clip_grad_norm_(net.parameters(), cfg.train.grad_clip)
         optimizer.step()
@@ -286,6 +301,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         ema_update(ema, accelerator.unwrap_model(net), ema_decay_at(state.step, cfg.ema.decay, cfg.ema.warmup))
         state.step += 1
         window_steps += 1
+        train_sec += time.time() - step_start
         bar.update(1)
 
         if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
@@ -318,7 +334,12 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             window_start = time.time()
     bar.close()
     logger.close()
-    summary.update({"final_step": state.step, "wall_sec": time.time() - run_start})
+    steps_run = state.step - summary["start_step"]
+    summary.update({"status": "completed", "final_step": state.step, "wall_sec": time.time() - run_start,
+                    "train_sec": train_sec, "steps_per_sec": steps_run / train_sec if train_sec else None,
+                    "images_per_sec": steps_run * cfg.train.batch_size / train_sec if train_sec else None,
+                    "train_flops_total": flops_per_step * steps_run,
+                    "tokens_fraction_measured": tokens_sum / steps_run if steps_run else None})
     if accelerator.is_main_process:
         fids = [f for _, f in summary.get("fid", [])]
         summary.update({"final_fid": fids[-1] if fids else None, "best_fid": min(fids) if fids else None})
@@ -343,6 +364,19 @@ def export_adapter(model: nn.Module, path: Path) -> None:
     target = getattr(model, "transformer", model)
     state = {k: v.detach().contiguous().cpu() for k, v in adapter_state_dict(target).items()}
     save_file(state, str(path))
+
+
+def record_failure(run_dir: str | Path, overrides: list[str], err: BaseException) -> Path:
+    """summary.json of a job that failed (sweeps go on; ablation_report lists it as failed)."""
+    import traceback
+    path = Path(run_dir) / "summary.json"
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    summary = {**previous, "status": "failed", "run_dir": str(run_dir), "overrides": list(overrides),
+               "error": f"{type(err).__name__}: {err}",
+               "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-4000:]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2))
+    return path
 
 
 def set_lr(optimizer: torch.optim.Optimizer, cfg: DictConfig, step: int) -> float:
