@@ -68,3 +68,8 @@ def test_multirun_sweep_records_failed_jobs_and_goes_on(tmp_path):
         check_summary(summaries[job])
         assert summaries[job]["status"] == "completed"
     assert summaries[0]["train_flops_per_step"] > summaries[2]["train_flops_per_step"]
+    # ... and the report reads the real sweep: two completed rows and the failed one.
+    from test_ablation_report import load_report
+    out = load_report().main([str(sweep), "--no-plots"])
+    assert sorted((r["run"], r["status"]) for r in out["rows"]) == [("0", "completed"), ("1", "failed"),
+                                                                  ("2", "completed")]

@@ -1,0 +1,199 @@
+"""Tables and plots of a route sweep: one row per run, FID against selection ratio, time and FLOPs.
+
+    python train.py -m routing.routes.0.selection_ratio=0,0.25,0.5,0.75     # writes outputs/multirun/<date>/<job>/
+    python scripts/ablation_report.py outputs/multirun/<date>               # -> <sweep>/report/
+
+Reads every run directory under SWEEP_DIR (any depth) that holds a summary.json (written by train.py, also
+for failed jobs) and its metrics.jsonl. Writes report.md and report.csv (one row per run, failed runs
+included with their error) and, with matplotlib, fid_vs_ratio.png, fid_vs_time.png, fid_vs_flops.png (one
+curve per run from its evaluations; FLOPs = train_flops_per_step x step) and loss.png.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+COLUMNS = ["run", "status", "overrides", "selection_ratio", "routes", "tokens_fraction", "final_step", "final_fid",
+           "best_fid", "steps_per_sec", "images_per_sec", "train_flops_per_step", "train_flops_total", "wall_sec",
+           "error"]
+
+
+class ReportError(ValueError):
+    """The sweep directory cannot be reported on; the message says why and what to do."""
+
+
+def load_runs(sweep: Path) -> list[dict[str, Any]]:
+    """One record per run directory under `sweep`: its summary.json plus the parsed metrics.jsonl."""
+    if not sweep.is_dir():
+        raise ReportError(f"sweep directory '{sweep}' not found: pass the folder of a multirun sweep "
+                          f"(outputs/multirun/<date>_<time>) or of a single run.")
+    runs = []
+    for path in sorted(sweep.rglob("summary.json")):
+        if "report" in path.relative_to(sweep).parts[:-1]:
+            continue
+        try:
+            summary = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            summary = {"status": "failed", "error": f"unreadable summary.json ({err})"}
+        records = []
+        metrics = path.parent / "metrics.jsonl"
+        if metrics.is_file():
+            for line in metrics.read_text().splitlines():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a crash
+        name = str(path.parent.relative_to(sweep)) if path.parent != sweep else sweep.name
+        runs.append({"run": name, "dir": path.parent, "summary": summary, "records": records})
+    return runs
+
+
+def selection_ratio(summary: dict[str, Any]) -> Optional[float]:
+    """The first route's selection ratio (0 for dense runs), or None when unknown."""
+    if "routes" not in summary:
+        return None
+    routes = summary["routes"] or []
+    return float(routes[0]["selection_ratio"]) if routes else 0.0
+
+
+def row(run: dict[str, Any]) -> dict[str, Any]:
+    s = run["summary"]
+    routes = "; ".join(f"{r['selection_ratio']:g} @ {r['start_layer_idx']}..{r['end_layer_idx']}"
+                       for r in s.get("routes") or []) or ("dense" if "routes" in s else "")
+    out = {"run": run["run"], "status": s.get("status", "unknown"), "overrides": " ".join(s.get("overrides") or []),
+           "selection_ratio": selection_ratio(s), "routes": routes, "error": s.get("error", "")}
+    for key in COLUMNS:
+        out.setdefault(key, s.get(key))
+    return out
+
+
+def fmt(value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, float):
+        if abs(value) >= 1e9:
+            return f"{value / 1e12:.3g} TF" if abs(value) >= 1e12 else f"{value / 1e9:.3g} GF"
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")[:160]
+
+
+def write_tables(rows: list[dict[str, Any]], out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "report.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows([{k: r.get(k) for k in COLUMNS} for r in rows])
+    shown = [c for c in COLUMNS if c != "error"]
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(c)) for c in shown) + " |")
+    failed = [r for r in rows if r["status"] != "completed"]
+    if failed:
+        lines += ["", "Runs that did not complete:", ""]
+        lines += [f"- `{r['run']}` ({r['status']}): {fmt(r['error'])}" for r in failed]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    return out / "report.md", out / "report.csv"
+
+
+def evals(run: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in run["records"] if r.get("type") == "eval" and r.get("fid") is not None]
+
+
+def write_plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in runs if r["summary"].get("status") == "completed"]
+    paths = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        paths.append(out / name)
+
+    points = sorted((selection_ratio(r["summary"]), r["summary"].get("final_fid"), r["summary"].get("best_fid"))
+                    for r in done if selection_ratio(r["summary"]) is not None and r["summary"].get("final_fid") is not None)
+    if points:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label="final FID")
+        ax.plot([p[0] for p in points], [p[2] for p in points], "s--", label="best FID")
+        ax.set_xlabel("selection ratio (fraction of tokens dropped)")
+        ax.set_ylabel("FID")
+        ax.legend()
+        save(fig, "fid_vs_ratio.png")
+    for name, xlabel, xs in (("fid_vs_time.png", "training time (s, evaluations excluded where logged)",
+                              lambda run, e: _elapsed(run, e)),
+                             ("fid_vs_flops.png", "training FLOPs (theoretical)",
+                              lambda run, e: (run["summary"].get("train_flops_per_step") or math.nan) * e["step"])):
+        curves = [(r, evals(r)) for r in done if evals(r)]
+        if not curves:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for run, es in curves:
+            ax.plot([xs(run, e) for e in es], [e["fid"] for e in es], "o-", label=_label(run))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("FID")
+        if name == "fid_vs_flops.png":
+            ax.set_xscale("log")
+        ax.legend(fontsize=7)
+        save(fig, name)
+    losses = [(r, [x for x in r["records"] if x.get("type") == "train"]) for r in done]
+    losses = [(r, xs) for r, xs in losses if xs]
+    if losses:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for run, xs in losses:
+            ax.plot([x["step"] for x in xs], [x["loss"] for x in xs], label=_label(run))
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        save(fig, "loss.png")
+    return paths
+
+
+def _elapsed(run: dict[str, Any], e: dict[str, Any]) -> float:
+    """Training seconds at an evaluation: the last train record's elapsed_sec at or before its step."""
+    before = [x.get("elapsed_sec", math.nan) for x in run["records"] if x.get("type") == "train" and x["step"] <= e["step"]]
+    return before[-1] if before else math.nan
+
+
+def _label(run: dict[str, Any]) -> str:
+    return " ".join(run["summary"].get("overrides") or []) or run["run"]
+
+
+def main(argv=None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep_dir", help="a multirun sweep folder (or a single run directory)")
+    p.add_argument("--out", default=None, help="output folder (default: SWEEP_DIR/report)")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+    args = p.parse_args(argv)
+    sweep = Path(args.sweep_dir).expanduser()
+    runs = load_runs(sweep)
+    if not runs:
+        raise ReportError(f"no runs under '{sweep}': no summary.json was found. Point at the sweep folder that "
+                          f"train.py -m wrote (hydra.sweep.dir, e.g. outputs/multirun/<date>_<time>).")
+    rows = [row(r) for r in runs]
+    out = Path(args.out) if args.out else sweep / "report"
+    md, csv_path = write_tables(rows, out)
+    finished = [r for r in rows if r["status"] == "completed"]
+    plots = [] if args.no_plots or not finished else write_plots(runs, out)
+    print(md.read_text())
+    if not finished:
+        print(f"No finished runs under '{sweep}' ({len(rows)} run(s): "
+              f"{', '.join(sorted({r['status'] for r in rows}))}); nothing to plot.", file=sys.stderr)
+    print(f"wrote {md}, {csv_path}" + "".join(f", {p}" for p in plots))
+    return {"rows": rows, "markdown": str(md), "csv": str(csv_path), "plots": [str(p) for p in plots]}
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ReportError as err:
+        sys.exit(f"error: {err}")
