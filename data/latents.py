@@ -300,6 +300,16 @@ def _conditioning_layout(root: Path, dtype: str, text_shape, text_mask: bool, po
     return meta, specs
 
 
+def _cast_finite(a: np.ndarray, dtype: str, what: str, start: int, stop: int, fix: str) -> np.ndarray:
+    """`a` cast to the storage dtype; NaN/inf (float16 overflow included) is an error naming the samples."""
+    with np.errstate(over="ignore"):  # overflow is reported below, with advice
+        out = a.astype(dtype)
+    if not np.isfinite(out).all():
+        raise LatentDatasetError(f"{what} non-finite values (NaN/inf) in samples [{start}, {stop}) after casting to "
+                                 f"{dtype}" + (f" (float16 overflows above 65504: {fix})" if dtype == "float16" else ""))
+    return out
+
+
 class LatentDatasetWriter:
     """Write a dataset piece by piece, never holding it in RAM; atomic like write_latent_dataset.
 
@@ -387,13 +397,7 @@ class LatentDatasetWriter:
             if key in ("text", "pooled"):
                 if not (np.issubdtype(a.dtype, np.floating) or a.size == 0):
                     raise LatentDatasetError(f"{head} must be a float array, got {a.dtype}")
-                with np.errstate(over="ignore"):
-                    a = a.astype(dtype)
-                if not np.isfinite(a).all():
-                    raise LatentDatasetError(
-                        f"{head} contains non-finite values (NaN/inf) in samples [{start}, {start + n}) after casting "
-                        f"to {dtype}" + (" (float16 overflows above 65504: use dtype='float32')"
-                                         if dtype == "float16" else ""))
+                a = _cast_finite(a, dtype, f"{head} contains", start, start + n, "use dtype='float32'")
             elif key == "text_mask":
                 if a.dtype != np.bool_:
                     if not (np.issubdtype(a.dtype, np.integer) and np.isin(a, (0, 1)).all()):
@@ -449,13 +453,8 @@ class LatentDatasetWriter:
             raise LatentDatasetError(f"labels for '{self.root}' range over [{labels.min()}, {labels.max()}] but must "
                                      f"lie in [0, num_classes={k}); pass the right num_classes or remap the labels")
         dtype = self.meta["dtype"]
-        with np.errstate(over="ignore"):  # overflow is reported below, with advice
-            chunk = latents.astype(dtype)
-        if not np.isfinite(chunk).all():
-            raise LatentDatasetError(
-                f"latents for '{self.root}' contain non-finite values (NaN/inf) in samples [{start}, {stop}) after "
-                f"casting to {dtype}" + (" (float16 overflows above 65504: use dtype='float32' or a smaller scale)"
-                                         if dtype == "float16" else ""))
+        chunk = _cast_finite(latents, dtype, f"latents for '{self.root}' contain", start, stop,
+                             "use dtype='float32' or a smaller scale")
         for key, value in {"latents": chunk, "labels": labels, **prepared}.items():
             self._maps[key][start:stop] = value
         self._written[start:stop] = True

@@ -161,7 +161,9 @@ def check_loss_mask(cfg: DictConfig, dataset) -> bool:
     if setting not in ("auto", True, False):
         raise ConfigError(f"train.masked_loss={setting!r} is not allowed; use auto (use the data's loss masks when it "
                           f"has them), true (require them) or false (ignore them).")
-    has = bool(getattr(dataset, "conditioning", {}) or {}) and dataset.conditioning.get("loss_mask") is not None
+    if not isinstance(cfg.train.get("mask_force_keep", True), bool):
+        raise ConfigError(f"train.mask_force_keep={cfg.train.mask_force_keep!r} must be true or false.")
+    has = (getattr(dataset, "conditioning", None) or {}).get("loss_mask") is not None
     if setting is True and not has:
         raise ConfigError(f"train.masked_loss=true but the data at '{dataset.root}' has no loss masks "
                           f"(loss_mask.npy); build it with --loss-masks, use data=toy_masked, or set "

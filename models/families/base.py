@@ -94,7 +94,7 @@ def load_pretrained(cls: type, family: str, path: str, subfolder: Optional[str],
     try:
         return cls.from_pretrained(str(local) if looks_local else path, subfolder=subfolder or None,
                                    torch_dtype=torch.float32, local_files_only=_offline() or None)
-    except (OSError, EnvironmentError, ValueError) as err:
+    except (OSError, ValueError) as err:
         raise FileNotFoundError(
             f"cannot load {cls.__name__} weights for model.pretrained='{path}' (subfolder "
             f"{subfolder!r}): {str(err).splitlines()[0]}\nNo network here? Download them once elsewhere, e.g. "
@@ -277,14 +277,6 @@ class RoutedFamily(nn.Module):
         _, h, w = self.token_grid
         keep = token_keep_mask(mask, (h, w))                                    # (B, h*w)
         return keep.repeat(1, self.token_grid[0]) if self.token_grid[0] > 1 else keep
-
-    def flops_per_token_block(self) -> float:
-        """Approximate matmul FLOPs per image token per block (2 x linear weights that image tokens meet)."""
-        blocks = self.routable_blocks()
-        total = 0
-        for blk in blocks:
-            total += sum(m.weight.numel() for m in blk.modules() if isinstance(m, nn.Linear))
-        return 2.0 * total / max(1, len(blocks))
 
 
 def cond32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
