@@ -101,8 +101,9 @@ def validate(cfg: DictConfig) -> None:
     if len(seeds) < need:
         raise FidError(f"{len(seeds)} images (num_samples/seeds) are too few for metrics={metric_list(cfg)}: "
                        f"need at least {need} (ADM reports 50000)")
-    if cfg.cfg_scale < 0:
-        raise FidError(f"cfg_scale={cfg.cfg_scale} must be >= 0 (1 = no guidance)")
+    from diffusion.guidance import Guidance
+
+    Guidance.from_config(cfg)  # cfg_scale, inference routing, TREAD guidance (spans are checked per checkpoint)
 
 
 def decode_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -201,7 +202,10 @@ def run_bench(cfg: DictConfig, extractor, state) -> list[dict[str, Any]]:
     from evaluation.reference import load_reference_full
     from training.inference import parse_seeds
 
+    from diffusion.guidance import Guidance
+
     metrics = metric_list(cfg)
+    guidance = Guidance.from_config(cfg)
     ckpts = expand_checkpoints(cfg.checkpoints)
     seeds = parse_seeds(cfg.seeds, cfg.num_samples)
     reference = load_reference_full(cfg.ref, extractor, cfg.batch_size, need=metrics)
@@ -211,7 +215,7 @@ def run_bench(cfg: DictConfig, extractor, state) -> list[dict[str, Any]]:
     for ckpt in ckpts:
         settings = bench_settings(ckpt, use_ema=cfg.use_ema, seeds=seeds, cfg_scale=cfg.cfg_scale,
                                   num_steps=cfg.num_steps, features=extractor.name, reference=reference.path,
-                                  metrics=metrics)
+                                  metrics=metrics, guidance=guidance)
         if cfg.skip_existing and settings_key(settings) in done:
             if state.is_main_process:
                 print(f"{ckpt}: already benchmarked with these settings in {out_dir}; skipped (skip_existing=false "
@@ -221,10 +225,11 @@ def run_bench(cfg: DictConfig, extractor, state) -> list[dict[str, Any]]:
             ckpt, extractor=extractor, reference=reference, metrics=metrics, seeds=seeds, out_dir=out_dir,
             device=state.device, batch_size=cfg.sample_batch_size, cfg_scale=cfg.cfg_scale,
             num_steps=cfg.num_steps, use_ema=cfg.use_ema, decode_kwargs=decode_kwargs(cfg), keep_npz=cfg.keep_npz,
-            metric_kwargs=metric_kwargs(cfg))
+            metric_kwargs=metric_kwargs(cfg), guidance=guidance)
         if state.is_main_process:
             append_row(out_dir, row)
-            _print_metrics(f"{row['label']} ({len(seeds)} images, {extractor.name})",
+            _print_metrics(f"{row['label']} ({len(seeds)} images, {extractor.name}, "
+                           f"{row['sample_gflops_per_image']:.4g} sampled GFLOPs per image)",
                            {m: row[m] for m in metrics if m in row})
         rows.append(row)
     if state.is_main_process:

@@ -29,23 +29,23 @@ Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def classifier_free_guidance(net: Denoiser, cfg_scale: float, null_label: int) -> Denoiser:
-    """Wrap net(x, noise, labels, **cond) so it returns uncond + cfg_scale * (cond - uncond).
-
-    cfg_scale == 1 is the plain conditional model (one evaluation per step). Per-sample conditioning
-    tensors in `cond` (text embeddings, ...) are repeated for the unconditional half, whose null label
-    tells the model to drop them.
-    """
+    """Wrap net(x, noise, labels, **cond) so it returns uncond + cfg_scale * (cond - uncond), both branches in
+    one batched call. cfg_scale == 1 is the plain conditional model (one evaluation per step). Per-sample
+    conditioning tensors in `cond` (text embeddings, ...) are repeated for the unconditional half, whose null
+    label tells the model to drop them. (diffusion.guidance.guided_denoiser with CFG only.)"""
     if cfg_scale == 1.0:
         return net
+    from diffusion.guidance import Guidance, guided_denoiser
+    return guided_denoiser(net, Guidance(cfg_scale=cfg_scale), null_label)
 
-    def guided(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond) -> torch.Tensor:
-        """x (B, ...), noise (B,), labels (B,): one batched call for both branches."""
-        null = torch.full_like(labels, null_label)
-        both = {k: (torch.cat([v, v]) if isinstance(v, torch.Tensor) else
-                    {kk: torch.cat([vv, vv]) for kk, vv in v.items()} if isinstance(v, dict) else v)
-                for k, v in cond.items()}
-        out = net(torch.cat([x, x]), torch.cat([noise, noise]), torch.cat([labels, null]), **both)
-        cond_out, uncond = out.chunk(2)
-        return uncond + cfg_scale * (cond_out - uncond)
 
-    return guided
+def sampling_denoiser(net: Denoiser, null_label: int, cfg_scale: float, guidance, stats) -> Denoiser:
+    """The samplers' denoiser: `guidance` (a diffusion.guidance.Guidance) if given, else plain CFG."""
+    from diffusion.guidance import Guidance, guided_denoiser
+    if guidance is None:
+        guidance = Guidance(cfg_scale=cfg_scale)
+    elif cfg_scale != 1.0 and cfg_scale != guidance.cfg_scale:
+        raise ValueError(f"cfg_scale={cfg_scale} disagrees with guidance.cfg_scale={guidance.cfg_scale}.")
+    if stats is None and guidance == Guidance(cfg_scale=guidance.cfg_scale) and guidance.cfg_scale == 1.0:
+        return net
+    return guided_denoiser(net, guidance, null_label, stats)

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from diffusion.common import StackedRandomGenerator, classifier_free_guidance
+from diffusion.common import StackedRandomGenerator, sampling_denoiser
 
 
 class EDMPrecond(nn.Module):
@@ -81,11 +81,11 @@ class EDM:
 
     @torch.no_grad()
     def sample(self, net, noise: torch.Tensor, labels: torch.Tensor, *, null_label: int, cfg_scale: float = 1.0,
-               num_steps: Optional[int] = None, randn_like=torch.randn_like, cond: Optional[dict] = None
-               ) -> torch.Tensor:
+               num_steps: Optional[int] = None, randn_like=torch.randn_like, cond: Optional[dict] = None,
+               guidance=None, stats: Optional[dict] = None) -> torch.Tensor:
         """Heun (EDM Algorithm 2) from unit-variance `noise`; net(x, sigma, labels, **cond) -> denoised."""
         extra = {"cond": cond} if cond else {}
-        denoise = classifier_free_guidance(net, cfg_scale, null_label)
+        denoise = sampling_denoiser(net, null_label, cfg_scale, guidance, stats)
         t_steps = self.sigma_steps(num_steps, noise.device)
         n = len(t_steps) - 1
         x_next = noise.to(torch.float64) * t_steps[0]

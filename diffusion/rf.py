@@ -6,7 +6,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from diffusion.common import classifier_free_guidance
+from diffusion.common import sampling_denoiser
 
 
 def shift_t(t: torch.Tensor, shift: float) -> torch.Tensor:
@@ -61,10 +61,11 @@ class RectifiedFlow:
 
     @torch.no_grad()
     def sample(self, net, noise: torch.Tensor, labels: torch.Tensor, *, null_label: int, cfg_scale: float = 1.0,
-               num_steps: Optional[int] = None, randn_like=None, cond: Optional[dict] = None) -> torch.Tensor:
+               num_steps: Optional[int] = None, randn_like=None, cond: Optional[dict] = None,
+               guidance=None, stats: Optional[dict] = None) -> torch.Tensor:
         """Euler integration of dz/dt = v from z_1 = noise to z_0; `cond` goes to the model (e.g. text)."""
         extra = {"cond": cond} if cond else {}
-        velocity = classifier_free_guidance(net, cfg_scale, null_label)
+        velocity = sampling_denoiser(net, null_label, cfg_scale, guidance, stats)
         ts = self.t_steps(num_steps, noise.device)
         x = noise.to(torch.float64)
         for t_cur, t_next in zip(ts[:-1], ts[1:]):

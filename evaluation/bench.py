@@ -129,7 +129,11 @@ def read_rows(out_dir: Path) -> list[dict[str, Any]]:
 
 
 SETTINGS = ("checkpoint", "use_ema", "num_samples", "seeds", "cfg_scale", "num_steps", "features", "reference",
-            "metrics")  # what makes two rows the same measurement (skip_existing)
+            "metrics", "route_ratio", "tread_scale", "tread_weak_ratio", "guidance_interval",
+            "route_spans")  # what makes two rows the same measurement (skip_existing)
+# Rows written before a setting existed were measured with its default.
+SETTING_DEFAULTS = {"route_ratio": None, "tread_scale": 1.0, "tread_weak_ratio": None, "guidance_interval": None,
+                    "route_spans": None}
 
 
 def seed_text(seeds: Sequence[int]) -> str:
@@ -141,15 +145,18 @@ def seed_text(seeds: Sequence[int]) -> str:
 
 
 def bench_settings(ckpt: Path, *, use_ema: bool, seeds: Sequence[int], cfg_scale: float, num_steps: Optional[int],
-                   features: str, reference: Any, metrics: Sequence[str]) -> dict[str, Any]:
-    """The SETTINGS columns of a row (num_steps as given: null means the checkpoint's own)."""
+                   features: str, reference: Any, metrics: Sequence[str], guidance=None) -> dict[str, Any]:
+    """The SETTINGS columns of a row (num_steps as given: null means the checkpoint's own); `guidance`
+    (diffusion.guidance.Guidance) adds the inference-routing and TREAD-guidance settings."""
+    from diffusion.guidance import Guidance
+    guidance = guidance if guidance is not None else Guidance(cfg_scale=cfg_scale)
     return {"checkpoint": str(ckpt), "use_ema": use_ema, "num_samples": len(seeds), "seeds": seed_text(seeds),
-            "cfg_scale": cfg_scale, "num_steps": num_steps, "features": features, "reference": str(reference),
-            "metrics": ",".join(metrics)}
+            "num_steps": num_steps, "features": features, "reference": str(reference),
+            "metrics": ",".join(metrics), **guidance.describe()}
 
 
 def settings_key(row: dict[str, Any]) -> tuple:
-    return tuple(str(row.get(k)) for k in SETTINGS)
+    return tuple(str(row.get(k, SETTING_DEFAULTS.get(k))) for k in SETTINGS)
 
 
 # ----------------------------------------------------------------------------- benchmarking
@@ -166,9 +173,13 @@ def min_samples(metrics: Sequence[str], pr_k: int) -> int:
 def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[str], seeds: Sequence[int],
                          out_dir: Path, device: torch.device, batch_size: int, cfg_scale: float,
                          num_steps: Optional[int], use_ema: bool, decode_kwargs: dict, keep_npz: bool,
-                         metric_kwargs: dict) -> dict[str, Any]:
+                         metric_kwargs: dict, guidance=None) -> dict[str, Any]:
     """Sample `seeds` from one checkpoint on this process's share, score against `reference` (an
-    evaluation.reference.Reference), return the table row (on every rank). Call it on every rank."""
+    evaluation.reference.Reference), return the table row (on every rank). Call it on every rank.
+    `guidance` (diffusion.guidance.Guidance: inference routing, TREAD guidance; replaces cfg_scale) is
+    recorded in the row with the sampled forward passes and GFLOPs per image."""
+    from diffusion.guidance import Guidance
+    from training.inference import sampling_cost
     from data import decode_to_uint8, model_shape
     from evaluation.metrics import FeatureAccumulator, compute_metrics
     from training.evaluate import generate
@@ -176,7 +187,12 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
 
     rank, world = _dist()
     start = time.time()
+    guidance = guidance if guidance is not None else Guidance(cfg_scale=cfg_scale)
     net, diffusion, meta, config = load_for_inference(ckpt, use_ema, device)
+    try:
+        guidance.check(net.model)
+    except ValueError as err:
+        raise BenchError(f"checkpoint '{ckpt}': {err}") from None
     shape = model_shape(meta)
     image_shape = tuple(decode_to_uint8(torch.zeros(1, *shape, device=device), meta, **decode_kwargs).shape[1:])
     ref_res = getattr(reference, "resolution", None)
@@ -200,11 +216,11 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
     labels = torch.full((n,), -1, dtype=torch.long)
     acc = FeatureAccumulator(extractor, metrics, device=device)
     bar = tqdm(total=n, disable=rank != 0, desc=f"bench {label}", dynamic_ncols=True)
-    done = 0
+    done, stats = 0, {}
     cond_fn = text_conditioning(net, meta, config)  # text-conditioned checkpoints: the training data's text
     for batch_seeds, y, x in generate(net, diffusion, my_seeds, shape, int(meta["num_classes"]), device,
-                                      batch_size=batch_size, cfg_scale=cfg_scale, num_steps=num_steps,
-                                      cond_fn=cond_fn):
+                                      batch_size=batch_size, num_steps=num_steps, cond_fn=cond_fn,
+                                      guidance=guidance, stats=stats):
         images = decode_to_uint8(x, meta, **decode_kwargs)                       # (B, H, W, 3) uint8
         pos = positions[done:done + len(batch_seeds)]
         acc.add(images.permute(0, 3, 1, 2), pos)
@@ -231,9 +247,14 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
         del arr
         os.remove(buf_path)
     settings = bench_settings(ckpt, use_ema=use_ema, seeds=seeds, cfg_scale=cfg_scale, num_steps=num_steps,
-                              features=extractor.name, reference=getattr(reference, "path", None), metrics=metrics)
+                              features=extractor.name, reference=getattr(reference, "path", None), metrics=metrics,
+                              guidance=guidance)
+    # Every rank samples with the same settings: this rank's counts per image stand for all.
+    cost = sampling_cost(net, guidance, stats, len(my_seeds), cond_fn, int(seeds[0])) if my_seeds else {}
     return {**settings, "label": label, "step": _step_of(ckpt), "model": config.get("model", {}).get("arch"),
             "sampler_steps": num_steps or config.get("diffusion", {}).get("num_steps"),
+            "forward_passes_per_image": cost.get("forward_passes_per_image"),
+            "sample_gflops_per_image": cost.get("sample_gflops_per_image"),
             **{k: v for k, v in scores.items() if k != "num_samples"},
             "npz": str(npz_path) if keep_npz else None, "world_size": world,
             "sample_sec": round(sample_sec, 3), "images_per_sec": round(n / max(sample_sec, 1e-9), 3),

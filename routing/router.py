@@ -6,7 +6,8 @@ had at the route's start; gradients reach them through that identity path.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -33,6 +34,7 @@ class TokenRouter:
         self.importance_weight = float(importance_weight)  # weight of the L1 score against the noise
         self._seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._per_sample: Optional[list[torch.Generator]] = None   # inference: one generator per sample
 
     # -- generator state -------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:
@@ -53,6 +55,26 @@ class TokenRouter:
         for key, gen_state in state.get("states", {}).items():
             self._generator(torch.device(key)).set_state(gen_state)
 
+    @contextlib.contextmanager
+    def per_sample(self, generators: Sequence[torch.Generator]) -> Iterator[None]:
+        """Draw each sample's scores from its own generator (sampling: sample i depends only on its seed).
+        A batch of B rows uses generator i for rows i, i + G, i + 2G, ... (G = len(generators)), so the
+        conditional and unconditional halves of a CFG batch route the same tokens."""
+        previous, self._per_sample = self._per_sample, list(generators)
+        try:
+            yield
+        finally:
+            self._per_sample = previous
+
+    def _scores(self, B: int, N: int, device: torch.device) -> torch.Tensor:
+        if self._per_sample is None:
+            return torch.rand(B, N, device=device, generator=self._generator(device))
+        gens = self._per_sample
+        if B % len(gens):
+            raise ValueError(f"per-sample routing has {len(gens)} generators but the batch has {B} rows "
+                             f"(must be a multiple).")
+        return torch.stack([torch.rand(N, device=device, generator=g) for g in gens]).repeat(B // len(gens), 1)
+
     # -- selection -------------------------------------------------------------------
     def select(self, x: torch.Tensor, num_keep: int, force_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Indices (B, K) of the tokens to keep from `x` (B, N, D).
@@ -61,7 +83,7 @@ class TokenRouter:
         than that, so the batch stays rectangular. Force-kept tokens are never dropped.
         """
         B, N, _ = x.shape
-        score = torch.rand(B, N, device=x.device, generator=self._generator(x.device))  # (B, N)
+        score = self._scores(B, N, x.device)                                            # (B, N) in [0, 1)
         if self.mode == "importance":
             with torch.no_grad():
                 l1 = x.detach().float().abs().mean(dim=-1)                              # (B, N)

@@ -132,6 +132,27 @@ def test_bench_two_checkpoints_table_npz_and_skip(toy_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_with_inference_routing_and_tread_guidance(toy_run, tmp_path):
+    """Guidance settings are table columns (skip_existing tells them apart) and every row reports the sampled
+    forward passes and GFLOPs per image."""
+    import fid
+
+    out = tmp_path / "bench"
+    ckpt = str(toy_run["run"] / "checkpoints" / "step_0000004")
+    dense = fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, keep_npz=False))[0]
+    routed = fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, keep_npz=False, route_ratio=0.5))[0]
+    guided = fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, keep_npz=False, tread_scale=1.5,
+                               tread_weak_ratio=0.5, guidance_interval=[0.05, 100.0]))[0]
+    assert fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, keep_npz=False, route_ratio=0.5)) == []  # skipped
+    assert dense["forward_passes_per_image"] == 3 and routed["forward_passes_per_image"] == 3
+    assert routed["sample_gflops_per_image"] < dense["sample_gflops_per_image"] < guided["sample_gflops_per_image"]
+    assert 3 < guided["forward_passes_per_image"] < 6          # the weak branch only inside the interval
+    assert (routed["route_ratio"], guided["tread_scale"], guided["guidance_interval"]) == (0.5, 1.5, [0.05, 100.0])
+    assert dense["fid"] != routed["fid"]
+    with pytest.raises(ValueError, match="tread_weak_ratio=0.0 must lie in"):  # fid.py: `error: ...`
+        fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, tread_scale=2.0, tread_weak_ratio=0.0))
+
+
 def test_bench_two_processes_equal_one(toy_run, tmp_path):
     """`accelerate launch` with 2 processes (gloo on CPU) gives the metrics and images of 1 process."""
     common = [f"checkpoints={toy_run['run'] / 'checkpoints' / 'step_0000004'}", f"ref={toy_run['ref']}",

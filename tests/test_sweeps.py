@@ -73,3 +73,29 @@ def test_multirun_sweep_records_failed_jobs_and_goes_on(tmp_path):
     out = load_report().main([str(sweep), "--no-plots"])
     assert sorted((r["run"], r["status"]) for r in out["rows"]) == [("0", "completed"), ("1", "failed"),
                                                                   ("2", "completed")]
+
+
+def test_time_budget_stops_training_and_resume_keeps_the_count(tiny_cfg, tmp_path):
+    """train.time_budget_min: the run stops once training time reaches the budget, evaluates, checkpoints and
+    says why in summary.json; a resume continues the count, so a spent budget trains no further."""
+    run = tmp_path / "run"
+    budget = 1e-5  # 0.6 ms: reached after the first step
+    out = train(tiny_cfg("train.max_steps=1000", f"train.time_budget_min={budget}", "eval.every_steps=0"), run)
+    assert out["stop_reason"] == "time_budget" and out["final_step"] == 1
+    assert out["train_sec_total"] >= budget * 60 and out["final_fid"] is not None   # eval.at_end ran
+    assert (run / "checkpoints" / "step_0000001" / "model.pt").is_file()
+    again = train(tiny_cfg("train.max_steps=1000", f"train.time_budget_min={budget}", "eval.every_steps=0",
+                           "eval.at_end=false", "resume=auto"), run)
+    assert again["final_step"] == 1 and again["stop_reason"] == "time_budget"
+    assert again["train_sec_total"] == pytest.approx(out["train_sec_total"])
+    full = train(tiny_cfg("train.max_steps=2", "train.time_budget_min=60", "eval.every_steps=0",
+                          "eval.at_end=false"), tmp_path / "full")
+    assert full["stop_reason"] == "max_steps" and full["final_step"] == 2
+
+
+@pytest.mark.parametrize("value", [0, -1, "soon", True])
+def test_bad_time_budget_is_refused(tiny_cfg, tmp_path, value):
+    from training import ConfigError
+    with pytest.raises(ConfigError, match="train.time_budget_min"):
+        train(tiny_cfg(f"train.time_budget_min={value}"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()

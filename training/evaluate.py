@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from data import check_decodable, decode_to_uint8
 from diffusion import StackedRandomGenerator
+from diffusion.guidance import Guidance, per_sample_routing
 from evaluation.features import build_feature_extractor
 from evaluation.images import save_image_grid
 from data.vae import VAE_DTYPES
@@ -30,10 +31,13 @@ def class_for_seed(seed: int, num_classes: int) -> int:
 @torch.no_grad()
 def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_classes: int, device: torch.device,
              *, batch_size: int, classes: Optional[Sequence[int]] = None, cfg_scale: float = 1.0,
-             num_steps: Optional[int] = None, cond_fn: Optional[Callable[[list[int]], dict]] = None
+             num_steps: Optional[int] = None, cond_fn: Optional[Callable[[list[int]], dict]] = None,
+             guidance: Optional[Guidance] = None, stats: Optional[dict] = None
              ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """Yield (seeds, labels, latents) batches. `classes` defaults to class_for_seed; `cond_fn(seeds)` gives
-    per-sample conditioning (text embeddings) for text-conditioned models."""
+    per-sample conditioning (text embeddings) for text-conditioned models. `guidance` (inference routing,
+    TREAD guidance, CFG; replaces cfg_scale) draws each sample's routed tokens from a generator seeded by its
+    seed; `stats` counts forward passes per branch (diffusion.guidance.sampling_flops_per_image)."""
     net.eval()
     seeds = list(seeds)
     for i in range(0, len(seeds), batch_size):
@@ -48,8 +52,14 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
         extra = {}
         if cond_fn is not None:
             extra["cond"] = {k: v.to(device) for k, v in cond_fn(batch).items()}
-        x = diffusion.sample(net, noise, labels, null_label=num_classes, cfg_scale=cfg_scale,
-                             num_steps=num_steps, randn_like=gen.randn_like, **extra)
+        if guidance is not None:
+            extra.update(guidance=guidance, stats=stats)
+        elif stats is not None:
+            extra["stats"] = stats
+        with per_sample_routing(net, batch, device, guidance):
+            x = diffusion.sample(net, noise, labels, null_label=num_classes,
+                                 cfg_scale=cfg_scale if guidance is None else 1.0,
+                                 num_steps=num_steps, randn_like=gen.randn_like, **extra)
         yield batch, labels, x
 
 

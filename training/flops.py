@@ -149,3 +149,13 @@ def model_forward_flops(model: Any, cond: Optional[Mapping[str, Any]] = None) ->
         model._compiled_call_impl = compiled
         if router is not None:
             router.load_state_dict(saved)
+
+
+def forward_flops_with_routes(model: Any, routes: Optional[Sequence[Mapping[str, Any]]],
+                              cond: Optional[Mapping[str, Any]] = None) -> float:
+    """Forward FLOPs per sample of a backbone run with `routes` (route specs; None: dense), e.g. one
+    branch of guided sampling: DiT's analytic count, or counted on one sample for the families."""
+    if hasattr(model, "forward_flops"):
+        return float(model.forward_flops(resolve_routes(routes, model.depth) if routes else []))
+    with model.routing.override(routes=list(routes or [])):   # [] runs dense even in training mode
+        return model_forward_flops(model, cond)

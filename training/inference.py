@@ -53,6 +53,21 @@ def text_conditioning(net, meta: dict, config) -> Optional[Any]:
     return text_conditioning_for_seeds(dataset, net)
 
 
+def sampling_cost(net, guidance, stats: dict, num_images: int, cond_fn=None, seed: int = 0) -> dict[str, Any]:
+    """What sampling `num_images` images cost per image, from the forward passes `generate` counted in
+    `stats`: passes per image and theoretical forward GFLOPs per image (diffusion.guidance)."""
+    from diffusion.guidance import backbone, sampling_flops_per_image
+    model = backbone(net)
+    cond = None
+    if cond_fn is not None:
+        param = next(model.parameters())
+        cond = {k: v.to(param.device) for k, v in cond_fn([seed]).items()}
+    flops = sampling_flops_per_image(model, guidance, stats, num_images, cond)
+    passes = sum(stats.values()) / num_images if num_images else 0.0
+    return {"forward_passes_per_image": passes, "sample_gflops_per_image": flops / 1e9,
+            "passes_by_ratio": {("dense" if r is None else f"{r:g}"): n / max(num_images, 1) for r, n in stats.items()}}
+
+
 def run_dir_of(checkpoint: str | Path) -> Path:
     """The run directory that holds a checkpoint (given as run dir, step dir or model.pt)."""
     path = Path(checkpoint)

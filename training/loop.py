@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from diffusion.guidance import GuidanceError
 from data import LatentDatasetError, LatentLoader, build_dataset, draw_latents
 from evaluation.metrics import METRICS
 from routing import RouteConfigError, tokens_processed_fraction
@@ -37,13 +38,14 @@ MIXED_PRECISION = ("no", "bf16", "fp16")
 
 
 # Errors that mean "your input is wrong": entry points print them without a traceback.
-USER_ERRORS = (ConfigError, RouteConfigError, LatentDatasetError, FamilyConfigError, LoraConfigError,
+USER_ERRORS = (ConfigError, RouteConfigError, LatentDatasetError, FamilyConfigError, LoraConfigError, GuidanceError,
                FileNotFoundError, FileExistsError)
 
 
 @dataclass
 class TrainState:
     step: int = 0
+    train_sec: float = 0.0   # training time over all segments of the run (resume continues it): the time budget
 
 
 def validate_config(cfg: DictConfig, world_size: int) -> int:
@@ -52,6 +54,10 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
     for key in ("max_steps", "batch_size", "grad_accum_steps", "log_every_steps"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise ConfigError(f"train.{key}={t[key]!r} must be a positive integer.")
+    budget = t.get("time_budget_min")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+        raise ConfigError(f"train.time_budget_min={budget!r} must be null (no budget) or a positive number of "
+                          f"minutes of training time.")
     if not 0.0 <= t.label_dropout < 1.0:
         raise ConfigError(f"train.label_dropout={t.label_dropout} must lie in [0, 1).")
     if not 0.0 <= cfg.ema.decay < 1.0:
@@ -274,7 +280,9 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
     data_iter = iter(loader)
     net.train()
     train_sec, tokens_sum = 0.0, 0.0   # training time without evaluation/checkpoints; measured token share
-    while state.step < cfg.train.max_steps:
+    budget_sec = 60.0 * cfg.train.time_budget_min if cfg.train.get("time_budget_min") else None
+    out_of_time = budget_sec is not None and state.train_sec >= budget_sec  # a resumed run already past it
+    while state.step < cfg.train.max_steps and not out_of_time:
         step_start = time.time()
         lr = set_lr(optimizer, cfg, state.step)
         for micro in range(cfg.train.grad_accum_steps):
@@ -303,10 +311,15 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
         ema_update(ema, accelerator.unwrap_model(net), ema_decay_at(state.step, cfg.ema.decay, cfg.ema.warmup))
         state.step += 1
         window_steps += 1
-        train_sec += time.time() - step_start
+        step_sec = time.time() - step_start
+        train_sec += step_sec
+        state.train_sec += step_sec
         bar.update(1)
+        if budget_sec is not None:
+            out_of_time = time_budget_reached(state, budget_sec, cfg.train.log_every_steps, accelerator)
+        last = state.step == cfg.train.max_steps or out_of_time
 
-        if state.step % cfg.train.log_every_steps == 0 or state.step == cfg.train.max_steps:
+        if state.step % cfg.train.log_every_steps == 0 or last:
             elapsed = time.time() - window_start
             mean_loss = accelerator.reduce(window_loss, reduction="mean").item() / window_steps
             record = {"type": "train", "step": state.step, "loss": mean_loss, "lr": lr,
@@ -319,7 +332,6 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
             window_loss.zero_()
             window_steps, window_tokens, window_data, window_start = 0, 0.0, 0.0, time.time()
 
-        last = state.step == cfg.train.max_steps
         if evaluator is not None and ((cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0)
                                       or (last and cfg.eval.at_end)):
             record = evaluator(ema, diffusion, state.step, run_dir / "samples")
@@ -338,6 +350,8 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
     logger.close()
     steps_run = state.step - summary["start_step"]
     summary.update({"status": "completed", "final_step": state.step, "wall_sec": time.time() - run_start,
+                    "stop_reason": "time_budget" if out_of_time else "max_steps",
+                    "time_budget_min": cfg.train.get("time_budget_min"), "train_sec_total": state.train_sec,
                     "train_sec": train_sec, "steps_per_sec": steps_run / train_sec if train_sec else None,
                     "images_per_sec": steps_run * cfg.train.batch_size / train_sec if train_sec else None,
                     "train_flops_total": flops_per_step * steps_run,
@@ -348,6 +362,19 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     accelerator.wait_for_everyone()
     return summary
+
+
+def time_budget_reached(state: TrainState, budget_sec: float, every: int, accelerator) -> bool:
+    """Whether the run's training time has reached train.time_budget_min. One process decides alone at every
+    step; with several, rank 0 decides at logging steps and broadcasts, so every rank stops at the same step
+    (a per-step broadcast would add a host sync to every step)."""
+    if accelerator.num_processes == 1:
+        return state.train_sec >= budget_sec
+    if state.step % every:
+        return False
+    flag = torch.tensor([float(state.train_sec >= budget_sec)], device=accelerator.device)
+    torch.distributed.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 def trainable_names(cfg: DictConfig, model: nn.Module) -> Optional[set[str]]:
@@ -409,7 +436,7 @@ def save_checkpoint(accelerator, run_dir: Path, cfg: DictConfig, state: TrainSta
                        "ema": ckpt_io.model_weights(backbone_of(ema), trainable), "adapter_only": trainable is not None}
         if has_lora(backbone_of(raw)):  # the EMA adapter alone in peft's format, for diffusers pipelines
             export_adapter(backbone_of(ema), tmp / "adapter_model.safetensors")
-        train_state = {"step": state.step, "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
+        train_state = {"step": state.step, "train_sec": state.train_sec, "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
                        "world_size": accelerator.num_processes}
         ckpt_io.finalize(final, model_state, train_state, cfg.checkpoint.keep_last)
     accelerator.wait_for_everyone()
@@ -425,6 +452,7 @@ def load_resume_state(ckpt: Path, rank: int, net, ema, optimizer, loader, state:
     optimizer.load_state_dict(train_state["optimizer"])
     loader.load_state_dict(train_state["loader"])
     state.step = int(train_state["step"])
+    state.train_sec = float(train_state.get("train_sec", 0.0))
     if rng is not None:  # a resume on a different process count starts fresh streams on new ranks
         ckpt_io.set_rng_state(rng)
         backbone_of(net).routing.router.load_state_dict(rng["router"])

@@ -1,0 +1,217 @@
+"""Sampling-time routing and TREAD guidance (diffusion/guidance.py): algebra, training-router semantics,
+per-seed determinism, sampled FLOPs, and the errors sample.py / fid.py give for bad settings."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from diffusion import EDM
+from diffusion.guidance import Guidance, GuidanceError, guided_denoiser, per_sample_routing
+from models import build_dit
+from routing import RoutingController, routing_from_config
+
+PAPER = {"enabled": True, "routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]}
+
+
+class RatioProbe(nn.Module):
+    """A backbone whose output tells which branch ran: ratio of the active route (-1: dense) + 10 * label."""
+
+    def __init__(self):
+        super().__init__()
+        self.routing = RoutingController(routing_from_config(PAPER, 12), 12)
+        self.calls: list[tuple[float, int]] = []
+
+    def forward(self, x, noise, labels, **cond):
+        routes = self.routing.active_routes(self.training)
+        ratio = routes[0].selection_ratio if routes else -1.0
+        self.calls.append((ratio, x.shape[0]))
+        return torch.zeros_like(x) + ratio + 10.0 * labels.float().view(-1, 1, 1, 1)
+
+
+def probe_out(w, cfg=1.0, weak=0.75, route_ratio=None, interval=None, sigma=1.0, stats=None):
+    model = RatioProbe().eval()
+    g = Guidance(cfg_scale=cfg, route_ratio=route_ratio, tread_scale=w, tread_weak_ratio=weak, interval=interval)
+    x = torch.zeros(2, 1, 2, 2)
+    out = guided_denoiser(model, g, null_label=9, stats=stats)(x, torch.full((2,), sigma), torch.tensor([1, 2]))
+    return out[:, 0, 0, 0], model.calls
+
+
+def test_tread_guidance_algebra():
+    labels = torch.tensor([10.0, 20.0])
+    strong, weak = -1.0 + labels, 0.75 + labels
+    assert torch.equal(probe_out(0.0)[0], weak)                 # w = 0: the weak branch
+    assert torch.equal(probe_out(1.0)[0], strong)               # w = 1: the strong branch (weak not even run)
+    assert probe_out(1.0)[1] == [(-1.0, 2)]
+    assert torch.allclose(probe_out(0.5)[0], (strong + weak) / 2)
+    assert torch.allclose(probe_out(2.0)[0], weak + 2.0 * (strong - weak))
+    # Both branches are conditional: the weak branch saw the real labels, not the null class.
+    assert torch.allclose(probe_out(0.0)[0] - 0.75, labels)
+    # With a routed main branch (route_ratio), the strong branch runs at that ratio.
+    assert torch.allclose(probe_out(0.0, route_ratio=0.25, weak=0.5)[0], 0.5 + labels)
+    assert torch.allclose(probe_out(1.5, route_ratio=0.25, weak=0.5)[0], 0.5 + labels + 1.5 * (0.25 - 0.5))
+
+
+def test_tread_guidance_combines_with_cfg_and_interval():
+    labels = torch.tensor([10.0, 20.0])
+    strong, weak, uncond = -1.0 + labels, 0.75 + labels, torch.full((2,), -1.0 + 90.0)  # null label 9
+    w, cfg = 1.5, 3.0
+    tread = weak + w * (strong - weak)
+    out, calls = probe_out(w, cfg=cfg)
+    assert torch.allclose(out, uncond + cfg * (tread - uncond))
+    assert calls == [(-1.0, 4), (0.75, 2)]          # [cond, uncond] batched at the strong ratio, then weak
+    stats: dict = {}
+    inside, _ = probe_out(w, cfg=cfg, interval=(0.5, 2.0), sigma=1.0, stats=stats)
+    assert torch.allclose(inside, out) and stats == {None: 4, 0.75: 2}
+    outside, calls = probe_out(w, cfg=cfg, interval=(0.5, 2.0), sigma=3.0)
+    assert torch.equal(outside, strong) and calls == [(-1.0, 2)]   # no guidance, one evaluation
+
+
+def tiny_dit(routing=PAPER):
+    torch.manual_seed(0)
+    model = build_dit("DiT-T/4", 16, 3, 10, routing=routing)
+    with torch.no_grad():   # DiT zero-initialises its adaLN and output layers: give every weight a value
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def test_inference_routing_matches_the_training_router():
+    """override(selection_ratio=r) at inference keeps the same tokens, counts and outputs as training with
+    routes at ratio r and the same router state: one routing semantics."""
+    model = tiny_dit()
+    x, t, y = torch.randn(4, 3, 16, 16), torch.rand(4), torch.tensor([0, 1, 2, 3])
+    model.train()
+    model.routing.router.manual_seed(5)
+    with torch.enable_grad():
+        trained = model(x, t, y).detach()
+    train_stats = model.last_route_stats
+    model.eval()
+    model.routing.router.manual_seed(5)
+    with torch.no_grad():
+        dense = model(x, t, y)
+        assert model.last_route_stats == []             # no routes at inference by default
+        with model.routing.override(selection_ratio=0.5):
+            inferred = model(x, t, y)
+        assert model.last_route_stats == train_stats
+    torch.testing.assert_close(inferred, trained, rtol=0, atol=1e-6)
+    assert not torch.allclose(inferred, dense, atol=1e-3)
+    # Ratio 0 routes every token: dense up to float rounding.
+    with torch.no_grad(), model.routing.override(selection_ratio=0.0):
+        torch.testing.assert_close(model(x, t, y), dense, rtol=1e-5, atol=1e-5)
+
+
+def test_per_sample_router_generators_make_routed_samples_batch_independent():
+    from training.evaluate import generate
+
+    model = tiny_dit().eval()
+    edm = EDM(num_steps=3)
+    net = edm.precondition(model)
+    g = Guidance(cfg_scale=1.5, route_ratio=0.25, tread_scale=1.5, tread_weak_ratio=0.5)
+    run = lambda bs: torch.cat([x for _, _, x in generate(net, edm, range(6), (3, 16, 16), 10, torch.device("cpu"),
+                                                          batch_size=bs, guidance=g)])
+    torch.testing.assert_close(run(6)[2:4], run(4)[2:4], rtol=0, atol=1e-6)
+    # Per-sample draws: generator i serves rows i, i + G, ... (the CFG halves route the same tokens).
+    router = model.routing.router
+    gens = lambda: [torch.Generator().manual_seed(s) for s in (1, 2)]
+    with router.per_sample(gens()):
+        ids = router.select(torch.zeros(4, 16, 8), 8)
+    assert torch.equal(ids[:2].sort(1).values, ids[2:].sort(1).values)
+    with router.per_sample(gens()), pytest.raises(ValueError, match="multiple"):
+        router.select(torch.zeros(3, 16, 8), 8)
+
+
+def test_sampled_flops_per_image_count_every_branch():
+    from diffusion.guidance import sampling_flops_per_image
+    from training.evaluate import generate
+
+    model = tiny_dit().eval()
+    edm = EDM(num_steps=3)                                      # Heun: 5 denoiser calls
+    net = edm.precondition(model)
+    routes = lambda r: routing_from_config({"enabled": True, "routes": [
+        {"selection_ratio": r, "start_layer_idx": 2, "end_layer_idx": -4}]}, model.depth)
+    dense, weak = model.forward_flops([]), model.forward_flops(routes(0.5))
+    for g, expect_passes, expect_flops in [
+            (Guidance(), 5, 5 * dense),
+            (Guidance(cfg_scale=2.0, tread_scale=1.5, tread_weak_ratio=0.5), 15, 5 * (2 * dense + weak)),
+            (Guidance(route_ratio=0.5), 5, 5 * weak)]:
+        stats: dict = {}
+        list(generate(net, edm, range(4), (3, 16, 16), 10, torch.device("cpu"), batch_size=2, guidance=g,
+                      stats=stats))
+        assert sum(stats.values()) == 4 * expect_passes
+        assert sampling_flops_per_image(model, g, stats, 4) == pytest.approx(expect_flops)
+    # A guidance interval covering only the noisiest steps: fewer passes, counted exactly.
+    sigmas = edm.sigma_steps(3)                                  # 80, s1, 0.002, 0
+    g = Guidance(cfg_scale=2.0, interval=(float(sigmas[1]) + 1e-3, 100.0))   # only sigma = 80 is inside
+    stats = {}
+    list(generate(net, edm, range(2), (3, 16, 16), 10, torch.device("cpu"), batch_size=2, guidance=g, stats=stats))
+    assert stats == {None: 2 * (2 + 1 + 1 + 1 + 1)}             # the first call is guided: 2 passes, then 1 each
+
+
+def test_family_sampled_flops_are_counted_per_branch():
+    """Diffusers families have no analytic count: each branch's forward is counted (FlopCounterMode)."""
+    from training.flops import forward_flops_with_routes
+    from models.families import build_family
+
+    torch.manual_seed(0)
+    model = build_family("flux", preset="tiny", in_channels=3, input_size=16, num_classes=10, routing=PAPER)
+    spec = [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]
+    dense, routed = forward_flops_with_routes(model, None), forward_flops_with_routes(model, spec)
+    assert 0 < routed < dense
+    assert forward_flops_with_routes(model, [{**spec[0], "selection_ratio": 0.0}]) == pytest.approx(dense)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("tread_weak_ratio", 1.0, "tread_weak_ratio=1.0 must lie in"),
+    ("tread_weak_ratio", 0.25, "must be above the main branch's ratio"),
+    ("route_ratio", 1.2, "route_ratio=1.2 must be null"),
+    ("cfg_scale", -1, "cfg_scale=-1.0 must be >= 0"),
+    ("guidance_interval", [2, 1], "guidance_interval=\\[2.0, 1.0\\] needs 0 <= lo < hi"),
+    ("guidance_interval", "soon", "guidance_interval='soon' must be null or \\[lo, hi\\]"),
+    ("route_spans", [[2]], "route_spans=\\[\\[2\\]\\] must be null or a list"),
+    ("tread_scale", "big", "tread_scale='big' must be a number"),
+])
+def test_bad_guidance_settings_name_the_key(key, value, match):
+    base = {"tread_scale": 2.0, "tread_weak_ratio": 0.5, "route_ratio": 0.25}
+    with pytest.raises(GuidanceError, match=match):
+        Guidance.from_config({**base, key: value})
+
+
+def test_spans_are_checked_against_the_model():
+    with pytest.raises(GuidanceError, match="route_spans at ratio 0.5: .*out of range"):
+        Guidance(route_ratio=0.5, route_spans=((2, 40),)).check(tiny_dit())
+    with pytest.raises(GuidanceError, match="trained without routes.*route_spans"):
+        Guidance(route_ratio=0.5).check(tiny_dit(routing={"enabled": False, "routes": []}))
+    Guidance(route_ratio=0.5, route_spans=((1, 3),)).check(tiny_dit(routing={"enabled": False, "routes": []}))
+
+
+@pytest.mark.slow
+def test_sample_cli_routes_guides_and_reports_flops(tiny_cfg, tmp_path, cache_dir):
+    from test_train import run_cli
+    from training.loop import train
+
+    run = tmp_path / "run"
+    train(tiny_cfg("eval.every_steps=0", "eval.at_end=false", "train.max_steps=2"), run)
+    common = [f"checkpoint={run}", "num_samples=6", "num_steps=2", "device=cpu", "batch_size=6"]
+    infos = {}
+    for name, extra in {"dense": [], "routed": ["route_ratio=0.5"],
+                        "guided": ["tread_scale=1.5", "tread_weak_ratio=0.5", "cfg_scale=1.5"]}.items():
+        proc, _ = run_cli(["sample.py", *common, f"out_dir={tmp_path / name}", *extra], cache_dir)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "GFLOPs per image" in proc.stdout
+        infos[name] = json.loads((tmp_path / name / "sampling.json").read_text())
+    assert infos["dense"]["forward_passes_per_image"] == 3 and infos["guided"]["forward_passes_per_image"] == 9
+    assert infos["routed"]["sample_gflops_per_image"] < infos["dense"]["sample_gflops_per_image"] \
+        < infos["guided"]["sample_gflops_per_image"]
+    assert infos["guided"]["tread_scale"] == 1.5 and infos["routed"]["route_ratio"] == 0.5
+    a, b = (np.load(tmp_path / n / "samples.npz")["arr_0"] for n in ("dense", "routed"))
+    assert a.shape == b.shape and not np.array_equal(a, b)
+    # Bad settings: one `error:` line naming the key, before any sampling writes anything.
+    for extra, msg in [(["tread_scale=2", "tread_weak_ratio=1.5"], "tread_weak_ratio=1.5 must lie in (0, 1)"),
+                       (["route_ratio=0.5", "route_spans=[[2,40]]"], "route_spans at ratio 0.5")]:
+        proc, _ = run_cli(["sample.py", *common, f"out_dir={tmp_path / 'bad'}", *extra], cache_dir)
+        assert proc.returncode == 1 and msg in proc.stderr, proc.stderr[-2000:]
+        assert not (tmp_path / "bad").exists()
