@@ -3,6 +3,7 @@
     python train.py                                    # built-in offline toy run (TREAD DiT-T/4)
     accelerate launch train.py experiment=imagenet256_dit_xl2_tread data.path=... eval.reference=...
     python train.py -m routing.routes.0.selection_ratio=0,0.25,0.5
+    python train.py -m hydra/launcher=slurm hydra.launcher.partition=<p> ... # SLURM sweep, one job per run (README)
 """
 import sys
 
@@ -15,8 +16,10 @@ from omegaconf import DictConfig
 def main(cfg: DictConfig) -> None:
     from hydra.types import RunMode
 
+    from training.distributed import export_slurm_env
     from training.loop import USER_ERRORS, record_failure, train  # imported here so --help stays fast
 
+    export_slurm_env()  # srun tasks (hydra/launcher=slurm) -> RANK, WORLD_SIZE, ...: one accelerate rank each
     hc = HydraConfig.get()
     run_dir, overrides = hc.runtime.output_dir, list(hc.overrides.task)
     try:

@@ -19,8 +19,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 COLUMNS = ["run", "status", "overrides", "selection_ratio", "routes", "tokens_fraction", "final_step", "final_fid",
-           "best_fid", "steps_per_sec", "images_per_sec", "train_flops_per_step", "train_flops_total", "wall_sec",
-           "error"]
+           "best_fid", "steps_per_sec", "images_per_sec", "train_flops_per_step", "train_flops_total", "train_sec",
+           "wall_sec", "stop_reason", "error"]
+# The compact table --readme writes (label, key in the row).
+README_COLUMNS = [("selection ratio", "selection_ratio"), ("routes", "routes"), ("tokens processed", "tokens_fraction"),
+                  ("steps", "final_step"), ("steps/s", "steps_per_sec"), ("training time (s)", "train_sec"),
+                  ("training FLOPs", "train_flops_total"), ("final FID", "final_fid"), ("best FID", "best_fid")]
+README_START, README_END = "<!-- ablation-report:start -->", "<!-- ablation-report:end -->"
 
 
 class ReportError(ValueError):
@@ -111,6 +116,8 @@ def write_plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
 
     done = [r for r in runs if r["summary"].get("status") == "completed"]
     paths = []
+    shared = frozenset.intersection(*(frozenset(r["summary"].get("overrides") or []) for r in done)) \
+        if len(done) > 1 else frozenset()
 
     def save(fig, name):
         fig.tight_layout()
@@ -128,7 +135,7 @@ def write_plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.set_ylabel("FID")
         ax.legend()
         save(fig, "fid_vs_ratio.png")
-    for name, xlabel, xs in (("fid_vs_time.png", "training time (s, evaluations excluded where logged)",
+    for name, xlabel, xs in (("fid_vs_time.png", "training time (s, evaluations excluded)",
                               lambda run, e: _elapsed(run, e)),
                              ("fid_vs_flops.png", "training FLOPs (theoretical)",
                               lambda run, e: (run["summary"].get("train_flops_per_step") or math.nan) * e["step"])):
@@ -137,7 +144,7 @@ def write_plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
             continue
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for run, es in curves:
-            ax.plot([xs(run, e) for e in es], [e["fid"] for e in es], "o-", label=_label(run))
+            ax.plot([xs(run, e) for e in es], [e["fid"] for e in es], "o-", label=_label(run, shared))
         ax.set_xlabel(xlabel)
         ax.set_ylabel("FID")
         if name == "fid_vs_flops.png":
@@ -149,7 +156,7 @@ def write_plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     if losses:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for run, xs in losses:
-            ax.plot([x["step"] for x in xs], [x["loss"] for x in xs], label=_label(run))
+            ax.plot([x["step"] for x in xs], [x["loss"] for x in xs], label=_label(run, shared))
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.set_yscale("log")
@@ -159,13 +166,45 @@ def write_plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def _elapsed(run: dict[str, Any], e: dict[str, Any]) -> float:
-    """Training seconds at an evaluation: the last train record's elapsed_sec at or before its step."""
+    """Training seconds at an evaluation: its train_sec (training time, evaluations and checkpoints excluded),
+    or for older runs the last train record's elapsed_sec at or before its step."""
+    if e.get("train_sec") is not None:
+        return float(e["train_sec"])
     before = [x.get("elapsed_sec", math.nan) for x in run["records"] if x.get("type") == "train" and x["step"] <= e["step"]]
     return before[-1] if before else math.nan
 
 
-def _label(run: dict[str, Any]) -> str:
-    return " ".join(run["summary"].get("overrides") or []) or run["run"]
+def _label(run: dict[str, Any], shared: frozenset = frozenset()) -> str:
+    """The run's overrides without those every plotted run shares (e.g. experiment=...), or its folder name."""
+    return " ".join(o for o in run["summary"].get("overrides") or [] if o not in shared) or run["run"]
+
+
+def update_readme(readme: Path, rows: list[dict[str, Any]], plots: list[Path], command: str) -> None:
+    """Replace the block between README_START and README_END in `readme` with the compact table of the
+    completed runs (sorted by selection ratio), the plots (as links relative to the README) and `command`."""
+    text = readme.read_text() if readme.is_file() else ""
+    lines_in = text.splitlines(keepends=True)
+    marks = [i for i, line in enumerate(lines_in) if line.strip() in (README_START, README_END)]
+    if [lines_in[i].strip() for i in marks] != [README_START, README_END]:
+        raise ReportError(f"--readme '{readme}' needs one '{README_START}' line and one '{README_END}' line after "
+                          f"it (each on a line of its own) around the block to fill; found {len(marks)} marker "
+                          f"line(s).")
+    done = sorted((r for r in rows if r["status"] == "completed"),
+                  key=lambda r: (r["selection_ratio"] is None, r["selection_ratio"] or 0.0, r["run"]))
+    lines = [f"<!-- generated by: {command} -->", "",
+             "| " + " | ".join(label for label, _ in README_COLUMNS) + " |", "|" + "---|" * len(README_COLUMNS)]
+    for r in done:
+        cells = [fmt(r.get(key)) if key != "tokens_fraction" or r.get(key) is None else f"{100 * r[key]:.1f}%"
+                 for _, key in README_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    failed = [r for r in rows if r["status"] != "completed"]
+    if failed:
+        lines += ["", "Runs that did not complete: " + "; ".join(f"`{r['run']}` ({fmt(r['error'])})" for r in failed)]
+    if plots:
+        import os
+        lines += [""] + [f"![{p.stem}]({os.path.relpath(p, readme.parent)})" for p in plots]
+    head, tail = "".join(lines_in[:marks[0] + 1]), "".join(lines_in[marks[1]:])
+    readme.write_text(head + "\n".join(lines) + "\n" + tail)
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -173,6 +212,8 @@ def main(argv=None) -> dict[str, Any]:
     p.add_argument("sweep_dir", help="a multirun sweep folder (or a single run directory)")
     p.add_argument("--out", default=None, help="output folder (default: SWEEP_DIR/report)")
     p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.add_argument("--readme", default=None, help=f"also write a compact table and the plots into this Markdown "
+                   f"file, between the lines {README_START} and {README_END}")
     args = p.parse_args(argv)
     sweep = Path(args.sweep_dir).expanduser()
     runs = load_runs(sweep)
@@ -188,7 +229,10 @@ def main(argv=None) -> dict[str, Any]:
     if not finished:
         print(f"No finished runs under '{sweep}' ({len(rows)} run(s): "
               f"{', '.join(sorted({r['status'] for r in rows}))}); nothing to plot.", file=sys.stderr)
-    print(f"wrote {md}, {csv_path}" + "".join(f", {p}" for p in plots))
+    if args.readme:
+        command = "python scripts/ablation_report.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        update_readme(Path(args.readme), rows, plots, command)
+    print(f"wrote {md}, {csv_path}" + "".join(f", {p}" for p in plots) + (f", {args.readme}" if args.readme else ""))
     return {"rows": rows, "markdown": str(md), "csv": str(csv_path), "plots": [str(p) for p in plots]}
 
 

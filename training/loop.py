@@ -198,6 +198,9 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
     AcceleratorState._reset_state()
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=cfg.train.cpu)
     rank, world = accelerator.process_index, accelerator.num_processes
+    if world > 1:  # Hydra's ${now:...} run dirs differ between ranks started in different seconds: use rank 0's
+        from accelerate.utils import broadcast_object_list
+        run_dir = Path(broadcast_object_list([str(run_dir)], from_process=0)[0])
     micro_batch = validate_config(cfg, world)
     resume_from = ckpt_io.resolve_resume(cfg.resume, run_dir)
     check_run_dir(run_dir, resume_from, cfg.resume)
@@ -326,7 +329,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
                       "steps_per_sec": window_steps / elapsed,
                       "images_per_sec": window_steps * cfg.train.batch_size / elapsed,
                       "tokens_fraction": window_tokens / window_steps, "data_wait_frac": window_data / elapsed,
-                      "elapsed_sec": time.time() - run_start}
+                      "elapsed_sec": time.time() - run_start, "train_sec": state.train_sec}
             logger.log(record)
             bar.set_postfix(loss=f"{mean_loss:.4f}", it_s=f"{record['steps_per_sec']:.2f}")
             window_loss.zero_()
@@ -334,7 +337,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
 
         if evaluator is not None and ((cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0)
                                       or (last and cfg.eval.at_end)):
-            record = evaluator(ema, diffusion, state.step, run_dir / "samples")
+            record = {**evaluator(ema, diffusion, state.step, run_dir / "samples"), "train_sec": state.train_sec}
             logger.log(record)
             if accelerator.is_main_process:
                 shown = ", ".join(f"{k} {record[k]:.4g}" for k in METRICS if k in record)
@@ -436,8 +439,8 @@ def save_checkpoint(accelerator, run_dir: Path, cfg: DictConfig, state: TrainSta
                        "ema": ckpt_io.model_weights(backbone_of(ema), trainable), "adapter_only": trainable is not None}
         if has_lora(backbone_of(raw)):  # the EMA adapter alone in peft's format, for diffusers pipelines
             export_adapter(backbone_of(ema), tmp / "adapter_model.safetensors")
-        train_state = {"step": state.step, "train_sec": state.train_sec, "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
-                       "world_size": accelerator.num_processes}
+        train_state = {"step": state.step, "train_sec": state.train_sec, "optimizer": optimizer.state_dict(),
+                       "loader": loader.state_dict(), "world_size": accelerator.num_processes}
         ckpt_io.finalize(final, model_state, train_state, cfg.checkpoint.keep_last)
     accelerator.wait_for_everyone()
     return final
