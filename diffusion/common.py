@@ -46,6 +46,6 @@ def sampling_denoiser(net: Denoiser, null_label: int, cfg_scale: float, guidance
         guidance = Guidance(cfg_scale=cfg_scale)
     elif cfg_scale != 1.0 and cfg_scale != guidance.cfg_scale:
         raise ValueError(f"cfg_scale={cfg_scale} disagrees with guidance.cfg_scale={guidance.cfg_scale}.")
-    if stats is None and guidance == Guidance(cfg_scale=guidance.cfg_scale) and guidance.cfg_scale == 1.0:
+    if stats is None and guidance.is_plain:
         return net
     return guided_denoiser(net, guidance, null_label, stats)

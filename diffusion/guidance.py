@@ -88,6 +88,11 @@ class Guidance:
         return cls(cfg_scale, route_ratio, tread_scale, weak if weak is not None else 0.5, interval, spans)
 
     @property
+    def is_plain(self) -> bool:
+        """No guidance and no routing: the model's own conditional prediction."""
+        return self.cfg_scale == 1.0 and not self.routes_at_inference
+
+    @property
     def routes_at_inference(self) -> bool:
         return self.route_ratio is not None or self.tread_scale != 1.0
 

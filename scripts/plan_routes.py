@@ -73,7 +73,7 @@ import torch  # noqa: E402
 
 from routing.spec import Route, tokens_processed_fraction  # noqa: E402
 from scripts.benchmark import MemoryMeter, Stepper, device_name, fmt_flops, split_steps, time_configs  # noqa: E402
-from training.flops import model_forward_flops, train_step_flops  # noqa: E402
+from training.flops import forward_flops_with_routes, model_forward_flops, train_step_flops  # noqa: E402
 
 CONFIG_DIR = ROOT / "configs"
 PAPER_RATIO, PAPER_START, PAPER_END_FROM_END = 0.5, 2, 4   # the paper's route: 0.5 over blocks 2..depth-4
@@ -486,16 +486,11 @@ def base_overrides(a: argparse.Namespace) -> tuple[list[str], Any]:
 
 
 def instantiate_model(model_cfg, device: Optional[str] = None):
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
+    """The model train.py builds (training.loop.build: our config errors unwrapped), on `device` if given."""
+    from training.loop import build
 
-    try:
-        if device is None:
-            return instantiate(model_cfg)
-        with torch.device(device):
-            return instantiate(model_cfg)
-    except InstantiationException as err:
-        raise (err.__cause__ or err) from None
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return build(model_cfg)
 
 
 def is_dit_cfg(cfg) -> bool:
@@ -532,20 +527,14 @@ def model_for_flops(cfg, a: argparse.Namespace):
 
 
 def flops_function(model) -> Callable[[Sequence[Route]], float]:
-    """Forward FLOPs per sample for a route set: DiT's own analytic count, or (families) the training loop's
-    model_forward_flops with the routes set through the inference override (active in training mode too)."""
+    """Forward FLOPs per sample for a route set, cached: training.flops.forward_flops_with_routes (DiT's
+    analytic count, or the families' counted forward with the routes set through the inference override)."""
     cache: dict = {}
 
     def fn(routes: Sequence[Route]) -> float:
         key = tuple(routes)
         if key not in cache:
-            if hasattr(model, "forward_flops"):
-                cache[key] = float(model.forward_flops(list(routes)))
-            elif not routes:
-                cache[key] = float(model_forward_flops(model))
-            else:
-                with model.routing.override(routes=route_dicts(routes)):
-                    cache[key] = float(model_forward_flops(model))
+            cache[key] = forward_flops_with_routes(model, route_dicts(routes))
         return cache[key]
     return fn
 

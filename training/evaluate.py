@@ -36,10 +36,11 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
              ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """Yield (seeds, labels, latents) batches. `classes` defaults to class_for_seed; `cond_fn(seeds)` gives
     per-sample conditioning (text embeddings) for text-conditioned models. `guidance` (inference routing,
-    TREAD guidance, CFG; replaces cfg_scale) draws each sample's routed tokens from a generator seeded by its
+    TREAD guidance, CFG; replaces cfg_scale, which alone means Guidance(cfg_scale=...)) draws each sample's routed tokens from a generator seeded by its
     seed; `stats` counts forward passes per branch (diffusion.guidance.sampling_flops_per_image)."""
     net.eval()
     seeds = list(seeds)
+    guidance = guidance if guidance is not None else Guidance(cfg_scale=cfg_scale)
     for i in range(0, len(seeds), batch_size):
         batch = seeds[i:i + batch_size]
         gen = StackedRandomGenerator(device, batch)
@@ -52,14 +53,9 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
         extra = {}
         if cond_fn is not None:
             extra["cond"] = {k: v.to(device) for k, v in cond_fn(batch).items()}
-        if guidance is not None:
-            extra.update(guidance=guidance, stats=stats)
-        elif stats is not None:
-            extra["stats"] = stats
         with per_sample_routing(net, batch, device, guidance):
-            x = diffusion.sample(net, noise, labels, null_label=num_classes,
-                                 cfg_scale=cfg_scale if guidance is None else 1.0,
-                                 num_steps=num_steps, randn_like=gen.randn_like, **extra)
+            x = diffusion.sample(net, noise, labels, null_label=num_classes, num_steps=num_steps,
+                                 randn_like=gen.randn_like, guidance=guidance, stats=stats, **extra)
         yield batch, labels, x
 
 

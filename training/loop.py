@@ -282,7 +282,8 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
     window_steps, window_tokens, window_data, window_start, run_start = 0, 0.0, 0.0, time.time(), time.time()
     data_iter = iter(loader)
     net.train()
-    train_sec, tokens_sum = 0.0, 0.0   # training time without evaluation/checkpoints; measured token share
+    tokens_sum = 0.0                     # measured token share, summed over steps
+    train_sec_start = state.train_sec    # training time (evaluation/checkpoints excluded) before this launch
     budget_sec = 60.0 * cfg.train.time_budget_min if cfg.train.get("time_budget_min") else None
     out_of_time = budget_sec is not None and state.train_sec >= budget_sec  # a resumed run already past it
     while state.step < cfg.train.max_steps and not out_of_time:
@@ -314,9 +315,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
         ema_update(ema, accelerator.unwrap_model(net), ema_decay_at(state.step, cfg.ema.decay, cfg.ema.warmup))
         state.step += 1
         window_steps += 1
-        step_sec = time.time() - step_start
-        train_sec += step_sec
-        state.train_sec += step_sec
+        state.train_sec += time.time() - step_start
         bar.update(1)
         if budget_sec is not None:
             out_of_time = time_budget_reached(state, budget_sec, cfg.train.log_every_steps, accelerator)
@@ -352,6 +351,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
     bar.close()
     logger.close()
     steps_run = state.step - summary["start_step"]
+    train_sec = state.train_sec - train_sec_start
     summary.update({"status": "completed", "final_step": state.step, "wall_sec": time.time() - run_start,
                     "stop_reason": "time_budget" if out_of_time else "max_steps",
                     "time_budget_min": cfg.train.get("time_budget_min"), "train_sec_total": state.train_sec,
