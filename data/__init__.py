@@ -5,14 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Union
 
+from .decode import check_decodable, decode_to_uint8
 from .images import ImageFolderError, center_crop_arr, list_image_folder
-from .latents import (EXTRA_KEYS, LatentDataset, LatentDatasetError, LatentDatasetExistsError, LatentDatasetWriter,
-                      check_decodable, decode_to_uint8, draw_latents, latent_kind, model_shape, read_meta,
-                      resize_loss_mask, shift_factor, token_keep_mask, write_latent_dataset)
 from .loader import LatentLoader, ShardedBatchSampler
+from .meta import (EXTRA_KEYS, LatentDatasetError, LatentDatasetExistsError, draw_latents, latent_kind, model_shape,
+                   read_meta, shift_factor)
+from .reader import LatentDataset
 from .text import TEXT_FAMILIES, TextEncoderError, encode_prompts, load_text_encoders, save_tiny_text_encoders
 from .toy import TOY_CLASS_NAMES, ensure_toy_dataset, generate_toy_shapes
 from .wds import WebDatasetLatents
+from .writer import LatentDatasetWriter, write_latent_dataset
 
 BUILTINS = {"toy_shapes": ensure_toy_dataset}  # data.builtin name -> builder(path, **data.builtin_args)
 FORMATS = ("latents", "wds")  # data.format: our directory format | WebDataset tar shards (TREAD/MaskDiT latents)
@@ -22,7 +24,7 @@ __all__ = ["BUILTINS", "FORMATS", "LatentDataset", "LatentDatasetError", "Latent
            "ensure_toy_dataset", "latent_kind", "model_shape", "LatentDatasetWriter", "shift_factor",
            "ImageFolderError", "center_crop_arr", "list_image_folder",
            "generate_toy_shapes", "read_meta", "write_latent_dataset", "WebDatasetLatents",
-           "EXTRA_KEYS", "resize_loss_mask", "token_keep_mask",
+           "EXTRA_KEYS",
            "TEXT_FAMILIES", "TextEncoderError", "encode_prompts", "load_text_encoders", "save_tiny_text_encoders"]
 
 
@@ -30,7 +32,7 @@ def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, WebDatase
     """The dataset `data_cfg` (the data: config group) describes, building a built-in one first if needed.
 
     data.format picks the reader: "latents" (default; a directory with meta.json, latents.npy, labels.npy,
-    optionally per-sample text embeddings / loss masks: see data/latents.py)
+    optionally per-sample text embeddings / loss masks: see data/meta.py)
     or "wds" (WebDataset tar shards of VAE latents, as the TREAD/MaskDiT code writes them: WebDatasetLatents).
     """
     from omegaconf import OmegaConf

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 from PIL import Image
 
-from .latents import LatentDatasetError
+from .meta import LatentDatasetError
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 PathLike = Union[str, os.PathLike]
@@ -46,7 +46,7 @@ def _visible(p: Path) -> bool:
     return not p.name.startswith(".")
 
 
-def _images_under(folder: Path) -> list[Path]:
+def images_under(folder: Path) -> list[Path]:
     """Image files anywhere below `folder` (hidden entries skipped), sorted by relative path."""
     found = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
@@ -57,7 +57,8 @@ def _images_under(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
 
 
-def _short(items: list, n: int = 5) -> str:
+def short_list(items: Sequence[Any], n: int = 5) -> str:
+    """The first `n` items, comma-separated, and how many there are in all when that is more."""
     return ", ".join(map(str, items[:n])) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
@@ -157,55 +158,66 @@ def list_image_folder(root: PathLike, labels_file: Optional[PathLike] = None
                                                             else "not found"))
     top_images = sorted((p for p in root.iterdir() if _is_image(p)), key=lambda p: p.name)
     class_dirs = sorted((p for p in root.iterdir() if p.is_dir() and _visible(p)), key=lambda p: p.name)
-    per_class = {d.name: _images_under(d) for d in class_dirs}
-    image_dirs = [d for d in class_dirs if per_class[d.name]]
-
+    per_class = {d.name: images_under(d) for d in class_dirs}
     if labels_file is None:
-        if top_images and image_dirs:
-            raise ImageFolderError(
-                f"image folder '{root}' mixes layouts: it has images directly inside "
-                f"({_short([p.name for p in top_images])}) and class sub-folders "
-                f"({_short([d.name for d in image_dirs])}). Use one sub-folder per class, or a flat folder with a "
-                f"labels file (--labels).")
-        if top_images:
-            raise ImageFolderError(f"image folder '{root}' is flat (images directly inside, no class sub-folders): "
-                                   f"give a labels file (--labels FILE, 'file name,label' lines or a JSON object) "
-                                   f"or put the images in one sub-folder per class")
-        if not image_dirs:
-            raise ImageFolderError(f"no images ({' '.join(IMAGE_EXTS)}) found in '{root}' or its sub-folders")
-        empty = [d.name for d in class_dirs if not per_class[d.name]]
-        if empty:
-            raise ImageFolderError(f"class folder(s) without images in '{root}': {_short(empty)}; every sub-folder is "
-                                   f"a class and needs at least one image (remove the empty ones)")
-        paths, labels = [], []
-        for index, d in enumerate(class_dirs):
-            paths.extend(per_class[d.name])
-            labels.extend([index] * len(per_class[d.name]))
-        return paths, np.asarray(labels, dtype=np.int64), [d.name for d in class_dirs]
-
+        return _list_class_folders(root, top_images, class_dirs, per_class)
+    image_dirs = [d for d in class_dirs if per_class[d.name]]
     if image_dirs:
         raise ImageFolderError(
             f"image folder '{root}' mixes layouts: a labels file was given, so the images must lie directly in "
-            f"the folder, but it has sub-folders with images ({_short([d.name for d in image_dirs])}). Drop --labels "
-            f"to use the sub-folders as classes, or flatten the folder.")
+            f"the folder, but it has sub-folders with images ({short_list([d.name for d in image_dirs])}). Drop "
+            f"--labels to use the sub-folders as classes, or flatten the folder.")
     if not top_images:
         raise ImageFolderError(f"no images ({' '.join(IMAGE_EXTS)}) found directly in '{root}'")
+    return _list_flat_folder(root, top_images, labels_file)
+
+
+def _list_class_folders(root: Path, top_images: list[Path], class_dirs: list[Path], per_class: dict[str, list[Path]]
+                        ) -> tuple[list[Path], np.ndarray, list[str]]:
+    """The class-folder layout: every visible sub-folder is a class (sorted by name) holding its images."""
+    image_dirs = [d for d in class_dirs if per_class[d.name]]
+    if top_images and image_dirs:
+        raise ImageFolderError(
+            f"image folder '{root}' mixes layouts: it has images directly inside "
+            f"({short_list([p.name for p in top_images])}) and class sub-folders "
+            f"({short_list([d.name for d in image_dirs])}). Use one sub-folder per class, or a flat folder with a "
+            f"labels file (--labels).")
+    if top_images:
+        raise ImageFolderError(f"image folder '{root}' is flat (images directly inside, no class sub-folders): "
+                               f"give a labels file (--labels FILE, 'file name,label' lines or a JSON object) "
+                               f"or put the images in one sub-folder per class")
+    if not image_dirs:
+        raise ImageFolderError(f"no images ({' '.join(IMAGE_EXTS)}) found in '{root}' or its sub-folders")
+    empty = [d.name for d in class_dirs if not per_class[d.name]]
+    if empty:
+        raise ImageFolderError(f"class folder(s) without images in '{root}': {short_list(empty)}; every sub-folder "
+                               f"is a class and needs at least one image (remove the empty ones)")
+    paths, labels = [], []
+    for index, d in enumerate(class_dirs):
+        paths.extend(per_class[d.name])
+        labels.extend([index] * len(per_class[d.name]))
+    return paths, np.asarray(labels, dtype=np.int64), [d.name for d in class_dirs]
+
+
+def _list_flat_folder(root: Path, top_images: list[Path], labels_file: PathLike
+                      ) -> tuple[list[Path], np.ndarray, Optional[list[str]]]:
+    """The flat layout: the images directly in `root`, each labelled by the labels file (integers or names)."""
     table = read_labels_file(labels_file)
     names = [p.name for p in top_images]
     unknown = sorted(set(table) - set(names))
     if unknown:
         raise ImageFolderError(f"labels file '{labels_file}' names file(s) that are not images in '{root}': "
-                               f"{_short(unknown)}")
+                               f"{short_list(unknown)}")
     unlabelled = [n for n in names if n not in table]
     if unlabelled:
-        raise ImageFolderError(f"image(s) in '{root}' have no label in '{labels_file}': {_short(unlabelled)}")
+        raise ImageFolderError(f"image(s) in '{root}' have no label in '{labels_file}': {short_list(unlabelled)}")
     raw = [table[n] for n in names]
     if all(_INT.match(v) for v in raw):
         labels = np.asarray([int(v) for v in raw], dtype=np.int64)
         if labels.min() < 0:
             bad = [n for n, v in zip(names, labels) if v < 0]
             raise ImageFolderError(f"labels file '{labels_file}' gives negative labels (class indices must be >= 0): "
-                                   f"{_short(bad)}")
+                                   f"{short_list(bad)}")
         return top_images, labels, None
     class_names = sorted(set(raw))
     index = {c: i for i, c in enumerate(class_names)}

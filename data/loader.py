@@ -10,7 +10,7 @@ from typing import Any, Iterator, Mapping, Union
 
 import torch
 
-from .latents import LatentDataset
+from .reader import LatentDataset
 
 EPOCH_STRIDE = 1_000_003  # epoch e shuffles with seed + EPOCH_STRIDE * e: distinct streams for nearby seeds
 

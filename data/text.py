@@ -1,5 +1,5 @@
 """Text conditioning: load a model family's text encoders from local folders and encode prompts the way that
-family's diffusers (0.42) pipeline does, into the arrays a latent dataset stores (data/latents.py:
+family's diffusers (0.42) pipeline does, into the arrays a latent dataset stores (data/meta.py:
 text_embeds.npy, text_mask.npy, pooled_embeds.npy). Families (encoders by diffusers pipeline subfolder):
 
     flux      text_encoder: CLIP-L (CLIPTextModel); text_encoder_2: T5 (T5EncoderModel)
@@ -39,6 +39,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from utils.errors import UserError
+
 from .images import read_name_value_file
 
 TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart")
@@ -47,7 +49,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "v
 CLIP_DEFAULT_LENGTH = 77
 
 
-class TextEncoderError(ValueError):
+class TextEncoderError(UserError):
     """A text encoder cannot be found / loaded, or prompts cannot be encoded; the message says what to do."""
 
 
@@ -315,46 +317,67 @@ def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]]
         if dtype is not None and model.dtype != dtype:  # only then: a cast would undo T5's fp32-kept layers
             model = model.to(dtype=dtype)
         models[key] = model
-    tok = enc.tokenizers
-    out: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
         if family == "flux":
-            clip, t5 = models["text_encoder"], models["text_encoder_2"]
-            ids, _ = _tokenize(tok["tokenizer"], prompts, _clip_length(tok["tokenizer"], clip), device)
-            out["pooled"] = clip(ids, output_hidden_states=False).pooler_output
-            ids, _ = _tokenize(tok["tokenizer_2"], prompts, length, device)
-            out["text"] = t5(ids)[0]  # FLUX passes no attention mask to T5
+            out = _encode_flux(models, enc.tokenizers, prompts, length, device)
         elif family == "sd3":
-            hidden, pooled = [], []
-            for model_key, tok_key in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
-                model = models[model_key]
-                ids, _ = _tokenize(tok[tok_key], prompts, _clip_length(tok[tok_key], model), device)
-                result = model(ids, output_hidden_states=True)
-                hidden.append(result.hidden_states[-2].float())  # penultimate layer (clip_skip=None)
-                pooled.append(result.text_embeds.float())
-            if hidden[0].shape[1] != hidden[1].shape[1]:
-                raise TextEncoderError(f"sd3: the CLIP tokenizers give {hidden[0].shape[1]} and {hidden[1].shape[1]} "
-                                       f"tokens; both must use the same length (77)")
-            ids, _ = _tokenize(tok["tokenizer_3"], prompts, length, device)
-            t5 = models["text_encoder_3"](ids)[0].float()  # no attention mask, as the SD3 pipeline
-            clip = torch.cat(hidden, dim=-1)
-            if clip.shape[-1] > t5.shape[-1]:
-                raise TextEncoderError(f"sd3: the CLIP hidden states are {clip.shape[-1]} wide together, more than "
-                                       f"the T5 width {t5.shape[-1]} they are zero-padded to")
-            clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
-            out["text"] = torch.cat([clip, t5], dim=1)
-            out["pooled"] = torch.cat(pooled, dim=-1)
+            out = _encode_sd3(models, enc.tokenizers, prompts, length, device)
         else:  # one T5-type encoder that sees the attention mask: wan, auraflow, pixart
-            if family == "wan":
-                prompts = [_wan_clean(p) for p in prompts]
-            ids, mask = _tokenize(tok["tokenizer"], prompts, length, device)
-            hidden = models["text_encoder"](input_ids=ids, attention_mask=mask)[0]
-            if family in ("wan", "auraflow"):  # padding positions zeroed (Wan keeps the first seq_len rows)
-                hidden = hidden * mask[..., None].to(hidden.dtype)
-            out["text"], out["text_mask"] = hidden, mask.bool()
+            out = _encode_masked_t5(family, models, enc.tokenizers, prompts, length, device)
     arrays = {k: v.detach().cpu().numpy() if v.dtype == torch.bool else v.detach().float().cpu().numpy()
               for k, v in out.items()}
     return {k: arrays[k] for k in ("text", "text_mask", "pooled") if k in arrays}
+
+
+def _encode_flux(models: dict, tok: dict, prompts: list[str], length: int, device: torch.device
+                 ) -> dict[str, torch.Tensor]:
+    """FLUX: the CLIP pooler output and the T5 last hidden state."""
+    out: dict[str, torch.Tensor] = {}
+    clip, t5 = models["text_encoder"], models["text_encoder_2"]
+    ids, _ = _tokenize(tok["tokenizer"], prompts, _clip_length(tok["tokenizer"], clip), device)
+    out["pooled"] = clip(ids, output_hidden_states=False).pooler_output
+    ids, _ = _tokenize(tok["tokenizer_2"], prompts, length, device)
+    out["text"] = t5(ids)[0]  # FLUX passes no attention mask to T5
+    return out
+
+
+def _encode_sd3(models: dict, tok: dict, prompts: list[str], length: int, device: torch.device
+                ) -> dict[str, torch.Tensor]:
+    """SD3: both CLIPs' penultimate hidden states (zero-padded to the T5 width) before the T5 output, and both
+    CLIPs' projections as the pooled embedding."""
+    out: dict[str, torch.Tensor] = {}
+    hidden, pooled = [], []
+    for model_key, tok_key in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+        model = models[model_key]
+        ids, _ = _tokenize(tok[tok_key], prompts, _clip_length(tok[tok_key], model), device)
+        result = model(ids, output_hidden_states=True)
+        hidden.append(result.hidden_states[-2].float())  # penultimate layer (clip_skip=None)
+        pooled.append(result.text_embeds.float())
+    if hidden[0].shape[1] != hidden[1].shape[1]:
+        raise TextEncoderError(f"sd3: the CLIP tokenizers give {hidden[0].shape[1]} and {hidden[1].shape[1]} "
+                               f"tokens; both must use the same length (77)")
+    ids, _ = _tokenize(tok["tokenizer_3"], prompts, length, device)
+    t5 = models["text_encoder_3"](ids)[0].float()  # no attention mask, as the SD3 pipeline
+    clip = torch.cat(hidden, dim=-1)
+    if clip.shape[-1] > t5.shape[-1]:
+        raise TextEncoderError(f"sd3: the CLIP hidden states are {clip.shape[-1]} wide together, more than "
+                               f"the T5 width {t5.shape[-1]} they are zero-padded to")
+    clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+    out["text"] = torch.cat([clip, t5], dim=1)
+    out["pooled"] = torch.cat(pooled, dim=-1)
+    return out
+
+
+def _encode_masked_t5(family: str, models: dict, tok: dict, prompts: list[str], length: int, device: torch.device
+                      ) -> dict[str, torch.Tensor]:
+    """wan, auraflow, pixart: one T5-type encoder that sees the attention mask; the mask is returned too."""
+    if family == "wan":
+        prompts = [_wan_clean(p) for p in prompts]
+    ids, mask = _tokenize(tok["tokenizer"], prompts, length, device)
+    hidden = models["text_encoder"](input_ids=ids, attention_mask=mask)[0]
+    if family in ("wan", "auraflow"):  # padding positions zeroed (Wan keeps the first seq_len rows)
+        hidden = hidden * mask[..., None].to(hidden.dtype)
+    return {"text": hidden, "text_mask": mask.bool()}
 
 
 # ----------------------------------------------------------------------------- captions files

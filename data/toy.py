@@ -18,7 +18,8 @@ from typing import Callable, Union
 import numpy as np
 import torch
 
-from .latents import LatentDatasetError, LatentDatasetExistsError, read_meta, write_latent_dataset
+from .meta import LatentDatasetError, LatentDatasetExistsError, read_meta
+from .writer import write_latent_dataset
 
 TOY_CLASS_NAMES = ["red disc", "green square", "blue triangle", "yellow ring", "magenta plus",
                    "cyan horizontal stripes", "orange vertical stripes", "white checkerboard", "purple diamond",

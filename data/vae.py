@@ -1,7 +1,7 @@
 """The VAE (diffusers AutoencoderKL) behind "vae"-decoded latent data: loading (cached, offline-aware),
 encoding images to raw latents / posterior moments, and decoding model-space latents to uint8 pixels.
 
-Conventions (see data/latents.py for the on-disk format):
+Conventions (see data/meta.py for the on-disk format):
     raw latents   what vae.encode() gives (mean or a draw of the posterior) and vae.decode() takes.
     model space   (raw - shift_factor) * scaling_factor; shift_factor is 0 for SD-VAE (FLUX's VAE has one).
 
@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from .latents import LatentDatasetError
+from .meta import LatentDatasetError
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 VAE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -36,8 +36,8 @@ the batches an uninterrupted run would have seen. Our training loop needs a map-
 tar members are contiguous byte ranges, so one pass over the tar headers gives every sample's (shard,
 byte offset, size) and a read is a positional read of those bytes.
 
-The index (per sample: shard, offset and size of the latent member, label, key) is built once by scanning
-the tar headers (plus the tiny label members and the .npy headers), and cached as
+The index (data/wds_index.py; per sample: shard, offset and size of the latent member, label, key) is built
+once by scanning the tar headers (plus the tiny label members and the .npy headers), and cached as
 `<index_dir>/<hash>.npz`, where the hash covers every shard's absolute path, size and mtime: the next run
 starts at once, and a changed, added or removed shard gives a new hash (a rescan). Validation at indexing
 time: every sample has a latent and a label, labels are integers, every `.latent.npy` header (all samples,
@@ -47,41 +47,25 @@ again, so a bad sample fails with an error naming its shard and member, never si
 """
 from __future__ import annotations
 
+import collections
 import glob
-import hashlib
-import io
 import json
 import math
 import os
-import pickle
 import re
-import sys
-import tarfile
-import tempfile
-import time
-import warnings
-import collections
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from .latents import (DTYPES, FORMAT, LATENT_KINDS, VERSION, LatentDatasetError, LatentMeta, latent_kind, model_shape,
-                      validate_meta)
+from .meta import DTYPES, FORMAT, LATENT_KINDS, VERSION, LatentDatasetError, model_shape, validate_meta
+from .reader import LatentMeta
+from .wds_index import build_index, decode_latent, pread
 
-INDEX_VERSION = 1
-LATENT_EXTS = ("latent.npy", "latent")  # np.save bytes | pickled ndarray (MaskDiT lmdb2wds.py)
-LABEL_EXTS = ("cls",)                    # decimal text
 MAX_OPEN_SHARDS = 256                    # file descriptors kept open per process (least recently used closed)
-NPY_HEADER_PROBE = 4096                  # bytes read to parse a .npy header during indexing
 PathSpec = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
-
-
-def default_index_dir() -> Path:
-    """`$TREAD_CACHE_DIR/wds_index` (or `.cache/wds_index`), as paths.cache_dir would give."""
-    return Path(os.environ.get("TREAD_CACHE_DIR") or ".cache") / "wds_index"
 
 
 # ----------------------------------------------------------------------------- shard lists
@@ -184,262 +168,6 @@ def resolve_shards(path: PathSpec) -> list[Path]:
     if dupes:
         raise LatentDatasetError(f"WebDataset shard(s) listed more than once by data.path: {dupes[:3]}")
     return shards
-
-
-# ----------------------------------------------------------------------------- member decoding
-
-class _NumpyUnpickler(pickle.Unpickler):
-    """Unpickles numpy arrays only: any other global in the pickle is refused (no code from a shard runs)."""
-
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-               ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
-               ("numpy", "ndarray"), ("numpy", "dtype")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"refusing to unpickle '{module}.{name}' (only numpy arrays are allowed)")
-        if module.startswith("numpy.core.") and hasattr(np, "_core"):  # numpy 1.x pickles under numpy 2.x
-            module = "numpy._core." + module[len("numpy.core."):]
-        return super().find_class(module, name)
-
-
-def decode_latent(raw: bytes, ext: str) -> np.ndarray:
-    """Bytes of a `.latent.npy` (np.save) or `.latent` (pickled ndarray) member -> array."""
-    if ext == "latent.npy":
-        return np.load(io.BytesIO(raw), allow_pickle=False)
-    arr = _NumpyUnpickler(io.BytesIO(raw)).load()
-    if not isinstance(arr, np.ndarray):
-        raise pickle.UnpicklingError(f"the pickle holds a {type(arr).__name__}, not a numpy array")
-    return arr
-
-
-def _npy_header(raw: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
-    """(shape, dtype, header length) from the start of np.save bytes."""
-    bio = io.BytesIO(raw)
-    version = np.lib.format.read_magic(bio)
-    if version == (1, 0):
-        shape, _, dtype = np.lib.format.read_array_header_1_0(bio)
-    elif version == (2, 0):
-        shape, _, dtype = np.lib.format.read_array_header_2_0(bio)
-    else:
-        raise ValueError(f".npy format version {version} is not supported")
-    return tuple(shape), np.dtype(dtype), bio.tell()
-
-
-def _split_name(name: str) -> Optional[tuple[str, str]]:
-    """Member name -> (key, extension) as webdataset splits it (first '.' of the base name), or None."""
-    head, sep, base = name.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    if not dot or not stem or not ext:
-        return None
-    return head + sep + stem, ext
-
-
-def _pread(fd: int, size: int, offset: int) -> bytes:
-    if hasattr(os, "pread"):  # positional: no shared file offset, safe across forked workers and threads
-        return os.pread(fd, size, offset)
-    os.lseek(fd, offset, os.SEEK_SET)
-    return os.read(fd, size)
-
-
-# ----------------------------------------------------------------------------- indexing
-
-def scan_shard(path: Path) -> dict[str, Any]:
-    """Index one uncompressed tar shard from its headers.
-
-    Returns {"keys": [...], "offsets": [...], "sizes": [...] (of each sample's latent member),
-    "labels": [...], "ext": latent extension, "shape": (C, H, W), "dtype": str}. Reads the tar headers,
-    the label members and (for .latent.npy) the .npy headers, not the latent data.
-    """
-    keys: list[str] = []
-    offsets: list[int] = []
-    sizes: list[int] = []
-    labels: list[int] = []
-    layout: dict[str, Any] = {}  # ext, shape, dtype and the member they were first seen in
-
-    with open(path, "rb", buffering=0) as f:  # unbuffered: skipping a member never reads its data
-        fd = f.fileno()
-
-        def member(key: str, ext: str) -> str:
-            return f"'{key}.{ext}' in shard '{path}'"
-
-        def finish(key: str, group: dict[str, tarfile.TarInfo]) -> None:
-            lat = [e for e in LATENT_EXTS if e in group]
-            lab = [e for e in LABEL_EXTS if e in group]
-            if not lat and not lab:
-                return  # not a latent sample (an extra file): skipped
-            present = sorted(group)
-            if not lat:
-                raise LatentDatasetError(f"sample '{key}' in shard '{path}' has no latent member (has {present}; "
-                                         f"needs one of {[f'{key}.{e}' for e in LATENT_EXTS]})")
-            if not lab:
-                raise LatentDatasetError(f"sample '{key}' in shard '{path}' has no class label member (has "
-                                         f"{present}; needs one of {[f'{key}.{e}' for e in LABEL_EXTS]})")
-            if len(lat) > 1 or len(lab) > 1:
-                raise LatentDatasetError(f"sample '{key}' in shard '{path}' has several latent or label members "
-                                         f"({present}); keep one latent and one label per sample")
-            lat_info, lab_info = group[lat[0]], group[lab[0]]
-            raw = _pread(fd, min(lab_info.size, 256), lab_info.offset_data)
-            try:
-                if lab_info.size > 256:
-                    raise ValueError("too long for a label")
-                label = int(raw.decode("ascii").strip())
-            except (UnicodeDecodeError, ValueError):
-                raise LatentDatasetError(f"label member {member(key, lab[0])} holds {raw[:20]!r}, not an integer "
-                                         f"class index written as decimal text (e.g. b'207')") from None
-            shape = dtype = None
-            if lat[0] == "latent.npy":
-                head = _pread(fd, min(lat_info.size, NPY_HEADER_PROBE), lat_info.offset_data)
-                try:
-                    try:
-                        shape, dtype, hlen = _npy_header(head)
-                    except (ValueError, EOFError):  # a header longer than the probe
-                        shape, dtype, hlen = _npy_header(_pread(fd, lat_info.size, lat_info.offset_data))
-                except (ValueError, EOFError) as err:
-                    raise LatentDatasetError(f"latent member {member(key, lat[0])} is not a valid .npy array "
-                                             f"({err})") from None
-                want = hlen + math.prod(shape) * dtype.itemsize
-                if lat_info.size != want:
-                    raise LatentDatasetError(f"latent member {member(key, lat[0])} is {lat_info.size} bytes but its "
-                                             f".npy header ({dtype} {list(shape)}) needs {want}: truncated or corrupt")
-            elif not layout:  # pickled: unpickle the shard's first sample only (the whole member must be read)
-                try:
-                    arr = decode_latent(_pread(fd, lat_info.size, lat_info.offset_data), lat[0])
-                except Exception as err:  # noqa: BLE001 - any unpickling failure is a bad member
-                    raise LatentDatasetError(f"latent member {member(key, lat[0])} is not a pickled numpy array "
-                                             f"({type(err).__name__}: {err})") from None
-                shape, dtype = arr.shape, arr.dtype
-            if not layout:
-                layout.update(ext=lat[0], shape=shape, dtype=dtype, first=member(key, lat[0]))
-            elif lat[0] != layout["ext"]:
-                raise LatentDatasetError(f"latent member {member(key, lat[0])} is a '.{lat[0]}' member but earlier "
-                                         f"samples use '.{layout['ext']}' (first: {layout['first']}); one encoding per "
-                                         f"dataset")
-            elif shape is not None and (shape != layout["shape"] or dtype != layout["dtype"]):
-                raise LatentDatasetError(f"latent member {member(key, lat[0])} is {dtype} of shape {list(shape)} but "
-                                         f"{layout['first']} is {layout['dtype']} of shape {list(layout['shape'])}: "
-                                         f"all latents must have one shape and dtype")
-            keys.append(key)
-            offsets.append(lat_info.offset_data)
-            sizes.append(lat_info.size)
-            labels.append(label)
-
-        try:
-            tar = tarfile.open(fileobj=f, mode="r:")
-        except tarfile.ReadError as err:
-            raise LatentDatasetError(f"shard '{path}' is not an uncompressed tar file ({err}); compressed shards "
-                                     f"cannot be read randomly: decompress them to .tar") from None
-        cur_key: Optional[str] = None
-        group: dict[str, tarfile.TarInfo] = {}
-        try:
-            for info in tar:
-                if not info.isfile():
-                    continue
-                parts = _split_name(info.name)
-                if parts is None:
-                    continue
-                key, ext = parts
-                if key != cur_key:
-                    if cur_key is not None:
-                        finish(cur_key, group)
-                    cur_key, group = key, {}
-                if ext in group:
-                    raise LatentDatasetError(f"shard '{path}' has member '{info.name}' twice in one sample")
-                group[ext] = info
-        except (tarfile.TarError, EOFError, OSError) as err:
-            raise LatentDatasetError(f"shard '{path}' is truncated or corrupt ({type(err).__name__}: {err})") from None
-        # tarfile stops quietly at a cut or unreadable header: a complete archive ends with two zero blocks there.
-        if _pread(fd, 2 * tarfile.BLOCKSIZE, tar.offset) != bytes(2 * tarfile.BLOCKSIZE):
-            raise LatentDatasetError(f"shard '{path}' is truncated or corrupt: no readable tar header or "
-                                     f"end-of-archive marker at byte {tar.offset} (of {os.fstat(fd).st_size}); "
-                                     f"was it written completely?")
-        if cur_key is not None:
-            finish(cur_key, group)
-    if not keys:
-        raise LatentDatasetError(f"shard '{path}' holds no latent samples (no '<key>.latent.npy' or '<key>.latent' "
-                                 f"members with a '<key>.cls' label)")
-    return {"keys": keys, "offsets": offsets, "sizes": sizes, "labels": labels, "ext": layout["ext"],
-            "shape": tuple(int(s) for s in layout["shape"]), "dtype": str(layout["dtype"]), "first": layout["first"]}
-
-
-def _fingerprint(shards: Sequence[Path]) -> list[list]:
-    out = []
-    for s in shards:
-        st = s.stat()
-        out.append([str(s), int(st.st_size), int(st.st_mtime_ns)])
-    return out
-
-
-def index_path(shards: Sequence[Path], index_dir: Union[str, os.PathLike]) -> Path:
-    """Cache file for these shards: a hash of every shard's path, size and mtime (a changed shard -> a new file)."""
-    blob = json.dumps({"version": INDEX_VERSION, "shards": _fingerprint(shards)}).encode()
-    return Path(index_dir).expanduser() / f"{hashlib.sha256(blob).hexdigest()[:32]}.npz"
-
-
-def _load_index(file: Path, fingerprint: list[list]) -> Optional[dict[str, np.ndarray]]:
-    try:
-        with np.load(file, allow_pickle=False) as z:
-            index = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError, KeyError):
-        return None  # missing, partial or foreign: rebuilt
-    try:
-        same = (int(index["version"]) == INDEX_VERSION and index["shard_paths"].tolist() == [f[0] for f in fingerprint]
-                and index["shard_sizes"].tolist() == [f[1] for f in fingerprint]
-                and index["shard_mtimes"].tolist() == [f[2] for f in fingerprint])
-    except KeyError:
-        return None
-    return index if same else None
-
-
-def build_index(shards: Sequence[Path], index_dir: Optional[Union[str, os.PathLike]]) -> tuple[dict, Optional[Path]]:
-    """Load the cached index of `shards` or scan them (scan_shard) and cache it. -> (index, cache file)."""
-    fingerprint = _fingerprint(shards)
-    file = index_path(shards, index_dir if index_dir is not None else default_index_dir())
-    cached = _load_index(file, fingerprint)
-    if cached is not None:
-        return cached, file
-    print(f"Indexing {len(shards)} WebDataset shard(s) (once; cached in {file}) ...", file=sys.stderr, flush=True)
-    start = time.time()
-    parts = []
-    for shard in shards:
-        part = scan_shard(shard)
-        if parts and (part["ext"], part["shape"], part["dtype"]) != (parts[0]["ext"], parts[0]["shape"],
-                                                                    parts[0]["dtype"]):
-            raise LatentDatasetError(
-                f"shard '{shard}' holds '.{part['ext']}' latents, {part['dtype']} of shape {list(part['shape'])} "
-                f"(first: {part['first']}) but {parts[0]['first']} is '.{parts[0]['ext']}', {parts[0]['dtype']} of "
-                f"shape {list(parts[0]['shape'])}: all shards must hold one latent shape, dtype and encoding")
-        parts.append(part)
-    keys = [k.encode("utf-8", "surrogateescape") for p in parts for k in p["keys"]]
-    index = {
-        "version": np.array(INDEX_VERSION),
-        "shard_paths": np.array([f[0] for f in fingerprint]),
-        "shard_sizes": np.array([f[1] for f in fingerprint], np.int64),
-        "shard_mtimes": np.array([f[2] for f in fingerprint], np.int64),
-        "counts": np.array([len(p["keys"]) for p in parts], np.int64),
-        "keys": np.array(keys, dtype=f"S{max(len(k) for k in keys)}"),
-        "offsets": np.array([o for p in parts for o in p["offsets"]], np.int64),
-        "sizes": np.array([s for p in parts for s in p["sizes"]], np.int64),
-        "labels": np.array([y for p in parts for y in p["labels"]], np.int64),
-        "ext": np.array(parts[0]["ext"]), "shape": np.array(parts[0]["shape"], np.int64),
-        "dtype": np.array(parts[0]["dtype"]),
-    }
-    print(f"Indexed {len(keys)} samples in {time.time() - start:.1f} s.", file=sys.stderr, flush=True)
-    try:  # atomic: a concurrent reader (another rank) sees the old file or the whole new one
-        file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{file.stem}.", suffix=".tmp.npz", dir=file.parent)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                np.savez(out, **index)
-            os.replace(tmp, file)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError as err:
-        warnings.warn(f"could not cache the WebDataset index in '{file}' ({err}); the shards will be rescanned next "
-                      f"time (set data.index_dir to a writable directory)", stacklevel=2)
-        file = None
-    return index, file
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -557,7 +285,7 @@ class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
 
     def _read(self, i: int) -> np.ndarray:
         off, size = int(self._offsets[i]), int(self._sizes[i])
-        raw = _pread(self._fd(int(self._shard[i])), size, off)
+        raw = pread(self._fd(int(self._shard[i])), size, off)
         cache = f" (index {self.index_file})" if self.index_file else ""
         if len(raw) != size:
             raise LatentDatasetError(f"latent member {self._member(i)}: read {len(raw)} of {size} bytes at offset "

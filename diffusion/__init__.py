@@ -1,6 +1,7 @@
-"""Diffusion objectives. Each has precondition(model), loss(net, x, labels) and sample(net, noise, labels)."""
-from diffusion.common import StackedRandomGenerator, classifier_free_guidance
+"""Diffusion objectives. Each has precondition(model), loss(net, x, labels) and sample(denoise, noise, labels);
+samplers only call a denoiser (diffusion.common.Denoiser) and know nothing of guidance or routing."""
+from diffusion.common import Denoiser, StackedRandomGenerator
 from diffusion.edm import EDM, EDMPrecond
 from diffusion.rf import RectifiedFlow, RFModel
 
-__all__ = ["EDM", "EDMPrecond", "RFModel", "RectifiedFlow", "StackedRandomGenerator", "classifier_free_guidance"]
+__all__ = ["Denoiser", "EDM", "EDMPrecond", "RFModel", "RectifiedFlow", "StackedRandomGenerator"]

@@ -1,9 +1,13 @@
-"""Pieces shared by the EDM and rectified-flow objectives: per-seed RNG and guidance."""
+"""Pieces shared by the EDM and rectified-flow objectives: per-seed RNG and the denoiser contract."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
 import torch
+
+# What samplers call: denoise(x, noise_level, labels, **cond) -> prediction (EDM: D(x; sigma), RF: velocity).
+# Guidance (CFG, inference routing, TREAD guidance) wraps a network into one of these: sampling/guidance.py.
+Denoiser = Callable[..., torch.Tensor]
 
 
 class StackedRandomGenerator:
@@ -23,29 +27,3 @@ class StackedRandomGenerator:
     def randint(self, *args, size: Sequence[int], **kwargs) -> torch.Tensor:
         assert size[0] == len(self.generators)
         return torch.stack([torch.randint(*args, size=size[1:], generator=g, **kwargs) for g in self.generators])
-
-
-Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def classifier_free_guidance(net: Denoiser, cfg_scale: float, null_label: int) -> Denoiser:
-    """Wrap net(x, noise, labels, **cond) so it returns uncond + cfg_scale * (cond - uncond), both branches in
-    one batched call. cfg_scale == 1 is the plain conditional model (one evaluation per step). Per-sample
-    conditioning tensors in `cond` (text embeddings, ...) are repeated for the unconditional half, whose null
-    label tells the model to drop them. (diffusion.guidance.guided_denoiser with CFG only.)"""
-    if cfg_scale == 1.0:
-        return net
-    from diffusion.guidance import Guidance, guided_denoiser
-    return guided_denoiser(net, Guidance(cfg_scale=cfg_scale), null_label)
-
-
-def sampling_denoiser(net: Denoiser, null_label: int, cfg_scale: float, guidance, stats) -> Denoiser:
-    """The samplers' denoiser: `guidance` (a diffusion.guidance.Guidance) if given, else plain CFG."""
-    from diffusion.guidance import Guidance, guided_denoiser
-    if guidance is None:
-        guidance = Guidance(cfg_scale=cfg_scale)
-    elif cfg_scale != 1.0 and cfg_scale != guidance.cfg_scale:
-        raise ValueError(f"cfg_scale={cfg_scale} disagrees with guidance.cfg_scale={guidance.cfg_scale}.")
-    if stats is None and guidance.is_plain:
-        return net
-    return guided_denoiser(net, guidance, null_label, stats)

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from diffusion.common import StackedRandomGenerator, sampling_denoiser
+from diffusion.common import Denoiser
 
 
 class EDMPrecond(nn.Module):
@@ -50,10 +50,6 @@ class EDM:
         S_max: float = math.inf,
         S_noise: float = 1.0,        # noise inflation for churn
     ):
-        if num_steps < 1:
-            raise ValueError(f"diffusion.num_steps={num_steps} must be >= 1.")
-        if not 0 < sigma_min < sigma_max:
-            raise ValueError(f"diffusion.sigma_min={sigma_min} and sigma_max={sigma_max} need 0 < sigma_min < sigma_max.")
         self.sigma_data, self.P_mean, self.P_std = sigma_data, P_mean, P_std
         self.num_steps, self.sigma_min, self.sigma_max, self.rho = num_steps, sigma_min, sigma_max, rho
         self.S_churn, self.S_min, self.S_max, self.S_noise = S_churn, S_min, float(S_max), S_noise
@@ -80,12 +76,10 @@ class EDM:
         return torch.cat([t, torch.zeros_like(t[:1])])
 
     @torch.no_grad()
-    def sample(self, net, noise: torch.Tensor, labels: torch.Tensor, *, null_label: int, cfg_scale: float = 1.0,
-               num_steps: Optional[int] = None, randn_like=torch.randn_like, cond: Optional[dict] = None,
-               guidance=None, stats: Optional[dict] = None) -> torch.Tensor:
-        """Heun (EDM Algorithm 2) from unit-variance `noise`; net(x, sigma, labels, **cond) -> denoised."""
+    def sample(self, denoise: Denoiser, noise: torch.Tensor, labels: torch.Tensor, *, num_steps: Optional[int] = None,
+               randn_like=torch.randn_like, cond: Optional[dict] = None) -> torch.Tensor:
+        """Heun (EDM Algorithm 2) from unit-variance `noise`; denoise(x, sigma, labels, **cond) -> D(x; sigma)."""
         extra = {"cond": cond} if cond else {}
-        denoise = sampling_denoiser(net, null_label, cfg_scale, guidance, stats)
         t_steps = self.sigma_steps(num_steps, noise.device)
         n = len(t_steps) - 1
         x_next = noise.to(torch.float64) * t_steps[0]

@@ -6,7 +6,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from diffusion.common import sampling_denoiser
+from diffusion.common import Denoiser
 
 
 def shift_t(t: torch.Tensor, shift: float) -> torch.Tensor:
@@ -38,10 +38,6 @@ class RectifiedFlow:
         t_scale: float = 1000.0,   # noise_level fed to the backbone = t * t_scale
         num_steps: int = 50,       # Euler steps (network evaluations)
     ):
-        if num_steps < 1:
-            raise ValueError(f"diffusion.num_steps={num_steps} must be >= 1.")
-        if shift <= 0:
-            raise ValueError(f"diffusion.shift={shift} must be > 0.")
         self.P_mean, self.P_std, self.shift, self.t_scale, self.num_steps = P_mean, P_std, shift, t_scale, num_steps
 
     def precondition(self, model: nn.Module) -> RFModel:
@@ -60,12 +56,11 @@ class RectifiedFlow:
         return shift_t(t, self.shift)
 
     @torch.no_grad()
-    def sample(self, net, noise: torch.Tensor, labels: torch.Tensor, *, null_label: int, cfg_scale: float = 1.0,
-               num_steps: Optional[int] = None, randn_like=None, cond: Optional[dict] = None,
-               guidance=None, stats: Optional[dict] = None) -> torch.Tensor:
-        """Euler integration of dz/dt = v from z_1 = noise to z_0; `cond` goes to the model (e.g. text)."""
+    def sample(self, velocity: Denoiser, noise: torch.Tensor, labels: torch.Tensor, *, num_steps: Optional[int] = None,
+               randn_like=None, cond: Optional[dict] = None) -> torch.Tensor:
+        """Euler integration of dz/dt = v from z_1 = noise to z_0; velocity(z, t, labels, **cond) -> v, `cond`
+        (e.g. text) going to the model. randn_like is unused (the sampler is deterministic)."""
         extra = {"cond": cond} if cond else {}
-        velocity = sampling_denoiser(net, null_label, cfg_scale, guidance, stats)
         ts = self.t_steps(num_steps, noise.device)
         x = noise.to(torch.float64)
         for t_cur, t_next in zip(ts[:-1], ts[1:]):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
@@ -37,6 +38,9 @@ import torch
 import torch.nn as nn
 
 from evaluation.frechet import FeatureStats
+from evaluation.toy_classifier import load_or_train_toy_classifier
+from utils.device import resolve_device
+from utils.io import atomic_write
 
 FEATURE_NAMES = ("toy_classifier", "inception")
 # The weights torch-fidelity's FeatureExtractorInceptionV3 downloads when given no path
@@ -85,6 +89,7 @@ def _nhwc_flat(x: torch.Tensor, channels: int = SPATIAL_CHANNELS) -> torch.Tenso
 
 
 def _inception_class():
+    # Lazy: torch-fidelity is a heavy optional dependency, needed only for Inception features.
     from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
     return FeatureExtractorInceptionV3
@@ -142,8 +147,6 @@ def save_random_inception_weights(path: Union[str, Path], seed: int = 0) -> Path
 
     Convolutions get He-normal weights (and the classifier a 1/sqrt(fan_in) normal) so activations keep
     their scale through the 94 layers; batch norms keep running mean 0 / variance 1."""
-    import tempfile
-
     class _RandomInception(_inception_class()):
         def load_state_dict(self, state_dict, strict=True, assign=False):  # keep the random initialisation
             return None
@@ -159,8 +162,6 @@ def save_random_inception_weights(path: Union[str, Path], seed: int = 0) -> Path
         nn.init.normal_(net.fc.weight, std=net.fc.in_features ** -0.5)
         nn.init.zeros_(net.fc.bias)
         state = net.state_dict()
-    from evaluation.images import atomic_write
-
     return atomic_write(path, lambda f: torch.save(state, f))
 
 
@@ -215,12 +216,6 @@ def forward_features(extractor: nn.Module, images: torch.Tensor, spatial: bool =
     return {"pool": extractor(images).float()}
 
 
-def resolve_device(device: Union[str, torch.device]) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def build_feature_extractor(name: str, *, inception_weights: Optional[Union[str, Path]] = None,
                             cache_dir: Union[str, Path] = ".cache", device: Union[str, torch.device] = "cpu",
                             resolution: int = 32) -> nn.Module:
@@ -230,8 +225,6 @@ def build_feature_extractor(name: str, *, inception_weights: Optional[Union[str,
     if name == "inception":
         extractor = InceptionFeatures(inception_weights)
     elif name == "toy_classifier":
-        from evaluation.toy_classifier import load_or_train_toy_classifier
-
         extractor = ToyClassifierFeatures(load_or_train_toy_classifier(cache_dir, resolution=resolution))
     else:
         raise ValueError(f"Unknown feature extractor eval.features={name!r}; choose one of {FEATURE_NAMES}")

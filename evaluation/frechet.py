@@ -6,7 +6,8 @@ from typing import Optional, Union
 import numpy as np
 import scipy.linalg
 import torch
-import torch.distributed as dist
+
+from utils.distributed import all_reduce_sum, is_distributed
 
 ArrayLike = Union[torch.Tensor, np.ndarray]
 
@@ -62,17 +63,12 @@ class FeatureStats:
 
     def all_reduce(self) -> "FeatureStats":
         """Sum the accumulators over all torch.distributed ranks (no-op when not distributed)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not is_distributed():
             return self
         if self.sum is None:
             raise RuntimeError("FeatureStats.all_reduce on a rank without features: construct with dim=...")
-        device = self.sum.device
-        if dist.get_backend() == "nccl" and device.type != "cuda":  # NCCL only reduces CUDA tensors
-            device = torch.device("cuda", torch.cuda.current_device())
-        packed = torch.cat([torch.tensor([float(self.n)], dtype=torch.float64), self.sum.cpu(),
-                            self.outer.cpu().flatten()]).to(device)
-        dist.all_reduce(packed)
-        packed = packed.to(self.sum.device)
+        count = torch.tensor([float(self.n)], dtype=torch.float64, device=self.sum.device)
+        packed = all_reduce_sum(torch.cat([count, self.sum, self.outer.flatten()]))
         d = self.dim
         self.n = int(round(packed[0].item()))
         self.sum = packed[1:1 + d].clone()

@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
 from PIL import Image
+
+from utils.io import atomic_write
 
 ImagesLike = Union[torch.Tensor, np.ndarray]
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")
@@ -25,25 +25,6 @@ def to_nhwc_uint8(images: ImagesLike, what: str = "images") -> np.ndarray:
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
         raise ValueError(f"{what}: expected uint8 (N, H, W, 3) images, got {images.dtype} {images.shape}")
     return images
-
-
-def atomic_write(path: Union[str, Path], write: Callable) -> Path:
-    """Call write(file_object) on a temp file next to `path`, then rename: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
 
 
 def make_grid(images: ImagesLike, nrow: Optional[int] = None, upscale: int = 1, padding: int = 2) -> np.ndarray:
@@ -193,3 +174,12 @@ def load_images(path: Union[str, Path]) -> np.ndarray:
                 raise ValueError(f"{path} has no 'arr_0' image array (keys: {list(data.keys())})")
             return to_nhwc_uint8(data["arr_0"], what=f"arr_0 in {path}")
     raise ValueError(f"{path} is neither an image folder nor an .npz file")
+
+
+def write_samples(images: torch.Tensor, labels: torch.Tensor, out_dir: Path, grid_nrow: Optional[int]) -> dict:
+    """A PNG folder, a grid and an ADM-format samples.npz (arr_0 uint8 NHWC, arr_1 labels) under out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_png_folder(images, out_dir / "images")
+    save_npz(images, out_dir / "samples.npz", labels=labels.numpy())
+    save_image_grid(images[:256], out_dir / "grid.png", nrow=grid_nrow, upscale=max(1, 64 // images.shape[1]))
+    return {"images": str(out_dir / "images"), "npz": str(out_dir / "samples.npz"), "grid": str(out_dir / "grid.png")}

@@ -16,31 +16,20 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Union
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from evaluation.features import extractor_device, forward_features, resolve_device
+from evaluation.features import extractor_device, forward_features
 from evaluation.frechet import FeatureStats, frechet_distance
+from evaluation.metric_names import METRICS, ROW_METRICS, check_metrics
+from evaluation.reference import Reference
+from utils.device import resolve_device
+from utils.distributed import all_gather_rows
 
-if TYPE_CHECKING:
-    from evaluation.reference import Reference
-
-METRICS = ("fid", "sfid", "is", "precision", "recall", "kid")
-ROW_METRICS = ("precision", "recall", "kid")  # need the pool feature rows of samples and reference images
 ArrayLike = Union[torch.Tensor, np.ndarray]
-
-
-def check_metrics(metrics: Union[str, Iterable[str]]) -> tuple[str, ...]:
-    """Metric names as a tuple without repeats (a single name may be given as a string)."""
-    metrics = (metrics,) if isinstance(metrics, str) else tuple(dict.fromkeys(metrics))
-    bad = [m for m in metrics if m not in METRICS]
-    if bad or not metrics:
-        raise ValueError(f"metrics={list(metrics)} is not valid: choose a non-empty list from {list(METRICS)}")
-    return metrics
 
 
 def _as_tensor(x: ArrayLike, dtype: torch.dtype, device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
@@ -181,41 +170,6 @@ def kid(ref_feats: ArrayLike, sample_feats: ArrayLike, subsets: int = 100, subse
 
 # ----------------------------------------------------------------------------- feature accumulation
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":  # NCCL only moves CUDA tensors
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_gather_rows(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """All-gather tensors with the same (possibly different per rank, possibly 0) number of rows: each is
-    padded to the largest count, gathered, trimmed and concatenated in rank order (on the CPU).
-    Not distributed: the tensors themselves, on the CPU. A collective: every rank must call it."""
-    if not _distributed():
-        return [t.cpu() for t in tensors]
-    dev, world = _comm_device(), dist.get_world_size()
-    n = tensors[0].shape[0]
-    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([n], dtype=torch.int64, device=dev))
-    sizes = [int(s.item()) for s in sizes]
-    most = max(sizes)
-    out = []
-    for t in tensors:
-        if most == 0:
-            out.append(t.cpu())
-            continue
-        padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=dev)
-        padded[:n] = t.to(dev)
-        parts = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(parts, padded)
-        out.append(torch.cat([p[:s].cpu() for p, s in zip(parts, sizes)]))
-    return out
-
-
 class FeatureAccumulator:
     """Collects what `metrics` need from generated images, batch by batch, on one or many processes.
 
@@ -351,17 +305,9 @@ def _ref_name(reference) -> str:
     return f"reference {reference.path}" if getattr(reference, "path", None) else "the reference"
 
 
-def compute_metrics(samples: FeatureAccumulator, reference: "Reference", metrics: Iterable[str] = METRICS,
-                    is_split_size: int = 5000, pr_k: int = 3, kid_subsets: int = 100, kid_subset_size: int = 1000,
-                    seed: int = 0) -> dict[str, float]:
-    """{"fid", "sfid", "is", "precision", "recall", "kid", "kid_std"} (those requested) and "num_samples".
-
-    fid/sfid: Fréchet distance of the samples' pool/spatial statistics to the reference's mu/sigma and
-    mu_s/sigma_s (ADM: the whole-dataset statistics when the reference file has them); is: inception_score
-    of the samples' logits; precision/recall (k = pr_k) and kid: sample pool rows against the reference
-    images' pool rows (ADM: the 10K arr_0 images). Gathers `samples` first if that was not done (then this
-    is a collective: call it on every rank)."""
-    metrics = check_metrics(metrics)
+def _check_samples(samples: FeatureAccumulator, reference: Reference, metrics: tuple[str, ...]) -> None:
+    """The samples hold what `metrics` need, with the reference's features; gathers them (a collective) and
+    warns when the image sizes of samples and reference differ."""
     missing = [m for m in metrics if m not in samples.metrics]
     if missing:
         raise ValueError(f"metrics {missing} were not collected: build FeatureAccumulator(extractor, metrics=...) "
@@ -375,6 +321,53 @@ def compute_metrics(samples: FeatureAccumulator, reference: "Reference", metrics
     if ref_res is not None and sam_res is not None and tuple(ref_res) != tuple(sam_res):
         warnings.warn(f"samples are {sam_res[0]}x{sam_res[1]} images but {_ref_name(reference)} is for "
                       f"{ref_res[0]}x{ref_res[1]} images: the metrics are not comparable with published numbers")
+
+
+def _row_metrics(samples: FeatureAccumulator, reference: Reference, metrics: tuple[str, ...], pr_k: int,
+                 kid_subsets: int, kid_subset_size: int, seed: int) -> dict[str, float]:
+    """precision/recall and kid (those in `metrics`) of the sample pool rows against the reference images'."""
+    row_metrics = [m for m in ROW_METRICS if m in metrics]
+    if not row_metrics:
+        return {}
+    what = " and ".join(row_metrics)
+    if reference.pool_rows is None:
+        raise ValueError(f"{what} need the reference images' features, but {_ref_name(reference)} has no "
+                         f"arr_0 images (or they were not loaded: load_reference_full(..., need=[..., "
+                         f"'{row_metrics[0]}'])); ADM reference batches keep 10K images in arr_0, and "
+                         f"`python fid.py mode=ref ... store_images=10000` stores them")
+    ref_rows = torch.as_tensor(reference.pool_rows)
+    out: dict[str, float] = {}
+    if {"precision", "recall"} & set(metrics):
+        need = pr_k + 1
+        for what_rows, count in (("samples", samples.n), ("reference images", len(ref_rows))):
+            if count < need:
+                raise ValueError(f"precision/recall with k={pr_k} need at least {need} {what_rows}, got {count}")
+        precision, recall = precision_recall(ref_rows, samples.pool_rows, k=pr_k, device=samples.device)
+        if "precision" in metrics:
+            out["precision"] = precision
+        if "recall" in metrics:
+            out["recall"] = recall
+    if "kid" in metrics:
+        for what_rows, count in (("samples", samples.n), ("reference images", len(ref_rows))):
+            if count < 2:
+                raise ValueError(f"kid needs at least 2 {what_rows}, got {count}")
+        out["kid"], out["kid_std"] = kid(ref_rows, samples.pool_rows, subsets=kid_subsets,
+                                         subset_size=kid_subset_size, seed=seed, device=samples.device)
+    return out
+
+
+def compute_metrics(samples: FeatureAccumulator, reference: Reference, metrics: Iterable[str] = METRICS,
+                    is_split_size: int = 5000, pr_k: int = 3, kid_subsets: int = 100, kid_subset_size: int = 1000,
+                    seed: int = 0) -> dict[str, float]:
+    """{"fid", "sfid", "is", "precision", "recall", "kid", "kid_std"} (those requested) and "num_samples".
+
+    fid/sfid: Fréchet distance of the samples' pool/spatial statistics to the reference's mu/sigma and
+    mu_s/sigma_s (ADM: the whole-dataset statistics when the reference file has them); is: inception_score
+    of the samples' logits; precision/recall (k = pr_k) and kid: sample pool rows against the reference
+    images' pool rows (ADM: the 10K arr_0 images). Gathers `samples` first if that was not done (then this
+    is a collective: call it on every rank)."""
+    metrics = check_metrics(metrics)
+    _check_samples(samples, reference, metrics)
     out: dict[str, float] = {}
     if "fid" in metrics:
         out["fid"] = _fid_from(samples.pool_stats, reference.mu, reference.sigma, "fid", "mu/sigma", reference)
@@ -385,30 +378,6 @@ def compute_metrics(samples: FeatureAccumulator, reference: "Reference", metrics
         if samples.n < 1:
             raise ValueError("is (Inception Score) needs at least 1 sample, got 0")
         out["is"] = inception_score(samples.logits, is_split_size)
-    row_metrics = [m for m in ROW_METRICS if m in metrics]
-    if row_metrics:
-        what = " and ".join(row_metrics)
-        if reference.pool_rows is None:
-            raise ValueError(f"{what} need the reference images' features, but {_ref_name(reference)} has no "
-                             f"arr_0 images (or they were not loaded: load_reference_full(..., need=[..., "
-                             f"'{row_metrics[0]}'])); ADM reference batches keep 10K images in arr_0, and "
-                             f"`python fid.py mode=ref ... store_images=10000` stores them")
-        ref_rows = torch.as_tensor(reference.pool_rows)
-        if {"precision", "recall"} & set(metrics):
-            need = pr_k + 1
-            for what_rows, count in (("samples", samples.n), ("reference images", len(ref_rows))):
-                if count < need:
-                    raise ValueError(f"precision/recall with k={pr_k} need at least {need} {what_rows}, got {count}")
-            precision, recall = precision_recall(ref_rows, samples.pool_rows, k=pr_k, device=samples.device)
-            if "precision" in metrics:
-                out["precision"] = precision
-            if "recall" in metrics:
-                out["recall"] = recall
-        if "kid" in metrics:
-            for what_rows, count in (("samples", samples.n), ("reference images", len(ref_rows))):
-                if count < 2:
-                    raise ValueError(f"kid needs at least 2 {what_rows}, got {count}")
-            out["kid"], out["kid_std"] = kid(ref_rows, samples.pool_rows, subsets=kid_subsets,
-                                             subset_size=kid_subset_size, seed=seed, device=samples.device)
+    out.update(_row_metrics(samples, reference, metrics, pr_k, kid_subsets, kid_subset_size, seed))
     out["num_samples"] = samples.n
     return out

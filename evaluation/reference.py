@@ -13,14 +13,17 @@ from typing import Iterable, Iterator, Optional, Union
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from tqdm.auto import tqdm
 
+import data as data_mod
 from evaluation.features import extract_features, extractor_device, forward_features
-from evaluation.frechet import FeatureStats, frechet_distance
-from evaluation.images import (ImagesLike, atomic_write, image_files, iter_image_folder, iter_npz_batches,
-                               npz_array_info, to_nhwc_uint8)
+from evaluation.frechet import FeatureStats
+from evaluation.images import (ImagesLike, image_files, iter_image_folder, iter_npz_batches, npz_array_info,
+                               to_nhwc_uint8)
+from evaluation.metric_names import ROW_METRICS, check_metrics
+from utils.distributed import all_gather_rows, is_distributed
+from utils.io import atomic_write
 
 PathLike = Union[str, Path]
 
@@ -121,59 +124,48 @@ def _load_stats(path: Path, data, files: set, keys: tuple[str, str], dim: Option
     return mu, sigma
 
 
-@torch.no_grad()
-def load_reference_full(path: PathLike, extractor: nn.Module, batch_size: int = 250,
-                        need: Iterable[str] = ("fid",)) -> Reference:
-    """The reference for the metrics in `need`, from an npz AS IT IS (ours or an ADM reference batch):
-    stored mu/sigma and mu_s/sigma_s are used when present (ADM: whole-dataset statistics); whatever is
-    missing but needed is computed from the arr_0 images (uint8 NHWC) with `extractor`, and the arr_0 images'
-    pool features are computed when precision/recall/kid are needed (ADM uses its 10K arr_0 images there)."""
-    from evaluation.metrics import ROW_METRICS, check_metrics
+def _arr0_shape(path: Path, files: set) -> Optional[tuple[int, ...]]:
+    """The shape of the reference's arr_0 images (None without them); they must be uint8 (N, H, W, 3)."""
+    if "arr_0" not in files:
+        return None
+    arr_shape, arr_dtype = npz_array_info(path, "arr_0")
+    if arr_dtype != np.uint8 or len(arr_shape) != 4 or arr_shape[-1] != 3:
+        raise ValueError(f"arr_0 in reference {path}: expected uint8 (N, H, W, 3) images, got {arr_dtype} "
+                         f"{arr_shape}")
+    return arr_shape
 
-    need = set(check_metrics(need))
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"reference {path} not found; build it with {_REF_HINT.format(path=path)}")
-    spatial_dim = getattr(extractor, "spatial_dim", None)
+
+def _read_reference(path: Path, extractor: nn.Module) -> tuple[Reference, set]:
+    """The Reference with what the npz stores (checked against `extractor`), and the npz's keys."""
     with np.load(path) as data:
         files = set(data.files)
         _check_feature(path, data, extractor)
         resolution = _resolution_of(data, files)
         _check_resolution(path, resolution, extractor)
         mu, sigma = _load_stats(path, data, files, ("mu", "sigma"), extractor.dim, extractor)
+        spatial_dim = getattr(extractor, "spatial_dim", None)
         mu_s, sigma_s = _load_stats(path, data, files, ("mu_s", "sigma_s"), spatial_dim, extractor)
         num_images = int(data["num_images"]) if "num_images" in files else None
-    arr_shape = None
-    if "arr_0" in files:
-        arr_shape, arr_dtype = npz_array_info(path, "arr_0")
-        if arr_dtype != np.uint8 or len(arr_shape) != 4 or arr_shape[-1] != 3:
-            raise ValueError(f"arr_0 in reference {path}: expected uint8 (N, H, W, 3) images, got {arr_dtype} "
-                             f"{arr_shape}")
-        if resolution is None:
-            resolution = (int(arr_shape[1]), int(arr_shape[2]))
-            _check_resolution(path, resolution, extractor)
-    want_pool = "fid" in need and mu is None
-    want_spatial = "sfid" in need and mu_s is None
-    want_rows = bool(need & set(ROW_METRICS))
+    arr_shape = _arr0_shape(path, files)
+    if arr_shape is not None and resolution is None:
+        resolution = (int(arr_shape[1]), int(arr_shape[2]))
+        _check_resolution(path, resolution, extractor)
     if num_images is None:
         num_images = int(arr_shape[0]) if arr_shape is not None else 0
     ref = Reference(feature=extractor.name, mu=mu, sigma=sigma, mu_s=mu_s, sigma_s=sigma_s,
                     num_images=num_images, path=path, resolution=resolution)
-    if not (want_pool or want_spatial or want_rows):
-        return ref
-    if "arr_0" not in files:
-        lacking = ", ".join(w for w, on in (("mu/sigma (fid)", want_pool), ("mu_s/sigma_s (sfid)", want_spatial),
-                                            ("reference images (precision/recall/kid)", want_rows)) if on)
-        raise ValueError(f"reference {path} has no arr_0 images, so it cannot provide {lacking}: rebuild it "
-                         f"with {_REF_HINT.format(path=path)} (it stores mu/sigma, mu_s/sigma_s and arr_0 "
-                         f"images), or leave those metrics out")
-    if want_spatial and spatial_dim is None:
-        raise ValueError(f"sfid needs spatial features, which extractor '{extractor.name}' does not give")
+    return ref, files
+
+
+def _add_image_features(ref: Reference, extractor: nn.Module, batch_size: int, want_pool: bool,
+                        want_spatial: bool, want_rows: bool) -> None:
+    """Fill in what is wanted from the features of the reference's arr_0 images: mu/sigma, mu_s/sigma_s and
+    the float32 pool rows."""
     device = extractor_device(extractor)
     pool = FeatureStats(extractor.dim, device) if want_pool else None
-    spatial = FeatureStats(spatial_dim, device) if want_spatial else None
+    spatial = FeatureStats(extractor.spatial_dim, device) if want_spatial else None
     rows = []
-    for batch in iter_npz_batches(path, "arr_0", batch_size):
+    for batch in iter_npz_batches(ref.path, "arr_0", batch_size):
         x = torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2).to(device)
         feats = forward_features(extractor, x, spatial=want_spatial, logits=False)
         if pool is not None:
@@ -184,13 +176,42 @@ def load_reference_full(path: PathLike, extractor: nn.Module, batch_size: int = 
             rows.append(feats["pool"].float().cpu())
     for what, stats in (("fid", pool), ("sfid", spatial)):
         if stats is not None and stats.n < 2:
-            raise ValueError(f"{what}: reference {path} has {stats.n} arr_0 images, need at least 2 for statistics")
+            raise ValueError(f"{what}: reference {ref.path} has {stats.n} arr_0 images, need at least 2 for "
+                             f"statistics")
     if pool is not None:
         ref.mu, ref.sigma = pool.mean(), pool.cov()
     if spatial is not None:
         ref.mu_s, ref.sigma_s = spatial.mean(), spatial.cov()
     if want_rows:
         ref.pool_rows = torch.cat(rows) if rows else torch.zeros(0, extractor.dim)
+
+
+@torch.no_grad()
+def load_reference_full(path: PathLike, extractor: nn.Module, batch_size: int = 250,
+                        need: Iterable[str] = ("fid",)) -> Reference:
+    """The reference for the metrics in `need`, from an npz AS IT IS (ours or an ADM reference batch):
+    stored mu/sigma and mu_s/sigma_s are used when present (ADM: whole-dataset statistics); whatever is
+    missing but needed is computed from the arr_0 images (uint8 NHWC) with `extractor`, and the arr_0 images'
+    pool features are computed when precision/recall/kid are needed (ADM uses its 10K arr_0 images there)."""
+    need = set(check_metrics(need))
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"reference {path} not found; build it with {_REF_HINT.format(path=path)}")
+    ref, files = _read_reference(path, extractor)
+    want_pool = "fid" in need and ref.mu is None
+    want_spatial = "sfid" in need and ref.mu_s is None
+    want_rows = bool(need & set(ROW_METRICS))
+    if not (want_pool or want_spatial or want_rows):
+        return ref
+    if "arr_0" not in files:
+        lacking = ", ".join(w for w, on in (("mu/sigma (fid)", want_pool), ("mu_s/sigma_s (sfid)", want_spatial),
+                                            ("reference images (precision/recall/kid)", want_rows)) if on)
+        raise ValueError(f"reference {path} has no arr_0 images, so it cannot provide {lacking}: rebuild it "
+                         f"with {_REF_HINT.format(path=path)} (it stores mu/sigma, mu_s/sigma_s and arr_0 "
+                         f"images), or leave those metrics out")
+    if want_spatial and getattr(extractor, "spatial_dim", None) is None:
+        raise ValueError(f"sfid needs spatial features, which extractor '{extractor.name}' does not give")
+    _add_image_features(ref, extractor, batch_size, want_pool, want_spatial, want_rows)
     return ref
 
 
@@ -274,17 +295,13 @@ class ReferenceBuilder:
     def all_reduce(self) -> "ReferenceBuilder":
         """Collective over torch.distributed ranks (no-op without a process group of more than one rank):
         statistics summed, kept images gathered (every rank then holds them all, ordered by index)."""
-        from evaluation.metrics import _comm_device, _distributed, all_gather_rows
-
         if self.reduced:
             return self
         self.pool.all_reduce()
         self.spatial.all_reduce()
-        if _distributed():
-            dev = _comm_device()
+        if is_distributed():
             # Ranks that saw no image learn the image size from the others.
-            sizes = [torch.zeros(2, dtype=torch.int64, device=dev) for _ in range(dist.get_world_size())]
-            dist.all_gather(sizes, torch.tensor(self.image_size or (0, 0), dtype=torch.int64, device=dev))
+            sizes = all_gather_rows([torch.tensor([self.image_size or (0, 0)], dtype=torch.int64)])[0]
             seen = {tuple(int(v) for v in s.tolist()) for s in sizes} - {(0, 0)}
             if len(seen) > 1:
                 raise ValueError(f"image sizes differ between processes: {sorted(seen)}")
@@ -300,9 +317,7 @@ class ReferenceBuilder:
         """Write the ADM-compatible reference npz atomically: arr_0 (kept images, by index), mu, sigma, mu_s,
         sigma_s, plus feature, num_images, source and resolution (the image side, for square images).
         After all_reduce() when distributed; call it on one rank."""
-        from evaluation.metrics import _distributed
-
-        if _distributed() and not self.reduced:
+        if is_distributed() and not self.reduced:
             raise RuntimeError("ReferenceBuilder.save in a distributed run: call all_reduce() on every rank first")
         if self.n < 2:
             raise ValueError(f"a reference needs at least 2 images, got {self.n}")
@@ -371,8 +386,6 @@ def reference_for_dataset(dataset, extractor: nn.Module, out_path: PathLike, max
     ADM-style reference (mu/sigma, mu_s/sigma_s, up to `store_images` images as arr_0) to out_path.
     Reuses out_path (unless force) if it holds all of that for the same features, dataset, image count and
     decode options; older files (e.g. without mu_s/sigma_s or arr_0) are rebuilt."""
-    import data as data_mod
-
     out_path, source = Path(out_path), _dataset_source(dataset)
     indices = subset_indices(len(dataset), max_images)
     decode = _describe_decode(decode_kwargs)
@@ -401,9 +414,7 @@ def build_reference(out: PathLike, extractor: nn.Module, source: PathLike, *, ma
     if not source.exists():
         raise FileNotFoundError(f"reference source {source} does not exist")
     if (source / "meta.json").is_file():
-        from data import LatentDataset
-
-        return reference_for_dataset(LatentDataset(str(source)), extractor, out, max_images=max_images,
+        return reference_for_dataset(data_mod.LatentDataset(str(source)), extractor, out, max_images=max_images,
                                      batch_size=batch_size, force=True, decode_kwargs=decode_kwargs,
                                      store_images=store_images)
     if source.is_dir():

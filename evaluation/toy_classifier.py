@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from evaluation.images import atomic_write
+from data.toy import generate_toy_shapes
+from utils.io import atomic_write, atomic_write_text
 
 # 64-d features: FID estimates a DxD covariance, and in-training evaluation uses only
 # ~500-1000 samples; with D=64 that is >= 8 samples per dimension, so the covariance is
@@ -68,8 +69,6 @@ class ToyClassifier(nn.Module):
 
 
 def _toy_uint8(num_per_class: int, resolution: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from data.toy import generate_toy_shapes  # lazy: data/ is only needed when (re)training
-
     images, labels = generate_toy_shapes(num_per_class, resolution, seed)
     # The same [-1, 1] -> uint8 quantisation as decoding, so the net sees what it will be fed.
     return ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8), labels.long()
@@ -145,7 +144,7 @@ def save_toy_classifier(model: ToyClassifier, path: Union[str, Path], info: dict
     path = Path(path)
     atomic_write(path, lambda f: torch.save({"config": model.config, "state_dict": model.state_dict(),
                                              "info": info}, f))
-    atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps(info, indent=2).encode()))
+    atomic_write_text(path.with_suffix(".json"), json.dumps(info, indent=2))
     return path
 
 

@@ -14,7 +14,9 @@ import torch.nn as nn
 from timm.layers import Mlp, PatchEmbed
 from timm.models.vision_transformer import Attention
 
-from routing import RoutingController, run_blocks
+from models.errors import ModelConfigError
+from routing import RoutedBackbone, RoutePlan, RoutingController, run_blocks, tokens_per_block
+from routing.masks import token_keep_mask
 
 #################################################################################
 #                     Embedders: noise level, class label, positions            #
@@ -122,7 +124,7 @@ class FinalLayer(nn.Module):
 #################################################################################
 
 
-class DiT(nn.Module):
+class DiT(RoutedBackbone):
     """Diffusion transformer over patchified latents, with optional TREAD routes."""
 
     def __init__(
@@ -140,9 +142,9 @@ class DiT(nn.Module):
     ):
         super().__init__()
         if input_size % patch_size:
-            raise ValueError(f"input_size={input_size} must be divisible by patch_size={patch_size}.")
+            raise ModelConfigError(f"input_size={input_size} must be divisible by patch_size={patch_size}.")
         if hidden_size % num_heads:
-            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}.")
+            raise ModelConfigError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}.")
         self.in_channels = in_channels
         self.out_channels = in_channels
         self.patch_size = patch_size
@@ -150,7 +152,6 @@ class DiT(nn.Module):
         self.num_classes = num_classes
         self.depth = depth
         self.gradient_checkpointing = bool(gradient_checkpointing)
-        self.last_route_stats: list = []  # (start, end, kept, total) per route of the last forward
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
         self.t_embedder = TimestepEmbedder(hidden_size)
@@ -172,7 +173,6 @@ class DiT(nn.Module):
 
     def tokens_from_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """A (B, 1, H, W) loss-mask coverage in [0, 1] -> (B, N) bool: tokens more than half covered."""
-        from data import token_keep_mask
         side = self.input_size // self.patch_size
         return token_keep_mask(mask, (side, side))
 
@@ -185,10 +185,7 @@ class DiT(nn.Module):
         N = self.num_tokens
         D = self.blocks[0].attn.qkv.in_features
         H = self.blocks[0].mlp.fc1.out_features
-        n_per_block = [N] * self.depth
-        for r in routes if routes is not None else self.routing.routes:
-            for i in range(r.start_layer_idx, r.end_layer_idx + 1):
-                n_per_block[i] = r.num_keep(N)
+        n_per_block = tokens_per_block(routes if routes is not None else self.routing.routes, self.depth, N)
         block = sum(2 * n * (4 * D * D + 2 * D * H) + 4 * n * n * D for n in n_per_block)
         io = 2 * N * D * (self.patch_size ** 2 * self.in_channels) * 2
         return float(block + io)
@@ -224,17 +221,15 @@ class DiT(nn.Module):
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(x.shape[0], c, h * p, w * p)
 
-    def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
-                force_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x (B, C, H, W), noise_level (B,), labels (B,) in [0, num_classes]; force_keep (B, N) bool."""
+    def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
+                       force_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, C, H, W), noise_level (B,), labels (B,) in [0, num_classes]; force_keep (B, N) bool; `plan`
+        from the routing controller (RoutedBackbone.forward makes it)."""
         x = self.x_embedder(x) + self.pos_embed                                   # (B, N, D)
         c = self.t_embedder(noise_level) + self.y_embedder(labels)                # (B, D)
-        routes = self.routing.active_routes(self.training)
         blocks = [lambda h, blk=blk: blk(h, c) for blk in self.blocks]
-        self.last_route_stats = []
-        x = run_blocks(blocks, x, routes, self.routing.router, force_keep,        # (B, N, D)
-                       checkpoint=self.gradient_checkpointing and self.training, stats=self.last_route_stats,
-                       fp32_blocks=self.routing.fp32_blocks(routes))
+        x = run_blocks(blocks, x, plan, self.routing.router, force_keep,          # (B, N, D)
+                       checkpoint=self.gradient_checkpointing and self.training)
         x = self.final_layer(x, c)                                                # (B, N, p*p*C)
         return self.unpatchify(x)                                                 # (B, C, H, W)
 
@@ -255,14 +250,20 @@ PATCH_SIZES = (2, 4, 8)
 DIT_ARCHS = [f"DiT-{s}/{p}" for s in DIT_SIZES for p in PATCH_SIZES]
 
 
+def parse_arch(arch: str) -> tuple[int, int, int, int]:
+    """'DiT-XL/2' -> (depth, hidden_size, num_heads, patch_size); the one parser of DiT names."""
+    if arch not in DIT_ARCHS:
+        raise ModelConfigError(f"model.arch={arch!r} is not a known DiT; allowed: {', '.join(DIT_ARCHS)}.")
+    size, patch = arch[len("DiT-"):].split("/")
+    depth, hidden, heads = DIT_SIZES[size]
+    return depth, hidden, heads, int(patch)
+
+
 def build_dit(arch: str, input_size: int, in_channels: int, num_classes: int,
               routing: Optional[Mapping[str, Any]] = None, **overrides: Any) -> DiT:
     """Build a named DiT size, e.g. `DiT-XL/2`; `overrides` replace any DiT argument."""
-    if arch not in DIT_ARCHS:
-        raise ValueError(f"model.arch={arch!r} is not a known DiT; allowed: {', '.join(DIT_ARCHS)}.")
-    size, patch = arch[len("DiT-"):].split("/")
-    depth, hidden, heads = DIT_SIZES[size]
-    kwargs = dict(input_size=input_size, patch_size=int(patch), in_channels=in_channels, hidden_size=hidden,
+    depth, hidden, heads, patch = parse_arch(arch)
+    kwargs = dict(input_size=input_size, patch_size=patch, in_channels=in_channels, hidden_size=hidden,
                   depth=depth, num_heads=heads, num_classes=num_classes, routing=routing)
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     return DiT(**kwargs)

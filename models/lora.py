@@ -11,10 +11,12 @@ from typing import Any, Mapping
 
 import torch.nn as nn
 
+from models.errors import ModelConfigError
+
 LORA_KEYS = ("rank", "alpha", "target_modules", "dropout", "init")
 
 
-class LoraConfigError(ValueError):
+class LoraConfigError(ModelConfigError):
     """A bad model.lora setting; the message names the key and what is allowed."""
 
 
@@ -67,3 +69,18 @@ def adapter_state_dict(module: nn.Module) -> dict:
     """The adapter weights of a LoRA-injected module in peft's format (no base weights)."""
     from peft import get_peft_model_state_dict
     return get_peft_model_state_dict(module)
+
+
+def load_weights(model: nn.Module, weights: dict, adapter_only: bool = False, where: str = "checkpoint") -> None:
+    """Load full weights strictly, or adapter-only weights over a freshly built base (model.pretrained or the
+    seeded initialisation); every key of an adapter-only checkpoint must exist in the model."""
+    if not adapter_only:
+        model.load_state_dict(weights)
+        return
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected:
+        raise LoraConfigError(f"{where}: adapter weights {sorted(unexpected)[:5]} do not exist in the model built "
+                              f"from its config; was model.lora changed?")
+    lora = [k for k in missing if "lora_" in k]
+    if lora:
+        raise LoraConfigError(f"{where}: adapter-only checkpoint lacks adapter weights {sorted(lora)[:5]}.")

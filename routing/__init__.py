@@ -1,16 +1,20 @@
-"""TREAD routing: route specs, validation and the parameter-free token router."""
-from routing.controller import RoutingController, run_blocks
-from routing.router import SELECTION_MODES, TokenRouter, gather_tokens, scatter_tokens
+"""TREAD routing: route specs, validation, the parameter-free token router, and loss-mask / token-keep geometry."""
+from routing.controller import RoutedBackbone, RoutePlan, RoutingController, run_blocks
+from routing.masks import resize_loss_mask, token_keep_mask
+from routing.router import SELECTION_MODES, TokenRouter, gather_tokens, keep_count, scatter_tokens
 from routing.spec import (
     NO_ROUTES_MESSAGE,
     Route,
     RouteConfigError,
     resolve_routes,
     routing_from_config,
+    tokens_per_block,
     tokens_processed_fraction,
 )
 
 __all__ = [
-    "NO_ROUTES_MESSAGE", "Route", "RoutingController", "run_blocks", "RouteConfigError", "SELECTION_MODES", "TokenRouter",
-    "gather_tokens", "resolve_routes", "routing_from_config", "scatter_tokens", "tokens_processed_fraction",
+    "NO_ROUTES_MESSAGE", "Route", "RoutePlan", "RoutedBackbone", "RouteConfigError", "RoutingController",
+    "SELECTION_MODES", "TokenRouter", "gather_tokens", "keep_count", "resize_loss_mask", "resolve_routes",
+    "routing_from_config", "run_blocks", "scatter_tokens", "token_keep_mask", "tokens_per_block",
+    "tokens_processed_fraction",
 ]

@@ -7,13 +7,33 @@ gather at start, scatter after end) live in one place.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
+import torch.nn as nn
 import torch.utils.checkpoint
 
-from routing.router import TokenRouter, gather_tokens, scatter_tokens
-from routing.spec import Route, RouteConfigError, resolve_routes, routing_from_config
+from routing.router import TokenRouter, gather_tokens, keep_count, scatter_tokens
+from routing.spec import Route, RouteConfigError, resolve_routes, routing_from_config, tokens_processed_fraction
+
+
+@dataclass
+class RoutePlan:
+    """What one forward pass routes, decided before it runs: the active routes, each route's keep count
+    (force-keep growth included) and its pre-drawn scores. Made eagerly (RoutingController.plan), so the
+    forward that consumes it has no generator calls and no host syncs and compiles into one graph."""
+
+    routes: list[Route] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)              # kept tokens per route
+    noise: list[torch.Tensor] = field(default_factory=list)    # (B, N) scores per route, in [0, 1)
+    fp32_blocks: frozenset[int] = frozenset()                  # blocks run outside autocast
+    num_tokens: int = 0
+
+    @property
+    def stats(self) -> list[tuple[int, int, int, int]]:
+        """(start, end, kept, total) per route: what routing.processed_fraction counts."""
+        return [(r.start_layer_idx, r.end_layer_idx, k, self.num_tokens) for r, k in zip(self.routes, self.keep)]
 
 
 class RoutingController:
@@ -37,6 +57,15 @@ class RoutingController:
             raise RouteConfigError(f"routing.fp32_after_route={flag!r} must be true or false.")
         router = TokenRouter(seed=int(routing.get("seed") or 0), **dict(routing.get("selection") or {}))
         return cls(routing_from_config(routing, depth), depth, router, fp32_after_route=flag)
+
+    def plan(self, batch: int, num_tokens: int, device: torch.device, training: bool,
+             force_keep: Optional[torch.Tensor] = None) -> RoutePlan:
+        """The routes this forward takes (active_routes) with their keep counts and the router's scores, drawn
+        now, in route order, from the router's own generator (or its per-sample generators)."""
+        routes = self.active_routes(training)
+        keep = [keep_count(r.num_keep(num_tokens), force_keep) for r in routes]
+        noise = [self.router.draw(batch, num_tokens, device) for _ in routes]
+        return RoutePlan(routes, keep, noise, self.fp32_blocks(routes), num_tokens)
 
     def fp32_blocks(self, routes: Sequence[Route]) -> frozenset[int]:
         """Blocks to run in fp32 (outside autocast): the one after each route's end, when enabled."""
@@ -84,11 +113,62 @@ class RoutingController:
             self._override = previous
 
 
-def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, routes: Sequence[Route],
-               router: TokenRouter, force_keep: Optional[torch.Tensor] = None, *, context: Any = None,
-               per_token: Optional[Mapping[str, torch.Tensor]] = None, checkpoint: bool = False,
-               stats: Optional[list] = None, fp32_blocks: frozenset[int] = frozenset()) -> Any:
-    """Run `blocks` over routable tokens x (B, N, D), routing a subset past each route's span.
+class RoutedBackbone(nn.Module):
+    """Base of every routed backbone (DiT and the diffusers families).
+
+    `forward(x, noise_level, labels, force_keep=None, **cond)` plans the routes eagerly (the router's
+    generator draws here, and a force-keep mask's keep count is read here) and then runs `routed_forward`,
+    which the subclass implements with `run_blocks`. `compile()` compiles `routed_forward` alone, so the
+    compiled graph has no generator calls and no host syncs: one graph per route shape, no graph breaks.
+    Subclasses set `self.routing` (a RoutingController) and provide `num_tokens`.
+    """
+
+    routing: RoutingController
+    last_route_plan: Optional[RoutePlan] = None   # the plan of the last forward (routes, keep counts)
+
+    def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
+                force_keep: Optional[torch.Tensor] = None, **cond: Any) -> torch.Tensor:
+        plan = self.routing.plan(x.shape[0], self.num_tokens, x.device, self.training, force_keep)
+        self.last_route_plan = plan
+        routed = self.__dict__.get("_compiled_routed_forward") or self.routed_forward
+        return routed(x, noise_level, labels, plan, force_keep, **cond)
+
+    def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
+                       force_keep: Optional[torch.Tensor] = None, **cond: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch.compile the routed forward in place; parameter names, state dicts and checkpoints are
+        unchanged. Copy the module (e.g. for EMA) before compiling it: the copy would share the compiled code."""
+        self._compiled_routed_forward = torch.compile(self.routed_forward, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Run the uncompiled forward inside the block (e.g. to count FLOPs without compiling again)."""
+        compiled = self.__dict__.pop("_compiled_routed_forward", None)
+        try:
+            yield
+        finally:
+            if compiled is not None:
+                self._compiled_routed_forward = compiled
+
+    @property
+    def last_route_stats(self) -> list[tuple[int, int, int, int]]:
+        """(start, end, kept, total) per route of the last forward."""
+        return self.last_route_plan.stats if self.last_route_plan is not None else []
+
+    def processed_fraction(self) -> float:
+        """Share of token-block evaluations the last forward did (1.0 dense); force-kept tokens raise it."""
+        plan = self.last_route_plan
+        if plan is None or not plan.routes:
+            return 1.0
+        return tokens_processed_fraction(plan.routes, self.routing.depth, plan.num_tokens, plan.keep)
+
+
+def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, plan: RoutePlan, router: TokenRouter,
+               force_keep: Optional[torch.Tensor] = None, *, context: Any = None,
+               per_token: Optional[Mapping[str, torch.Tensor]] = None, checkpoint: bool = False) -> Any:
+    """Run `blocks` over routable tokens x (B, N, D), routing a subset past each route of `plan`.
 
     Two calling conventions, one routing semantics:
 
@@ -102,25 +182,22 @@ def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, routes: Se
     scattered back over the route-start tokens, so set-aside tokens re-enter unchanged. `force_keep` (B, N)
     marks tokens that are never dropped. `checkpoint` recomputes each block in backward (activation
     checkpointing); selection happens outside the checkpointed call, so recomputation sees the same tokens.
-    `stats`, when given, receives one (start, end, kept, total) tuple per route taken. Blocks in
-    `fp32_blocks` run outside autocast on float32 inputs (RoutingController.fp32_blocks).
+    Blocks in `plan.fp32_blocks` run outside autocast on float32 inputs (RoutingController.fp32_blocks).
     """
     plain = context is None and per_token is None
     full_tokens = dict(per_token or {})
     tokens = full_tokens
-    starts = {r.start_layer_idx: r for r in routes}
+    starts = {r.start_layer_idx: j for j, r in enumerate(plan.routes)}
     route: Optional[Route] = None
     x_start = ids_keep = None
     for i, block in enumerate(blocks):
         if i in starts:
-            route = starts[i]
-            x_start = x
-            ids_keep = router.select(x, route.num_keep(x.shape[1]), force_keep)   # (B, K)
-            x = gather_tokens(x, ids_keep)                                         # (B, K, D)
+            j = starts[i]
+            route, x_start = plan.routes[j], x
+            ids_keep = router.select(x, plan.keep[j], force_keep, noise=plan.noise[j])    # (B, K)
+            x = gather_tokens(x, ids_keep)                                              # (B, K, D)
             tokens = {k: gather_tokens(v, ids_keep) for k, v in full_tokens.items()}
-            if stats is not None:
-                stats.append((route.start_layer_idx, route.end_layer_idx, ids_keep.shape[1], x_start.shape[1]))
-        fp32 = i in fp32_blocks
+        fp32 = i in plan.fp32_blocks
         with torch.autocast(x.device.type, enabled=False) if fp32 else contextlib.nullcontext():
             if plain:
                 x = _call(block, checkpoint, _f32(x) if fp32 else x)
@@ -128,7 +205,7 @@ def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, routes: Se
                 args = (x, context, tokens) if not fp32 else (_f32(x), _f32(context), _f32(tokens))
                 x, context = _call(block, checkpoint, *args)
         if route is not None and i == route.end_layer_idx:
-            x = scatter_tokens(x_start, x, ids_keep)                               # (B, N, D)
+            x = scatter_tokens(x_start, x, ids_keep)                                    # (B, N, D)
             tokens = full_tokens
             route = x_start = ids_keep = None
     return x if plain else (x, context)

@@ -66,7 +66,10 @@ class TokenRouter:
         finally:
             self._per_sample = previous
 
-    def _scores(self, B: int, N: int, device: torch.device) -> torch.Tensor:
+    def draw(self, B: int, N: int, device: torch.device) -> torch.Tensor:
+        """Uniform scores (B, N) in [0, 1) from the router's own stream (or the per-sample generators). Drawn
+        eagerly, before a (possibly compiled) forward runs: a torch.Generator inside a compiled graph would
+        break it, so the graph receives the scores as an input (RoutingController.plan)."""
         if self._per_sample is None:
             return torch.rand(B, N, device=device, generator=self._generator(device))
         gens = self._per_sample
@@ -76,14 +79,20 @@ class TokenRouter:
         return torch.stack([torch.rand(N, device=device, generator=g) for g in gens]).repeat(B // len(gens), 1)
 
     # -- selection -------------------------------------------------------------------
-    def select(self, x: torch.Tensor, num_keep: int, force_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def select(self, x: torch.Tensor, num_keep: int, force_keep: Optional[torch.Tensor] = None,
+               noise: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Indices (B, K) of the tokens to keep from `x` (B, N, D).
 
-        K = num_keep, grown for the whole batch when some sample force-keeps more tokens
-        than that, so the batch stays rectangular. Force-kept tokens are never dropped.
+        `noise` (B, N) are scores drawn beforehand (draw); without it they are drawn here, and K = num_keep is
+        grown for the whole batch when some sample force-keeps more tokens than that (keep_count), so the
+        batch stays rectangular. With `noise`, num_keep is taken as final (the plan grew it already), so this
+        function runs inside a compiled graph without host syncs. Force-kept tokens are never dropped.
         """
         B, N, _ = x.shape
-        score = self._scores(B, N, x.device)                                            # (B, N) in [0, 1)
+        if noise is None:
+            noise = self.draw(B, N, x.device)
+            num_keep = keep_count(num_keep, force_keep)
+        score = noise                                                                   # (B, N) in [0, 1)
         if self.mode == "importance":
             with torch.no_grad():
                 l1 = x.detach().float().abs().mean(dim=-1)                              # (B, N)
@@ -94,13 +103,17 @@ class TokenRouter:
         if force_keep is not None:
             if force_keep.shape != (B, N):
                 raise ValueError(f"force_keep mask must have shape (B, N) = {(B, N)}, got {tuple(force_keep.shape)}.")
-            force_keep = force_keep.to(device=x.device, dtype=torch.bool)
             # Scores lie in [0, 1]; +2 puts every forced token above every free one.
-            score = score + 2.0 * force_keep
-            # One sync per routed step, only when a mask is given: the keep count must be static.
-            num_keep = max(num_keep, int(force_keep.sum(dim=1).max()))
-        num_keep = min(num_keep, N)
-        return score.topk(num_keep, dim=1, sorted=False).indices                      # (B, K)
+            score = score + 2.0 * force_keep.to(device=x.device, dtype=score.dtype)
+        return score.topk(min(num_keep, N), dim=1, sorted=False).indices              # (B, K)
+
+
+def keep_count(num_keep: int, force_keep: Optional[torch.Tensor]) -> int:
+    """The route's keep count, grown to the most tokens any sample force-keeps. One host sync, only when a
+    mask is given: the keep count must be static for the batch."""
+    if force_keep is None:
+        return num_keep
+    return max(num_keep, int(force_keep.to(torch.bool).sum(dim=1).max()))
 
 
 def gather_tokens(x: torch.Tensor, ids_keep: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,9 @@ before any data is read or any output is written.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from utils.errors import UserError
 
 ROUTE_FIELDS = ("selection_ratio", "start_layer_idx", "end_layer_idx")
 
@@ -23,7 +25,7 @@ NO_ROUTES_MESSAGE = (
 )
 
 
-class RouteConfigError(ValueError):
+class RouteConfigError(UserError):
     """A route spec that cannot run on this model; the message names route, field and value."""
 
 
@@ -118,9 +120,20 @@ def routing_from_config(cfg: Mapping[str, Any] | None, depth: int) -> list[Route
     return resolve_routes(routes, depth)
 
 
-def tokens_processed_fraction(routes: list[Route], depth: int, num_tokens: int) -> float:
+def tokens_per_block(routes: Sequence[Route], depth: int, num_tokens: int,
+                     keep: Optional[Sequence[int]] = None) -> list[int]:
+    """Tokens each of the `depth` blocks processes: all of them, or a route's kept count inside its span.
+    `keep` gives the kept count per route (e.g. grown by force-keep, RoutePlan.keep); default Route.num_keep.
+    The one place that turns routes into per-block work: FLOPs, token shares and the planner count with it."""
+    n = [num_tokens] * depth
+    for j, r in enumerate(routes):
+        kept = r.num_keep(num_tokens) if keep is None else keep[j]
+        for i in range(r.start_layer_idx, r.end_layer_idx + 1):
+            n[i] = kept
+    return n
+
+
+def tokens_processed_fraction(routes: Sequence[Route], depth: int, num_tokens: int,
+                              keep: Optional[Sequence[int]] = None) -> float:
     """Average fraction of token-block evaluations that routing keeps (1.0 = dense)."""
-    work = depth * num_tokens
-    for r in routes:
-        work -= r.num_blocks * (num_tokens - r.num_keep(num_tokens))
-    return work / (depth * num_tokens)
+    return sum(tokens_per_block(routes, depth, num_tokens, keep)) / (depth * num_tokens)

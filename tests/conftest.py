@@ -5,37 +5,20 @@ import os
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+
+from schema import compose
 
 REPO = Path(__file__).resolve().parents[1]
 # Tests never download: diffusers/huggingface_hub fail at once instead of probing the network
 # (inherited by the CLI subprocesses too).
 os.environ["HF_HUB_OFFLINE"] = "1"
-CONFIG_DIR = str(REPO / "configs")
 
-# A few-second training config: tiny DiT, a small built-in dataset, cheap evaluation.
-TINY = [
-    "model.arch=DiT-T/4",
-    "data.builtin_args.num_per_class=40",
-    "train.batch_size=8",
-    "train.max_steps=4",
-    "train.log_every_steps=1",
-    "train.num_workers=0",
-    "train.lr_warmup_steps=0",
-    "eval.every_steps=2",
-    "eval.num_samples=20",
-    "eval.batch_size=10",
-    "eval.num_steps=2",
-    "eval.grid_size=20",
-    "checkpoint.every_steps=2",
-]
+# A few-second training config: configs/debug/tiny.yaml (tiny DiT, a small built-in dataset, cheap evaluation).
+TINY = ["debug=tiny"]
 
 
 def compose_cfg(config_name: str = "train", overrides: list[str] | None = None):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name=config_name, overrides=overrides or [])
+    return compose(overrides, config_name)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,14 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from cli import ablation_report
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def load_report():
-    spec = importlib.util.spec_from_file_location("ablation_report", REPO / "scripts" / "ablation_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def fake_run(d: Path, job: int, ratio, fids, flops, status="completed"):
@@ -47,7 +41,7 @@ def sweep(tmp_path):
 
 
 def test_report_tables_and_plots(sweep):
-    out = load_report().main([str(sweep)])
+    out = ablation_report.main([str(sweep)])
     rows = {r["run"]: r for r in out["rows"]}
     assert set(rows) == {"0", "1", "2"}
     assert rows["0"]["selection_ratio"] == 0.0 and rows["1"]["selection_ratio"] == 0.5
@@ -65,12 +59,12 @@ def test_report_tables_and_plots(sweep):
 def test_no_finished_runs_is_said_clearly(tmp_path, capsys):
     s = tmp_path / "sweep"
     fake_run(s / "0", 0, 1.5, None, 1e9, status="failed")
-    out = load_report().main([str(s)])
+    out = ablation_report.main([str(s)])
     assert out["plots"] == [] and "No finished runs" in capsys.readouterr().err
 
 
 def test_empty_or_missing_sweep_is_an_error(tmp_path):
-    report = load_report()
+    report = ablation_report
     with pytest.raises(report.ReportError, match="no summary.json"):
         report.main([str(tmp_path)])
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "ablation_report.py"), str(tmp_path / "nope")],
@@ -82,7 +76,7 @@ def test_readme_block_is_regenerated_in_place(sweep, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# Title\n\nbefore `<!-- ablation-report:start -->` in prose is not a marker\n"
                       "<!-- ablation-report:start -->\nold table\n<!-- ablation-report:end -->\nafter\n")
-    report = load_report()
+    report = ablation_report
     out = report.main([str(sweep), "--out", str(tmp_path / "docs"), "--readme", str(readme)])
     text = readme.read_text()
     assert text.startswith("# Title\n\nbefore `<!-- ablation-report:start -->` in prose is not a marker\n"

@@ -1,25 +1,27 @@
-"""scripts/benchmark.py: FLOPs arithmetic (training/flops.py), output schema, the --family path."""
+"""The benchmark (cli/benchmark.py, perf/benchmark.py): FLOPs arithmetic (models/flops.py), flags as config
+overrides, output schema, the --family path, compile counts, and that it times the training loop's own step."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import math
 from pathlib import Path
 
 import pytest
+import torch
+import torch._dynamo
 
-from training.flops import (as_routes, device_peak_flops, dit_forward_flops, dit_train_flops, fraction_of_bound,
-                            train_step_flops)
+import cli.benchmark as bench
+from models import build_dit
+from models.flops import as_routes, dit_forward_flops, dit_train_flops, train_step_flops
+from perf.benchmark import StepBench, split_steps
+from perf.peaks import device_peak_flops, fraction_of_bound
+from schema import compose
+from training.loop import train
+from training.run_log import read_metrics
+from training.setup import make_loader, open_dataset
+from utils.checkpoints import list_checkpoints, load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # ----------------------------------------------------------------------------- FLOPs by hand
@@ -61,8 +63,6 @@ def test_dit_xl2_numbers_match_the_papers():
 
 
 def test_flops_functions_equal_the_models_own_count():
-    from models import build_dit
-
     for arch, res, ch in (("DiT-T/4", 16, 3), ("DiT-S/2", 8, 4)):
         model = build_dit(arch, res, ch, 10)
         routes = as_routes(PAPER, model.depth)
@@ -84,14 +84,38 @@ def test_small_helpers():
 
 
 def test_route_configs_add_a_dense_baseline():
-    bench = load_benchmark()
     labels = [label for label, _ in bench.route_configs(["paper", "balanced"])]
     assert labels == ["dense", "paper", "balanced"]
     cfgs = bench.route_configs(["paper", "dense", '{"selection_ratio": 0.25, "start_layer_idx": 1, '
                                                   '"end_layer_idx": 3}'])
     assert [bench.is_dense(r) for _, r in cfgs] == [False, True, False]
-    assert cfgs[2][1]["routes"][0]["selection_ratio"] == 0.25
-    assert bench.split_steps(5, 2) == [3, 2] and bench.split_steps(1, 3) == [1]
+    assert compose(cfgs[2][1]).routing.routes[0].selection_ratio == 0.25
+    assert split_steps(5, 2) == [3, 2] and split_steps(1, 3) == [1]
+
+
+def test_flags_are_training_config_overrides():
+    """Every flag is an override of the config train.py composes; the rest (lr, clipping, EMA, ...) is the
+    config's; a dense config is model=dit; the compile backend defaults to the config's (inductor)."""
+    args = bench.build_parser().parse_args(
+        ["--arch", "DiT-B/2", "--tokens", "64", "--channels", "3", "--batch", "16", "--precision", "bf16",
+         "--compile", "--gradient-checkpointing", "--unfused-adamw", "--device", "cpu", "--routes", "balanced",
+         "--set", "train.grad_accum_steps=2", "--set", "train.grad_clip=0.5"])
+    configs, geometry, _ = bench.config_overrides(args, None)
+    assert [(label, dense) for label, _, dense in configs] == [("dense", True), ("balanced", False)]
+    dense, routed = (compose(ov) for _, ov, _ in configs)
+    assert dense.model.arch == routed.model.arch == "DiT-B/2" and "model=dit" in configs[0][1]
+    assert not dense.routing.enabled and routed.routing.routes == compose(["routing=balanced"]).routing.routes
+    for cfg in (dense, routed):
+        t = cfg.train
+        assert (cfg.data.resolution, cfg.data.channels, t.batch_size, t.mixed_precision) == (16, 3, 16, "bf16")
+        assert (t.compile, t.compile_backend, t.cpu, t.grad_accum_steps, t.grad_clip) == \
+            (True, "inductor", True, 2, 0.5)
+        assert cfg.model.gradient_checkpointing and cfg.optimizer.fused is False
+        assert cfg.optimizer.lr == compose([]).optimizer.lr   # no lr of the benchmark's own
+    args = bench.build_parser().parse_args(["--arch", "DiT-B/2"])
+    assert bench.config_overrides(args, None)[1].why.startswith("the usual data of DiT-B/2")
+    with pytest.raises(SystemExit, match="error: --set routing.routes=.. is not allowed"):
+        bench.main(["--set", "routing.routes=[]"])
 
 
 # ----------------------------------------------------------------------------- output schema
@@ -130,7 +154,6 @@ def check_schema(out: dict, n_configs: int) -> None:
 
 
 def test_dit_output_schema(tmp_path):
-    bench = load_benchmark()
     js, md = tmp_path / "b.json", tmp_path / "b.md"
     out = bench.main(["--arch", "DiT-T/4", "--resolution", "8", "--channels", "3", "--batch", "4", "--steps", "2",
                       "--warmup", "1", "--routes", "none", "paper", "--json", str(js), "--markdown", str(md),
@@ -157,7 +180,6 @@ def test_dit_output_schema(tmp_path):
 
 
 def test_dense_baseline_added_and_tokens_flag():
-    bench = load_benchmark()
     out = bench.main(["--arch", "DiT-T/4", "--tokens", "4", "--channels", "3", "--batch", "2", "--steps", "1",
                       "--warmup", "1", "--routes", '[{"selection_ratio":0.5,"start_layer_idx":1,"end_layer_idx":-2}]',
                       "--threads", "1"])
@@ -166,7 +188,6 @@ def test_dense_baseline_added_and_tokens_flag():
 
 
 def test_family_path_new_schema(tmp_path):
-    bench = load_benchmark()
     out = bench.main(["--family", "flux", "--preset", "tiny", "--resolution", "8", "--channels", "3",
                       "--batch", "4", "--steps", "2", "--warmup", "1", "--threads", "1",
                       "--sampling", "--sampling-steps", "2", "--json", str(tmp_path / "f.json")])
@@ -176,23 +197,51 @@ def test_family_path_new_schema(tmp_path):
     assert out["sampling"]["sampler"] == "rf_euler" and out["sampling"]["nfe"] == 2
 
 
-def test_compile_reports_graphs():
-    bench = load_benchmark()
+@pytest.mark.parametrize("routes,n", [("none", 1), ("paper", 2)])
+def test_compile_reports_graphs(routes, n):
+    """The compiled step (dense, and routed with the router drawing outside the graph) compiles in the warm-up,
+    never again while timed, and has no graph breaks."""
+    torch._dynamo.reset()   # graphs of earlier tests in this process would be reused
     out = bench.main(["--arch", "DiT-T/4", "--resolution", "8", "--channels", "3", "--batch", "2", "--steps", "1",
-                      "--warmup", "2", "--routes", "none", "--compile", "--device", "cpu", "--threads", "1"])
-    check_schema(out, 1)
-    s, r = out["settings"], out["results"][0]
+                      "--warmup", "2", "--routes", routes, "--compile", "--compile-backend", "aot_eager",
+                      "--device", "cpu", "--threads", "1"])
+    check_schema(out, n)
+    s = out["settings"]
     assert s["compile"] is True and s["compile_backend"] == "aot_eager"
-    assert r["compile"]["warmup"]["unique_graphs"] >= 1
-    assert r["compile"]["recompiles_timed"] == 0
+    for r in out["results"]:
+        assert r["compile"]["warmup"]["unique_graphs"] >= 1
+        assert r["compile"]["recompiles_timed"] == 0
+        assert r["compile"]["graph_breaks"] == 0 and r["compile"]["backend"] == "aot_eager"
+    assert out["results"][-1]["dense"] is (routes == "none")
 
 
 def test_loader_and_checkpointing_options(tmp_path):
     """--data-loader times the training loader on the built-in data; --gradient-checkpointing is recorded."""
-    bench = load_benchmark()
     out = bench.main(["--arch", "DiT-T/4", "--resolution", "8", "--channels", "3", "--batch", "4", "--steps", "2",
                       "--warmup", "1", "--routes", "none", "--data-loader", "--gradient-checkpointing",
                       "--cache-dir", str(tmp_path)])
     d = out["loader"]
     assert d["ms_per_batch"] > 0 and d["images_per_s"] > 0 and d["wait_ms_per_step"] >= 0 and d["workers"] == 0
     assert out["settings"]["gradient_checkpointing"] is True
+
+
+# ----------------------------------------------------------------------------- the loop's own step
+def test_benchmark_times_the_loops_step(tmp_path, cache_dir):
+    """The benchmark's step is the training loop's: one step of train() and one StepBench step on the same first
+    batch of the run's loader, with the same seeding, give the same loss and the same weights."""
+    overrides = ["debug=tiny", f"paths.cache_dir={cache_dir}", "eval.every_steps=0", "eval.at_end=false",
+                 "train.max_steps=1", "checkpoint.every_steps=0", "train.log_every_steps=1"]
+    run_dir = tmp_path / "run"
+    train(compose(overrides), run_dir)
+    logged = [r for r in read_metrics(run_dir) if r["type"] == "train"]
+    weights = load_model_file(list_checkpoints(run_dir)[-1])["model"]
+
+    b = StepBench(compose(overrides))
+    assert b.model.routing.enabled   # debug=tiny trains with the paper route: the router's stream counts too
+    batch = next(iter(make_loader(b.cfg, open_dataset(b.cfg, b.model), b.accelerator)))
+    stats = b.step(batch)
+    assert len(logged) == 1 and stats.loss.item() == pytest.approx(logged[0]["loss"], abs=1e-6, rel=0)
+    state = b.model.state_dict()
+    assert state.keys() == weights.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)

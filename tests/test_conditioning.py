@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import pickle
 import socket
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,22 +17,19 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import data
+import routing
 from data import (TEXT_FAMILIES, LatentDataset, LatentDatasetError, LatentDatasetWriter, LatentLoader, TextEncoderError,
                   build_dataset, encode_prompts, ensure_toy_dataset, generate_toy_shapes, load_text_encoders,
-                  read_meta, resize_loss_mask, save_tiny_text_encoders, token_keep_mask, write_latent_dataset)
+                  read_meta, save_tiny_text_encoders, write_latent_dataset)
 from data.text import FAMILIES, read_captions_file, resolve_text_encoder_paths
+from routing import resize_loss_mask, token_keep_mask
+from schema import compose
 
 N, L, D, P, HM = 10, 6, 5, 3, 8
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
 def compose_cfg(config_name, overrides):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name=config_name, overrides=overrides)
+    return compose(overrides, config_name)
 
 
 def make_extras(n=N, seed=0, float_mask=False):
@@ -564,8 +560,10 @@ def test_read_captions_file(tmp_path):
 
 
 def test_package_exports():
-    for name in ("token_keep_mask", "resize_loss_mask", "encode_prompts", "load_text_encoders", "TEXT_FAMILIES",
-                 "TextEncoderError", "save_tiny_text_encoders"):
+    for name in ("encode_prompts", "load_text_encoders", "TEXT_FAMILIES", "TextEncoderError",
+                 "save_tiny_text_encoders"):
         assert name in data.__all__ and hasattr(data, name)
+    for name in ("token_keep_mask", "resize_loss_mask"):  # loss-mask geometry lives next to routing
+        assert name in routing.__all__ and hasattr(routing, name)
     assert TEXT_FAMILIES == ("flux", "sd3", "wan", "auraflow", "pixart")
     assert issubclass(TextEncoderError, ValueError)

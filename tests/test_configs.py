@@ -1,19 +1,29 @@
-"""Every config group composes and instantiates; route overrides work as Hydra overrides."""
+"""Every config group composes, passes the schema and builds; route overrides work as Hydra overrides."""
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
-from conftest import CONFIG_DIR, compose_cfg
+from conftest import compose_cfg
+from diffusion.build import build_diffusion
+from models import build_model
 from routing import RouteConfigError
-from training.loop import build as instantiate
+from schema import CONFIG_DIR, check_train
+from training.setup import OPTIMIZERS
+from utils.targets import build_target
 
-GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in Path(CONFIG_DIR).iterdir() if g.is_dir()}
+# Selectable options per group; files starting with "_" are bases other options build on.
+GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml") if not p.stem.startswith("_"))
+          for g in Path(CONFIG_DIR).iterdir() if g.is_dir()}
+# What options that need a machine path get in these tests.
+REQUIRED = {"data": ["data.path=/data/x"], "eval": ["eval.reference=/data/ref.npz"],
+            "experiment": ["data.path=/data/x", "eval.reference=/data/ref.npz"]}
 
 
 def test_default_is_tread_with_paper_route_on_builtin_data():
     cfg = compose_cfg()
-    assert cfg.model._target_ == "models.build_dit" and cfg.routing.name == "paper" and cfg.routing.enabled
+    assert cfg.model._target_ == "models.build_dit" and cfg.routing.enabled
     assert cfg.data.builtin == "toy_shapes"
     assert OmegaConf.to_container(cfg.routing.routes) == [
         {"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]
@@ -33,58 +43,73 @@ def test_routing_presets_build(preset, route):
     cfg = compose_cfg(overrides=[f"routing={preset}"])
     r = cfg.routing.routes[0]
     assert (r.selection_ratio, r.start_layer_idx, r.end_layer_idx) == route
-    model = instantiate(cfg.model)
+    model = build_model(cfg.model)
     assert model.routing.routes[0].selection_ratio == route[0]
 
 
 def test_route_list_overrides():
     cfg = compose_cfg(overrides=["routing.routes.0.selection_ratio=0.25"])
-    assert instantiate(cfg.model).routing.routes[0].selection_ratio == 0.25
+    assert build_model(cfg.model).routing.routes[0].selection_ratio == 0.25
     cfg = compose_cfg(overrides=[
         "routing.routes=[{selection_ratio:0.5,start_layer_idx:1,end_layer_idx:3},"
         "{selection_ratio:0.25,start_layer_idx:5,end_layer_idx:-2}]"])
-    routes = instantiate(cfg.model).routing.routes
+    routes = build_model(cfg.model).routing.routes
     assert [(r.start_layer_idx, r.end_layer_idx) for r in routes] == [(1, 3), (5, 10)]
     with pytest.raises(RouteConfigError, match="TREAD training requires you to configure the routes"):
-        instantiate(compose_cfg(overrides=["routing.routes=[]"]).model)
+        build_model(compose_cfg(overrides=["routing.routes=[]"]).model)
 
 
 @pytest.mark.parametrize("name", GROUPS["diffusion"])
-def test_diffusion_configs_instantiate(name):
-    d = instantiate(compose_cfg(overrides=[f"diffusion={name}"]).diffusion)
+def test_diffusion_configs_build(name):
+    d = build_diffusion(compose_cfg(overrides=[f"diffusion={name}"]).diffusion)
     assert hasattr(d, "loss") and hasattr(d, "sample") and hasattr(d, "precondition")
 
 
 @pytest.mark.parametrize("name", GROUPS["optimizer"])
-def test_optimizer_configs_instantiate(name):
+def test_optimizer_configs_build(name):
     cfg = compose_cfg(overrides=[f"optimizer={name}"])
-    model = instantiate(cfg.model)
-    opt = instantiate(cfg.optimizer)(params=model.parameters())
+    model = build_model(cfg.model)
+    opt = build_target(cfg.optimizer, OPTIMIZERS, "optimizer")(params=model.parameters())
     assert opt.param_groups[0]["lr"] == cfg.optimizer.lr
 
 
 @pytest.mark.parametrize("name", GROUPS["experiment"])
 def test_experiment_presets_compose_and_build_on_meta(name):
-    import torch
-
-    overrides = [f"experiment={name}"]
-    cfg = compose_cfg(overrides=overrides)
+    cfg = compose_cfg(overrides=[f"experiment={name}"])
     if name.startswith("imagenet256"):
         assert OmegaConf.is_missing(cfg.data, "path")           # the data path is required
         assert cfg.train.batch_size == 256 and cfg.optimizer.lr == 1e-4 and cfg.ema.decay == 0.9999
+        assert cfg.train.max_steps == 400000 and cfg.checkpoint.every_steps == 50000
         assert cfg.routing.enabled == name.endswith("tread")
     with torch.device("meta"):
-        model = instantiate(cfg.model)
+        model = build_model(cfg.model)
     if name.endswith("tread"):
         depth = model.depth
         assert [(r.start_layer_idx, r.end_layer_idx) for r in model.routing.routes] == [(2, depth - 4)]
 
 
-@pytest.mark.parametrize("group", ["data", "eval", "paths", "model", "routing"])
-def test_every_option_of_group_composes(group):
+@pytest.mark.parametrize("group", ["data", "eval", "paths", "model", "routing", "diffusion", "optimizer",
+                                   "experiment", "debug"])
+def test_every_option_of_group_passes_the_schema(group):
     for name in GROUPS[group]:
-        cfg = compose_cfg(overrides=[f"{group}={name}"])
-        assert group in cfg
+        cfg = compose_cfg(overrides=[f"{group}={name}", *REQUIRED.get(group, [])])
+        assert group in cfg or group in ("experiment", "debug")
+        check_train(cfg)
+
+
+def test_debug_preset_is_a_few_second_run():
+    cfg = compose_cfg(overrides=["debug=tiny"])
+    assert cfg.model.arch == "DiT-T/4" and cfg.train.max_steps == 4 and cfg.data.builtin_args.num_per_class == 40
+    assert compose_cfg(overrides=["debug=tiny", "model=flux"]).model.arch == "flux-tiny"
+
+
+def test_shared_sampling_keys_in_sample_fid_and_eval():
+    """sample.py, fid.py and in-training evaluation take the same sampling and decoding keys, from one file."""
+    keys = set(compose_cfg("sample", ["checkpoint=x"]).keys())
+    for name, node in (("fid", compose_cfg("fid", ["mode=calc"])), ("eval", compose_cfg().eval)):
+        shared = {"num_steps", "cfg_scale", "route_ratio", "route_spans", "tread_scale", "tread_weak_ratio",
+                  "guidance_interval", "vae", "vae_dtype", "decode_batch_size"}
+        assert shared <= keys and shared <= set(node.keys()), name
 
 
 def test_sample_and_fid_configs_compose():

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from diffusion import EDM, EDMPrecond, RectifiedFlow, StackedRandomGenerator, classifier_free_guidance
+from diffusion import EDM, EDMPrecond, RectifiedFlow, StackedRandomGenerator
+from sampling import classifier_free_guidance
 
 
 class Recorder(nn.Module):
@@ -85,7 +86,7 @@ def test_heun_sampler_reproduces_gaussian_moments(num_steps, S_churn):
     n = 6000
     gen = StackedRandomGenerator("cpu", range(n))
     noise = gen.randn([n, 3, 1, 1])
-    x = edm.sample(exact_denoiser(mu, S), noise, torch.zeros(n, dtype=torch.long), null_label=0,
+    x = edm.sample(exact_denoiser(mu, S), noise, torch.zeros(n, dtype=torch.long),
                    randn_like=gen.randn_like).reshape(n, 3).double()
     assert torch.allclose(x.mean(0), mu, atol=0.04)
     assert torch.allclose(torch.cov(x.T), S, atol=0.04)
@@ -106,7 +107,7 @@ def test_rf_euler_sampler_reproduces_gaussian_moments():
     rf = RectifiedFlow(num_steps=200)
     n = 6000
     noise = StackedRandomGenerator("cpu", range(n)).randn([n, 3, 1, 1])
-    x = rf.sample(velocity, noise, torch.zeros(n, dtype=torch.long), null_label=0).reshape(n, 3).double()
+    x = rf.sample(velocity, noise, torch.zeros(n, dtype=torch.long)).reshape(n, 3).double()
     assert torch.allclose(x.mean(0), mu, atol=0.05)
     assert torch.allclose(torch.cov(x.T), S, atol=0.05)
 

@@ -2,10 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +20,8 @@ from evaluation.reference import (compute_stats, load_reference, load_reference_
 from evaluation.toy_classifier import (ToyClassifier, cache_path, load_or_train_toy_classifier,
                                        save_toy_classifier, train_toy_classifier)
 
-from conftest import REPO, blob_images
+from conftest import blob_images
+from schema import compose
 
 
 def random_gaussian_stats(rng, d, n=None):
@@ -399,16 +396,14 @@ def test_unknown_features_name():
 
 
 def fid_cfg(**kw):
-    base = OmegaConf.load(REPO / "configs" / "fid.yaml")
-    base.pop("defaults"), base.pop("hydra")
-    base.cache_dir = "unused"
-    return OmegaConf.merge(base, kw)
+    """configs/fid.yaml composed without the command line, as cli.fid.run() takes it."""
+    return OmegaConf.merge(compose([], "fid"), {"cache_dir": "unused", **kw})
 
 
 @pytest.mark.slow  # ~11 s: 299px Inception on CPU and a 2048x2048 sqrtm
 @pytest.mark.filterwarnings("ignore:Matrix is singular")  # 6 images, 2048-d: rank-deficient covariances
 def test_fid_inception_end_to_end(tmp_path, random_inception_weights):
-    import fid
+    import cli.fid as fid
 
     save_png_folder(blob_images(6, 48, seed=1), tmp_path / "ref_imgs")
     save_npz(blob_images(6, 48, seed=2), tmp_path / "samples.npz")
@@ -423,7 +418,7 @@ def test_fid_inception_end_to_end(tmp_path, random_inception_weights):
 
 
 def test_fid_validates_before_work(tmp_path):
-    import fid
+    import cli.fid as fid
 
     (tmp_path / "r.npz").touch()
     with pytest.raises(FileNotFoundError, match="images="):
@@ -531,7 +526,7 @@ def test_toy_classifier_cache_round_trip(tmp_path, monkeypatch):
 
 
 def test_fid_ref_from_latent_dataset_then_calc(tmp_path):
-    import fid
+    import cli.fid as fid
 
     toy = pytest.importorskip("data.toy")
     torch.manual_seed(0)

@@ -1,27 +1,18 @@
-"""AuraFlow (diffusers AuraFlowTransformer2DModel) with TREAD routing: the family's correctness proofs."""
+"""AuraFlow (diffusers AuraFlowTransformer2DModel) with TREAD routing: the proofs only AuraFlow has (registers,
+joint -> single blocks on the kept subsequence, the position table); the shared checks run for AuraFlow in
+tests/test_families.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import family_checks as fc
+from test_families import CROSS   # tiny preset: 2 joint (MMDiT) + 6 single (DiT) blocks; CROSS: blocks 1..5
 
 FAMILY = "auraflow"
-# Tiny preset: 2 joint (MMDiT) + 6 single (DiT) blocks. A route over blocks 1..5 crosses the boundary.
-CROSS = [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": 5}]
 REGISTERS = 8
 
-
-def test_dense_equals_diffusers():
-    fc.check_dense_equals_diffusers(FAMILY)
-
-
-def test_dense_equals_diffusers_16px_rgb():
-    fc.check_dense_equals_diffusers(FAMILY, input_size=16, in_channels=3)
-
-
-def test_ratio_zero_permuted_equals_dense():
-    fc.check_ratio_zero_permuted_equals_dense(FAMILY)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("routes", [CROSS, [{"selection_ratio": 0.75, "start_layer_idx": 3, "end_layer_idx": -1}],
@@ -72,43 +63,6 @@ def test_single_blocks_see_all_text_and_registers_but_only_kept_image_tokens():
     N, ctx = model.num_tokens, REGISTERS + model.text_len
     K = model.routing.routes[0].num_keep(N)
     assert lengths == [ctx + K] * 4 + [ctx + N] * 2      # single blocks 2..5 routed, 6..7 dense
-
-
-def test_set_aside_bit_identical_and_text_untouched():
-    fc.check_set_aside_and_text(FAMILY, CROSS)
-
-
-def test_gradients_reach_every_trained_parameter():
-    fc.check_gradients_reach_all(FAMILY, CROSS)
-
-
-@pytest.mark.parametrize("routes", [CROSS, [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 1},
-                                            {"selection_ratio": 0.75, "start_layer_idx": 3, "end_layer_idx": 6}]],
-                         ids=["crossing", "joint-and-single"])
-def test_force_keep_in_joint_and_single_blocks(routes):
-    fc.check_force_keep(FAMILY, routes)
-
-
-def test_gradient_checkpointing_same_gradients():
-    fc.check_checkpointing_same_grads(FAMILY, CROSS)
-
-
-def test_text_data_conditioning_and_null_drop():
-    """Text embeddings from the data replace the class table (AuraFlow has no pooled text); the null label
-    zeroes them (CFG)."""
-    model, *_ = fc.check_text_conditioning(FAMILY)
-    assert model.pooled_dim is None
-
-
-def test_toy_data_with_paper_route():
-    """The tiny preset builds for the built-in 3x16x16 data with the paper route (blocks 2..-4) and trains."""
-    model, (_, t, _) = fc.check_paper_route_on_toy_data(FAMILY)
-    torch.testing.assert_close(model.timestep(t), t / 1000)   # the AuraFlow pipeline feeds t in [0, 1]
-
-
-def test_config_errors_name_the_key():
-    fc.check_config_errors(FAMILY, ("pos_embed_max_size=9", {"config": {"pos_embed_max_size": 9}}),
-                           ("caption_projection_dim=32", {"config": {"caption_projection_dim": 32}}))
 
 
 def test_patch_size_one_sizes_the_position_table():

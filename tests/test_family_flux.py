@@ -1,22 +1,16 @@
-"""FLUX (diffusers FluxTransformer2DModel) with TREAD routing: the correctness proofs of issue 4."""
+"""FLUX (diffusers FluxTransformer2DModel) with TREAD routing: the proofs only FLUX has (RoPE on the kept
+subsequence, the batched RoPE processor); the shared checks run for FLUX in tests/test_families.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import family_checks as fc
+from test_families import CROSS
 
 FAMILY = "flux"
-# Tiny preset: 2 double-stream + 6 single-stream blocks. A route over blocks 1..5 crosses the boundary.
-CROSS = [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": 5}]
 
-
-def test_dense_equals_diffusers():
-    fc.check_dense_equals_diffusers(FAMILY)
-
-
-def test_ratio_zero_permuted_equals_dense():
-    fc.check_ratio_zero_permuted_equals_dense(FAMILY)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("routes", [CROSS, [{"selection_ratio": 0.75, "start_layer_idx": 3, "end_layer_idx": -1}],
@@ -46,34 +40,6 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes):
                 torch.testing.assert_close(routed_in[route.end_layer_idx + 1][1][b:b + 1], c, rtol=1e-5, atol=1e-5)
 
 
-def test_set_aside_bit_identical_and_text_untouched():
-    fc.check_set_aside_and_text(FAMILY, CROSS)
-
-
-def test_gradients_reach_every_trained_parameter():
-    fc.check_gradients_reach_all(FAMILY, CROSS)
-
-
-@pytest.mark.parametrize("routes", [CROSS, [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 1},
-                                            {"selection_ratio": 0.75, "start_layer_idx": 3, "end_layer_idx": 6}]],
-                         ids=["crossing", "double-and-single"])
-def test_force_keep_in_double_and_single_blocks(routes):
-    fc.check_force_keep(FAMILY, routes)
-
-
-def test_gradient_checkpointing_same_gradients():
-    fc.check_checkpointing_same_grads(FAMILY, CROSS)
-
-
 def test_batched_rope_processor_with_fused_qkv():
     """Fused QKV projections honour per-sample RoPE too (a known weak point elsewhere)."""
     fc.check_fused_projections(FAMILY, CROSS)
-
-
-def test_text_data_conditioning_and_null_drop():
-    """Text embeddings from the data replace the class table; the null label zeroes them (CFG)."""
-    fc.check_text_conditioning(FAMILY)
-
-
-def test_config_errors_name_the_key():
-    fc.check_config_errors(FAMILY)

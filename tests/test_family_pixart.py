@@ -1,14 +1,15 @@
-"""PixArt (diffusers PixArtTransformer2DModel) with TREAD routing: the correctness proofs, with class
-conditioning and with masked text from the data."""
+"""PixArt (diffusers PixArtTransformer2DModel) with TREAD routing: the proofs only PixArt has (masked text from
+the data, learned sigma, additional conditions, the kept subsequence with class or masked text); the shared
+checks run for PixArt in tests/test_families.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import family_checks as fc
+from test_families import SPAN
 
 FAMILY = "pixart"
-SPAN = [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -19,10 +20,6 @@ def masked_text(model, batch: int = 3, length: int = 6, seed: int = 2) -> dict:
     lengths = torch.tensor([length, 3, 1, 4][:batch])
     mask = torch.arange(length)[None, :] < lengths[:, None]
     return {"text": torch.randn(batch, length, model.text_dim, generator=g), "text_mask": mask}
-
-
-def test_dense_equals_diffusers():
-    fc.check_dense_equals_diffusers(FAMILY)
 
 
 def test_dense_with_text_mask_equals_diffusers():
@@ -60,10 +57,6 @@ def test_additional_conditions_equal_diffusers():
     assert res["resolution"].tolist() == [[64.0, 64.0]] * 2 and res["aspect_ratio"].tolist() == [[1.0]] * 2
 
 
-def test_ratio_zero_permuted_equals_dense():
-    fc.check_ratio_zero_permuted_equals_dense(FAMILY)
-
-
 @pytest.mark.parametrize("masked", [False, True], ids=["class-text", "masked-text"])
 @pytest.mark.parametrize("routes", [SPAN, [{"selection_ratio": 0.75, "start_layer_idx": 0, "end_layer_idx": -1}]],
                          ids=["inner", "all-blocks"])
@@ -91,39 +84,3 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, masked):
             torch.testing.assert_close(x_kept[b:b + 1], h, rtol=1e-5, atol=1e-5)
         # the text stream enters every block unchanged, full length
         assert all(torch.equal(c, seen[0][1]) for _, c in routed_in)
-
-
-def test_set_aside_bit_identical_and_text_untouched():
-    fc.check_set_aside_and_text(FAMILY, SPAN)
-
-
-def test_gradients_reach_every_trained_parameter():
-    fc.check_gradients_reach_all(FAMILY, SPAN)
-
-
-def test_force_keep():
-    fc.check_force_keep(FAMILY, [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 2},
-                                 {"selection_ratio": 0.75, "start_layer_idx": 4, "end_layer_idx": 7}])
-
-
-def test_gradient_checkpointing_same_gradients():
-    fc.check_checkpointing_same_grads(FAMILY, SPAN)
-
-
-def test_text_data_conditioning_mask_and_null_drop():
-    """Text embeddings (+ mask) from the data replace the class table; the null label zeroes the text (CFG)."""
-    model, x, t, y, cond, _ = fc.check_text_conditioning(FAMILY, SPAN, with_mask=True)
-    model.train()   # routed training step with masked text data
-    out = model(x, t, y, cond=cond)
-    assert out.shape == x.shape and model.last_route_stats
-
-
-def test_tiny_preset_builds_for_toy_data_with_paper_route():
-    fc.check_paper_route_on_toy_data(FAMILY, batch=2)
-
-
-def test_config_errors_name_the_key():
-    fc.check_config_errors(FAMILY, ("out_channels=6", {"config": {"out_channels": 6}}),
-                           ("cross_attention_dim=32", {"config": {"cross_attention_dim": 32}}),
-                           # width 64: not a multiple of 3
-                           ("use_additional_conditions=true", {"config": {"use_additional_conditions": True}}))

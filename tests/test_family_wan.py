@@ -1,5 +1,6 @@
-"""Wan (diffusers WanTransformer3DModel) with TREAD routing: the correctness proofs, for images (T = 1) and
-video (T = 3), with per-sample and per-token (Wan 2.2 TI2V) timesteps."""
+"""Wan (diffusers WanTransformer3DModel) with TREAD routing: the proofs only Wan has, for images (T = 1) and
+video (T = 3), with per-sample and per-token (Wan 2.2 TI2V) timesteps; the shared checks run for Wan (image,
+video and per-token cases) in tests/test_families.py."""
 from __future__ import annotations
 
 import pytest
@@ -7,23 +8,11 @@ import torch
 
 from models.families import FamilyConfigError
 import family_checks as fc
+from test_families import SPAN, VIDEO
 
 FAMILY = "wan"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-# Tiny preset: 8 blocks. Routes are given with the frame count they run at (T = 1: image latents).
-SPAN = [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]
-VIDEO = {"frames": 3}
-PER_TOKEN = {"frames": 3, "expand_timesteps": True}   # (B,) timesteps run through the (B, N) path
-
-
-def _ids(kw):
-    return "video-T3" + ("-per-token" if kw.get("expand_timesteps") else "") if kw else "image-T1"
-
-
-CASES = pytest.mark.parametrize("kw", [{}, VIDEO, PER_TOKEN], ids=_ids)
 
 
 def per_token_timesteps(model, batch: int = 3, seed: int = 4) -> torch.Tensor:
@@ -33,11 +22,6 @@ def per_token_timesteps(model, batch: int = 3, seed: int = 4) -> torch.Tensor:
     if model.token_grid[0] > 1:
         t[:, : model.num_tokens // model.token_grid[0]] = 0.0
     return t
-
-
-@CASES
-def test_dense_equals_diffusers(kw):
-    fc.check_dense_equals_diffusers(FAMILY, **kw)
 
 
 @pytest.mark.parametrize("frames", [1, 3])
@@ -50,11 +34,6 @@ def test_dense_per_token_timesteps_equal_diffusers(frames):
         uniform = model(x, t.mean(1), y)
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(ours, uniform)    # the per-token timesteps matter
-
-
-@CASES
-def test_ratio_zero_permuted_equals_dense(kw):
-    fc.check_ratio_zero_permuted_equals_dense(FAMILY, **kw)
 
 
 def test_ratio_zero_permuted_per_token_timesteps_equals_dense():
@@ -114,48 +93,21 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, frames, per_token):
                 assert not torch.allclose(x_kept[b:b + 1], h2, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("kw", [{}, VIDEO], ids=_ids)
-def test_set_aside_bit_identical_and_text_untouched(kw):
-    fc.check_set_aside_and_text(FAMILY, SPAN, **kw)
-
-
-@pytest.mark.parametrize("kw", [VIDEO, PER_TOKEN], ids=_ids)
-def test_gradients_reach_every_trained_parameter(kw):
-    fc.check_gradients_reach_all(FAMILY, SPAN, **kw)
-
-
-@pytest.mark.parametrize("kw", [{}, PER_TOKEN], ids=_ids)
-def test_force_keep(kw):
-    fc.check_force_keep(FAMILY, [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 2},
-                                 {"selection_ratio": 0.75, "start_layer_idx": 4, "end_layer_idx": 7}], **kw)
-
-
-def test_gradient_checkpointing_same_gradients():
-    fc.check_checkpointing_same_grads(FAMILY, SPAN, **PER_TOKEN)
-
-
 def test_fused_projections_same_routed_output():
     """diffusers' fused QKV / KV projections go through the same (unreplaced) processor."""
     fc.check_fused_projections(FAMILY, SPAN, timesteps=per_token_timesteps, **VIDEO)
 
 
-def test_text_data_conditioning_mask_and_null_drop():
-    """Text embeddings from the data replace the class table; masked text positions are zeroed (the Wan
-    pipeline's padding); the null label zeroes the text (CFG)."""
+def test_masked_text_positions_are_zeroed():
+    """Masked text positions are zeroed (the Wan pipeline's padding), on top of the shared text check (text
+    from the data replaces the class table, the null label zeroes it)."""
     model, x, t, y, cond, out = fc.check_text_conditioning(FAMILY, with_mask=True, **VIDEO)
     padded = {"text": cond["text"][:1] * cond["text_mask"][:1, :, None]}
     with torch.no_grad():
         torch.testing.assert_close(out[:1], model(x[:1], t[:1], y[:1], cond=padded), rtol=1e-6, atol=1e-6)
 
 
-def test_tiny_preset_builds_for_toy_data_with_paper_route():
-    fc.check_paper_route_on_toy_data(FAMILY, batch=2)
-
-
-def test_config_errors_name_the_key():
-    fc.check_config_errors(FAMILY, ("out_channels=8", {"config": {"out_channels": 8}}),
-                           ("model.frames=3", {"frames": 3, "config": {"patch_size": (2, 2, 2)}}),
-                           ("image_dim", {"config": {"image_dim": 16}}))
+def test_per_token_timesteps_of_the_wrong_length_are_refused():
     model = fc.make(FAMILY)
     x, _, y = fc.inputs(model, batch=2)
     with pytest.raises(FamilyConfigError, match="per-token timestep"):

@@ -19,10 +19,8 @@ ALL = ["fid", "sfid", "is", "precision", "recall", "kid"]
 
 
 def fid_cfg(**kw):
-    """configs/fid.yaml without Hydra, as fid.run() takes it."""
-    base = OmegaConf.load(REPO / "configs" / "fid.yaml")
-    base.pop("defaults"), base.pop("hydra")
-    return OmegaConf.merge(base, {"device": "cpu", **kw})
+    """configs/fid.yaml composed without the command line, as cli.fid.run() takes it."""
+    return OmegaConf.merge(compose_cfg("fid"), {"device": "cpu", **kw})
 
 
 def run_fid_cli(cache: Path, *overrides: str, launcher: list[str] | None = None, timeout: int = 300):
@@ -40,7 +38,7 @@ def toy_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     cfg = compose_cfg("train", TINY + [f"paths.cache_dir={cache}", "eval.every_steps=0", "eval.at_end=false"])
     train(cfg, root / "run")
-    import fid
+    import cli.fid as fid
 
     ref = root / "ref.npz"
     fid.run(fid_cfg(mode="ref", source=cfg.data.path, out=str(ref), cache_dir=str(cache), store_images=200))
@@ -65,7 +63,7 @@ def test_ref_from_latent_dataset_stores_stats_and_images(toy_run):
 
 
 def test_calc_on_the_datasets_own_images_scores_well(toy_run, tmp_path):
-    import fid
+    import cli.fid as fid
     from data.toy import generate_toy_shapes
 
     x, _ = generate_toy_shapes(20, 16, seed=7)  # new images of the training distribution (the data is seed 0)
@@ -100,7 +98,7 @@ def test_cli_ref_from_png_folder_and_calc(toy_run, tmp_path):
 
 
 def test_bench_two_checkpoints_table_npz_and_skip(toy_run, tmp_path):
-    import fid
+    import cli.fid as fid
 
     out = tmp_path / "bench"
     rows = fid.run(bench_cfg(toy_run, out))
@@ -114,8 +112,7 @@ def test_bench_two_checkpoints_table_npz_and_skip(toy_run, tmp_path):
         assert list(npz["arr_1"]) == [i % 10 for i in range(24)]
     assert not list(out.rglob(".arr_0.npy"))  # the shared buffer is removed
     # The same images as sample.py's for the same seeds (per-seed generators).
-    from training.evaluate import generate
-    from training.inference import load_for_inference
+    from sampling import generate, load_for_inference
     from data import decode_to_uint8
 
     net, diffusion, meta, _ = load_for_inference(toy_run["run"] / "checkpoints" / "step_0000002")
@@ -135,7 +132,7 @@ def test_bench_two_checkpoints_table_npz_and_skip(toy_run, tmp_path):
 def test_bench_with_inference_routing_and_tread_guidance(toy_run, tmp_path):
     """Guidance settings are table columns (skip_existing tells them apart) and every row reports the sampled
     forward passes and GFLOPs per image."""
-    import fid
+    import cli.fid as fid
 
     out = tmp_path / "bench"
     ckpt = str(toy_run["run"] / "checkpoints" / "step_0000004")
@@ -149,7 +146,7 @@ def test_bench_with_inference_routing_and_tread_guidance(toy_run, tmp_path):
     assert 3 < guided["forward_passes_per_image"] < 6          # the weak branch only inside the interval
     assert (routed["route_ratio"], guided["tread_scale"], guided["guidance_interval"]) == (0.5, 1.5, [0.05, 100.0])
     assert dense["fid"] != routed["fid"]
-    with pytest.raises(ValueError, match="tread_weak_ratio=0.0 must lie in"):  # fid.py: `error: ...`
+    with pytest.raises(ValueError, match="tread_weak_ratio=0.0 is not allowed"):  # fid.py: `error: ...`
         fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, tread_scale=2.0, tread_weak_ratio=0.0))
 
 
@@ -179,8 +176,9 @@ def test_bench_two_processes_equal_one(toy_run, tmp_path):
 
 
 def test_errors_before_any_work(toy_run, tmp_path):
-    import fid
-    from evaluation.bench import BenchError
+    import cli.fid as fid
+    from evaluation.checkpoint_fid import BenchError
+    from schema import ConfigError
 
     def fails(exc, match, **kw):
         with pytest.raises(exc, match=match):
@@ -190,12 +188,12 @@ def test_errors_before_any_work(toy_run, tmp_path):
     fails(FileNotFoundError, "matches nothing", checkpoints=str(tmp_path / "nope" / "step_*"))
     fails(FileNotFoundError, "ref=", ref=str(tmp_path / "none.npz"))
     fails(BenchError, "too few for metrics", num_samples=3)
-    fails(BenchError, "metrics=.*not valid", metrics=["fid", "lpips"])
+    fails(ConfigError, "metrics.*'lpips' is not allowed", metrics=["fid", "lpips"])
     fails(BenchError, "repeats seeds", seeds="1,1,2")
-    fails(BenchError, "vae_dtype", vae_dtype="int8")
+    fails(ConfigError, "vae_dtype", vae_dtype="int8")
     fails(FileNotFoundError, "inception_weights=", features="inception",
           inception_weights=str(tmp_path / "w.pth"))
-    with pytest.raises(BenchError, match="mode=ref.*mode=calc.*mode=bench"):
+    with pytest.raises(ConfigError, match="mode=ref.*mode=calc.*mode=bench"):
         fid.run(fid_cfg())  # mode is ??? (missing)
     # A reference for other images: found before sampling.
     save_npz(blob_images(10, size=32), tmp_path / "r32_src.npz")
@@ -206,9 +204,9 @@ def test_errors_before_any_work(toy_run, tmp_path):
 
 
 def test_missing_inception_weights_offline_says_how_to_provide_them(toy_run, tmp_path, monkeypatch):
-    import fid
+    import cli.fid as fid
     import evaluation.features as feats
-    from evaluation.bench import BenchError
+    from evaluation.checkpoint_fid import BenchError
 
     def offline(*args, **kwargs):
         raise OSError("network is unreachable")
@@ -223,6 +221,6 @@ def test_missing_inception_weights_offline_says_how_to_provide_them(toy_run, tmp
 def test_cli_errors_exit_nonzero_without_traceback(toy_run, tmp_path):
     proc = run_fid_cli(toy_run["cache"], "mode=bench", f"checkpoints={tmp_path / 'missing'}", f"ref={toy_run['ref']}")
     assert proc.returncode == 1
-    assert "error: checkpoints:" in proc.stderr and "Traceback" not in proc.stderr
+    assert "error: checkpoints=" in proc.stderr and "Traceback" not in proc.stderr
     bad = run_fid_cli(toy_run["cache"], "mode=foo")
     assert bad.returncode == 1 and "mode=foo is not valid" in bad.stderr

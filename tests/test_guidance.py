@@ -1,4 +1,4 @@
-"""Sampling-time routing and TREAD guidance (diffusion/guidance.py): algebra, training-router semantics,
+"""Sampling-time routing and TREAD guidance (sampling/guidance.py): algebra, training-router semantics,
 per-seed determinism, sampled FLOPs, and the errors sample.py / fid.py give for bad settings."""
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import torch
 import torch.nn as nn
 
 from diffusion import EDM
-from diffusion.guidance import Guidance, GuidanceError, guided_denoiser, per_sample_routing
+from sampling import generate, sampling_flops_per_image
+from sampling.guidance import Guidance, GuidanceError, guided_denoiser
+from schema import ConfigError, compose
+from schema.sampling import check_sampling
 from models import build_dit
 from routing import RoutingController, routing_from_config
 
@@ -105,7 +108,6 @@ def test_inference_routing_matches_the_training_router():
 
 
 def test_per_sample_router_generators_make_routed_samples_batch_independent():
-    from training.evaluate import generate
 
     model = tiny_dit().eval()
     edm = EDM(num_steps=3)
@@ -113,7 +115,9 @@ def test_per_sample_router_generators_make_routed_samples_batch_independent():
     g = Guidance(cfg_scale=1.5, route_ratio=0.25, tread_scale=1.5, tread_weak_ratio=0.5)
     run = lambda bs: torch.cat([x for _, _, x in generate(net, edm, range(6), (3, 16, 16), 10, torch.device("cpu"),
                                                           batch_size=bs, guidance=g)])
-    torch.testing.assert_close(run(6)[2:4], run(4)[2:4], rtol=0, atol=1e-6)
+    # The same tokens and noise per sample; float32 matmuls over batches of 6 and 4 round differently, and the
+    # sampler amplifies that rounding from sigma = 80 down, so the samples agree to 1e-3, not bit for bit.
+    torch.testing.assert_close(run(6)[2:4], run(4)[2:4], rtol=0, atol=1e-3)
     # Per-sample draws: generator i serves rows i, i + G, ... (the CFG halves route the same tokens).
     router = model.routing.router
     gens = lambda: [torch.Generator().manual_seed(s) for s in (1, 2)]
@@ -125,8 +129,6 @@ def test_per_sample_router_generators_make_routed_samples_batch_independent():
 
 
 def test_sampled_flops_per_image_count_every_branch():
-    from diffusion.guidance import sampling_flops_per_image
-    from training.evaluate import generate
 
     model = tiny_dit().eval()
     edm = EDM(num_steps=3)                                      # Heun: 5 denoiser calls
@@ -153,7 +155,7 @@ def test_sampled_flops_per_image_count_every_branch():
 
 def test_family_sampled_flops_are_counted_per_branch():
     """Diffusers families have no analytic count: each branch's forward is counted (FlopCounterMode)."""
-    from training.flops import forward_flops_with_routes
+    from models.flops import forward_flops_with_routes
     from models.families import build_family
 
     torch.manual_seed(0)
@@ -165,19 +167,25 @@ def test_family_sampled_flops_are_counted_per_branch():
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("tread_weak_ratio", 1.0, "tread_weak_ratio=1.0 must lie in"),
+    ("tread_weak_ratio", 1.0, "tread_weak_ratio=1.0 is not allowed; allowed: a selection ratio in \\(0, 1\\)"),
     ("tread_weak_ratio", 0.25, "must be above the main branch's ratio"),
-    ("route_ratio", 1.2, "route_ratio=1.2 must be null"),
-    ("cfg_scale", -1, "cfg_scale=-1.0 must be >= 0"),
-    ("guidance_interval", [2, 1], "guidance_interval=\\[2.0, 1.0\\] needs 0 <= lo < hi"),
-    ("guidance_interval", "soon", "guidance_interval='soon' must be null or \\[lo, hi\\]"),
-    ("route_spans", [[2]], "route_spans=\\[\\[2\\]\\] must be null or a list"),
-    ("tread_scale", "big", "tread_scale='big' must be a number"),
+    ("route_ratio", 1.2, "route_ratio=1.2 is not allowed; allowed: null \\(dense sampling\\)"),
+    ("cfg_scale", -1, "cfg_scale=-1 is not allowed; allowed: a number >= 0"),
+    ("guidance_interval", [2, 1], "guidance_interval=\\[2.0, 1.0\\] is not allowed; allowed: \\[lo, hi\\] with 0 <= lo < hi"),
+    ("guidance_interval", "soon", "guidance_interval='soon' is not allowed; allowed: null or \\[lo, hi\\]"),
+    ("route_spans", [[2]], "route_spans\\[0\\]=\\[2\\] is not allowed; allowed: null .* \\[start, end\\]"),
+    ("tread_scale", "big", "tread_scale='big' is not allowed; allowed: a number"),
 ])
 def test_bad_guidance_settings_name_the_key(key, value, match):
-    base = {"tread_scale": 2.0, "tread_weak_ratio": 0.5, "route_ratio": 0.25}
-    with pytest.raises(GuidanceError, match=match):
-        Guidance.from_config({**base, key: value})
+    """The schema checks sample.py's / fid.py's / eval's guidance keys (configs/sampling/default.yaml)."""
+    defaults = {k: v for k, v in compose(["checkpoint=x"], "sample").items() if k in SAMPLING_KEYS}
+    base = {**defaults, "tread_scale": 2.0, "tread_weak_ratio": 0.5, "route_ratio": 0.25}
+    with pytest.raises(ConfigError, match=match):
+        check_sampling({**base, key: value})
+
+
+SAMPLING_KEYS = ("num_steps", "cfg_scale", "route_ratio", "route_spans", "tread_scale", "tread_weak_ratio",
+                 "guidance_interval")
 
 
 def test_spans_are_checked_against_the_model():
@@ -210,7 +218,7 @@ def test_sample_cli_routes_guides_and_reports_flops(tiny_cfg, tmp_path, cache_di
     a, b = (np.load(tmp_path / n / "samples.npz")["arr_0"] for n in ("dense", "routed"))
     assert a.shape == b.shape and not np.array_equal(a, b)
     # Bad settings: one `error:` line naming the key, before any sampling writes anything.
-    for extra, msg in [(["tread_scale=2", "tread_weak_ratio=1.5"], "tread_weak_ratio=1.5 must lie in (0, 1)"),
+    for extra, msg in [(["tread_scale=2", "tread_weak_ratio=1.5"], "tread_weak_ratio=1.5 is not allowed"),
                        (["route_ratio=0.5", "route_spans=[[2,40]]"], "route_spans at ratio 0.5")]:
         proc, _ = run_cli(["sample.py", *common, f"out_dir={tmp_path / 'bad'}", *extra], cache_dir)
         assert proc.returncode == 1 and msg in proc.stderr, proc.stderr[-2000:]

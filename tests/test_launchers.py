@@ -8,14 +8,11 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-
-from conftest import CONFIG_DIR, REPO, TINY
-from training.distributed import export_slurm_env, first_host, master_port, slurm_dist_env, tasks_per_node
+from conftest import REPO, TINY
+from schema import compose
+from training.slurm import export_slurm_env, first_host, master_port, slurm_dist_env, tasks_per_node
 
 SLURM_TARGET = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
 JOBLIB_TARGET = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
@@ -27,9 +24,7 @@ QUICK = [o for o in TINY if not o.startswith("eval.every")] + [
 
 def compose_hydra(*overrides: str):
     """The training config with its `hydra` node, as `python train.py -m <overrides>` would see it."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+    return compose(list(overrides), "train", return_hydra_config=True)
 
 
 def make_launcher(cfg):

@@ -1,5 +1,6 @@
-"""scripts/plan_routes.py: FLOPs by hand, candidates and flags, target filtering, the recommendation rule on
-injected timings, a CLI smoke run with real timing, a pilot on the tiny toy data, one-line input errors."""
+"""The route planner (cli/plan_routes.py, perf/plan.py): FLOPs by hand, candidates and flags, the geometry it
+plans for, target filtering, the recommendation rule on injected timings with progress, a CLI smoke run with
+real timing of the training step, a pilot on the tiny toy data, one-line input errors."""
 from __future__ import annotations
 
 import json
@@ -10,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from cli.plan_routes import main, parse_args
+from models import build_model
+from models.flops import model_forward_flops
+from perf.plan import RULE, evaluate_candidates, generate_candidates, ratio_grid, rule_key
 from routing.spec import Route
-from scripts.plan_routes import (RULE, evaluate_candidates, generate_candidates, main, parse_args, ratio_grid,
-                                 rule_key)
-from conftest import TINY
+from schema import compose
+from conftest import TINY, compose_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 B2_32 = ["--arch", "DiT-B/2", "--resolution", "32", "--channels", "4"]
@@ -29,6 +33,11 @@ def plan(argv, time_fn=no_timing):
 
 def by_label(res):
     return {c["label"]: c for c in res["candidates"]}
+
+
+def grid(argv):
+    a = parse_args(argv)
+    return ratio_grid(a.ratios, a.ratio_step, a.max_ratio)
 
 
 # ----------------------------------------------------------------------------- FLOPs by hand
@@ -79,11 +88,10 @@ def test_candidates_follow_the_guidelines_and_flags():
     assert max(r.end_layer_idx for (r,) in relaxed) == 10
     assert min(r.num_blocks for (r,) in relaxed) == 3
 
-    assert ratio_grid(parse_args(["--target-speedup", "2"])) == [0.25, 0.5]
-    assert ratio_grid(parse_args(["--target-speedup", "2", "--ratio-step", "0.1", "--max-ratio", "0.3"])) == \
-        [0.1, 0.2, 0.3]
-    assert ratio_grid(parse_args(["--target-speedup", "2", "--ratios", "0.5", "0.3"])) == [0.3, 0.5]
-    assert ratio_grid(parse_args(["--target-speedup", "2", "--max-ratio", "0.75"])) == [0.25, 0.5, 0.75]
+    assert grid(["--target-speedup", "2"]) == [0.25, 0.5]
+    assert grid(["--target-speedup", "2", "--ratio-step", "0.1", "--max-ratio", "0.3"]) == [0.1, 0.2, 0.3]
+    assert grid(["--target-speedup", "2", "--ratios", "0.5", "0.3"]) == [0.3, 0.5]
+    assert grid(["--target-speedup", "2", "--max-ratio", "0.75"]) == [0.25, 0.5, 0.75]
 
     res = plan(["--arch", "DiT-T/4", "--resolution", "16", "--channels", "3", "--batch", "2",
                 "--target-speedup", "1.01", "--measure", "0", "--min-start", "3", "--max-end", "9",
@@ -128,6 +136,32 @@ def test_target_filtering():
         assert rec["label"] == next(c["label"] for c in res["candidates"] if c["meets_theory"])
 
 
+# ----------------------------------------------------------------------------- the geometry it plans for
+@pytest.mark.parametrize("argv,shape,why", [
+    (["--arch", "DiT-B/2"], (4, 32, 256), "the usual data of DiT-B/2, ImageNet-256 SD-VAE latents"),
+    (["--arch", "DiT-XL/2", "--resolution", "16"], (4, 16, 64), "--resolution as named, the rest from the usual "
+                                                                "data of DiT-XL/2"),
+    (["--arch", "DiT-T/4"], (3, 16, 16), "the usual data of DiT-T/4, the built-in toy data (configs/data/toy.yaml)"),
+    (["--arch", "DiT-B/2", "--resolution", "16", "--channels", "3"], (3, 16, 64), "as named by --resolution/--channels"),
+    (["--arch", "DiT-B/2", "--data", "toy"], (3, 16, 64), "the data of the composed config (data=toy)"),
+])
+def test_plans_for_the_named_geometry_or_the_archs_usual_data(argv, shape, why):
+    """The quickstart line plans for what a DiT-B/2 user trains on (256 tokens of 4x32x32 latents), says so on
+    its first line, and times nothing by default (--measure 0: FLOPs only)."""
+    res = plan(argv + ["--target-speedup", "1.05"])
+    s, (c, r, n) = res["settings"], shape
+    assert (s["channels"], s["resolution"], s["tokens"]) == (c, r, n) and res["num_measured"] == 0
+    first = res["markdown"].splitlines()[0]
+    assert first.startswith(f"planning for {c}x{r}x{r} latents ({n} tokens): {why}"), first
+    named = why == "as named by --resolution/--channels"   # then there is no hint at other geometries
+    assert first.endswith(why if named else "; --resolution/--channels plan for others")
+
+
+def test_usual_data_train_command_names_the_data():
+    rec = plan(["--arch", "DiT-B/2", "--target-speedup", "1.3"])["recommendation"]
+    assert rec["train_command"].startswith("python train.py model=tread model.arch=DiT-B/2 data=imagenet256 ")
+
+
 # ----------------------------------------------------------------------------- the rule on injected timings
 def fake_timer(realised, log):
     """Each candidate realises `realised(row)` x its FLOPs bound; dense takes 100 ms."""
@@ -170,6 +204,16 @@ def test_timing_stops_when_nothing_can_change_the_pick():
     assert log == [first["label"]] and res["num_measured"] == 1   # the rule's first meets: nothing else is timed
     assert res["timing_stopped_early"] and "stopped early" in res["markdown"]
     assert res["recommendation"]["label"] == log[0] and res["recommendation"]["meets_target"]
+
+
+def test_timing_reports_progress_with_an_estimate(capsys):
+    plan(B2_32 + ["--batch", "1", "--target-speedup", "1.2", "--measure", "3"], fake_timer(lambda c: 0.9, []))
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("planning for 4x32x32 latents (256 tokens): as named")
+    assert any(line.startswith("timing at most 3 candidates") for line in err)
+    progress = [line for line in err if line.startswith("timed ")]
+    assert progress[0].startswith("timed 1 of at most 3 candidates in ") and "s more" in progress[0]
+    assert len(progress) == 3 and "nothing left to time" in progress[-1]
 
 
 def test_recommendation_when_none_meets_the_target():
@@ -242,7 +286,6 @@ def test_pilot_ranks_candidates_and_dense(tmp_path, cache_dir):
 def test_pilot_at_equal_training_time(tmp_path, cache_dir):
     """--pilot-seconds: every run gets the same training time (train.time_budget_min), so the routed ones take
     more steps; ranked by loss, with throughput vs dense."""
-    from conftest import compose_cfg
     if "time_budget_min" not in compose_cfg("train").train:
         pytest.skip("this checkout's training loop has no train.time_budget_min")
     sets = [x for s in TINY if not s.startswith(("model.arch", "train.batch_size"))
@@ -321,21 +364,16 @@ def test_cli_error_is_one_line_on_stderr():
 def test_family_flops_are_the_training_loops_count():
     """A diffusers family (tiny FLUX): each candidate's FLOPs are model_forward_flops of the model train.py builds
     with that route (torch's FlopCounterMode), here checked against freshly built routed models."""
-    from hydra.utils import instantiate
-
-    from scripts.plan_routes import compose
-    from training.flops import model_forward_flops
-
     res = plan(["--model", "flux", "--target-speedup", "1.01", "--measure", "0", "--batch", "2"])
     s = res["settings"]
     assert s["family"] == "flux" and s["model_name"] == "flux-tiny" and res["num_candidates"] > 0
     rows = res["candidates"]
     for c in (rows[0], rows[-1]):
         cfg = compose(s["overrides"] + c["overrides"])
-        model = instantiate(cfg.model)
+        model = build_model(cfg.model)
         assert [r.__dict__ for r in model.routing.routes] == c["routes"]
         assert model_forward_flops(model) == c["forward_flops_per_sample"]
         assert c["train_flops_per_step"] == 3 * c["forward_flops_per_sample"] * 2
-    dense = instantiate(compose(s["overrides"] + ["routing=none"]).model)
+    dense = build_model(compose(s["overrides"] + ["routing=none"]).model)
     assert model_forward_flops(dense) == res["dense"]["forward_flops_per_sample"]
     assert all(c["forward_flops_per_sample"] < res["dense"]["forward_flops_per_sample"] for c in rows)

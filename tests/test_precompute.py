@@ -5,10 +5,8 @@ ratios; resolution 16, so a whole run takes about a second. Nothing touches the 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,25 +15,15 @@ import pytest
 import torch
 from PIL import Image
 
+import cli.precompute as pl
 from data import LatentDataset, LatentDatasetError, LatentDatasetExistsError, read_meta
 from data.images import ImageFolderError, center_crop_arr, list_image_folder
-from data.latents import LatentDatasetWriter
 from data.vae import clear_vae_cache, encode, load_vae
+from data.writer import LatentDatasetWriter
 
 REPO = Path(__file__).resolve().parents[1]
 RES = 16
 SIZES = [(20, 16), (16, 30), (40, 33), (17, 17), (64, 20)]  # (width, height): landscape, portrait, big, odd
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("precompute_latents", REPO / "scripts" / "precompute_latents.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-pl = load_script()
 
 
 @pytest.fixture(scope="module")

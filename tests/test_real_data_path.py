@@ -3,28 +3,17 @@ flips, reference statistics) -> training with in-training evaluation decoded by 
 sample.py -> fid.py checkpoint benchmarking."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from conftest import REPO, TINY, compose_cfg, shared_cache
+import cli.precompute
+from conftest import TINY, compose_cfg, shared_cache
 
 RES = 32  # image side; the tiny VAE downsamples by 2 -> 4x16x16 latents
-
-
-def load_precompute():
-    if "precompute_latents" in sys.modules:
-        return sys.modules["precompute_latents"]
-    spec = importlib.util.spec_from_file_location("precompute_latents", REPO / "scripts" / "precompute_latents.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["precompute_latents"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -34,7 +23,7 @@ def test_images_to_latents_to_training_to_benchmark(tmp_path_factory):
     from data import LatentDataset
     from data.toy import generate_toy_shapes
     from training.loop import train
-    from training.metrics import read_metrics
+    from training.run_log import read_metrics
 
     cache = shared_cache(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("realpath")
@@ -52,7 +41,7 @@ def test_images_to_latents_to_training_to_benchmark(tmp_path_factory):
         Image.fromarray(np.concatenate([img, img[:, :8]], axis=1)).save(folder / f"{i:03d}.png")  # 48x56
 
     out, ref = tmp / "latents", tmp / "ref.npz"
-    load_precompute().main(["--images", str(tmp / "images"), "--out", str(out), "--vae", str(vae_dir),
+    cli.precompute.main(["--images", str(tmp / "images"), "--out", str(out), "--vae", str(vae_dir),
                             "--resolution", str(RES), "--flip", "--batch-size", "8", "--shard-size", "16",
                             "--device", "cpu", "--ref-out", str(ref), "--ref-features", "toy_classifier",
                             "--cache-dir", str(cache)])
@@ -66,8 +55,7 @@ def test_images_to_latents_to_training_to_benchmark(tmp_path_factory):
     run = tmp / "run"
     data = ["data=imagenet256", f"data.path={out}", "data.channels=4", "data.resolution=16", "data.num_classes=10",
             f"eval.reference={ref}", "eval.decode_batch_size=7", "eval.metrics=[fid,sfid,is,precision,recall,kid]"]
-    tiny = [o for o in TINY if not o.startswith("data.")]
-    cfg = compose_cfg("train", tiny + [f"paths.cache_dir={cache}", *data])
+    cfg = compose_cfg("train", TINY + ["~data.builtin_args", f"paths.cache_dir={cache}", *data])
     summary = train(cfg, run)
     evals = [r for r in read_metrics(run) if r["type"] == "eval"]
     assert [r["step"] for r in evals] == [2, 4] and summary["final_fid"] == evals[-1]["fid"]
@@ -76,7 +64,7 @@ def test_images_to_latents_to_training_to_benchmark(tmp_path_factory):
     assert grid.size[0] > 10 * RES  # decoded RES x RES images, one column per class
 
     # sample.py decodes with the VAE named in the checkpoint's data metadata (here overridden explicitly).
-    import sample
+    import cli.sample as sample
 
     sample_cfg = compose_cfg("sample", [f"checkpoint={run}", "num_samples=6", "num_steps=2", "device=cpu",
                                         f"out_dir={tmp / 'samples'}", f"vae={vae_dir}", "vae_dtype=bfloat16"])
@@ -85,7 +73,7 @@ def test_images_to_latents_to_training_to_benchmark(tmp_path_factory):
         assert s["arr_0"].shape == (6, RES, RES, 3)
 
     # fid.py benchmarks the checkpoint against the precomputed reference.
-    import fid
+    import cli.fid as fid
 
     fid_cfg = compose_cfg("fid", ["mode=bench", f"checkpoints={run}", f"ref={ref}", f"cache_dir={cache}",
                                   "num_samples=12", "num_steps=2", "sample_batch_size=6", "device=cpu",

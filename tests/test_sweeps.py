@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from cli import ablation_report
 from conftest import TINY
 from test_train import run_cli
 from training.loop import train
@@ -44,7 +45,7 @@ def test_summary_schema_and_values(tiny_cfg, tmp_path):
 
 def test_family_summary_counts_flops(tiny_cfg, tmp_path):
     """Families' FLOPs are counted on one sample (FlopCounterMode, router state restored); routed < dense."""
-    common = ["model=flux", "model.arch=null", "eval.every_steps=0", "eval.at_end=false", "train.max_steps=2"]
+    common = ["model=flux", "eval.every_steps=0", "eval.at_end=false", "train.max_steps=2"]
     dense = train(tiny_cfg(*common, "routing=none"), tmp_path / "dense")
     routed = train(tiny_cfg(*common), tmp_path / "routed")
     assert 0 < routed["train_flops_per_step"] < dense["train_flops_per_step"]
@@ -62,15 +63,14 @@ def test_multirun_sweep_records_failed_jobs_and_goes_on(tmp_path):
                  if (d / "summary.json").is_file()}
     assert sorted(summaries) == [0, 1, 2]
     assert summaries[1]["status"] == "failed"
-    assert "routing.routes[0].selection_ratio=1.5 is out of range" in summaries[1]["error"]
+    assert "routing.routes[0].selection_ratio=1.5 is not allowed" in summaries[1]["error"]
     assert "routing.routes.0.selection_ratio=1.5" in summaries[1]["overrides"]
     for job in (0, 2):
         check_summary(summaries[job])
         assert summaries[job]["status"] == "completed"
     assert summaries[0]["train_flops_per_step"] > summaries[2]["train_flops_per_step"]
     # ... and the report reads the real sweep: two completed rows and the failed one.
-    from test_ablation_report import load_report
-    out = load_report().main([str(sweep), "--no-plots"])
+    out = ablation_report.main([str(sweep), "--no-plots"])
     assert sorted((r["run"], r["status"]) for r in out["rows"]) == [("0", "completed"), ("1", "failed"),
                                                                   ("2", "completed")]
 
@@ -95,7 +95,7 @@ def test_time_budget_stops_training_and_resume_keeps_the_count(tiny_cfg, tmp_pat
 
 @pytest.mark.parametrize("value", [0, -1, "soon", True])
 def test_bad_time_budget_is_refused(tiny_cfg, tmp_path, value):
-    from training import ConfigError
+    from schema import ConfigError
     with pytest.raises(ConfigError, match="train.time_budget_min"):
         train(tiny_cfg(f"train.time_budget_min={value}"), tmp_path / "run")
     assert not (tmp_path / "run").exists()

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 from training.loop import train
-from training.metrics import read_metrics
+from training.run_log import read_metrics
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -82,7 +82,7 @@ def run_cli(args: list[str], cache: Path, timeout: int = 300, launcher: list[str
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("routing.routes.0.selection_ratio=1.5", "routing.routes[0].selection_ratio=1.5 is out of range"),
+    ("routing.routes.0.selection_ratio=1.5", "routing.routes[0].selection_ratio=1.5 is not allowed"),
     ("routing.routes.0.end_layer_idx=40", "routing.routes[0].end_layer_idx=40 is out of range"),
     ("routing.routes=[]", "TREAD training requires you to configure the routes"),
     ("train.mixed_precision=fp8", "train.mixed_precision='fp8' is not allowed"),
@@ -191,7 +191,7 @@ def test_accumulation_and_bf16_train(tiny_cfg, tmp_path, extra):
 
 
 def test_batch_not_divisible_is_a_clear_error(tiny_cfg, tmp_path):
-    from training.loop import ConfigError
+    from schema import ConfigError
 
     with pytest.raises(ConfigError, match=r"train.batch_size=8 .* train.grad_accum_steps \(3\)"):
         train(tiny_cfg("train.grad_accum_steps=3"), tmp_path / "r")

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import data.wds
+import data.wds_index
 from conftest import TINY, compose_cfg
 from data import (LatentDatasetError, LatentLoader, WebDatasetLatents, build_dataset, draw_latents)
-from data.latents import validate_meta
+from data.meta import validate_meta
 from data.wds import expand_braces
 
 SHARD = "latent_imagenet_512_train-{:04d}.tar"  # the name MaskDiT's lmdb2wds.py gives (512 hard-coded)
@@ -168,13 +169,13 @@ def test_sample_kind_shards_are_scaled_like_latent_dataset(tmp_path):
 
 def count_scans(monkeypatch):
     calls = []
-    real = data.wds.scan_shard
+    real = data.wds_index.scan_shard
 
     def spy(path):
         calls.append(path.name)
         return real(path)
 
-    monkeypatch.setattr(data.wds, "scan_shard", spy)
+    monkeypatch.setattr(data.wds_index, "scan_shard", spy)
     return calls
 
 
@@ -397,15 +398,14 @@ def test_train_fails_fast_on_missing_shards(tmp_path):
 
 def test_tiny_training_run_on_shards(tmp_path):
     from training.loop import train
-    from training.metrics import read_metrics
+    from training.run_log import read_metrics
 
     root = tmp_path / "wds"
     root.mkdir()
     x, y = moments(32, res=8), np.arange(32) % 10
     for s in range(2):
         write_shard(root / SHARD.format(s), [(f"{i:07d}", x[i], y[i]) for i in range(16 * s, 16 * (s + 1))])
-    overrides = [o for o in TINY if not o.startswith("data.")]
-    cfg = compose_cfg("train", overrides + ["data=imagenet256_wds", f"data.path={root}", "data.channels=4",
+    cfg = compose_cfg("train", TINY + ["~data.builtin_args", "data=imagenet256_wds", f"data.path={root}", "data.channels=4",
                                             "data.resolution=8", "data.num_classes=10", "model.arch=DiT-T/4",
                                             "eval.every_steps=0", "eval.at_end=false", "train.max_steps=2",
                                             f"paths.cache_dir={tmp_path / 'cache'}"])

@@ -1,38 +1,39 @@
-"""Checkpoints as state_dict directories, written atomically.
+"""Checkpoints of a training run: TrainingState written as a directory (layout: utils/checkpoints.py), atomically.
 
-checkpoints/step_0001200/
-  model.pt           inference artifact: EMA + raw backbone weights and the resolved config
-  train_state.pt     resume state: optimizer, step, data position, router state
-  rng_rank{r}.pt     each process's RNG states (so every rank resumes its own stream)
-A checkpoint directory is written as step_XXXX.tmp and renamed when complete, so a
-crash never leaves a checkpoint that looks finished.
+A checkpoint is written as step_XXXXXXX.tmp and renamed when complete, so a crash never leaves one that
+looks finished. model.pt holds what sampling needs (EMA + raw backbone weights, the resolved config and the
+data's meta), train_state.pt what resuming needs besides (optimizer, data position, step, training time),
+and every process writes its own rng_rank{r}.pt.
 """
 from __future__ import annotations
 
 import os
-import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
+from accelerate import Accelerator
+from safetensors.torch import save_file
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
+from models.lora import adapter_state_dict, has_lora
+from training.state import TrainingState
+from utils.io import atomic_write
+from utils.checkpoints import MODEL_FILE, checkpoint_dir, find_checkpoint, list_checkpoints, load_model_file
+
+TRAIN_FILE = "train_state.pt"
 
 
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / "model.pt").is_file()]
-    return [p for _, p in sorted(found)]
+def tmp_dir(final: Path) -> Path:
+    return final.with_name(final.name + ".tmp")
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
@@ -42,97 +43,58 @@ def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
     if resume == "auto":
         ckpts = list_checkpoints(run_dir)
         return ckpts[-1] if ckpts else None
-    path = Path(resume).expanduser()
-    if path.is_file():
-        path = path.parent
-    if (path / "model.pt").is_file():
-        return path
-    ckpts = list_checkpoints(path)
-    if ckpts:
-        return ckpts[-1]
-    raise FileNotFoundError(
-        f"resume={resume!r}: no checkpoint found there. Expected a checkpoint directory "
-        f"(…/checkpoints/step_XXXXXXX with model.pt) or a run directory containing checkpoints/; "
-        f"use resume=auto to continue the latest checkpoint in hydra.run.dir."
-    )
+    try:
+        return find_checkpoint(resume, "resume")
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err} Use resume=auto to continue the latest checkpoint in hydra.run.dir.") from None
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def save_rank_rng(ckpt_tmp: Path, rank: int, extra: dict[str, Any]) -> None:
-    """Every process writes its RNG streams into the (still temporary) checkpoint dir."""
-    ckpt_tmp.mkdir(parents=True, exist_ok=True)
-    _atomic_save({**rng_state(), **extra}, ckpt_tmp / f"rng_rank{rank}.pt")
-
-
-def tmp_dir(final: Path) -> Path:
-    return final.with_name(final.name + ".tmp")
-
-
-def finalize(final: Path, model_state: dict[str, Any], train_state: dict[str, Any], keep_last: Optional[int]) -> None:
-    """Main process: write model + train state into the temp dir, rename it, prune old ones."""
+def save_checkpoint(accelerator: Accelerator, run_dir: Path, state: TrainingState, config: dict, data_meta: dict,
+                    keep_last: Optional[int], trainable: Optional[set[str]]) -> Path:
+    """Every process saves its RNG; the main process writes the weights and the resume state, renames the
+    directory into place and prunes old checkpoints. `trainable` (adapter-only checkpoints) limits the saved
+    weights to those names."""
+    final = checkpoint_dir(run_dir, state.step)
     tmp = tmp_dir(final)
+    accelerator.wait_for_everyone()
+    full = state.state_dict()
     tmp.mkdir(parents=True, exist_ok=True)
-    _atomic_save(model_state, tmp / "model.pt")
-    _atomic_save(train_state, tmp / "train_state.pt")
+    _atomic_save(full["rng"], tmp / rng_file(accelerator.process_index))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        weights = {k: full[k] if trainable is None else {n: v for n, v in full[k].items() if n in trainable}
+                   for k in ("model", "ema")}
+        _atomic_save({"step": state.step, "config": config, "data_meta": data_meta, **weights,
+                      "adapter_only": trainable is not None}, tmp / MODEL_FILE)
+        _atomic_save({k: full[k] for k in ("step", "train_sec", "optimizer", "loader", "world_size")}, tmp / TRAIN_FILE)
+        if has_lora(state.model):  # the EMA adapter alone in peft's format, for diffusers pipelines
+            export_adapter(state.ema_model, tmp / "adapter_model.safetensors")
+        finalize(final, keep_last)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def finalize(final: Path, keep_last: Optional[int]) -> None:
+    """Rename the complete temp dir into place (replacing a checkpoint of the same step) and prune old ones."""
     if final.exists():  # re-saving the same step (e.g. final == periodic): replace it
         shutil.rmtree(final)
-    os.replace(tmp, final)
+    os.replace(tmp_dir(final), final)
     if keep_last:
         for old in list_checkpoints(final.parent.parent)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def load_model_file(ckpt: Path) -> dict[str, Any]:
-    path = Path(ckpt) / "model.pt" if Path(ckpt).is_dir() else Path(ckpt)
-    if not path.is_file():
-        raise FileNotFoundError(f"Checkpoint file not found: '{path}' (expected …/checkpoints/step_XXXXXXX/model.pt).")
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def load_train_state(ckpt: Path, rank: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
-    state = torch.load(Path(ckpt) / "train_state.pt", map_location="cpu", weights_only=False)
-    rng_path = Path(ckpt) / f"rng_rank{rank}.pt"
+def load_checkpoint(ckpt: Path, state: TrainingState, rank: int) -> None:
+    """Restore `state` from a checkpoint directory (this process's RNG when the saved run had this rank)."""
+    model_file = load_model_file(ckpt)
+    train = torch.load(Path(ckpt) / TRAIN_FILE, map_location="cpu", weights_only=False)
+    rng_path = Path(ckpt) / rng_file(rank)
     rng = torch.load(rng_path, map_location="cpu", weights_only=False) if rng_path.is_file() else None
-    return state, rng
+    state.load_state_dict({**train, "model": model_file["model"], "ema": model_file["ema"], "rng": rng},
+                          adapter_only=bool(model_file.get("adapter_only")), where=str(ckpt))
 
 
-def model_weights(model: torch.nn.Module, trainable: Optional[set[str]]) -> dict[str, torch.Tensor]:
-    """The state dict to save: all of it, or (adapter-only checkpoints) just the `trainable` names."""
-    state = model.state_dict()
-    return state if trainable is None else {k: v for k, v in state.items() if k in trainable}
-
-
-def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], adapter_only: bool = False,
-                       where: str = "checkpoint") -> None:
-    """Load full weights strictly, or adapter-only weights over a freshly built base (model.pretrained or the
-    seeded initialisation); every key of an adapter-only checkpoint must exist in the model."""
-    if not adapter_only:
-        model.load_state_dict(weights)
-        return
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected:
-        raise ValueError(f"{where}: adapter weights {sorted(unexpected)[:5]} do not exist in the model built from its "
-                         f"config; was model.lora changed?")
-    lora = [k for k in missing if "lora_" in k]
-    if lora:
-        raise ValueError(f"{where}: adapter-only checkpoint lacks adapter weights {sorted(lora)[:5]}.")
+def export_adapter(model: torch.nn.Module, path: Path) -> None:
+    """Write the LoRA adapter of `model`'s diffusers transformer as peft-format safetensors."""
+    target = getattr(model, "transformer", model)
+    save_file({k: v.detach().contiguous().cpu() for k, v in adapter_state_dict(target).items()}, str(path))

@@ -45,26 +45,9 @@ AURAFLOW_PRESETS: dict[str, dict[str, Any]] = {
 class AuraFlowFamily(RoutedFamily):
     family = "auraflow"
     hub_hint = "fal/AuraFlow-v0.3"
-
-    @staticmethod
-    def transformer_class() -> type:
-        from diffusers import AuraFlowTransformer2DModel
-        return AuraFlowTransformer2DModel
-
-    @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
-        # pos_embed_max_size counts the positions of a square grid: the data's token grid.
-        patch = int(config.get("patch_size", 2))
-        return {"in_channels": in_channels, "out_channels": in_channels, "sample_size": input_size,
-                "pos_embed_max_size": max(1, input_size // patch) ** 2}
-
-    @property
-    def text_dim(self) -> int:
-        return int(self.transformer.config.joint_attention_dim)
-
-    def latent_patch(self) -> tuple[int, int, int]:
-        p = int(self.transformer.config.patch_size)
-        return 1, p, p
+    diffusers_class = "AuraFlowTransformer2DModel"
+    text_dim_key = "joint_attention_dim"
+    pos_table = "area"
 
     @property
     def num_registers(self) -> int:

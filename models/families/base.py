@@ -32,11 +32,13 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from routing import RoutingController, run_blocks
+from models.errors import ModelConfigError
+from routing import RoutedBackbone, RoutePlan, RoutingController, run_blocks
+from routing.masks import token_keep_mask
 
 
-class FamilyConfigError(ValueError):
-    """A model config that cannot be built; the message names the key, the value and what is allowed."""
+class FamilyConfigError(ModelConfigError):
+    """A family config that cannot be built; the message names the key, the value and what is allowed."""
 
 
 @dataclass
@@ -103,12 +105,18 @@ def load_pretrained(cls: type, family: str, path: str, subfolder: Optional[str],
             f"HF_HOME to a cache that holds them).") from None
 
 
-class RoutedFamily(nn.Module):
+class RoutedFamily(RoutedBackbone):
     """Base class of the diffusers families: config checks, conditioning, routing and the forward loop."""
 
     family: ClassVar[str] = ""
     hub_hint: ClassVar[str] = ""          # a hub repo to name in "how to get the weights" errors
     frames_axis: ClassVar[bool] = False  # True: inputs are (B, C, T, H, W) (video); images get T = 1
+    diffusers_class: ClassVar[str] = ""   # the diffusers transformer class, e.g. "FluxTransformer2DModel"
+    text_dim_key: ClassVar[str] = ""      # the transformer config key holding the text embedding width
+    pooled_dim_key: ClassVar[Optional[str]] = None   # ... the pooled text width (None: no pooled embedding)
+    # How the absolute position table (config pos_embed_max_size) is sized from the data's token grid:
+    # "side" (SD3: the grid side), "area" (AuraFlow: side^2 positions) or "" (no such table).
+    pos_table: ClassVar[str] = ""
 
     def __init__(self, transformer: nn.Module, *, input_size: int, in_channels: int, num_classes: int,
                  routing: Optional[Mapping[str, Any]] = None, text_len: int = 8, arch: str = "",
@@ -126,31 +134,39 @@ class RoutedFamily(nn.Module):
         self.install_processors()
         depth = len(self.routable_blocks())
         self.routing = RoutingController.from_config(routing, depth)
-        self.last_route_stats: list = []   # (start, end, kept, total) per route of the last forward
 
     # -- what a family provides ---------------------------------------------------------------
-    @staticmethod
-    def transformer_class() -> type:
+    @classmethod
+    def transformer_class(cls) -> type:
         """The diffusers class (imported lazily: diffusers is only needed for these families)."""
-        raise NotImplementedError
+        import diffusers  # deferred: a heavy optional dependency, only the families need it
+
+        return getattr(diffusers, cls.diffusers_class)
 
     @classmethod
     def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
         """diffusers config keys that follow from the data (channels, sample size) and from `config` (the preset
-        merged with model.config overrides, e.g. its patch_size); explicit preset/override keys win."""
-        return {}
+        merged with model.config overrides, e.g. its patch_size); explicit preset/override keys win. Default: a
+        transformer that patchifies the latents as they are and predicts a latent of the same shape, with its
+        position table (pos_table) sized to the data's token grid."""
+        out = {"in_channels": in_channels, "out_channels": in_channels, "sample_size": input_size}
+        if cls.pos_table:
+            side = max(1, input_size // int(config.get("patch_size", 2)))
+            out["pos_embed_max_size"] = side if cls.pos_table == "side" else side * side
+        return out
 
     @property
     def text_dim(self) -> int:
-        raise NotImplementedError
+        return int(getattr(self.transformer.config, self.text_dim_key))
 
     @property
     def pooled_dim(self) -> Optional[int]:
-        return None
+        return int(getattr(self.transformer.config, self.pooled_dim_key)) if self.pooled_dim_key else None
 
     def latent_patch(self) -> tuple[int, int, int]:
-        """(pt, ph, pw): latent cells per token along T, H, W."""
-        raise NotImplementedError
+        """(pt, ph, pw): latent cells per token along T, H, W (default: the transformer's square patch_size)."""
+        p = int(self.transformer.config.patch_size)
+        return 1, p, p
 
     def check_shapes(self) -> None:
         """Raise FamilyConfigError when the data does not fit the transformer config."""
@@ -240,20 +256,18 @@ class RoutedFamily(nn.Module):
     def from_model_layout(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return out.squeeze(2) if self.frames_axis and like.dim() == 4 else out
 
-    def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
-                force_keep: Optional[torch.Tensor] = None, cond: Optional[Mapping[str, torch.Tensor]] = None
-                ) -> torch.Tensor:
+    def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
+                       force_keep: Optional[torch.Tensor] = None, cond: Optional[Mapping[str, torch.Tensor]] = None
+                       ) -> torch.Tensor:
         """x (B, C, H, W) (or (B, C, T, H, W) for video), noise_level (B,) = t * 1000, labels (B,);
-        force_keep (B, N) bool over image tokens; cond: text embeddings from the data (optional)."""
+        force_keep (B, N) bool over image tokens; cond: text embeddings from the data (optional); `plan` from
+        the routing controller (RoutedBackbone.forward makes it)."""
         text = self.conditioning(labels, cond)
         xm = self.to_model_layout(x)
         emb = self.embed(xm, self.timestep(noise_level), text)
-        routes = self.routing.active_routes(self.training)
-        self.last_route_stats = []
-        h, emb.context = run_blocks(self.block_fns(emb), emb.x, routes, self.routing.router, force_keep,
+        h, emb.context = run_blocks(self.block_fns(emb), emb.x, plan, self.routing.router, force_keep,
                                     context=emb.context, per_token=emb.per_token,
-                                    checkpoint=self.gradient_checkpointing and self.training,
-                                    stats=self.last_route_stats, fp32_blocks=self.routing.fp32_blocks(routes))
+                                    checkpoint=self.gradient_checkpointing and self.training)
         return self.from_model_layout(self.head(h, emb), x)
 
     def pristine_transformer(self) -> nn.Module:
@@ -273,7 +287,6 @@ class RoutedFamily(nn.Module):
 
     def tokens_from_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """A (B, 1, H, W) coverage mask in [0, 1] -> (B, N) bool: tokens more than half covered."""
-        from data import token_keep_mask
         _, h, w = self.token_grid
         keep = token_keep_mask(mask, (h, w))                                    # (B, h*w)
         return keep.repeat(1, self.token_grid[0]) if self.token_grid[0] > 1 else keep

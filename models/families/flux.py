@@ -100,12 +100,10 @@ class BatchedRopeFluxAttnProcessor:
 class FluxFamily(RoutedFamily):
     family = "flux"
     hub_hint = "black-forest-labs/FLUX.1-dev"
+    diffusers_class = "FluxTransformer2DModel"
+    text_dim_key = "joint_attention_dim"
+    pooled_dim_key = "pooled_projection_dim"
     PACK = 2   # the FLUX pipeline packs 2x2 latent cells into one token
-
-    @staticmethod
-    def transformer_class() -> type:
-        from diffusers import FluxTransformer2DModel
-        return FluxTransformer2DModel
 
     @classmethod
     def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,14 +115,6 @@ class FluxFamily(RoutedFamily):
         if transformer.config.guidance_embeds and guidance is None:
             raise FamilyConfigError("model.guidance must be set for a guidance-distilled FLUX (guidance_embeds: "
                                     "true), e.g. model.guidance=3.5 (FLUX.1-dev's default); got null.")
-
-    @property
-    def text_dim(self) -> int:
-        return int(self.transformer.config.joint_attention_dim)
-
-    @property
-    def pooled_dim(self) -> Optional[int]:
-        return int(self.transformer.config.pooled_projection_dim)
 
     def latent_patch(self) -> tuple[int, int, int]:
         p = self.PACK * int(self.transformer.config.patch_size)

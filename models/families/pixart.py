@@ -55,16 +55,12 @@ PIXART_PRESETS: dict[str, dict[str, Any]] = {
 class PixArtFamily(RoutedFamily):
     family = "pixart"
     hub_hint = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"
-
-    @staticmethod
-    def transformer_class() -> type:
-        from diffusers import PixArtTransformer2DModel
-        return PixArtTransformer2DModel
+    diffusers_class = "PixArtTransformer2DModel"
 
     @classmethod
     def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
         # learned sigma (2C outputs) as the released models; the sincos position table fits the data size
-        return {"in_channels": in_channels, "out_channels": 2 * in_channels, "sample_size": input_size}
+        return {**super().data_config(in_channels, input_size, config), "out_channels": 2 * in_channels}
 
     def __init__(self, transformer: nn.Module, *, vae_scale_factor: int = 8, **kwargs: Any):
         self.vae_scale_factor = int(vae_scale_factor)
@@ -74,10 +70,6 @@ class PixArtFamily(RoutedFamily):
     def text_dim(self) -> int:
         c = self.transformer.config
         return int(c.caption_channels if c.caption_channels is not None else c.cross_attention_dim)
-
-    def latent_patch(self) -> tuple[int, int, int]:
-        p = int(self.transformer.config.patch_size)
-        return 1, p, p
 
     def check_shapes(self) -> None:
         c, tr = self.transformer.config, self.transformer

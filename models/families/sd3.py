@@ -58,30 +58,10 @@ SD3_PRESETS: dict[str, dict[str, Any]] = {
 class SD3Family(RoutedFamily):
     family = "sd3"
     hub_hint = "stabilityai/stable-diffusion-3-medium-diffusers"
-
-    @staticmethod
-    def transformer_class() -> type:
-        from diffusers import SD3Transformer2DModel
-        return SD3Transformer2DModel
-
-    @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
-        # pos_embed_max_size is the side (in tokens) of the sin-cos table: the data's token grid.
-        patch = int(config.get("patch_size", 2))
-        return {"in_channels": in_channels, "out_channels": in_channels, "sample_size": input_size,
-                "pos_embed_max_size": max(1, input_size // patch)}
-
-    @property
-    def text_dim(self) -> int:
-        return int(self.transformer.config.joint_attention_dim)
-
-    @property
-    def pooled_dim(self) -> Optional[int]:
-        return int(self.transformer.config.pooled_projection_dim)
-
-    def latent_patch(self) -> tuple[int, int, int]:
-        p = int(self.transformer.config.patch_size)
-        return 1, p, p
+    diffusers_class = "SD3Transformer2DModel"
+    text_dim_key = "joint_attention_dim"
+    pooled_dim_key = "pooled_projection_dim"
+    pos_table = "side"
 
     def check_shapes(self) -> None:
         c = self.transformer.config

@@ -58,12 +58,9 @@ WAN_PRESETS: dict[str, dict[str, Any]] = {
 class WanFamily(RoutedFamily):
     family = "wan"
     hub_hint = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    diffusers_class = "WanTransformer3DModel"
+    text_dim_key = "text_dim"
     frames_axis = True
-
-    @staticmethod
-    def transformer_class() -> type:
-        from diffusers import WanTransformer3DModel
-        return WanTransformer3DModel
 
     @classmethod
     def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,10 +69,6 @@ class WanFamily(RoutedFamily):
     def __init__(self, transformer: nn.Module, *, expand_timesteps: bool = False, **kwargs: Any):
         self.expand_timesteps = bool(expand_timesteps)
         super().__init__(transformer, **kwargs)
-
-    @property
-    def text_dim(self) -> int:
-        return int(self.transformer.config.text_dim)
 
     def latent_patch(self) -> tuple[int, int, int]:
         pt, ph, pw = (int(p) for p in self.transformer.config.patch_size)

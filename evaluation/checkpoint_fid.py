@@ -21,15 +21,20 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from evaluation.images import atomic_write
+from data import decode_to_uint8, model_shape
+from evaluation.metrics import FeatureAccumulator, compute_metrics
+from sampling import Guidance, generate, load_for_inference, sampling_cost, text_conditioning
+from utils.checkpoints import find_checkpoint, step_of
+from utils.distributed import all_reduce_max, barrier, rank, world_size
+from utils.errors import UserError
+from utils.io import atomic_write
 
 TABLE_JSONL, TABLE_CSV = "metrics.jsonl", "metrics.csv"
 
 
-class BenchError(ValueError):
+class BenchError(UserError):
     """A benchmarking input that cannot work (reported before any sampling)."""
 
 
@@ -39,8 +44,6 @@ def expand_checkpoints(spec: Any) -> list[Path]:
     """`spec`: one path, a comma-separated string, a list, or glob patterns of run dirs, checkpoint dirs
     (…/checkpoints/step_XXXXXXX) or model.pt files. A run dir stands for its latest checkpoint.
     Returns checkpoint dirs (deduplicated, in the given order; each glob sorted). Missing -> FileNotFoundError."""
-    from training import checkpoint as ckpt_io
-
     if spec is None:
         raise BenchError("mode=bench needs checkpoints=<run dir | checkpoint dir | model.pt | glob | list>")
     items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s) for s in spec]
@@ -53,16 +56,7 @@ def expand_checkpoints(spec: Any) -> list[Path]:
         else:
             matches = [os.path.expanduser(item)]
         for m in matches:
-            path = Path(m)
-            if path.name == "model.pt" and path.is_file():
-                path = path.parent
-            if not (path / "model.pt").is_file():
-                found = ckpt_io.list_checkpoints(path) if path.is_dir() else []
-                if not found:
-                    what = "does not exist" if not path.exists() else "holds no checkpoint (model.pt)"
-                    raise FileNotFoundError(f"checkpoints: '{path}' {what}. Give a run directory, a "
-                                            f"checkpoints/step_XXXXXXX directory, its model.pt, or a glob of them.")
-                path = found[-1]
+            path = find_checkpoint(m, "checkpoints")
             if path.resolve() not in [p.resolve() for p in out]:
                 out.append(path)
     if not out:
@@ -74,19 +68,6 @@ def checkpoint_label(path: Path) -> str:
     """'<run name>_step_0001200' for …/<run>/checkpoints/step_0001200, else the directory name."""
     path = Path(path)
     return f"{path.parent.parent.name}_{path.name}" if path.parent.name == "checkpoints" else path.name
-
-
-# ----------------------------------------------------------------------------- distributed helpers
-
-def _dist() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier() -> None:
-    if _dist()[1] > 1:
-        dist.barrier()
 
 
 # ----------------------------------------------------------------------------- npz writing
@@ -144,12 +125,10 @@ def seed_text(seeds: Sequence[int]) -> str:
     return ",".join(map(str, seeds))
 
 
-def bench_settings(ckpt: Path, *, use_ema: bool, seeds: Sequence[int], cfg_scale: float, num_steps: Optional[int],
-                   features: str, reference: Any, metrics: Sequence[str], guidance=None) -> dict[str, Any]:
-    """The SETTINGS columns of a row (num_steps as given: null means the checkpoint's own); `guidance`
-    (diffusion.guidance.Guidance) adds the inference-routing and TREAD-guidance settings."""
-    from diffusion.guidance import Guidance
-    guidance = guidance if guidance is not None else Guidance(cfg_scale=cfg_scale)
+def bench_settings(ckpt: Path, *, use_ema: bool, seeds: Sequence[int], num_steps: Optional[int], features: str,
+                   reference: Any, metrics: Sequence[str], guidance: Guidance) -> dict[str, Any]:
+    """The SETTINGS columns of a row (num_steps as given: null means the checkpoint's own), with the guidance
+    settings (CFG, inference routing, TREAD guidance)."""
     return {"checkpoint": str(ckpt), "use_ema": use_ema, "num_samples": len(seeds), "seeds": seed_text(seeds),
             "num_steps": num_steps, "features": features, "reference": str(reference),
             "metrics": ",".join(metrics), **guidance.describe()}
@@ -169,57 +148,39 @@ def min_samples(metrics: Sequence[str], pr_k: int) -> int:
     return need
 
 
-@torch.no_grad()
-def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[str], seeds: Sequence[int],
-                         out_dir: Path, device: torch.device, batch_size: int, cfg_scale: float,
-                         num_steps: Optional[int], use_ema: bool, decode_kwargs: dict, keep_npz: bool,
-                         metric_kwargs: dict, guidance=None) -> dict[str, Any]:
-    """Sample `seeds` from one checkpoint on this process's share, score against `reference` (an
-    evaluation.reference.Reference), return the table row (on every rank). Call it on every rank.
-    `guidance` (diffusion.guidance.Guidance: inference routing, TREAD guidance; replaces cfg_scale) is
-    recorded in the row with the sampled forward passes and GFLOPs per image."""
-    from diffusion.guidance import Guidance
-    from training.inference import sampling_cost
-    from data import decode_to_uint8, model_shape
-    from evaluation.metrics import FeatureAccumulator, compute_metrics
-    from training.evaluate import generate
-    from training.inference import load_for_inference, text_conditioning
-
-    rank, world = _dist()
-    start = time.time()
-    guidance = guidance if guidance is not None else Guidance(cfg_scale=cfg_scale)
+def load_checked(ckpt: Path, use_ema: bool, guidance: Guidance, reference, decode_kwargs: dict,
+                 device: torch.device):
+    """(net, diffusion, meta, config, image shape) of a checkpoint, after the checks that need it: the guidance's
+    route spans against its depth, and its image size against the reference's."""
     net, diffusion, meta, config = load_for_inference(ckpt, use_ema, device)
     try:
         guidance.check(net.model)
     except ValueError as err:
         raise BenchError(f"checkpoint '{ckpt}': {err}") from None
-    shape = model_shape(meta)
-    image_shape = tuple(decode_to_uint8(torch.zeros(1, *shape, device=device), meta, **decode_kwargs).shape[1:])
+    zeros = torch.zeros(1, *model_shape(meta), device=device)
+    image_shape = tuple(decode_to_uint8(zeros, meta, **decode_kwargs).shape[1:])
     ref_res = getattr(reference, "resolution", None)
     if ref_res is not None and image_shape[:2] != tuple(ref_res):
         raise BenchError(f"checkpoint '{ckpt}' generates {image_shape[0]}x{image_shape[1]} images but the reference "
                          f"is for {ref_res[0]}x{ref_res[1]} images: use a reference built from this model's data "
                          f"(python fid.py mode=ref source=<its dataset> out=...)")
-    label = checkpoint_label(ckpt)
-    sample_dir = out_dir / label
-    npz_path = sample_dir / "samples.npz"
-    buf_path = sample_dir / ".arr_0.npy"
-    n = len(seeds)
-    if rank == 0:
-        sample_dir.mkdir(parents=True, exist_ok=True)
-        if keep_npz:
-            np.lib.format.open_memmap(buf_path, mode="w+", dtype=np.uint8, shape=(n, *image_shape)).flush()
-    _barrier()
-    buf = np.lib.format.open_memmap(buf_path, mode="r+") if keep_npz else None
-    positions = list(range(rank, n, world))
+    return net, diffusion, meta, config, image_shape
+
+
+@torch.no_grad()
+def sample_and_score(net, diffusion, meta: dict, positions: list[int], seeds: Sequence[int], *,
+                     acc: FeatureAccumulator, batch_size: int, num_steps: Optional[int], guidance: Guidance,
+                     decode_kwargs: dict, buf: Optional[np.ndarray], label: str, cond_fn: Any,
+                     device: torch.device) -> tuple[torch.Tensor, dict]:
+    """Sample this process's seeds (their positions in `seeds`), decode them, add their features to `acc` and
+    their images to the shared buffer `buf`; returns (labels by position, -1 where another rank has them;
+    the forward passes counted per branch)."""
+    labels = torch.full((len(seeds),), -1, dtype=torch.long)
     my_seeds = [int(seeds[p]) for p in positions]
-    labels = torch.full((n,), -1, dtype=torch.long)
-    acc = FeatureAccumulator(extractor, metrics, device=device)
-    bar = tqdm(total=n, disable=rank != 0, desc=f"bench {label}", dynamic_ncols=True)
+    bar = tqdm(total=len(seeds), disable=rank() != 0, desc=f"bench {label}", dynamic_ncols=True)
     done, stats = 0, {}
-    cond_fn = text_conditioning(net, meta, config)  # text-conditioned checkpoints: the training data's text
-    for batch_seeds, y, x in generate(net, diffusion, my_seeds, shape, int(meta["num_classes"]), device,
-                                      batch_size=batch_size, num_steps=num_steps, cond_fn=cond_fn,
+    for batch_seeds, y, x in generate(net, diffusion, my_seeds, model_shape(meta), int(meta["num_classes"]),
+                                      device, batch_size=batch_size, num_steps=num_steps, cond_fn=cond_fn,
                                       guidance=guidance, stats=stats):
         images = decode_to_uint8(x, meta, **decode_kwargs)                       # (B, H, W, 3) uint8
         pos = positions[done:done + len(batch_seeds)]
@@ -228,41 +189,55 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
         if buf is not None:
             buf[pos] = images.cpu().numpy()
         done += len(batch_seeds)
-        bar.update(len(batch_seeds) * world)
+        bar.update(len(batch_seeds) * world_size())
     bar.close()
+    return all_reduce_max(labels), stats   # every label is set by exactly one rank; the others hold -1
+
+
+def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[str], seeds: Sequence[int],
+                         out_dir: Path, device: torch.device, batch_size: int, num_steps: Optional[int],
+                         use_ema: bool, decode_kwargs: dict, keep_npz: bool, metric_kwargs: dict,
+                         guidance: Guidance) -> dict[str, Any]:
+    """Sample `seeds` from one checkpoint on this process's share, score against `reference` (an
+    evaluation.reference.Reference), return the table row (on every rank). Call it on every rank. The row
+    records the guidance with the sampled forward passes and GFLOPs per image."""
+    start = time.time()
+    net, diffusion, meta, config, image_shape = load_checked(ckpt, use_ema, guidance, reference, decode_kwargs,
+                                                             device)
+    label = checkpoint_label(ckpt)
+    npz_path, buf_path = out_dir / label / "samples.npz", out_dir / label / ".arr_0.npy"
+    if rank() == 0:
+        npz_path.parent.mkdir(parents=True, exist_ok=True)
+        if keep_npz:
+            np.lib.format.open_memmap(buf_path, mode="w+", dtype=np.uint8, shape=(len(seeds), *image_shape)).flush()
+    barrier()
+    buf = np.lib.format.open_memmap(buf_path, mode="r+") if keep_npz else None
+    positions = list(range(rank(), len(seeds), world_size()))
+    acc = FeatureAccumulator(extractor, metrics, device=device)
+    cond_fn = text_conditioning(net, meta, config)  # text-conditioned checkpoints: the training data's text
+    labels, stats = sample_and_score(net, diffusion, meta, positions, seeds, acc=acc, batch_size=batch_size,
+                                     num_steps=num_steps, guidance=guidance, decode_kwargs=decode_kwargs, buf=buf,
+                                     label=label, cond_fn=cond_fn, device=device)
     sample_sec = time.time() - start
     if buf is not None:
         buf.flush()
         del buf
-    if world > 1:  # every label is set by exactly one rank; the others hold -1
-        labels = labels.to(device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(labels, op=dist.ReduceOp.MAX)
-        labels = labels.cpu()
-    acc.gather()
     scores = compute_metrics(acc, reference, metrics, **metric_kwargs)
-    _barrier()
-    if rank == 0 and keep_npz:
+    barrier()
+    if rank() == 0 and keep_npz:
         arr = np.load(buf_path, mmap_mode="r")
         write_npz_streaming(npz_path, {"arr_0": arr, "arr_1": labels.numpy()})
         del arr
         os.remove(buf_path)
-    settings = bench_settings(ckpt, use_ema=use_ema, seeds=seeds, cfg_scale=cfg_scale, num_steps=num_steps,
-                              features=extractor.name, reference=getattr(reference, "path", None), metrics=metrics,
-                              guidance=guidance)
+    settings = bench_settings(ckpt, use_ema=use_ema, seeds=seeds, num_steps=num_steps, features=extractor.name,
+                              reference=getattr(reference, "path", None), metrics=metrics, guidance=guidance)
     # Every rank samples with the same settings: this rank's counts per image stand for all.
-    cost = sampling_cost(net, guidance, stats, len(my_seeds), cond_fn, int(seeds[0])) if my_seeds else {}
-    return {**settings, "label": label, "step": _step_of(ckpt), "model": config.get("model", {}).get("arch"),
+    cost = sampling_cost(net, guidance, stats, len(positions), cond_fn, int(seeds[0])) if positions else {}
+    return {**settings, "label": label, "step": step_of(ckpt), "model": config.get("model", {}).get("arch"),
             "sampler_steps": num_steps or config.get("diffusion", {}).get("num_steps"),
             "forward_passes_per_image": cost.get("forward_passes_per_image"),
             "sample_gflops_per_image": cost.get("sample_gflops_per_image"),
             **{k: v for k, v in scores.items() if k != "num_samples"},
-            "npz": str(npz_path) if keep_npz else None, "world_size": world,
-            "sample_sec": round(sample_sec, 3), "images_per_sec": round(n / max(sample_sec, 1e-9), 3),
+            "npz": str(npz_path) if keep_npz else None, "world_size": world_size(),
+            "sample_sec": round(sample_sec, 3), "images_per_sec": round(len(seeds) / max(sample_sec, 1e-9), 3),
             "total_sec": round(time.time() - start, 3), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-def _step_of(ckpt: Path) -> Optional[int]:
-    from training.checkpoint import STEP_DIR
-
-    match = STEP_DIR.match(Path(ckpt).name)
-    return int(match.group(1)) if match else None

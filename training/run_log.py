@@ -1,4 +1,4 @@
-"""Run logging: metrics.jsonl (always), wandb (optional), console via tqdm."""
+"""The run's records: metrics.jsonl (always, on the main process) and wandb (optional)."""
 from __future__ import annotations
 
 import json
@@ -6,24 +6,22 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-WANDB_MODES = ("disabled", "offline", "online")
 
-
-class MetricsLogger:
-    """Appends one JSON object per line to run_dir/metrics.jsonl on the main process."""
+class RunLog:
+    """Appends one JSON object per line to run_dir/metrics.jsonl on the main process, and mirrors the records
+    to wandb when wandb.mode is offline or online."""
 
     def __init__(self, run_dir: Path, is_main: bool, wandb_cfg: Optional[dict] = None, config: Optional[dict] = None):
         self.is_main = is_main
         self.path = Path(run_dir) / "metrics.jsonl"
         self.wandb = None
-        mode = (wandb_cfg or {}).get("mode", "disabled")
-        if mode not in WANDB_MODES:
-            raise ValueError(f"wandb.mode={mode!r} is not allowed; use one of {list(WANDB_MODES)}.")
-        if is_main and mode != "disabled":
-            import wandb
+        wandb_cfg = wandb_cfg or {}
+        if is_main and wandb_cfg.get("mode", "disabled") != "disabled":
+            import wandb  # deferred: an optional service client, seconds to import
 
             self.wandb = wandb.init(project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"),
-                                    name=wandb_cfg.get("name"), mode=mode, dir=str(run_dir), config=config)
+                                    name=wandb_cfg.get("name"), mode=wandb_cfg["mode"], dir=str(run_dir),
+                                    config=config)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.is_main:

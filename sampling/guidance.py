@@ -1,7 +1,8 @@
 """Sampling-time guidance and routing: classifier-free guidance, inference-time routing and TREAD guidance.
 
-One denoiser wrapper serves both samplers (EDM Heun and rectified-flow Euler). Per call, with noise level s
-(EDM: sigma, rectified flow: t) and conditional inputs c:
+Samplers (diffusion/) call a plain denoiser; this module turns a network into one (`denoiser`). One wrapper
+serves both samplers (EDM Heun and rectified-flow Euler). Per call, with noise level s (EDM: sigma,
+rectified flow: t) and conditional inputs c:
 
 * main branch: the model at `route_ratio` (None: dense, as trained models are sampled by default; r: the
   route spans of the checkpoint, or `route_spans`, at selection ratio r, the training router's semantics);
@@ -15,19 +16,22 @@ One denoiser wrapper serves both samplers (EDM Heun and rectified-flow Euler). P
   it a step costs one conditional evaluation of the main branch.
 
 The wrapper counts the per-sample forward passes at each ratio into `stats`, from which
-`sampling_flops_per_image` gives the sampled FLOPs per image.
+sampling/cost.py gives the sampled FLOPs per image.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from diffusion import Denoiser
+from routing import RouteConfigError, resolve_routes
+from utils.errors import UserError
 
-class GuidanceError(ValueError):
+
+class GuidanceError(UserError):
     """A sampling guidance / inference-routing setting that cannot work (reported before sampling)."""
 
 
@@ -41,51 +45,20 @@ class Guidance:
     route_spans: Optional[tuple[tuple[int, int], ...]] = None  # spans for inference routing (None: checkpoint's)
 
     @classmethod
-    def from_config(cls, cfg: Any, prefix: str = "") -> "Guidance":
+    def from_settings(cls, cfg: Any) -> "Guidance":
         """From a config node's cfg_scale / route_ratio / tread_scale / tread_weak_ratio / guidance_interval /
-        route_spans keys (sample.py, fid.py), checked; errors name `prefix + key`."""
+        route_spans keys (sample.py, fid.py, in-training evaluation), already checked by the schema
+        (schema.sampling.SamplingSettings)."""
         def number(key: str, default: Any) -> Any:
             value = cfg.get(key, default)
-            if value is None:
-                return None
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise GuidanceError(f"{prefix}{key}={value!r} must be a number.")
-            return float(value)
+            return None if value is None else float(value)
 
-        cfg_scale, tread_scale = number("cfg_scale", 1.0), number("tread_scale", 1.0)
-        if cfg_scale is None or cfg_scale < 0:
-            raise GuidanceError(f"{prefix}cfg_scale={cfg_scale} must be >= 0 (1 = no guidance).")
-        if tread_scale is None:
-            raise GuidanceError(f"{prefix}tread_scale=None must be a number (1 = no TREAD guidance).")
-        route_ratio, weak = number("route_ratio", None), number("tread_weak_ratio", 0.5)
-        if route_ratio is not None and not 0.0 <= route_ratio < 1.0:
-            raise GuidanceError(f"{prefix}route_ratio={route_ratio} must be null (dense sampling) or lie in [0, 1).")
-        if tread_scale != 1.0:
-            if weak is None or not 0.0 < weak < 1.0:
-                raise GuidanceError(f"{prefix}tread_weak_ratio={weak} must lie in (0, 1) with tread_scale != 1.")
-            if weak <= (route_ratio or 0.0):
-                raise GuidanceError(f"{prefix}tread_weak_ratio={weak} must be above the main branch's ratio "
-                                    f"({prefix}route_ratio={route_ratio}): the weak branch drops more tokens.")
         interval = cfg.get("guidance_interval")
-        if interval is not None:
-            try:
-                lo, hi = (float(v) for v in interval)
-            except (TypeError, ValueError):
-                raise GuidanceError(f"{prefix}guidance_interval={interval!r} must be null or [lo, hi], two noise "
-                                    f"levels (EDM sigma, rectified-flow t).") from None
-            if not 0.0 <= lo < hi:
-                raise GuidanceError(f"{prefix}guidance_interval={[lo, hi]} needs 0 <= lo < hi.")
-            interval = (lo, hi)
         spans = cfg.get("route_spans")
-        if spans is not None:
-            try:
-                spans = tuple((int(a), int(b)) for a, b in spans)
-            except (TypeError, ValueError):
-                raise GuidanceError(f"{prefix}route_spans={spans!r} must be null or a list of [start, end] block "
-                                    f"indices (inclusive; negative counts from the end).") from None
-            if not spans:
-                raise GuidanceError(f"{prefix}route_spans=[] names no span; use null for the checkpoint's spans.")
-        return cls(cfg_scale, route_ratio, tread_scale, weak if weak is not None else 0.5, interval, spans)
+        return cls(cfg_scale=number("cfg_scale", 1.0), route_ratio=number("route_ratio", None),
+                   tread_scale=number("tread_scale", 1.0), tread_weak_ratio=number("tread_weak_ratio", 0.5),
+                   interval=None if interval is None else (float(interval[0]), float(interval[1])),
+                   route_spans=None if spans is None else tuple((int(a), int(b)) for a, b in spans))
 
     @property
     def is_plain(self) -> bool:
@@ -112,7 +85,6 @@ class Guidance:
 
     def check(self, model: Any) -> None:
         """Resolve every branch's routes against the model now, so bad spans fail before sampling."""
-        from routing import RouteConfigError, resolve_routes
         prefix = "route_spans" if self.route_spans is not None else "the checkpoint's routes"
         for ratio in self.ratios():
             specs = self.routes(model, ratio)
@@ -151,8 +123,6 @@ def routed(model: Any, specs: Optional[list[dict]]) -> Iterator[None]:
         yield
 
 
-Denoiser = Callable[..., torch.Tensor]
-
 
 def _both(cond: dict) -> dict:
     """Per-sample conditioning repeated for the batched [conditional, unconditional] call."""
@@ -168,7 +138,7 @@ def guided_denoiser(net: Any, guidance: Guidance, null_label: int,
     model = backbone(net)
     strong = guidance.routes(model, guidance.route_ratio)
     weak = guidance.routes(model, guidance.tread_weak_ratio) if guidance.tread_scale != 1.0 else None
-    w, cfg, interval = guidance.tread_scale, guidance.cfg_scale, guidance.interval
+    w, cfg_scale, interval = guidance.tread_scale, guidance.cfg_scale, guidance.interval
 
     def count(ratio: Optional[float], n: int) -> None:
         if stats is not None:
@@ -176,7 +146,7 @@ def guided_denoiser(net: Any, guidance: Guidance, null_label: int,
 
     def denoise(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
         inside = interval is None or interval[0] <= float(noise.reshape(-1)[0]) <= interval[1]
-        use_cfg, use_tread = inside and cfg != 1.0, inside and w != 1.0
+        use_cfg, use_tread = inside and cfg_scale != 1.0, inside and w != 1.0
         with routed(model, strong):
             if use_cfg:   # one batched call: [conditional, unconditional]
                 null = torch.full_like(labels, null_label)
@@ -191,7 +161,7 @@ def guided_denoiser(net: Any, guidance: Guidance, null_label: int,
             count(guidance.tread_weak_ratio, x.shape[0])
             cond_out = weak_out + w * (cond_out - weak_out)
         if use_cfg:
-            return uncond + cfg * (cond_out - uncond)
+            return uncond + cfg_scale * (cond_out - uncond)
         return cond_out
 
     return denoise
@@ -209,13 +179,16 @@ def per_sample_routing(net: Any, seeds: Sequence[int], device: Any, guidance: Op
         yield
 
 
-def sampling_flops_per_image(model: Any, guidance: Guidance, stats: dict, num_images: int,
-                             cond: Optional[dict] = None) -> float:
-    """Forward FLOPs spent per generated image: sum over branch ratios of (forward passes x FLOPs of one
-    forward at that ratio) / images. Same convention as training/flops.py (matmuls, multiply-add = 2)."""
-    from training.flops import forward_flops_with_routes
-    if not num_images:
-        return 0.0
-    total = sum(n * forward_flops_with_routes(model, guidance.routes(model, ratio), cond)
-                for ratio, n in stats.items())
-    return total / num_images
+def denoiser(net: Any, guidance: Guidance, null_label: int, stats: Optional[dict] = None) -> Denoiser:
+    """What the samplers call for `net` under `guidance`: the network itself when there is nothing to
+    guide, route or count, else guided_denoiser."""
+    if stats is None and guidance.is_plain:
+        return net
+    return guided_denoiser(net, guidance, null_label, stats)
+
+
+def classifier_free_guidance(net: Any, cfg_scale: float, null_label: int) -> Denoiser:
+    """net(x, noise, labels, **cond) -> uncond + cfg_scale * (cond - uncond), both branches in one batched
+    call; cfg_scale == 1 is the plain conditional model. Per-sample conditioning tensors in `cond` (text
+    embeddings, ...) are repeated for the unconditional half, whose null label tells the model to drop them."""
+    return denoiser(net, Guidance(cfg_scale=cfg_scale), null_label)

@@ -1,0 +1,2 @@
+"""The command-line programs behind train.py, sample.py, fid.py and scripts/: argument parsing, one-line
+errors, and orchestration across packages. The entry points and scripts are thin wrappers around these."""

@@ -1,0 +1,22 @@
+"""The one model builder: training, inference, the benchmark and the route planner all build here.
+
+The `model` config's `_target_` names the builder (configs/model/*.yaml); only the builders below are
+allowed, so a config read back from a checkpoint cannot make us call anything else. Routes are
+validated against the model's depth while it is built.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch.nn as nn
+
+from models.dit import build_dit
+from models.families import build_family
+from utils.targets import build_target
+
+BUILDERS = {"models.build_dit": build_dit, "models.families.build_family": build_family}
+
+
+def build_model(cfg: Mapping[str, Any]) -> nn.Module:
+    """The backbone a `model` config describes (DiT or a diffusers family), with its routing."""
+    return build_target(cfg, BUILDERS, "model")

@@ -1,0 +1,84 @@
+"""Generation from seeds: every sample has its own noise generator (and, when routing at inference, its own
+router generator), so the images are the same whatever the batch size or number of processes. Shared by
+in-training evaluation, sample.py and fid.py mode=bench."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from diffusion import StackedRandomGenerator
+from sampling.guidance import Guidance, denoiser, per_sample_routing
+
+CondFn = Callable[[list[int]], dict]   # seeds -> per-sample conditioning (text embeddings) for those seeds
+
+
+def class_for_seed(seed: int, num_classes: int) -> int:
+    """Class-balanced labels: sample i gets class i mod K (the grid then has one column per class)."""
+    return seed % num_classes
+
+
+def parse_seeds(seeds: Any, num_samples: int) -> list[int]:
+    """null -> 0..num_samples-1; "a-b" -> a..b inclusive; "1,5,7" or a list -> as given."""
+    if seeds is None:
+        return list(range(num_samples))
+    if isinstance(seeds, int):
+        return [seeds]
+    if isinstance(seeds, str):
+        out: list[int] = []
+        for part in seeds.split(","):
+            if "-" in part.strip()[1:]:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            elif part.strip():
+                out.append(int(part))
+        return out
+    return [int(s) for s in seeds]
+
+
+def batch_labels(seeds: Sequence[int], start: int, num_classes: int, classes: Optional[Sequence[int]],
+                 device: torch.device) -> torch.Tensor:
+    """Labels of the batch seeds[start:start + len]: class_for_seed, or `classes` cycled over positions."""
+    if classes is None:
+        labels = [class_for_seed(s, num_classes) for s in seeds]
+    else:
+        labels = [classes[(start + j) % len(classes)] for j in range(len(seeds))]
+    return torch.tensor(labels, device=device, dtype=torch.long)
+
+
+@torch.no_grad()
+def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_classes: int, device: torch.device,
+             *, batch_size: int, classes: Optional[Sequence[int]] = None, num_steps: Optional[int] = None,
+             cond_fn: Optional[CondFn] = None, guidance: Optional[Guidance] = None, stats: Optional[dict] = None
+             ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Yield (seeds, labels, latents) batches. `classes` defaults to class_for_seed; `cond_fn(seeds)` gives
+    per-sample conditioning (text embeddings) for text-conditioned models. `guidance` (CFG, inference
+    routing, TREAD guidance; default none) draws each sample's routed tokens from a generator seeded by its
+    seed; `stats` counts forward passes per branch (sampling/cost.py)."""
+    net.eval()
+    seeds = list(seeds)
+    guidance = guidance if guidance is not None else Guidance()
+    denoise = denoiser(net, guidance, num_classes, stats)
+    for i in range(0, len(seeds), batch_size):
+        batch = seeds[i:i + batch_size]
+        gen = StackedRandomGenerator(device, batch)
+        labels = batch_labels(batch, i, num_classes, classes, device)
+        noise = gen.randn([len(batch), *shape], device=device)
+        cond = {k: v.to(device) for k, v in cond_fn(batch).items()} if cond_fn is not None else None
+        with per_sample_routing(net, batch, device, guidance):
+            x = diffusion.sample(denoise, noise, labels, num_steps=num_steps, randn_like=gen.randn_like, cond=cond)
+        yield batch, labels, x
+
+
+def text_conditioning_for_seeds(dataset, net) -> Optional[CondFn]:
+    """Text-conditioned data and model: sample seed i with the text embeddings of dataset item i mod N (so
+    samples follow the data's caption distribution); None for class-conditional data or models."""
+    if not (getattr(dataset, "conditioning", None) or {}).get("text"):
+        return None
+    if not hasattr(getattr(net, "model", net), "conditioning"):  # DiT: class labels only
+        return None
+
+    def cond(seeds: list[int]) -> dict:
+        batch = dataset.__getitems__([s % len(dataset) for s in seeds])
+        return {k: v for k, v in batch[2].items() if k in ("text", "text_mask", "pooled")}
+    return cond

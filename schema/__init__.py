@@ -1,0 +1,9 @@
+"""The config schema: every key of train.yaml, sample.yaml and fid.yaml with its type and range, checked once
+at start-up; one `error:` line per bad value (schema/base.py says why pydantic). compose() builds a config
+from configs/ the way the entry points do, for the planner, the benchmark and the tests."""
+from schema.base import ConfigError
+from schema.compose import CONFIG_DIR, compose
+from schema.programs import check_fid, check_sample
+from schema.train import MIXED_PRECISION, check_train
+
+__all__ = ["CONFIG_DIR", "ConfigError", "MIXED_PRECISION", "check_fid", "check_sample", "check_train", "compose"]

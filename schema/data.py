@@ -1,0 +1,59 @@
+"""The `data` section: the project's latent directory format (optionally a built-in dataset) or WebDataset
+shards. data.channels / resolution / num_classes are what the model expects; the dataset is checked
+against them when it is opened."""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from data.meta import LATENT_KINDS
+from models.dit import DIT_ARCHS
+from schema.base import ConfigError, Number, Section, key, one_of
+
+
+class ToyArgs(Section):
+    """data.builtin_args of the toy_shapes data"""
+
+    num_per_class: int = key("a positive integer (images per class)", ge=1)
+    resolution: int = key("an integer >= 4 (image side)", ge=4)
+    seed: int = key("an integer (generator seed)")
+    loss_masks: bool = key("true or false (store each shape's coverage as a loss mask)", default=False)
+
+
+class DataCommon(Section):
+    """keys of every data config"""
+
+    channels: int = key("a positive integer (latent channels the model expects)", ge=1)
+    resolution: int = key("a positive integer (latent side the model expects)", ge=1)
+    num_classes: int = key("a positive integer (labels lie in [0, num_classes))", ge=1)
+    dit_arch: Optional[Literal[tuple(DIT_ARCHS)]] = key(f"null or {one_of(DIT_ARCHS)} (model=dit/tread's default "
+                                                        f"size for this data)", default=None)
+
+
+class LatentsData(DataCommon):
+    """data.format=latents (our directory format)"""
+
+    format: Literal["latents"] = key("latents or wds")
+    path: str = key("a directory with meta.json, latents.npy, labels.npy (or where the built-in data is made)")
+    builtin: Optional[Literal["toy_shapes"]] = key("null (use data.path as is) or toy_shapes")
+    builtin_args: Optional[ToyArgs] = key("null or the built-in generator's {num_per_class, resolution, seed, "
+                                          "loss_masks}", default=None)
+
+    def check_builtin(self) -> None:
+        if self.builtin is not None and self.builtin_args is None:
+            raise ConfigError(f"data.builtin={self.builtin} needs data.builtin_args ({{num_per_class, resolution, "
+                              f"seed}}).")
+
+
+class WdsData(DataCommon):
+    """data.format=wds (WebDataset tar shards of VAE latents, the paper repo's layout)"""
+
+    format: Literal["wds"] = key("latents or wds")
+    path: Union[str, list[str]] = key("a directory of .tar shards, one .tar, a brace pattern or a list of them")
+    builtin: Optional[Literal[None]] = key("null (built-in data uses the 'latents' format)", default=None)
+    latent_scale: Number = key("a number > 0 (multiplies each drawn latent)", gt=0)
+    latent_kind: Literal[LATENT_KINDS] = key(one_of(LATENT_KINDS))
+    vae: str = key("the VAE that decodes the latents (hub id or local path)")
+    index_dir: Optional[str] = key("null (paths.cache_dir/wds_index) or a directory for the shard index cache")
+
+
+DATA = {"latents": LatentsData, "wds": WdsData}

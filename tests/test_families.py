@@ -1,0 +1,165 @@
+"""The correctness checks every diffusers family shares (tests/family_checks.py): one test per check,
+parametrized over the families. FAMILIES holds what differs per family; what only one family has (its
+kept-subsequence reference, its own inputs and options) is in tests/test_family_<name>.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import pytest
+import torch
+
+import family_checks as fc
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def route(ratio: float, start: int, end: int) -> dict:
+    return {"selection_ratio": ratio, "start_layer_idx": start, "end_layer_idx": end}
+
+
+# Every tiny preset has 8 blocks. FLUX / AuraFlow: 2 double-stream (joint) + 6 single blocks; SD3: dual attention
+# (SD3.5) in blocks 0..3, block 7 context_pre_only; Wan, PixArt: one block kind.
+CROSS = [route(0.5, 1, 5)]                            # FLUX / AuraFlow: double (joint) -> single blocks
+PER_KIND = [route(0.5, 0, 1), route(0.75, 3, 6)]      # FLUX / AuraFlow: one route in each block kind
+SPAN = [route(0.5, 1, -2)]                            # blocks 1..6 (SD3: dual -> plain blocks)
+TO_LAST = [route(0.75, 3, -1)]                        # SD3: ends in the context_pre_only last block
+TWO_ROUTES = [route(0.5, 0, 2), route(0.75, 4, 7)]    # blocks 0..2 and 4..7 (SD3: dual, then plain blocks)
+SD30 = {"config": {"dual_attention_layers": [], "qk_norm": None}}   # SD3.0-style blocks
+RGB16 = {"input_size": 16, "in_channels": 3}
+VIDEO = {"frames": 3}                                 # Wan: routes run at T = 3 (T = 1: image latents)
+PER_TOKEN = {"frames": 3, "expand_timesteps": True}   # Wan: (B,) timesteps run through the (B, N) path
+
+Case = tuple  # (routes, build kwargs)
+
+
+class Cases(dict):
+    """Several cases of one check for one family: {case id: case}."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family's inputs to the shared checks: per check one case, or Cases({case id: case})."""
+
+    dense: Union[dict, Cases]               # build kwargs: dense == diffusers
+    ratio_zero: Union[dict, Cases]          # build kwargs: ratio 0 with a permutation == dense
+    set_aside: Union[Case, Cases]           # set-aside tokens bit-identical, text untouched
+    gradients: Union[Case, Cases]
+    force_keep: Union[Case, Cases]          # routes in every block kind
+    checkpointing: Union[Case, Cases]
+    text: dict                              # check_text_conditioning kwargs (with routes: + a routed step)
+    pooled: bool                            # the text data brings pooled embeddings too
+    timestep_divisor: float                 # the pipeline's timestep = noise_level / this
+    toy_batch: int = 3
+    config_errors: tuple = ()               # the family's own (needle, build_family kwargs)
+
+
+FAMILIES = {
+    "flux": Family(
+        dense={}, ratio_zero={}, set_aside=(CROSS, {}), gradients=(CROSS, {}),
+        force_keep=Cases({"crossing": (CROSS, {}), "double-and-single": (PER_KIND, {})}),
+        checkpointing=(CROSS, {}), text={}, pooled=True, timestep_divisor=1000),
+    "sd3": Family(
+        dense=Cases({"sd35": {}, "sd30": SD30, "16px-rgb": RGB16}), ratio_zero={},
+        set_aside=Cases({"crossing": (SPAN, {}), "to-last": (TO_LAST, {})}), gradients=(TO_LAST, {}),
+        force_keep=Cases({"crossing": (SPAN, {}), "dual-and-plain": (TWO_ROUTES, {})}),
+        checkpointing=(TO_LAST, {}), text={}, pooled=True, timestep_divisor=1,
+        config_errors=(("pos_embed_max_size=2", {"config": {"pos_embed_max_size": 2}}),
+                       ("caption_projection_dim=32", {"config": {"caption_projection_dim": 32}}),
+                       ("does not take", {"config": {"num_single_layers": 2}}))),
+    "wan": Family(
+        dense=Cases({"image-T1": {}, "video-T3": VIDEO, "video-T3-per-token": PER_TOKEN}),
+        ratio_zero=Cases({"image-T1": {}, "video-T3": VIDEO, "video-T3-per-token": PER_TOKEN}),
+        set_aside=Cases({"image-T1": (SPAN, {}), "video-T3": (SPAN, VIDEO)}),
+        gradients=Cases({"video-T3": (SPAN, VIDEO), "video-T3-per-token": (SPAN, PER_TOKEN)}),
+        force_keep=Cases({"image-T1": (TWO_ROUTES, {}), "video-T3-per-token": (TWO_ROUTES, PER_TOKEN)}),
+        checkpointing=Cases({"video-T3-per-token": (SPAN, PER_TOKEN)}), text={"with_mask": True, **VIDEO},
+        pooled=False, timestep_divisor=1, toy_batch=2,
+        config_errors=(("out_channels=8", {"config": {"out_channels": 8}}),
+                       ("model.frames=3", {"frames": 3, "config": {"patch_size": (2, 2, 2)}}),
+                       ("image_dim", {"config": {"image_dim": 16}}))),
+    "auraflow": Family(
+        dense=Cases({"": {}, "16px-rgb": RGB16}), ratio_zero={}, set_aside=(CROSS, {}), gradients=(CROSS, {}),
+        force_keep=Cases({"crossing": (CROSS, {}), "joint-and-single": (PER_KIND, {})}),
+        checkpointing=(CROSS, {}), text={}, pooled=False, timestep_divisor=1000,
+        config_errors=(("pos_embed_max_size=9", {"config": {"pos_embed_max_size": 9}}),
+                       ("caption_projection_dim=32", {"config": {"caption_projection_dim": 32}}))),
+    "pixart": Family(
+        dense={}, ratio_zero={}, set_aside=(SPAN, {}), gradients=(SPAN, {}), force_keep=(TWO_ROUTES, {}),
+        checkpointing=(SPAN, {}), text={"routes": SPAN, "with_mask": True}, pooled=False, timestep_divisor=1,
+        toy_batch=2,
+        config_errors=(("out_channels=6", {"config": {"out_channels": 6}}),
+                       ("cross_attention_dim=32", {"config": {"cross_attention_dim": 32}}),
+                       # width 64: not a multiple of 3
+                       ("use_additional_conditions=true", {"config": {"use_additional_conditions": True}}))),
+}
+
+
+def cases(check: str) -> list:
+    """pytest params (family, *case) of one check over FAMILIES; ids: family or family-case id."""
+    params = []
+    for family, fam in FAMILIES.items():
+        entry = getattr(fam, check)
+        for name, case in (entry if isinstance(entry, Cases) else {"": entry}).items():
+            args = case if isinstance(case, tuple) else (case,)
+            params.append(pytest.param(family, *args, id=f"{family}-{name}" if name else family))
+    return params
+
+
+@pytest.mark.parametrize("family,kw", cases("dense"))
+def test_dense_equals_diffusers(family, kw):
+    fc.check_dense_equals_diffusers(family, **kw)
+
+
+@pytest.mark.parametrize("family,kw", cases("ratio_zero"))
+def test_ratio_zero_permuted_equals_dense(family, kw):
+    fc.check_ratio_zero_permuted_equals_dense(family, **kw)
+
+
+@pytest.mark.parametrize("family,routes,kw", cases("set_aside"))
+def test_set_aside_bit_identical_and_text_untouched(family, routes, kw):
+    fc.check_set_aside_and_text(family, routes, **kw)
+
+
+@pytest.mark.parametrize("family,routes,kw", cases("gradients"))
+def test_gradients_reach_every_trained_parameter(family, routes, kw):
+    fc.check_gradients_reach_all(family, routes, **kw)
+
+
+@pytest.mark.parametrize("family,routes,kw", cases("force_keep"))
+def test_force_keep_in_every_block_kind(family, routes, kw):
+    fc.check_force_keep(family, routes, **kw)
+
+
+@pytest.mark.parametrize("family,routes,kw", cases("checkpointing"))
+def test_gradient_checkpointing_same_gradients(family, routes, kw):
+    fc.check_checkpointing_same_grads(family, routes, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_text_data_conditioning_and_null_drop(family):
+    """Text embeddings from the data (+ pooled where the family has them, + a keep-mask) replace the class table
+    and give diffusers' forward; the null label zeroes them (CFG). With routes: a routed training step on them."""
+    fam = FAMILIES[family]
+    model, x, t, y, cond, _ = fc.check_text_conditioning(family, **fam.text)
+    assert (model.pooled_dim is not None) == fam.pooled
+    if fam.text.get("routes"):
+        out = model.train()(x, t, y, cond=cond)
+        assert out.shape == x.shape and model.last_route_stats
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_toy_data_with_paper_route(family):
+    """The tiny preset builds for the built-in 3x16x16 data with the paper route (blocks 2..-4) and trains; the
+    timestep follows the family's pipeline convention."""
+    fam = FAMILIES[family]
+    model, (_, t, _) = fc.check_paper_route_on_toy_data(family, batch=fam.toy_batch)
+    if fam.timestep_divisor == 1:
+        assert model.timestep(t) is t   # the pipeline feeds sigma * 1000: no conversion
+    else:
+        torch.testing.assert_close(model.timestep(t), t / fam.timestep_divisor)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_errors_name_the_key(family):
+    fc.check_config_errors(family, *FAMILIES[family].config_errors)

@@ -1,0 +1,98 @@
+"""The config schema: every bad value is refused before any work, as one line naming the key, the value and
+what is allowed (schema/). The command-line programs print it as `error: ...` without a traceback."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import compose_cfg
+from schema import ConfigError, check_fid, check_sample, check_train
+from test_train import run_cli
+
+BAD_TRAIN = [
+    ("train.seed=abc", "train.seed='abc' is not allowed; allowed: an integer"),
+    ("ema.decay=high", "ema.decay='high' is not allowed; allowed: a number in [0, 1)"),
+    ("ema.decay=1.0", "ema.decay=1.0 is not allowed; allowed: a number in [0, 1)"),
+    ("optimizer.lr=fast", "optimizer.lr='fast' is not allowed; allowed: a number > 0"),
+    ("optimizer.betas=[0.9,1.5]", "optimizer.betas=[0.9, 1.5] is not allowed"),
+    ("train.grad_clip=-1", "train.grad_clip=-1 is not allowed; allowed: null (no clipping) or a max gradient norm > 0"),
+    ("train.lr_warmup_steps=-100", "train.lr_warmup_steps=-100 is not allowed; allowed: an integer >= 0"),
+    ("train.batch_size=0", "train.batch_size=0 is not allowed; allowed: a positive integer"),
+    ("train.max_steps=2.5", "train.max_steps=2.5 is not allowed; allowed: a positive integer"),
+    ("train.label_dropout=1", "train.label_dropout=1 is not allowed; allowed: a probability in [0, 1)"),
+    ("train.time_budget_min=0", "train.time_budget_min=0 is not allowed"),
+    ("train.mixed_precision=fp8", "train.mixed_precision='fp8' is not allowed; allowed: one of no, bf16, fp16"),
+    ("train.masked_loss=maybe", "train.masked_loss='maybe' is not allowed"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1 is not allowed; allowed: null (keep all) or an integer >= 1"),
+    ("checkpoint.every_steps=-5", "checkpoint.every_steps=-5 is not allowed"),
+    ("checkpoint.adapter_only=true", "checkpoint.adapter_only=true needs LoRA adapters"),
+    ("diffusion.sigma_data=0", "diffusion.sigma_data=0 is not allowed; allowed: a number > 0"),
+    ("diffusion.sigma_min=100", "diffusion.sigma_min=100.0 and diffusion.sigma_max=80.0 are not allowed"),
+    ("eval.batch_size=0", "eval.batch_size=0 is not allowed; allowed: a positive integer"),
+    ("eval.num_samples=1", "eval.num_samples=1 is not allowed; allowed: an integer >= 2"),
+    ("eval.metrics=[fid,lpips]", "eval.metrics[1]='lpips' is not allowed"),
+    ("eval.metrics=[fid,fid]", "eval.metrics=['fid', 'fid'] repeats a metric"),
+    ("eval.features=clip", "eval.features='clip' is not allowed; allowed: one of toy_classifier, inception"),
+    ("eval.vae_dtype=int8", "eval.vae_dtype='int8' is not allowed; allowed: one of float32, bfloat16, float16"),
+    ("+train.foo=1", "train.foo is not a known key; train takes ["),
+    ("routing.routes.0.selection_ratio=1.5", "routing.routes[0].selection_ratio=1.5 is not allowed"),
+    ("routing.selection.mode=topk", "routing.selection.mode='topk' is not allowed; allowed: one of random, importance"),
+    ("routing.selection.importance_weight=1.5", "routing.selection.importance_weight=1.5 is not allowed"),
+    ("routing.fp32_after_route=yes", "routing.fp32_after_route='yes' is not allowed; allowed: true or false"),
+    ("model.arch=DiT-M/2", "model.arch='DiT-M/2' is not allowed; allowed: one of DiT-T/2"),
+    ("data.format=zip", "data.format='zip' is not allowed; allowed: latents or wds"),
+    ("data.builtin=mnist", "data.builtin='mnist' is not allowed; allowed: null (use data.path as is) or toy_shapes"),
+    ("train.compile=maybe", "train.compile='maybe' is not allowed; allowed: auto (on with CUDA), true or false"),
+    ("wandb.mode=loud", "wandb.mode='loud' is not allowed; allowed: one of disabled, offline, online"),
+    ("resume=5", "resume=5 is not allowed"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_TRAIN, ids=[o for o, _ in BAD_TRAIN])
+def test_bad_training_values_name_the_key_value_and_what_is_allowed(override, message):
+    with pytest.raises(ConfigError) as err:
+        check_train(compose_cfg(overrides=[override]))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model=flux", "model.lora={rank:0,target_modules:[to_q]}"], "model.lora.rank=0 is not allowed"),
+    (["model=flux", "model.lora={rank:2,target_modules:[to_q],bad:1}"], "model.lora.bad is not a known key"),
+    (["model=flux", "+model.frames=2"], "model.frames is a wan key; model.family=flux does not take it"),
+    (["data=imagenet256_wds"], "data.path is not set (the config leaves it ???): pass data.path="),
+    (["data=imagenet256_wds", "data.path=/x", "data.builtin=toy_shapes"], "data.builtin='toy_shapes' is not allowed"),
+    (["eval=inception"], "eval.reference is not set"),
+    (["eval.tread_scale=2", "eval.tread_weak_ratio=0.1", "eval.route_ratio=0.3"], "must be above the main branch"),
+])
+def test_rules_between_keys(overrides, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        check_train(compose_cfg(overrides=overrides))
+    assert message in str(err.value)
+
+
+def test_mandatory_keys_only_matter_when_used():
+    """eval=inception's reference is required only while evaluation runs."""
+    check_train(compose_cfg(overrides=["eval=inception", "eval.every_steps=0", "eval.at_end=false"]))
+
+
+def test_sample_and_fid_configs_are_checked():
+    with pytest.raises(ConfigError, match="num_samples=0 is not allowed; allowed: a positive integer"):
+        check_sample(compose_cfg("sample", ["checkpoint=x", "num_samples=0"]))
+    with pytest.raises(ConfigError, match="checkpoint is not set"):
+        check_sample(compose_cfg("sample"))
+    with pytest.raises(ConfigError, match="mode=calc needs images="):
+        check_fid(compose_cfg("fid", ["mode=calc"]))
+    with pytest.raises(ConfigError, match="store_images=-1 is not allowed"):
+        check_fid(compose_cfg("fid", ["mode=ref", "source=x", "out=y", "store_images=-1"]))
+
+
+@pytest.mark.parametrize("program,args,message", [
+    ("train.py", ["train.seed=abc"], "error: train.seed='abc' is not allowed"),
+    ("sample.py", ["checkpoint=x", "num_samples=0"], "error: num_samples=0 is not allowed"),
+    ("fid.py", ["mode=bench", "checkpoints=x", "ref=y", "cfg_scale=-1"], "error: cfg_scale=-1 is not allowed"),
+])
+def test_programs_print_one_error_line(program, args, message, tmp_path):
+    proc, _ = run_cli([program, *args, f"hydra.run.dir={tmp_path / 'r'}"], tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [message + proc.stderr.split(message, 1)[1].strip()]
+    written = {p.name for p in (tmp_path / "r").iterdir()} if (tmp_path / "r").exists() else set()
+    assert written <= {".hydra", program.replace(".py", ".log")}      # nothing but Hydra's own record of the job

@@ -1,0 +1,121 @@
+"""Building what a training run trains: the accelerator, the model and objective (the one model builder), its
+EMA copy, torch.compile, the optimizer, the data and its loader, and the random streams. train() and the
+benchmark both build here, so the benchmark times the run's own step."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+from data import LatentLoader, build_dataset
+from diffusion.build import build_diffusion
+from models import build_model
+from schema import ConfigError
+from utils.targets import build_target
+
+OPTIMIZERS = {"torch.optim.AdamW": torch.optim.AdamW}
+
+
+@dataclass
+class TrainingParts:
+    """The trained objects of a run."""
+
+    accelerator: Accelerator
+    model: nn.Module        # the backbone (compiled in place when train.compile is on)
+    diffusion: Any          # the objective: preconditioning, loss, sampler
+    net: nn.Module          # the preconditioned backbone; DDP-wrapped by prepare() on several processes
+    ema: nn.Module          # EMA copy of net, made before compiling: evaluation stays eager
+    optimizer: torch.optim.Optimizer
+    compiled: bool
+
+    def prepare(self) -> None:
+        """Hand net and optimizer to accelerate (device placement, DDP); after a resume has loaded them."""
+        self.net, self.optimizer = self.accelerator.prepare(self.net, self.optimizer)
+        self.ema.to(self.accelerator.device)
+
+
+def make_accelerator(train_cfg: Any) -> Accelerator:
+    """A fresh Accelerator for this run. AcceleratorState is a process-wide singleton; it is cleared (keeping
+    the process group) so train() can run again in one process with other settings (tests, sweeps)."""
+    AcceleratorState._reset_state()
+    return Accelerator(mixed_precision=train_cfg.mixed_precision, cpu=train_cfg.cpu)
+
+
+def build_parts(cfg: Any, accelerator: Accelerator) -> TrainingParts:
+    """Model (routes validated against its depth here), objective, EMA, compile and optimizer, with the same
+    initialisation on every process (seeded by train.seed)."""
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model)
+    diffusion = build_diffusion(cfg.diffusion)
+    net = diffusion.precondition(model)
+    ema = copy.deepcopy(net).requires_grad_(False).eval()
+    compiled = maybe_compile(cfg.train, model, accelerator.device)
+    # LoRA (model.lora) freezes the base weights: only parameters that require grad are optimised.
+    optimizer = build_target(cfg.optimizer, OPTIMIZERS, "optimizer")(params=[p for p in net.parameters()
+                                                                             if p.requires_grad])
+    return TrainingParts(accelerator, model, diffusion, net, ema, optimizer, compiled)
+
+
+def maybe_compile(train_cfg: Any, model: nn.Module, device: torch.device) -> bool:
+    """torch.compile the backbone's routed forward in place (train.compile: auto = only with CUDA). Parameter
+    names and checkpoints are unchanged. The router draws outside the compiled graph and keep counts are
+    static per route, so one graph per route shape compiles in the first step and nothing after."""
+    setting = train_cfg.compile
+    if not (setting is True or (setting == "auto" and device.type == "cuda")):
+        return False
+    model.compile(backend=train_cfg.compile_backend, mode=train_cfg.compile_mode)
+    return True
+
+
+def micro_batch_size(train_cfg: Any, world_size: int) -> int:
+    """The per-process micro-batch: train.batch_size is global, over processes and accumulation steps."""
+    denom = world_size * train_cfg.grad_accum_steps
+    if train_cfg.batch_size % denom:
+        raise ConfigError(
+            f"train.batch_size={train_cfg.batch_size} is the global batch and must be divisible by "
+            f"num_processes ({world_size}) x train.grad_accum_steps ({train_cfg.grad_accum_steps}) = {denom}.")
+    return train_cfg.batch_size // denom
+
+
+def open_dataset(cfg: Any, model: nn.Module):
+    """The run's dataset (a built-in one is made first), checked against the model's input."""
+    dataset = build_dataset(cfg.data)
+    if (dataset.channels, dataset.resolution) != (model.in_channels, model.input_size):
+        raise ConfigError(
+            f"data at '{cfg.data.path}' is {dataset.channels}x{dataset.resolution}x{dataset.resolution} but the model "
+            f"expects {model.in_channels}x{model.input_size}x{model.input_size} (model.in_channels/model.input_size).")
+    return dataset
+
+
+def uses_loss_mask(cfg: Any, dataset) -> bool:
+    """Whether this run weights its loss by the data's loss masks (train.masked_loss: auto | true | false)."""
+    has = (getattr(dataset, "conditioning", None) or {}).get("loss_mask") is not None
+    if cfg.train.masked_loss is True and not has:
+        raise ConfigError(f"train.masked_loss=true but the data at '{dataset.root}' has no loss masks "
+                          f"(loss_mask.npy); build it with --loss-masks, use data=toy_masked, or set "
+                          f"train.masked_loss=auto.")
+    return has and cfg.train.masked_loss is not False
+
+
+def make_loader(cfg: Any, dataset, accelerator: Accelerator) -> LatentLoader:
+    """This process's shard of the data, in the deterministic, resumable order of (train.seed, epoch)."""
+    return LatentLoader(dataset, micro_batch_size(cfg.train, accelerator.num_processes), seed=cfg.train.seed,
+                        rank=accelerator.process_index, world_size=accelerator.num_processes,
+                        num_workers=cfg.train.num_workers, pin_memory=accelerator.device.type == "cuda")
+
+
+def seed_streams(cfg: Any, model: nn.Module, rank: int) -> None:
+    """Each process's training stream (noise, label dropout, moments) and the router's own stream."""
+    torch.manual_seed(cfg.train.seed * 1_000_003 + rank)
+    model.routing.router.manual_seed(int(cfg.routing.seed) * 1_000_003 + rank)
+
+
+def ensure_dirs(run_dir: Path) -> None:
+    for sub in ("checkpoints", "samples"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,66 @@
+"""The resume state of a run as one Stateful object (torchtitan's pattern): weights, EMA, optimizer, data
+position, step, training time and this process's random streams. training/checkpoint.py writes its
+state_dict to disk and hands it back to load_state_dict."""
+from __future__ import annotations
+
+import random
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from data import LatentLoader
+from models.lora import load_weights
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's global random streams (torch, numpy, python, and CUDA when present)."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class TrainingState:
+    """Everything a resumed run needs to continue exactly where it stopped.
+
+    state_dict() = {"model", "ema" (backbone weights), "optimizer", "loader" (data position), "step",
+    "train_sec" (training time over all launches: the time budget), "world_size", "rng" (this process's
+    streams, the router's included)}. The weights are the backbones' (model.model), so checkpoints hold no
+    wrapper prefixes whatever the preconditioning, compile or DDP."""
+
+    def __init__(self, model: nn.Module, ema_model: nn.Module, optimizer: torch.optim.Optimizer,
+                 loader: LatentLoader, world_size: int = 1):
+        self.model, self.ema_model, self.optimizer, self.loader = model, ema_model, optimizer, loader
+        self.world_size = world_size
+        self.step = 0
+        self.train_sec = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "ema": self.ema_model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "loader": self.loader.state_dict(), "step": self.step,
+                "train_sec": self.train_sec, "world_size": self.world_size,
+                "rng": {**rng_state(), "router": self.model.routing.router.state_dict()}}
+
+    def load_state_dict(self, state: dict[str, Any], adapter_only: bool = False, where: str = "checkpoint") -> None:
+        """Restore a state_dict(); `adapter_only` weights load over the freshly built base. Without "rng" (a
+        process that did not exist in the saved run), this process keeps the fresh streams it was seeded with."""
+        load_weights(self.model, state["model"], adapter_only, where)
+        load_weights(self.ema_model, state["ema"], adapter_only, where)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.loader.load_state_dict(state["loader"])
+        self.step = int(state["step"])
+        self.train_sec = float(state.get("train_sec", 0.0))
+        rng: Optional[dict] = state.get("rng")
+        if rng is not None:
+            set_rng_state(rng)
+            self.model.routing.router.load_state_dict(rng["router"])

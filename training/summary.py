@@ -1,0 +1,72 @@
+"""summary.json: what a run (or a sweep job) did, for the ablation report and for people. A failed job of a
+sweep records its error there too, and the sweep goes on."""
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from models.flops import model_forward_flops, train_step_flops
+from routing import tokens_processed_fraction
+from utils.io import atomic_write_json
+
+TEXT_KEYS = ("text", "text_mask", "pooled")
+
+
+def sample_conditioning(model: Any, dataset) -> Optional[dict]:
+    """One sample's text embeddings when a text-conditioned family trains on text data (FLOPs are counted
+    with them); None otherwise."""
+    if hasattr(model, "conditioning") and (getattr(dataset, "conditioning", None) or {}).get("text"):
+        extras = dataset.__getitems__([0])[2]
+        return {k: extras[k] for k in TEXT_KEYS if k in extras}
+    return None
+
+
+class RunSummary:
+    """The summary of one launch of a run, written to <run dir>/summary.json by the main process at the end."""
+
+    def __init__(self, run_dir: Path, overrides: Optional[list[str]], cfg: Any, model: Any, dataset, start_step: int):
+        routes = model.routing.routes
+        self.flops_per_step = train_step_flops(model_forward_flops(model, sample_conditioning(model, dataset)),
+                                               cfg.train.batch_size)
+        self.data: dict[str, Any] = {
+            "status": "running", "run_dir": str(run_dir), "overrides": list(overrides or []),
+            "model": str(cfg.model.arch), "routes": [r.__dict__ for r in routes], "start_step": start_step,
+            "tokens_fraction": tokens_processed_fraction(routes, model.depth, model.num_tokens),
+            "train_flops_per_step": self.flops_per_step}
+        self.run_dir, self.start = Path(run_dir), time.time()
+        self.tokens_sum = 0.0     # measured token share, summed over steps
+
+    def add_fid(self, step: int, fid: float) -> None:
+        self.data.setdefault("fid", []).append((step, fid))
+
+    def finish(self, step: int, train_sec_total: float, train_sec: float, out_of_time: bool, cfg: Any,
+               is_main: bool) -> dict[str, Any]:
+        """Complete the summary (training-only throughput, FLOPs spent, final and best FID); the main process
+        writes it."""
+        steps_run = step - self.data["start_step"]
+        per_sec = (lambda n: n / train_sec if train_sec else None)
+        self.data.update({
+            "status": "completed", "final_step": step, "wall_sec": time.time() - self.start,
+            "stop_reason": "time_budget" if out_of_time else "max_steps",
+            "time_budget_min": cfg.train.time_budget_min, "train_sec_total": train_sec_total, "train_sec": train_sec,
+            "steps_per_sec": per_sec(steps_run), "images_per_sec": per_sec(steps_run * cfg.train.batch_size),
+            "train_flops_total": self.flops_per_step * steps_run,
+            "tokens_fraction_measured": self.tokens_sum / steps_run if steps_run else None})
+        fids = [f for _, f in self.data.get("fid", [])]
+        self.data.update({"final_fid": fids[-1] if fids else None, "best_fid": min(fids) if fids else None})
+        if is_main:
+            atomic_write_json(self.run_dir / "summary.json", self.data)
+        return self.data
+
+
+def record_failure(run_dir: str | Path, overrides: list[str], err: BaseException) -> Path:
+    """summary.json of a job that failed (sweeps go on; the ablation report lists it as failed)."""
+    path = Path(run_dir) / "summary.json"
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    summary = {**previous, "status": "failed", "run_dir": str(run_dir), "overrides": list(overrides),
+               "error": f"{type(err).__name__}: {err}",
+               "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-4000:]}
+    return atomic_write_json(path, summary)

@@ -1,0 +1,39 @@
+"""Building objects from config nodes with a `_target_`, but only from an allowlist.
+
+Hydra's `instantiate` imports and calls whatever `_target_` names. For configs a user writes on the
+command line that is the point; for a config read back from a checkpoint it would run any function the
+file names. Models, objectives and optimizers are therefore built here: the target must be one of the
+names the caller allows, and the arguments are plain data.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from utils.errors import UserError
+
+
+class TargetError(UserError):
+    """A `_target_` that is not one of the allowed builders."""
+
+
+def plain(node: Any) -> Any:
+    """A config node as plain Python data (dicts, lists, scalars), interpolations resolved."""
+    if isinstance(node, DictConfig) or OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def build_target(node: Mapping[str, Any], allowed: Mapping[str, Callable[..., Any]], key: str) -> Any:
+    """Call the builder `allowed[node["_target_"]]` with the node's other keys (Hydra's `_convert_` and
+    `_recursive_` are dropped; `_partial_: true` returns a functools.partial, as Hydra does)."""
+    spec = dict(plain(node))
+    target = spec.pop("_target_", None)
+    if target not in allowed:
+        raise TargetError(f"{key}._target_={target!r} is not allowed; allowed: {sorted(allowed)}.")
+    partial = bool(spec.pop("_partial_", False))
+    kwargs = {k: v for k, v in spec.items() if not (k.startswith("_") and k.endswith("_"))}
+    fn = allowed[target]
+    return functools.partial(fn, **kwargs) if partial else fn(**kwargs)
