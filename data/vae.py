@@ -23,6 +23,8 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
+from utils.device import DeviceLike, resolve_device
+
 from .meta import LatentDatasetError
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
@@ -32,7 +34,6 @@ HUB_PROBE_TIMEOUT_S = 3.0
 
 _CACHE: dict[tuple[str, Optional[str], str, str], Any] = {}
 _LOCK = threading.Lock()
-DeviceLike = Union[str, torch.device]
 
 
 def clear_vae_cache() -> None:
@@ -46,13 +47,6 @@ def vae_dtype(name: str) -> torch.dtype:
     if name not in VAE_DTYPES:
         raise LatentDatasetError(f"VAE dtype {name!r} is not supported; allowed: {list(VAE_DTYPES)}")
     return VAE_DTYPES[name]
-
-
-def resolve_device(device: DeviceLike) -> torch.device:
-    """"auto" -> CUDA if available, else CPU; anything else as torch.device."""
-    if isinstance(device, str) and device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def how_to_provide(name: str, subfolder: Optional[str] = None) -> str:

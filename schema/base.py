@@ -11,9 +11,8 @@ The YAML files stay the single source of defaults: the schema states types and r
 """
 from __future__ import annotations
 
-import types
 import typing
-from typing import Annotated, Any, Optional, Sequence, Union
+from typing import Annotated, Any, Optional, Sequence
 
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, ValidationError
 
@@ -126,6 +125,3 @@ def missing_keys(tree: Any, prefix: str = "") -> list[str]:
 def one_of(values: Sequence[Any]) -> str:
     return "one of " + ", ".join(str(v) for v in values)
 
-
-NoneType = type(None)
-UnionType = getattr(types, "UnionType", Union)

@@ -1,11 +1,11 @@
 """The configs of sample.py (configs/sample.yaml) and fid.py (configs/fid.yaml): `check_sample`, `check_fid`."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from omegaconf import DictConfig
 
-from schema.base import ConfigError, Flag, PositiveInt, Section, check, key
+from schema.base import ConfigError, Flag, PositiveInt, check, key
 from schema.sampling import DecodeSettings, MetricSettings, SamplingSettings, check_guidance
 from schema.train import Paths
 from schema.tree import container
@@ -86,8 +86,3 @@ def check_fid(cfg: Union[DictConfig, dict]) -> FidConfig:
         if getattr(s, name) is None:
             raise ConfigError(f"mode={s.mode} needs {name}=<{WHAT[name]}>")
     return s
-
-
-def plain_settings(s: Section) -> dict[str, Any]:
-    """A checked section back to plain data (by config key names)."""
-    return s.model_dump(by_alias=True)

@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -29,6 +28,7 @@ from training.state import TrainingState
 from training.step import StepSettings, StepStats, TrainStep
 from training.summary import RunSummary
 from utils.checkpoints import list_checkpoints
+from utils.distributed import broadcast_object
 
 
 def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] = None) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] =
     check_train(cfg)                                          # every key, before any work
     accelerator = make_accelerator(cfg.train)
     micro_batch_size(cfg.train, accelerator.num_processes)    # the batch splits over processes and accumulation
-    run_dir = shared_run_dir(Path(run_dir), accelerator)
+    run_dir = shared_run_dir(Path(run_dir))
     resume_from = claim_run_dir(run_dir, cfg.resume)
     parts = build_parts(cfg, accelerator)                     # routes are validated here, within seconds
     dataset = open_dataset(cfg, parts.model)
@@ -65,11 +65,9 @@ def eval_on(cfg: Any) -> bool:
     return bool(cfg.eval.every_steps or cfg.eval.at_end)
 
 
-def shared_run_dir(run_dir: Path, accelerator: Accelerator) -> Path:
+def shared_run_dir(run_dir: Path) -> Path:
     """Rank 0's run dir on every rank: Hydra's ${now:...} dirs differ between ranks started in different seconds."""
-    if accelerator.num_processes > 1:
-        return Path(broadcast_object_list([str(run_dir)], from_process=0)[0])
-    return run_dir
+    return Path(broadcast_object(str(run_dir), src=0))
 
 
 def claim_run_dir(run_dir: Path, resume: Any) -> Optional[Path]:
