@@ -29,12 +29,12 @@ sample: $(STAMP)
 benchmark: $(STAMP)
 	$(BIN)/python scripts/benchmark.py $(ARGS)
 
-# The README's worked result: the selection-ratio sweep under equal training-time budgets (~30 min on a
-# 2-core CPU), then its table and plots into docs/ablation/ and the README block they fill.
+# The worked result of docs/ablations.md: the selection-ratio sweep under equal training-time budgets (~30 min on a
+# 2-core CPU), then its table and plots into docs/ablation/ and the block of docs/ablations.md they fill.
 ABLATION_DIR ?= outputs/ablation/toy_ratio
 ablation: $(STAMP)
 	$(BIN)/python train.py -m experiment=toy_ratio_ablation hydra.sweep.dir=$(ABLATION_DIR) $(ARGS)
-	$(BIN)/python scripts/ablation_report.py $(ABLATION_DIR) --out docs/ablation --readme README.md
+	$(BIN)/python scripts/ablation_report.py $(ABLATION_DIR) --out docs/ablation --readme docs/ablations.md
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache
