@@ -28,7 +28,6 @@ class SampleConfig(SamplingSettings, DecodeSettings):
     device: str = key("auto, cpu, cuda or cuda:N")
     out_dir: Optional[str] = key("null (<run dir>/samples/sample_<time>) or a directory")
     grid_nrow: Optional[int] = key("null (the number of classes) or a positive integer", ge=1)
-    paths: Paths = key("the paths group")
 
 
 class FidConfig(SamplingSettings, DecodeSettings, MetricSettings):
