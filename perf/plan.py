@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 from models.flops import forward_flops_with_routes, train_step_flops
 from perf.benchmark import PairedTimer
 from perf.routes import label_of, route_dicts, routing_overrides
-from routing import Route, tokens_processed_fraction
+from routing import Route, tokens_per_block, tokens_processed_fraction
 from utils.errors import UserError
 
 PAPER_RATIO, PAPER_START, PAPER_END_FROM_END = 0.5, 2, 4   # the paper's route: 0.5 over blocks 2..depth-4
@@ -92,9 +92,9 @@ def generate_candidates(depth: int, ratios: Sequence[float], min_start: int = PA
     return out
 
 
-def routed_token_blocks(routes: Sequence[Route], num_tokens: int) -> int:
-    """Token-block evaluations a route set saves: sum of blocks x dropped tokens."""
-    return sum(r.num_blocks * (num_tokens - r.num_keep(num_tokens)) for r in routes)
+def routed_token_blocks(routes: Sequence[Route], depth: int, num_tokens: int) -> int:
+    """Token-block evaluations a route set saves: sum of blocks x dropped tokens (routing.tokens_per_block)."""
+    return depth * num_tokens - sum(tokens_per_block(routes, depth, num_tokens))
 
 
 def rule_key(c: dict, depth: int) -> tuple:
@@ -133,7 +133,7 @@ def evaluate_candidates(route_sets: Sequence[tuple[Route, ...]], forward_flops: 
         c.update({"flops_ratio": c["train_flops_per_step"] / dense_train,
                   "speedup_bound": dense_train / c["train_flops_per_step"],
                   "tokens_fraction": tokens_processed_fraction(list(routes), depth, num_tokens),
-                  "routed_token_blocks": routed_token_blocks(routes, num_tokens),
+                  "routed_token_blocks": routed_token_blocks(routes, depth, num_tokens),
                   "overrides": routing_overrides(routes)})
         c["meets_flops"] = meets_flops(c, dense_train, batch, target)
         x = target.get("speedup")

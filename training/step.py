@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
@@ -25,18 +25,18 @@ TEXT_KEYS = ("text", "text_mask", "pooled")
 
 @dataclass(frozen=True)
 class StepSettings:
-    """What the step needs from the config and the data."""
+    """What the step needs from the config and the data (no defaults here: every value comes from the config)."""
 
-    grad_accum_steps: int = 1
-    grad_clip: Optional[float] = None
-    label_dropout: float = 0.0
-    lr: float = 1e-4
-    lr_warmup_steps: int = 0
-    ema_decay: float = 0.9999
-    ema_warmup: bool = False
-    use_mask: bool = False          # weight the loss by the data's loss masks
-    force_keep: bool = False        # routes never drop tokens more than half under the loss mask
-    data_meta: Mapping[str, Any] = field(default_factory=dict)   # the dataset's meta (moments data: draw_latents)
+    grad_accum_steps: int
+    grad_clip: Optional[float]
+    label_dropout: float
+    lr: float
+    lr_warmup_steps: int
+    ema_decay: float
+    ema_warmup: bool
+    use_mask: bool                  # weight the loss by the data's loss masks
+    force_keep: bool                # routes never drop tokens more than half under the loss mask
+    data_meta: Mapping[str, Any]    # the dataset's meta (moments data: draw_latents)
 
     @classmethod
     def from_config(cls, cfg: Any, use_mask: bool = False, data_meta: Optional[Mapping[str, Any]] = None,
