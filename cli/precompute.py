@@ -14,6 +14,8 @@ training draws a fresh latent every step, as the TREAD paper does; --kind sample
 (per-image seeds: --seed). --flip adds a horizontally flipped copy of every image: samples [0, N) are the
 images, [N, 2N) their mirror images, labels kept.
 
+Before any encoding every image is decoded once (corrupt or truncated files fail the run, naming them, with nothing
+written; data/images.py says why a full decode); files under --images that are not images are skipped with a note.
 Work is split into shards of --shard-size images; with accelerate, shard i is encoded by process i mod P.
 Finished shards are kept in <out>.parts/ so an interrupted run resumes where it stopped (same settings; a
 parts folder from other settings is an error). When all are done the main process streams them, in image
@@ -44,12 +46,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from accelerate import PartialState
+from accelerate.utils import gather_object
 from tqdm import tqdm
 
+from data.images import unreadable_images
 from data.meta import LatentDatasetError
 from data.precompute import Encoder, TextEncoder, dataset_meta, encode_shard, iter_images, merge_shards
-from data.precompute_plan import (Plan, PrecomputeError, check_parts_settings, make_plan, read_shard,
-                                  text_encoder_paths, write_parts_settings)
+from data.precompute_plan import (Plan, PrecomputeError, check_parts_settings, make_plan, read_shard, skipped_note,
+                                  text_encoder_paths, unfinished_images, unreadable_images_error,
+                                  write_parts_settings)
 from data.text import (FAMILIES, TEXT_FAMILIES, TextEncoderError, encoder_keys, load_text_encoders,
                        resolve_text_encoder_paths)
 from data.vae import downsample_factor, load_vae
@@ -68,9 +73,16 @@ TEXT_ENCODER_DTYPES = ("float32", "bfloat16", "float16")
 
 # ----------------------------------------------------------------------------- arguments
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors (an unknown flag, --batch-size abc) are PrecomputeErrors: one `error:` line."""
+
+    def error(self, message: str):
+        raise PrecomputeError(f"{message} (python {self.prog} --help lists the flags)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flags, in groups; the module doc is the description (first paragraph) and the epilog (the rest)."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="precompute_latents.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     for add_group in (_io_args, _encoding_args, _execution_args, _conditioning_args, _reference_args):
@@ -306,8 +318,26 @@ def _device(state: PartialState, name: str) -> torch.device:
     return state.device if state.device.type == "cuda" else torch.device("cuda", state.local_process_index)
 
 
-def run_encoding(plan: Plan, state, device) -> tuple[Any, int]:
-    """Load the VAE and encode this process's unfinished shards; returns (vae, shards encoded here)."""
+def check_images(plan: Plan, state) -> None:
+    """Decode every image still to encode (data.images.unreadable_images), each process every P-th one, before
+    any encoding; all processes then hold the full list, and any unreadable image fails every one of them."""
+    todo = unfinished_images(plan)
+    mine = todo[state.process_index::state.num_processes]
+
+    def work() -> list[tuple[int, str]]:
+        with tqdm(total=len(mine), unit="img", desc="checking images", disable=not state.is_main_process,
+                  dynamic_ncols=True) as bar, \
+                (ThreadPoolExecutor(plan.args.workers) if plan.args.workers else nullcontext()) as pool:
+            bad = unreadable_images([plan.paths[i] for i in mine], pool, bar.update)
+        return [(int(mine[j]), why) for j, why in bad]
+
+    bad = sorted(gather_object(_collective(work)))
+    if bad:
+        raise unreadable_images_error(plan, bad, len(todo))
+
+
+def load_encoder(plan: Plan, device) -> Encoder:
+    """The VAE (checked against --resolution) and, with captions, the text encoders."""
     args = plan.args
     vae = load_vae(args.vae, subfolder=args.vae_subfolder, device=device, dtype=args.vae_dtype)
     factor = downsample_factor(vae)
@@ -320,7 +350,14 @@ def run_encoding(plan: Plan, state, device) -> tuple[Any, int]:
         dtype = getattr(torch, args.text_encoder_dtype)
         encoders = load_text_encoders(args.text_family, text_encoder_paths(args), device=device, dtype=dtype)
         text = TextEncoder(args.text_family, encoders, args.max_text_length, device, dtype)
-    encoder = Encoder(vae, args.kind, args.seed, shift, text)
+    return Encoder(vae, args.kind, args.seed, shift, text)
+
+
+def run_encoding(plan: Plan, state, device, encoder: Optional[Encoder] = None) -> tuple[Any, int]:
+    """Encode this process's unfinished shards with `encoder` (default: load_encoder(plan, device)); returns
+    (vae, shards encoded here)."""
+    args = plan.args
+    encoder = load_encoder(plan, device) if encoder is None else encoder
     if state.is_main_process:  # only once the VAE and resolution are known to work
         write_parts_settings(plan)
     else:
@@ -336,7 +373,7 @@ def run_encoding(plan: Plan, state, device) -> tuple[Any, int]:
         for shard in todo:
             encode_shard(plan, shard, encoder, pool, bar)
             done += 1
-    return vae, done
+    return encoder.vae, done
 
 
 def run_reference(plan: Plan, state, device) -> Optional[Path]:
@@ -382,8 +419,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     state = PartialState()
     device = _device(state, args.device)
     check_parts_settings(plan)                                    # every process, before any collective
-
-    vae, encoded = _collective(lambda: run_encoding(plan, state, device))
+    note = skipped_note(plan)
+    if note and state.is_main_process:
+        print(note, flush=True)
+    encoder = _collective(lambda: load_encoder(plan, device))      # a bad VAE fails before the long image check
+    check_images(plan, state)                                     # nothing is written before this
+    vae, encoded = _collective(lambda: run_encoding(plan, state, device, encoder))
     out = _collective(lambda: merge_shards(plan, dataset_meta(plan, vae)) if state.is_main_process else None)
     if state.is_main_process:
         shutil.rmtree(plan.parts, ignore_errors=True)

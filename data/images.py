@@ -12,8 +12,19 @@ Labels file: a JSON object {"<file name>": label, ...}, or a text file (CSV/TSV)
 File names are relative to root. Labels are either all integers (used as class indices; class_names is
 None) or class names (sorted -> indices; class_names = the sorted names).
 
-Image files: .png .jpg .jpeg .webp .bmp .tif .tiff (any case); hidden files and folders are ignored.
+Image files: .png .jpg .jpeg .webp .bmp .tif .tiff (any case); hidden folders are ignored, and every other
+file (another extension, or hidden like .DS_Store) is skipped and can be listed (list_image_folder's `skipped`).
 Order is deterministic: classes by folder name, files by relative path.
+
+Checking images (`unreadable_images`) decodes each one fully (`Image.open` + `load()`, what `load_image` does
+before cropping), with PIL's default ImageFile.LOAD_TRUNCATED_IMAGES = False. `Image.verify()` alone is not
+enough: it checks PNG chunk CRCs but reads no JPEG data, so it passed every truncated JPEG tried (cut at 30% to
+99.9%, or only the last 2 bytes), which a full decode rejects ("image file is truncated"). Measured on 1000 small
+images (96-320 px, one CPU thread): verify 0.03 ms (JPEG) / 0.07 ms (PNG) per image, full decode 0.34 / 1.0 ms,
+against 1.5 / 2.2 ms for load_image's decode + crop at 256 px; 500x375 JPEGs (ImageNet-like) decode in 1.0 ms.
+So the check adds about 25% (JPEG) to 45% (PNG) to the image reading that encoding does anyway, spread over the
+threads and processes of the run: worth it to fail before any encoding. (JPEG draft mode would save about 30% of
+it; not used, so that the check is exactly the decode that encoding does.)
 """
 from __future__ import annotations
 
@@ -21,11 +32,12 @@ import csv
 import json
 import os
 import re
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from .meta import LatentDatasetError
 
@@ -46,14 +58,18 @@ def _visible(p: Path) -> bool:
     return not p.name.startswith(".")
 
 
-def images_under(folder: Path) -> list[Path]:
-    """Image files anywhere below `folder` (hidden entries skipped), sorted by relative path."""
-    found = []
+def images_under(folder: Path, skipped: Optional[list[Path]] = None) -> list[Path]:
+    """Image files anywhere below `folder` (hidden folders skipped), sorted by relative path; the other files
+    (hidden ones included) are appended to `skipped` when given."""
+    found, others = [], []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         # os.walk's filenames are not folders: the name alone decides (no stat per file on huge folders)
-        found.extend(Path(dirpath) / f for f in filenames
-                     if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTS)
+        for f in filenames:
+            image = not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTS
+            (found if image else others).append(Path(dirpath) / f)
+    if skipped is not None:
+        skipped.extend(sorted(others))
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
 
 
@@ -149,16 +165,19 @@ def read_name_value_file(path: PathLike, *, what: str, error_cls: type[Exception
     return table
 
 
-def list_image_folder(root: PathLike, labels_file: Optional[PathLike] = None
-                      ) -> tuple[list[Path], np.ndarray, Optional[list[str]]]:
-    """(image paths, int64 labels, class names or None) of an image folder; see the module doc for layouts."""
+def list_image_folder(root: PathLike, labels_file: Optional[PathLike] = None,
+                      skipped: Optional[list[Path]] = None) -> tuple[list[Path], np.ndarray, Optional[list[str]]]:
+    """(image paths, int64 labels, class names or None) of an image folder; see the module doc for layouts.
+    The files passed over (not images by extension, or hidden) are appended to `skipped` when given."""
     root = Path(root).expanduser().absolute()
     if not root.is_dir():
         raise ImageFolderError(f"image folder '{root}' " + ("is a file, not a folder" if root.exists()
                                                             else "not found"))
     top_images = sorted((p for p in root.iterdir() if _is_image(p)), key=lambda p: p.name)
     class_dirs = sorted((p for p in root.iterdir() if p.is_dir() and _visible(p)), key=lambda p: p.name)
-    per_class = {d.name: images_under(d) for d in class_dirs}
+    if skipped is not None:
+        skipped.extend(sorted(p for p in root.iterdir() if not p.is_dir() and not _is_image(p)))
+    per_class = {d.name: images_under(d, skipped) for d in class_dirs}
     if labels_file is None:
         return _list_class_folders(root, top_images, class_dirs, per_class)
     image_dirs = [d for d in class_dirs if per_class[d.name]]
@@ -250,3 +269,29 @@ def load_image(path: PathLike, resolution: int) -> np.ndarray:
             return center_crop_arr(im, resolution)
     except (OSError, ValueError, Image.DecompressionBombError) as err:
         raise ImageFolderError(f"cannot read image '{path}': {err}") from None
+
+
+def _decode_error(path: Path) -> Optional[str]:
+    """None if `path` decodes fully (what load_image reads), else why not, in one short line."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+    except UnidentifiedImageError:
+        return "not an image PIL can identify"
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        return " ".join(str(err).split()) or type(err).__name__
+    return None
+
+
+def unreadable_images(paths: Sequence[Path], pool: Optional[Executor] = None,
+                      progress: Optional[Callable[[int], Any]] = None) -> list[tuple[int, str]]:
+    """(position in `paths`, reason) of every image that does not decode fully (see the module doc), in
+    order; a thread pool decodes them in parallel, 1024 at a time. progress(n) is called after each n images."""
+    bad = []
+    for start in range(0, len(paths), 1024):
+        chunk = paths[start:start + 1024]
+        reasons = pool.map(_decode_error, chunk) if pool else map(_decode_error, chunk)
+        bad.extend((start + i, r) for i, r in enumerate(reasons) if r is not None)
+        if progress is not None:
+            progress(len(chunk))
+    return bad

@@ -17,7 +17,7 @@ from PIL import Image
 
 from utils.io import atomic_write
 
-from .images import center_crop_arr, load_image
+from .images import center_crop_arr, load_image, short_list
 from .meta import EXTRA_KEYS
 from .precompute_plan import Plan, PrecomputeError, read_shard, settings_text, text_encoder_paths
 from .text import default_max_length, encode_prompts, family_spec
@@ -143,9 +143,9 @@ def _encode_images(plan: Plan, start: int, stop: int, encoder: Encoder, pool: Op
     n, with_masks = plan.num_images, plan.mask_paths is not None
     lat, flipped, masks, text = [], [], [], {}
     for idx, images, *mask in iter_images(plan, start, stop, plan.args.batch_size, pool, masks=with_masks):
-        lat.append(encoder(images, idx))
+        lat.append(_finite(encoder(images, idx), plan, idx, ""))
         if plan.settings["flip"]:
-            flipped.append(encoder(np.ascontiguousarray(images[:, :, ::-1]), idx + n))
+            flipped.append(_finite(encoder(np.ascontiguousarray(images[:, :, ::-1]), idx + n), plan, idx, "flipped "))
         if with_masks:
             masks.append(mask[0])
         if encoder.text is not None:  # once per image: flipped copies reuse it
@@ -154,6 +154,18 @@ def _encode_images(plan: Plan, start: int, stop: int, encoder: Encoder, pool: Op
         if progress is not None:
             progress.update(len(idx))
     return lat, flipped, masks, text
+
+
+def _finite(values: np.ndarray, plan: Plan, idx: np.ndarray, which: str) -> np.ndarray:
+    """The VAE's values for images `idx` (--kind's moments or draws), refused when any is NaN/inf."""
+    bad = np.flatnonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1))
+    if len(bad):
+        files = short_list([str(plan.paths[int(idx[i])]) for i in bad], 3)
+        advice = " (try --vae-dtype float32)" if plan.settings["vae_dtype"] != "float32" else \
+            " (check the VAE weights, or leave those images out)"
+        raise PrecomputeError(f"the VAE '{plan.settings['vae']}' gave non-finite latents (NaN/inf) for {len(bad)} "
+                              f"{which}image(s): {files}{advice}")
+    return values
 
 
 def _cast_stored(value: np.ndarray, store: np.dtype, plan: Plan, start: int, what: str, whose: str,

@@ -15,7 +15,7 @@ import numpy as np
 from utils.errors import UserError
 from utils.io import atomic_write_json
 
-from .images import images_under, list_image_folder, short_list
+from .images import IMAGE_EXTS, ImageFolderError, images_under, list_image_folder, short_list
 from .text import TextEncoderError, read_captions_file, resolve_text_encoder_paths
 
 SETTINGS_FILE = "settings.json"
@@ -57,6 +57,7 @@ class Plan:
     captions: Optional[list[str]] = field(default=None, repr=False)    # per image, with --text-family
     mask_paths: Optional[list[Path]] = field(default=None, repr=False)  # per image, with --loss-masks
     text_paths: Optional[dict[str, str]] = None                         # resolved encoder / tokenizer folders
+    skipped: list[Path] = field(default_factory=list, repr=False)       # files under root that are not images
 
     @property
     def num_images(self) -> int:
@@ -80,7 +81,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     """List the images (after validate_args) and fix the settings that finished shards must match."""
     root = Path(args.images).expanduser().absolute()
     out = Path(args.out).expanduser().absolute()
-    paths, labels, class_names = list_image_folder(root, args.labels)
+    skipped: list[Path] = []
+    paths, labels, class_names = list_image_folder(root, args.labels, skipped)
     num_classes = len(class_names) if class_names is not None else int(labels.max()) + 1
     captions = plan_captions(args, root, paths, labels, class_names) if args.text_family else None
     mask_paths = plan_masks(args, root, paths) if args.loss_masks else None
@@ -111,7 +113,29 @@ def make_plan(args: argparse.Namespace) -> Plan:
         settings["loss_masks"] = {"dir": str(Path(args.loss_masks).expanduser().absolute()),
                                   "sha256": _digest([p.as_posix() for p in mask_paths])}
     return Plan(root, out, parts_dir_of(out), paths, labels, class_names, num_classes, settings, args.shard_size,
-                args, captions, mask_paths, text_paths)
+                args, captions, mask_paths, text_paths, skipped)
+
+
+def skipped_note(plan: Plan) -> Optional[str]:
+    """The one line naming the files under --images that are not images (None when there are none)."""
+    if not plan.skipped:
+        return None
+    names = [p.relative_to(plan.root).as_posix() for p in plan.skipped]
+    return (f"note: skipped {len(names)} file(s) under '{plan.root}' that are not images ({' '.join(IMAGE_EXTS)}) "
+            f"or are hidden: {short_list(names)}")
+
+
+def unfinished_images(plan: Plan) -> np.ndarray:
+    """Indices of the images of every shard not finished yet (all of them unless a run resumes)."""
+    ranges = [np.arange(*plan.shard_range(s)) for s in range(plan.num_shards) if not plan.shard_file(s).is_file()]
+    return np.concatenate(ranges) if ranges else np.zeros(0, np.int64)
+
+
+def unreadable_images_error(plan: Plan, bad: Sequence[tuple[int, str]], checked: int) -> ImageFolderError:
+    """The error naming the images (index into plan.paths, reason) that do not decode, the first few with why."""
+    named = [f"{plan.paths[i].relative_to(plan.root).as_posix()} ({why})" for i, why in bad]
+    return ImageFolderError(f"{len(bad)} of {checked} image(s) under '{plan.root}' cannot be read (corrupt, truncated "
+                            f"or not an image): {short_list(named, 3)}. Fix or remove them; nothing was encoded.")
 
 
 def _digest(items: Sequence[str]) -> str:

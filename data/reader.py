@@ -1,10 +1,15 @@
 """Reading latent datasets (the format of data/meta.py): LatentMeta, what every reader derives from a meta dict,
 and LatentDataset, the memory-mapped reader. Latents are memory-mapped, so random access never loads the whole
-array into RAM."""
+array into RAM.
+
+Both readers (LatentDataset, data.wds.WebDatasetLatents) report a latent holding NaN/inf with `warn_non_finite`:
+one warning per bad sample (file and index), the batch returned unchanged, since training skips an optimizer
+step whose loss is non-finite. The check costs one np.isfinite pass over each batch."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -23,6 +28,18 @@ def _open_npy(file: Path, key: str) -> np.ndarray:
     except (ValueError, OSError, EOFError) as err:
         raise LatentDatasetError(f"cannot read {key} file '{file}' as a .npy array ({err}): it is corrupt or "
                                  f"truncated. {REBUILD}") from None
+
+
+def warn_non_finite(batch: np.ndarray, indices: np.ndarray, reported: set[int], where: Callable[[int], str]) -> None:
+    """Warn once per sample (its index in `indices`, not yet in `reported`) whose row of `batch` holds NaN/inf,
+    naming where(index): its file and index. Only a batch that is not all finite is looked at row by row."""
+    if np.isfinite(batch).all():
+        return
+    rows = ~np.isfinite(batch.reshape(len(batch), -1)).all(axis=1)
+    for i in sorted({int(k) for k in indices[rows]} - reported):
+        reported.add(i)
+        warnings.warn(f"non-finite latent (NaN/inf) in {where(i)}: returned as stored (training skips a step whose "
+                      f"loss is non-finite); re-encode that sample or rebuild the dataset", stacklevel=2)
 
 
 class LatentMeta:
@@ -123,6 +140,7 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         self._latents: Optional[np.ndarray] = None
         self._labels: Optional[np.ndarray] = None
         self._extras: Optional[dict[str, np.ndarray]] = None
+        self._reported: set[int] = set()  # samples already warned about (warn_non_finite)
         self._validate_files()
         self._check_expected(expected_channels, expected_resolution, expected_num_classes)
 
@@ -174,11 +192,15 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         # Moments stay in raw VAE units (logvar must not be scaled); draw_latents scales the drawn latent.
         return 1.0 if self.latent_kind == "moments" else self.latent_scale
 
+    def _where(self, index: int) -> str:
+        return f"'{self.root / self._meta['files']['latents']}' index {index}"
+
     def __getitem__(self, index: int) -> Union[tuple[torch.Tensor, torch.Tensor],
                                                tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         latents, labels = self._open()
-        x = torch.from_numpy(np.array(latents[index], dtype=np.float32))  # (C, H, W), copied off the memmap
-        x, y = x * self._scale(), torch.tensor(int(labels[index]), dtype=torch.int64)
+        arr = np.array(latents[index], dtype=np.float32)  # (C, H, W), copied off the memmap
+        warn_non_finite(arr[None], np.array([int(index) % len(self)]), self._reported, self._where)
+        x, y = torch.from_numpy(arr) * self._scale(), torch.tensor(int(labels[index]), dtype=torch.int64)
         if not self._extras:
             return x, y
         return x, y, {key: _extra_tensor(key, np.array(array[index])[None])[0] for key, array in self._extras.items()}
@@ -193,6 +215,7 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         order = np.argsort(idx, kind="stable")  # ascending reads are mostly sequential on disk
         x, y = np.empty((len(idx), *latents.shape[1:]), np.float32), np.empty(len(idx), np.int64)
         x[order], y[order] = latents[idx[order]], labels[idx[order]]  # read sorted, write back in request order
+        warn_non_finite(x, idx % len(self), self._reported, self._where)
         x, y = torch.from_numpy(x) * self._scale(), torch.from_numpy(y)
         if not self._extras:
             return x, y

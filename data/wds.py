@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from .meta import DTYPES, FORMAT, LATENT_KINDS, VERSION, LatentDatasetError, model_shape, validate_meta
-from .reader import LatentMeta
+from .reader import LatentMeta, warn_non_finite
 from .wds_index import build_index, decode_latent, pread
 
 MAX_OPEN_SHARDS = 256                    # file descriptors kept open per process (least recently used closed)
@@ -186,6 +186,7 @@ class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
                  index_dir: Optional[Union[str, os.PathLike]] = None, expected_channels: Optional[int] = None,
                  expected_resolution: Optional[int] = None, expected_num_classes: Optional[int] = None):
         self._fds: OrderedDict[int, int] = OrderedDict()  # shard -> open file descriptor (this process's)
+        self._reported: set[int] = set()                   # samples already warned about (warn_non_finite)
         self._pid: Optional[int] = None                    # the process that opened them
         if latent_kind not in LATENT_KINDS:
             raise LatentDatasetError(f"data.latent_kind={latent_kind!r}; allowed: {list(LATENT_KINDS)} ('moments': "
@@ -315,6 +316,7 @@ class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
         x = np.empty((len(idx), *self._meta["shape"]), np.float32)
         for j in np.lexsort((self._offsets[idx], self._shard[idx])):  # sequential within each shard
             x[j] = self._read(int(idx[j]))
+        warn_non_finite(x, idx, self._reported, lambda i: f"sample {i} (latent member {self._member(i)})")
         xt, scale = torch.from_numpy(x), self._scale()
         return (xt * scale if scale != 1.0 else xt), torch.from_numpy(self._labels[idx].astype(np.int64))
 
