@@ -16,6 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 import cli.fid
+from cli.errors import hydra_errors
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="fid")
 def main(cfg: DictConfig) -> None:
@@ -23,4 +24,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with hydra_errors():   # Hydra's own composition errors (unknown key, bad override) as one error: line
+        main()

@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 import cli.train
+from cli.errors import hydra_errors
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
@@ -17,4 +18,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with hydra_errors():   # Hydra's own composition errors (unknown key, bad override) as one error: line
+        main()

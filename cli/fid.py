@@ -51,6 +51,10 @@ def validate(cfg: DictConfig) -> None:
         existing(cfg, "inception_weights")
     for key in {"ref": ("source",), "calc": ("ref", "images"), "bench": ("ref",)}[cfg.mode]:
         existing(cfg, key)
+    for key in {"ref": ("out",), "calc": ("out_json",), "bench": ()}[cfg.mode]:
+        if cfg[key] is not None and Path(str(cfg[key])).expanduser().exists():
+            raise FileExistsError(f"{key}={cfg[key]} already exists; refusing to overwrite it. Delete it or choose "
+                                  f"another path.")
     if cfg.mode != "bench":
         return
     expand_checkpoints(cfg.checkpoints)

@@ -27,6 +27,7 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Everything sample.py does, callable without Hydra (cfg: the keys of configs/sample.yaml)."""
     check_sample(cfg)                            # every key, before the checkpoint is read
+    check_out_dir(cfg.out_dir)
     guidance = Guidance.from_settings(cfg)
     device = resolve_device(cfg.device)
     net, diffusion, meta, config = load_for_inference(cfg.checkpoint, cfg.use_ema, device)
@@ -57,9 +58,27 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return info
 
 
+SAMPLE_OUTPUTS = ("sampling.json", "samples.npz", "grid.png", "images")   # what write_samples + run put in out_dir
+
+
+def check_out_dir(out_dir: Any) -> None:
+    """out_dir: null, or a directory (new, or without an earlier run's samples: nothing written is overwritten)."""
+    if out_dir is None:
+        return
+    path = Path(str(out_dir)).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"out_dir='{out_dir}' is a file; allowed: null (<run dir>/samples/sample_<time>) or a "
+                          f"directory.")
+    found = [name for name in SAMPLE_OUTPUTS if (path / name).exists()]
+    if found:
+        raise ConfigError(f"out_dir='{out_dir}' already holds samples ({found[0]}); refusing to overwrite them. "
+                          f"Choose another out_dir or delete those first.")
+
+
 def check_classes(classes: Any, num_classes: int) -> Any:
     """The `classes` key against the checkpoint's class count."""
     bad = [c for c in classes or [] if not 0 <= int(c) < num_classes]
     if bad:
-        raise ConfigError(f"classes={bad} are out of range: this model has {num_classes} classes (0..{num_classes - 1}).")
+        raise ConfigError(f"classes={bad} are out of range: this model has {num_classes} classes "
+                          f"(0..{num_classes - 1}).")
     return list(classes) if classes is not None else None

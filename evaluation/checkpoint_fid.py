@@ -42,10 +42,10 @@ class BenchError(UserError):
 
 def expand_checkpoints(spec: Any) -> list[Path]:
     """`spec`: one path, a comma-separated string, a list, or glob patterns of run dirs, checkpoint dirs
-    (…/checkpoints/step_XXXXXXX) or model.pt files. A run dir stands for its latest checkpoint.
+    (…/checkpoints/step_XXXXXXX) or files in them. A run dir stands for its latest checkpoint.
     Returns checkpoint dirs (deduplicated, in the given order; each glob sorted). Missing -> FileNotFoundError."""
     if spec is None:
-        raise BenchError("mode=bench needs checkpoints=<run dir | checkpoint dir | model.pt | glob | list>")
+        raise BenchError("mode=bench needs checkpoints=<run dir | checkpoint dir | a file in it | glob | list>")
     items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s) for s in spec]
     out: list[Path] = []
     for item in filter(None, items):

@@ -17,9 +17,9 @@ from utils.checkpoints import find_checkpoint, load_model_file
 
 
 def load_for_inference(checkpoint: str | Path, use_ema: bool = True, device: str | torch.device = "cpu"):
-    """-> (net, diffusion, data_meta, config) from a checkpoint dir, model.pt or run dir."""
+    """-> (net, diffusion, data_meta, config) from a run dir, a checkpoint dir or a file in it."""
     path = find_checkpoint(checkpoint)
-    state = load_model_file(path)
+    state = load_model_file(path)       # tensors and plain data only; foreign `_target_`s are refused
     config = OmegaConf.create(state["config"])
     torch.manual_seed(int(config.train.seed))  # the training's initialisation: the base of adapter-only checkpoints
     model = build_model(config.model)

@@ -4,6 +4,7 @@ from configs/ the way the entry points do, for the planner, the benchmark and th
 from schema.base import ConfigError
 from schema.compose import CONFIG_DIR, compose
 from schema.programs import check_fid, check_sample
-from schema.train import MIXED_PRECISION, check_train
+from schema.train import MIXED_PRECISION, check_train, check_train_files
 
-__all__ = ["CONFIG_DIR", "ConfigError", "MIXED_PRECISION", "check_fid", "check_sample", "check_train", "compose"]
+__all__ = ["CONFIG_DIR", "ConfigError", "MIXED_PRECISION", "check_fid", "check_sample", "check_train",
+           "check_train_files", "compose"]

@@ -42,6 +42,9 @@ PositiveInt = Annotated[int, Field(ge=1, description="a positive integer")]
 PositiveNumber = Annotated[float, AllowInfNan(False), Field(gt=0, description="a number > 0")]
 NonNegativeNumber = Annotated[float, AllowInfNan(False), Field(ge=0, description="a number >= 0")]
 Flag = Annotated[bool, Field(description="true or false")]
+# Generator seeds lie in [0, 2**32): numpy's RandomState takes no others, and torch's derived streams
+# (seed * 1_000_003 + rank) stay within 64 bits.
+SEED_LIMIT = 2 ** 32
 
 
 def dotted(prefix: str, loc: Sequence[Any]) -> str:
@@ -56,7 +59,8 @@ def dotted(prefix: str, loc: Sequence[Any]) -> str:
 
 
 def _is_tag(part: str) -> bool:
-    return "[" in part or part in ("bool", "int", "float", "str", "none", "list", "dict")
+    return "[" in part or part.startswith("constrained-") or \
+        part in ("bool", "int", "float", "str", "none", "list", "dict")
 
 
 def _inner(annotation: Any) -> Any:
@@ -100,7 +104,14 @@ def message(err: ValidationError, cls: type[BaseModel], prefix: str) -> str:
     if kind in ("value_error", "assertion_error"):
         return str(e["msg"]).split(", ", 1)[-1]
     _, desc = _walk(cls, loc)
-    return f"{name}={value!r} is not allowed; allowed: {desc or e['msg']}."
+    return f"{name}={show(value)} is not allowed; allowed: {desc or e['msg']}."
+
+
+def show(value: Any) -> str:
+    """A value as the config spells it: true / false / null for booleans and None, repr otherwise."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else repr(value)
 
 
 def check(cls: type[BaseModel], value: Any, prefix: str) -> BaseModel:

@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 
 from data.meta import LATENT_KINDS
 from models.dit import DIT_ARCHS
-from schema.base import ConfigError, Number, Section, key, one_of
+from schema.base import SEED_LIMIT, ConfigError, Number, Section, key, one_of
 
 
 class ToyArgs(Section):
@@ -15,7 +15,7 @@ class ToyArgs(Section):
 
     num_per_class: int = key("a positive integer (images per class)", ge=1)
     resolution: int = key("an integer >= 4 (image side)", ge=4)
-    seed: int = key("an integer (generator seed)")
+    seed: int = key("an integer in [0, 2**32) (generator seed)", ge=0, lt=SEED_LIMIT)
     loss_masks: bool = key("true or false (store each shape's coverage as a loss mask)", default=False)
 
 

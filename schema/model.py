@@ -7,7 +7,7 @@ from models.dit import DIT_ARCHS
 from models.families import FAMILIES
 from models.lora import LORA_KEYS
 from routing import SELECTION_MODES
-from schema.base import ConfigError, Flag, NonNegativeNumber, Number, PositiveNumber, Section, key, one_of
+from schema.base import SEED_LIMIT, ConfigError, Flag, NonNegativeNumber, Number, PositiveNumber, Section, key, one_of
 
 
 class Selection(Section):
@@ -30,7 +30,8 @@ class Routing(Section):
     """the routing group (configs/routing/*.yaml); routes are checked against the model's depth when it is built"""
 
     enabled: Flag
-    seed: int = key("an integer (the router's generator seed; each process adds its rank)")
+    seed: int = key("an integer in [0, 2**32) (the router's generator seed; each process adds its rank)", ge=0,
+                    lt=SEED_LIMIT)
     fp32_after_route: Flag
     selection: Selection = key("a mapping {mode, importance_weight}")
     routes: list[RouteSpec] = key("a list of {selection_ratio, start_layer_idx, end_layer_idx}")

@@ -1,31 +1,38 @@
 """The configs of sample.py (configs/sample.yaml) and fid.py (configs/fid.yaml): `check_sample`, `check_fid`."""
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+import re
+from typing import Annotated, Any, Literal, Optional, Union
 
 from omegaconf import DictConfig
+from pydantic import Field
 
-from schema.base import ConfigError, Flag, PositiveInt, check, key
+from schema.base import SEED_LIMIT, ConfigError, Flag, PositiveInt, check, key, show
 from schema.sampling import DecodeSettings, MetricSettings, SamplingSettings, check_guidance
 from schema.train import Paths
 from schema.tree import container
 
-Seeds = Union[None, int, str, list[int]]
-SEEDS = "null (0..num_samples-1), 'a-b', '1,5,7' or a list of integers"
+SAMPLE_SEED_LIMIT = 2 ** 63      # a sample's seed seeds its own torch.Generator (64 bits)
+SampleSeed = Annotated[int, Field(ge=0, lt=SAMPLE_SEED_LIMIT)]
+Seeds = Union[None, SampleSeed, str, Annotated[list[SampleSeed], Field(min_length=1)]]
+SEEDS = "null (0..num_samples-1), 'a-b', '1,5,7' or a non-empty list of integers >= 0"
+SEED_PART = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 MODES = ("ref", "calc", "bench")
+Device = Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")]
+DEVICES = "auto, cpu, cuda or cuda:N"
 
 
 class SampleConfig(SamplingSettings, DecodeSettings):
     """sample.py"""
 
-    checkpoint: str = key("a run directory, checkpoints/step_XXXXXXX directory or its model.pt")
+    checkpoint: str = key("a run directory, checkpoints/step_XXXXXXX directory or a file in it")
     use_ema: Flag
     num_samples: int = key("a positive integer (used when seeds is null)", ge=1)
     seeds: Seeds = key(SEEDS)
     classes: Optional[list[int]] = key("null (seed i gets class i mod K) or a non-empty list of class ids",
                                        min_length=1)
     batch_size: int = key("a positive integer", ge=1)
-    device: str = key("auto, cpu, cuda or cuda:N")
+    device: Device = key(DEVICES)
     out_dir: Optional[str] = key("null (<run dir>/samples/sample_<time>) or a directory")
     grid_nrow: Optional[int] = key("null (the number of classes) or a positive integer", ge=1)
 
@@ -36,13 +43,13 @@ class FidConfig(SamplingSettings, DecodeSettings, MetricSettings):
     mode: Literal[MODES] = key("ref (build a reference), calc (metrics of images) or bench (sample and score "
                                "checkpoints)")
     cache_dir: str = key("a directory (the toy classifier is trained there once)")
-    device: str = key("auto, cpu, cuda or cuda:N")
+    device: Device = key(DEVICES + "; bench: each process takes its own GPU")
     batch_size: int = key("a positive integer (images per feature batch)", ge=1)
     is_split_size: PositiveInt
     pr_k: PositiveInt
     kid_subsets: PositiveInt
     kid_subset_size: PositiveInt
-    metric_seed: int = key("an integer")
+    metric_seed: int = key("an integer in [0, 2**32) (KID subsets)", ge=0, lt=SEED_LIMIT)
     source: Optional[str] = key("null or an image folder, samples .npz or latent dataset directory (mode=ref)")
     out: Optional[str] = key("null or the reference .npz to write (mode=ref)")
     max_images: Optional[int] = key("null or a positive integer", ge=1)
@@ -50,7 +57,7 @@ class FidConfig(SamplingSettings, DecodeSettings, MetricSettings):
     images: Optional[str] = key("null or an image folder / .npz of generated images (mode=calc)")
     ref: Optional[str] = key("null or a reference .npz (calc, bench)")
     out_json: Optional[str] = key("null or a JSON file for the metrics (mode=calc)")
-    checkpoints: Union[None, str, list[str]] = key("null or run dirs / checkpoint dirs / model.pt files / globs")
+    checkpoints: Union[None, str, list[str]] = key("null or run dirs / checkpoint dirs / files in them / globs")
     num_samples: int = key("a positive integer (images per checkpoint, used when seeds is null)", ge=1)
     seeds: Seeds = key(SEEDS)
     sample_batch_size: int = key("a positive integer (images per sampling batch, per process)", ge=1)
@@ -64,12 +71,14 @@ class FidConfig(SamplingSettings, DecodeSettings, MetricSettings):
 NEEDS = {"ref": ("source", "out"), "calc": ("images", "ref"), "bench": ("checkpoints", "ref")}
 WHAT = {"source": "image folder | samples .npz | latent dataset dir", "out": "reference .npz to write",
         "images": "image folder | .npz of generated images", "ref": "reference .npz",
-        "checkpoints": "run dir | checkpoint dir | model.pt | glob | list"}
+        "checkpoints": "run dir | checkpoint dir | a file in it | glob | list"}
 
 
 def check_sample(cfg: Union[DictConfig, dict]) -> SampleConfig:
     s = check(SampleConfig, container(cfg), "")
     check_guidance(s, "")
+    check_seeds(s.seeds)
+    check_device(s.device)
     return s
 
 
@@ -81,7 +90,34 @@ def check_fid(cfg: Union[DictConfig, dict]) -> FidConfig:
                           f"against a reference) or mode=bench (sample and score checkpoints)")
     s = check(FidConfig, tree, "")
     check_guidance(s, "")
+    check_seeds(s.seeds)
+    check_device(s.device)
     for name in NEEDS[s.mode]:
         if getattr(s, name) is None:
             raise ConfigError(f"mode={s.mode} needs {name}=<{WHAT[name]}>")
     return s
+
+
+def check_seeds(seeds: Any, name: str = "seeds") -> None:
+    """A seeds string: comma-separated integers >= 0 and ranges a-b with a <= b (null and lists are typed)."""
+    if not isinstance(seeds, str):
+        return
+    parts = [SEED_PART.match(part) for part in seeds.split(",")]
+    if not all(parts) or any(p.group(2) is not None and int(p.group(1)) > int(p.group(2)) for p in parts) or \
+            any(int(n) >= SAMPLE_SEED_LIMIT for p in parts for n in p.groups() if n is not None):
+        raise ConfigError(f"{name}={show(seeds)} is not allowed; allowed: {SEEDS} (ranges a-b with a <= b, "
+                          f"every seed below 2**63).")
+
+
+def check_device(device: str, name: str = "device") -> None:
+    """A CUDA device that this machine has (the form was checked by the schema)."""
+    if not device.startswith("cuda"):
+        return
+    import torch  # deferred: the schema itself does not need torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index >= count:
+        have, allowed = ((f"CUDA devices 0..{count - 1}", f"auto, cpu, cuda or cuda:N with N < {count}") if count
+                         else ("no CUDA device", "auto or cpu"))
+        raise ConfigError(f"{name}={device} is not available: this machine has {have}; allowed: {allowed}.")

@@ -1,11 +1,12 @@
 """The training config (configs/train.yaml and its groups), checked once at start-up: `check_train`."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from omegaconf import DictConfig
 
-from schema.base import ConfigError, Flag, Number, Section, check, key, one_of
+from schema.base import SEED_LIMIT, ConfigError, Flag, Number, PositiveNumber, Section, check, key, one_of
 from schema.data import DATA
 from schema.model import DIFFUSIONS, MODELS, OPTIMIZERS, FamilyModel, Routing
 from schema.sampling import DecodeSettings, MetricSettings, SamplingSettings, check_guidance
@@ -14,6 +15,7 @@ from schema.tree import container, pick
 MIXED_PRECISION = ("no", "bf16", "fp16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 WANDB_MODES = ("disabled", "offline", "online")
+NONFINITE = ("skip", "stop")
 
 
 class Train(Section):
@@ -24,7 +26,8 @@ class Train(Section):
                                             gt=0)
     batch_size: int = key("a positive integer (the global batch over processes and accumulation)", ge=1)
     grad_accum_steps: int = key("a positive integer (micro-batches per optimizer step)", ge=1)
-    seed: int = key("an integer (run seed: init, noise, label dropout, data order)")
+    seed: int = key("an integer in [0, 2**32) (run seed: init, noise, label dropout, data order)", ge=0,
+                    lt=SEED_LIMIT)
     mixed_precision: Literal[MIXED_PRECISION] = key(one_of(MIXED_PRECISION))
     grad_clip: Optional[Number] = key("null (no clipping) or a max gradient norm > 0", gt=0)
     label_dropout: Number = key("a probability in [0, 1)", ge=0, lt=1)
@@ -38,6 +41,12 @@ class Train(Section):
     masked_loss: Union[Literal["auto"], bool] = key("auto (use the data's loss masks when it has them), true "
                                                     "(require them) or false (ignore them)")
     mask_force_keep: Flag
+    nonfinite: Literal[NONFINITE] = key("skip (skip the update, counted and logged) or stop (end the run) on a "
+                                        "non-finite loss or gradient norm")
+    max_nonfinite_skips: int = key("a positive integer (consecutive skipped steps that end the run)", ge=1)
+    collective_timeout_min: PositiveNumber = key("a number > 0 (minutes a process waits in a collective for the "
+                                                 "other ranks)")
+    slurm_requeue: Flag = key("true or false (requeue the SLURM job after a time-limit warning's checkpoint)")
 
 
 class EMA(Section):
@@ -67,8 +76,8 @@ class Wandb(Section):
 class Paths(Section):
     """paths"""
 
-    cache_dir: str = key("a directory (built-in data, feature networks, reference statistics)")
-    output_dir: str = key("a directory (run and sweep directories)")
+    cache_dir: str = key("a directory (built-in data, feature networks, reference statistics)", min_length=1)
+    output_dir: str = key("a directory (run and sweep directories)", min_length=1)
 
 
 class Eval(SamplingSettings, DecodeSettings, MetricSettings):
@@ -103,6 +112,15 @@ def check_train(cfg: Union[DictConfig, dict]) -> dict[str, Any]:
     out = {name: check(pick(kind, tree.get(name), name), tree.get(name), name) for name, kind in SECTIONS.items()}
     _cross_checks(out)
     return out
+
+
+def check_train_files(cfg: Any) -> None:
+    """The files a checked training config names that must exist before any work (the data's own files are
+    checked when it opens, right after): the evaluation reference."""
+    reference = cfg["eval"]["reference"] if _eval_on(cfg) else None
+    if reference is not None and not Path(reference).expanduser().is_file():
+        raise ConfigError(f"eval.reference={reference!r} does not exist; allowed: null (built from the dataset and "
+                          f"cached) or a reference .npz (`python fid.py mode=ref ...` builds one).")
 
 
 def _eval_on(cfg: Any) -> bool:

@@ -12,7 +12,7 @@ from schema.base import MISSING, ConfigError, Section, missing_keys
 # What to pass for a mandatory key, where the config cannot say it itself.
 HINTS = {"data.path": "/path/to/dataset (a directory with meta.json, latents.npy, labels.npy, or .tar shards)",
          "eval.reference": "/path/to/ref.npz (built with `python fid.py mode=ref ...`)",
-         "checkpoint": "a run directory, checkpoints/step_XXXXXXX directory or its model.pt"}
+         "checkpoint": "a run directory, checkpoints/step_XXXXXXX directory or a file in it"}
 
 
 def container(cfg: Union[DictConfig, Mapping[str, Any]], required_ok: Sequence[str] = ()) -> dict[str, Any]:

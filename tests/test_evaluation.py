@@ -22,6 +22,7 @@ from evaluation.toy_classifier import (ToyClassifier, cache_path, load_or_train_
 
 from conftest import blob_images
 from schema import compose
+from utils.tensorfile import load_state, save_state
 
 
 def random_gaussian_stats(rng, d, n=None):
@@ -151,7 +152,7 @@ def _all_reduce_worker(rank, store_path, x, images):
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     stats = FeatureStats().update(x[rank::2]).all_reduce()
-    torch.save((stats.n, stats.mean(), stats.cov(), _metrics_on_this_rank(rank, 2, images)), f"{store_path}.{rank}")
+    save_state((stats.n, stats.mean(), stats.cov(), _metrics_on_this_rank(rank, 2, images)), f"{store_path}.{rank}")
     dist.destroy_process_group()
 
 
@@ -164,7 +165,7 @@ def test_feature_stats_all_reduce_two_processes(tmp_path):
     torch.multiprocessing.spawn(_all_reduce_worker, args=(str(tmp_path / "store"), x, images), nprocs=2)
     single = _metrics_on_this_rank(0, 1, images)
     for rank in range(2):
-        n, mu, cov, multi = torch.load(tmp_path / f"store.{rank}", weights_only=False)
+        n, mu, cov, multi = load_state(tmp_path / f"store.{rank}")
         assert n == 50
         np.testing.assert_allclose(mu, x.mean(0), atol=1e-12)
         np.testing.assert_allclose(cov, np.cov(x, rowvar=False), atol=1e-12)

@@ -240,7 +240,8 @@ def test_srun_tasks_join_one_accelerate_run(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["final_step"] == 2
     assert sorted(p.name for p in (run / "checkpoints" / "step_0000002").iterdir()) == [
-        "model.pt", "rng_rank0.pt", "rng_rank1.pt", "train_state.pt"]
+        "checkpoint.json", "ema.safetensors", "model.safetensors", "rng_rank0.safetensors", "rng_rank1.safetensors",
+        "train_state.safetensors"]
 
 
 @pytest.mark.slow

@@ -2,10 +2,12 @@
 what is allowed (schema/). The command-line programs print it as `error: ...` without a traceback."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from conftest import compose_cfg
-from schema import ConfigError, check_fid, check_sample, check_train
+from schema import ConfigError, check_fid, check_sample, check_train, check_train_files
 from test_train import run_cli
 
 BAD_TRAIN = [
@@ -44,6 +46,17 @@ BAD_TRAIN = [
     ("train.compile=maybe", "train.compile='maybe' is not allowed; allowed: auto (on with CUDA), true or false"),
     ("wandb.mode=loud", "wandb.mode='loud' is not allowed; allowed: one of disabled, offline, online"),
     ("resume=5", "resume=5 is not allowed"),
+    ("train.seed=-1", "train.seed=-1 is not allowed; allowed: an integer in [0, 2**32)"),
+    ("train.seed=true", "train.seed=true is not allowed; allowed: an integer"),
+    ("routing.seed=4294967296", "routing.seed=4294967296 is not allowed; allowed: an integer in [0, 2**32)"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 is not allowed; allowed: a number >= 0"),
+    ("train.num_workers=-1", "train.num_workers=-1 is not allowed; allowed: an integer >= 0"),
+    ("checkpoint.keep_last=0", "checkpoint.keep_last=0 is not allowed; allowed: null (keep all) or an integer >= 1"),
+    ("train.nonfinite=maybe", "train.nonfinite='maybe' is not allowed; allowed: skip (skip the update"),
+    ("train.max_nonfinite_skips=0", "train.max_nonfinite_skips=0 is not allowed; allowed: a positive integer"),
+    ("train.collective_timeout_min=0", "train.collective_timeout_min=0 is not allowed; allowed: a number > 0"),
+    ("train.slurm_requeue=yes", "train.slurm_requeue='yes' is not allowed; allowed: true or false"),
+    ("paths.output_dir=", "paths.output_dir='' is not allowed; allowed: a directory"),
 ]
 
 
@@ -52,6 +65,13 @@ def test_bad_training_values_name_the_key_value_and_what_is_allowed(override, me
     with pytest.raises(ConfigError) as err:
         check_train(compose_cfg(overrides=[override]))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_missing_eval_reference_is_refused_before_work():
+    cfg = compose_cfg(overrides=["eval.reference=/nonexistent/ref.npz"])
+    check_train(cfg)    # a valid value; the file is checked next, before any work
+    with pytest.raises(ConfigError, match="eval.reference='/nonexistent/ref.npz' does not exist"):
+        check_train_files(cfg)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -70,8 +90,21 @@ def test_rules_between_keys(overrides, message):
 
 
 def test_mandatory_keys_only_matter_when_used():
-    """eval=inception's reference is required only while evaluation runs."""
+    """eval=inception's reference is required only while evaluation runs; every key is still checked."""
     check_train(compose_cfg(overrides=["eval=inception", "eval.every_steps=0", "eval.at_end=false"]))
+    check_train(compose_cfg(overrides=["eval.every_steps=0", "eval.at_end=false", "eval.reference=/nonexistent"]))
+    for at_end in ("true", "false"):
+        with pytest.raises(ConfigError, match="eval.batch_size=0 is not allowed"):
+            check_train(compose_cfg(overrides=["eval.every_steps=0", f"eval.at_end={at_end}", "eval.batch_size=0"]))
+
+
+def test_run_safety_keys_have_defaults():
+    """train.nonfinite / max_nonfinite_skips / collective_timeout_min / slurm_requeue (training/ reads them)."""
+    t = check_train(compose_cfg())["train"]
+    assert (t.nonfinite, t.max_nonfinite_skips, t.collective_timeout_min, t.slurm_requeue) == ("skip", 20, 30, True)
+    t = check_train(compose_cfg(overrides=["train.nonfinite=stop", "train.collective_timeout_min=0.5",
+                                           "train.slurm_requeue=false"]))["train"]
+    assert (t.nonfinite, t.collective_timeout_min, t.slurm_requeue) == ("stop", 0.5, False)
 
 
 def test_sample_and_fid_configs_are_checked():
@@ -83,6 +116,49 @@ def test_sample_and_fid_configs_are_checked():
         check_fid(compose_cfg("fid", ["mode=calc"]))
     with pytest.raises(ConfigError, match="store_images=-1 is not allowed"):
         check_fid(compose_cfg("fid", ["mode=ref", "source=x", "out=y", "store_images=-1"]))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("seeds=-3", "seeds=-3 is not allowed; allowed: null (0..num_samples-1)"),
+    ("seeds=[1,-2]", "seeds=[1, -2] is not allowed"),
+    ("seeds=[]", "seeds=[] is not allowed"),
+    ("seeds=1.5", "seeds=1.5 is not allowed"),
+    ("seeds=abc", "seeds='abc' is not allowed"),
+    ("seeds=9-2", "seeds='9-2' is not allowed"),
+    ("seeds='1,,2'", "seeds='1,,2' is not allowed"),
+    ("device=tpu", "device='tpu' is not allowed; allowed: auto, cpu, cuda or cuda:N"),
+    ("device=cuda:x", "device='cuda:x' is not allowed"),
+    ("device=cuda:99", "device=cuda:99 is not available: this machine has"),
+    ("num_steps=0", "num_steps=0 is not allowed"),
+    ("batch_size=0", "batch_size=0 is not allowed"),
+])
+def test_sample_and_fid_seeds_and_devices(override, message):
+    for program, base in (("sample", ["checkpoint=x"]), ("fid", ["mode=calc", "images=x", "ref=y"])):
+        with pytest.raises(ConfigError) as err:
+            (check_sample if program == "sample" else check_fid)(compose_cfg(program, [*base, override]))
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("seeds", ["'0-9'", "'3,7,11'", "'0-4,9'", "[1,2]", "5", "null"])
+def test_good_seeds_pass(seeds):
+    check_sample(compose_cfg("sample", ["checkpoint=x", f"seeds={seeds}"]))
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.fooo=1", "Could not override 'train.fooo'"),
+    ("model=nosuch", "Could not find 'model/nosuch'. Available options in 'model': "),
+    ("train.seed=[1", "bad override 'train.seed=[1'"),
+])
+def test_hydra_errors_become_one_line(override, needle, monkeypatch):
+    """cli.errors.hydra_errors: Hydra's own composition errors as one `error:` line, HYDRA_FULL_ERROR restored."""
+    from cli.errors import hydra_errors
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        with hydra_errors():
+            compose_cfg(overrides=[override])
+    assert exit_.value.code.startswith("error: ") and needle in exit_.value.code and "\n" not in exit_.value.code
+    assert "HYDRA_FULL_ERROR" not in os.environ
 
 
 @pytest.mark.parametrize("program,args,message", [

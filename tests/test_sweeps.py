@@ -83,7 +83,7 @@ def test_time_budget_stops_training_and_resume_keeps_the_count(tiny_cfg, tmp_pat
     out = train(tiny_cfg("train.max_steps=1000", f"train.time_budget_min={budget}", "eval.every_steps=0"), run)
     assert out["stop_reason"] == "time_budget" and out["final_step"] == 1
     assert out["train_sec_total"] >= budget * 60 and out["final_fid"] is not None   # eval.at_end ran
-    assert (run / "checkpoints" / "step_0000001" / "model.pt").is_file()
+    assert (run / "checkpoints" / "step_0000001" / "checkpoint.json").is_file()
     again = train(tiny_cfg("train.max_steps=1000", f"train.time_budget_min={budget}", "eval.every_steps=0",
                            "eval.at_end=false", "resume=auto"), run)
     assert again["final_step"] == 1 and again["stop_reason"] == "time_budget"

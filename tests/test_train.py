@@ -81,20 +81,6 @@ def run_cli(args: list[str], cache: Path, timeout: int = 300, launcher: list[str
     return proc, time.time() - start
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("routing.routes.0.selection_ratio=1.5", "routing.routes[0].selection_ratio=1.5 is not allowed"),
-    ("routing.routes.0.end_layer_idx=40", "routing.routes[0].end_layer_idx=40 is out of range"),
-    ("routing.routes=[]", "TREAD training requires you to configure the routes"),
-    ("train.mixed_precision=fp8", "train.mixed_precision='fp8' is not allowed"),
-])
-def test_bad_config_fails_within_seconds(override, needle, tmp_path):
-    proc, secs = run_cli(["train.py", "model=tread", override, f"hydra.run.dir={tmp_path / 'r'}"], tmp_path)
-    assert proc.returncode != 0
-    assert needle in proc.stderr + proc.stdout
-    assert secs < 60
-    assert not (tmp_path / "r" / "checkpoints").exists()
-
-
 def test_missing_data_path_is_a_clear_error(tmp_path):
     proc, _ = run_cli(["train.py", "data.builtin=null", f"data.path={tmp_path / 'nope'}",
                        f"hydra.run.dir={tmp_path / 'r'}"], tmp_path)
@@ -137,7 +123,7 @@ def test_two_process_gloo_training(tmp_path, cache_dir):
     recs = read_metrics(run)
     assert [r["step"] for r in recs if r["type"] == "eval"] == [2, 4]
     assert "world size 2" in proc.stdout + proc.stderr
-    assert (run / "checkpoints" / "step_0000004" / "rng_rank1.pt").is_file()
+    assert (run / "checkpoints" / "step_0000004" / "rng_rank1.safetensors").is_file()
     # Resume on two processes continues at the saved step.
     proc, _ = run_cli(args[:-1] + [f"hydra.run.dir={run}", "resume=auto", "train.max_steps=6"], cache_dir,
                       timeout=600, launcher=launcher)

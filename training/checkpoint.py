@@ -1,12 +1,15 @@
-"""Checkpoints of a training run: TrainingState written as a directory (layout: utils/checkpoints.py), atomically.
+"""Checkpoints of a training run: TrainingState written as a directory of safetensors files (layout and the
+reading side: utils/checkpoints.py), atomically, never with non-finite weights.
 
-A checkpoint is written as step_XXXXXXX.tmp and renamed when complete, so a crash never leaves one that
-looks finished. model.pt holds what sampling needs (EMA + raw backbone weights, the resolved config and the
-data's meta), train_state.pt what resuming needs besides (optimizer, data position, step, training time),
-and every process writes its own rng_rank{r}.pt.
+A checkpoint is written as step_XXXXXXX.tmp, checkpoint.json last, and renamed when complete, so a crash
+never leaves one that looks finished. Old checkpoints are pruned by renaming them to *.trash first, so a
+crash during pruning leaves nothing that looks like a checkpoint; `clean_run_dir` removes such leftovers
+at the next start. A failed write (disk full, permissions) removes its temp directory, keeps the previous
+checkpoint and ends the run with an error naming the path and the cause.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -14,87 +17,159 @@ from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
-from safetensors.torch import save_file
 
 from models.lora import adapter_state_dict, has_lora
 from training.state import TrainingState
-from utils.io import atomic_write
-from utils.checkpoints import MODEL_FILE, checkpoint_dir, find_checkpoint, list_checkpoints, load_model_file
+from utils.checkpoints import (FORMAT, LEGACY_FILE, META_FILE, TRAIN_FILE, WEIGHT_FILES, CheckpointError,
+                               checkpoint_dir, find_checkpoint, latest_legacy, list_checkpoints, load_model_file,
+                               rng_file, step_of)
+from utils.distributed import any_rank
+from utils.errors import UserError
+from utils.io import atomic_write_json
+from utils.tensorfile import StateFileError, load_state, save_state, save_tensors
 
-TRAIN_FILE = "train_state.pt"
 
-
-def rng_file(rank: int) -> str:
-    return f"rng_rank{rank}.pt"
+class CheckpointWriteError(UserError):
+    """A checkpoint that could not be written (disk full, permissions, non-finite weights)."""
 
 
 def tmp_dir(final: Path) -> Path:
     return final.with_name(final.name + ".tmp")
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
-    """`resume` (null | auto | PATH) -> a checkpoint dir or None; clear errors for bad paths."""
-    if resume in (None, "", "null", "none"):
-        return None
-    if resume == "auto":
-        ckpts = list_checkpoints(run_dir)
-        return ckpts[-1] if ckpts else None
-    try:
-        return find_checkpoint(resume, "resume")
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"{err} Use resume=auto to continue the latest checkpoint in hydra.run.dir.") from None
+def trash_dir(ckpt: Path) -> Path:
+    return ckpt.with_name(ckpt.name + ".trash")
 
 
 def save_checkpoint(accelerator: Accelerator, run_dir: Path, state: TrainingState, config: dict, data_meta: dict,
                     keep_last: Optional[int], trainable: Optional[set[str]]) -> Path:
-    """Every process saves its RNG; the main process writes the weights and the resume state, renames the
-    directory into place and prunes old checkpoints. `trainable` (adapter-only checkpoints) limits the saved
-    weights to those names."""
+    """Every process saves its RNG; the main process writes the weights, the resume state and
+    checkpoint.json, renames the directory into place and prunes old checkpoints. `trainable`
+    (adapter-only checkpoints) limits the saved weights to those names. Every process raises
+    CheckpointWriteError if any process failed, after the partial directory is removed."""
     final = checkpoint_dir(run_dir, state.step)
     tmp = tmp_dir(final)
-    accelerator.wait_for_everyone()
     full = state.state_dict()
-    tmp.mkdir(parents=True, exist_ok=True)
-    _atomic_save(full["rng"], tmp / rng_file(accelerator.process_index))
+    check_finite(full, state.step)                      # the same weights on every process: all agree
     accelerator.wait_for_everyone()
+    failure = _try(lambda: _write_rng(tmp, full["rng"], accelerator.process_index), tmp)
+    if not any_rank(failure is not None) and accelerator.is_main_process:
+        failure = _try(lambda: _write_main(tmp, final, state, full, config, data_meta, trainable), tmp)
+    if any_rank(failure is not None):
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = list_checkpoints(run_dir)
+        raise CheckpointWriteError(f"{failure or 'another process failed to write its part of the checkpoint'}; "
+                                   f"the previous checkpoint ({previous[-1] if previous else 'none'}) is kept.")
     if accelerator.is_main_process:
-        weights = {k: full[k] if trainable is None else {n: v for n, v in full[k].items() if n in trainable}
-                   for k in ("model", "ema")}
-        _atomic_save({"step": state.step, "config": config, "data_meta": data_meta, **weights,
-                      "adapter_only": trainable is not None}, tmp / MODEL_FILE)
-        _atomic_save({k: full[k] for k in ("step", "train_sec", "optimizer", "loader", "world_size")}, tmp / TRAIN_FILE)
-        if has_lora(state.model):  # the EMA adapter alone in peft's format, for diffusers pipelines
-            export_adapter(state.ema_model, tmp / "adapter_model.safetensors")
         finalize(final, keep_last)
     accelerator.wait_for_everyone()
     return final
 
 
+def _try(write, tmp: Path) -> Optional[str]:
+    """None if write() succeeded, else what failed, for the error line."""
+    try:
+        write()
+        return None
+    except OSError as err:
+        cause = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EACCES: "permission denied",
+                 errno.EROFS: "read-only file system"}.get(err.errno, err.strerror or str(err))
+        return f"could not write checkpoint '{err.filename or tmp}': {cause} ({err})"
+
+
+def _write_rng(tmp: Path, rng: dict, rank: int) -> None:
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_state(rng, tmp / rng_file(rank))
+
+
+def _write_main(tmp: Path, final: Path, state: TrainingState, full: dict, config: dict, data_meta: dict,
+                trainable: Optional[set[str]]) -> None:
+    for key, name in WEIGHT_FILES.items():
+        weights = full[key] if trainable is None else {n: v for n, v in full[key].items() if n in trainable}
+        save_tensors(weights, tmp / name)
+    save_state({k: full[k] for k in ("step", "train_sec", "optimizer", "loader", "world_size")}, tmp / TRAIN_FILE)
+    if has_lora(state.model):  # the EMA adapter alone in peft's format, for diffusers pipelines
+        export_adapter(state.ema_model, tmp / "adapter_model.safetensors")
+    atomic_write_json(tmp / META_FILE, {"format": FORMAT, "step": state.step, "config": config,
+                                        "data_meta": data_meta, "adapter_only": trainable is not None})
+
+
+def check_finite(full: dict[str, Any], step: int) -> None:
+    """Refuse to write weights or EMA weights with NaN/inf (the run stops; earlier checkpoints stay)."""
+    for key in ("model", "ema"):
+        for name, t in full[key].items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CheckpointWriteError(
+                    f"not writing the checkpoint of step {step}: the {key} weight '{name}' holds non-finite values "
+                    f"(see train.nonfinite); the earlier checkpoints are kept.")
+
+
 def finalize(final: Path, keep_last: Optional[int]) -> None:
-    """Rename the complete temp dir into place (replacing a checkpoint of the same step) and prune old ones."""
+    """Rename the complete temp dir into place (replacing a checkpoint of the same step) and prune old ones,
+    never the newest."""
     if final.exists():  # re-saving the same step (e.g. final == periodic): replace it
-        shutil.rmtree(final)
+        _remove(final)
     os.replace(tmp_dir(final), final)
     if keep_last:
-        for old in list_checkpoints(final.parent.parent)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in list_checkpoints(final.parent.parent)[:-max(1, keep_last)]:
+            _remove(old)
 
 
-def load_checkpoint(ckpt: Path, state: TrainingState, rank: int) -> None:
-    """Restore `state` from a checkpoint directory (this process's RNG when the saved run had this rank)."""
+def _remove(ckpt: Path) -> None:
+    """Delete a checkpoint dir: renamed first, so a crash midway leaves a *.trash dir, not a broken step."""
+    trash = trash_dir(ckpt)
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.replace(ckpt, trash)
+    shutil.rmtree(trash)
+
+
+def clean_run_dir(run_dir: Path) -> list[str]:
+    """Remove what interrupted launches leave in checkpoints/: temp dirs of unfinished writes, *.trash dirs of
+    unfinished pruning and step dirs without checkpoint.json (nor an old-format model.pt). Returns their names."""
+    root = Path(run_dir) / "checkpoints"
+    removed = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        leftover = path.name.endswith((".tmp", ".trash")) or (
+            step_of(path) is not None and not (path / META_FILE).exists() and not (path / LEGACY_FILE).exists())
+        if leftover and path.is_dir():
+            shutil.rmtree(path)
+            removed.append(path.name)
+    return removed
+
+
+def read_checkpoint(ckpt: Path, rank: int) -> dict[str, Any]:
+    """Everything a resume needs from a checkpoint dir, read and checked before any of it is applied.
+    CheckpointError when a file is missing, truncated or corrupt, or the config names foreign code."""
     model_file = load_model_file(ckpt)
-    train = torch.load(Path(ckpt) / TRAIN_FILE, map_location="cpu", weights_only=False)
-    rng_path = Path(ckpt) / rng_file(rank)
-    rng = torch.load(rng_path, map_location="cpu", weights_only=False) if rng_path.is_file() else None
-    state.load_state_dict({**train, "model": model_file["model"], "ema": model_file["ema"], "rng": rng},
-                          adapter_only=bool(model_file.get("adapter_only")), where=str(ckpt))
+    try:
+        train = load_state(Path(ckpt) / TRAIN_FILE)
+        rng_path = Path(ckpt) / rng_file(rank)
+        rng = load_state(rng_path) if rng_path.is_file() else None
+    except StateFileError as err:
+        raise CheckpointError(f"checkpoint '{ckpt}': {err}") from None
+    return {**train, "model": model_file["model"], "ema": model_file["ema"], "rng": rng,
+            "adapter_only": bool(model_file.get("adapter_only")), "config": model_file["config"]}
+
+
+def resume_candidates(resume: Optional[str], run_dir: Path) -> list[Path]:
+    """`resume` (null | auto | PATH) -> checkpoint dirs to try, newest first (auto falls back to older ones
+    when the newest is corrupt); [] for a fresh run."""
+    if resume in (None, "", "null", "none"):
+        return []
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        if not found and latest_legacy(run_dir) is not None:
+            find_checkpoint(run_dir, "resume")    # raises: old format, with the converter's command
+        return found[::-1]
+    try:
+        return [find_checkpoint(resume, "resume")]
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err} Use resume=auto to continue the latest checkpoint in hydra.run.dir.") from None
 
 
 def export_adapter(model: torch.nn.Module, path: Path) -> None:
     """Write the LoRA adapter of `model`'s diffusers transformer as peft-format safetensors."""
     target = getattr(model, "transformer", model)
-    save_file({k: v.detach().contiguous().cpu() for k, v in adapter_state_dict(target).items()}, str(path))
+    save_tensors(adapter_state_dict(target), path)

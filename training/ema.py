@@ -1,16 +1,20 @@
 """Exponential moving average of model weights, updated with foreach kernels."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
 
 @torch.no_grad()
-def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    """ema <- decay * ema + (1 - decay) * model, over parameters; buffers are copied."""
+def ema_update(ema: nn.Module, model: nn.Module, decay: float, skip: Optional[torch.Tensor] = None) -> None:
+    """ema <- decay * ema + (1 - decay) * model, over parameters; buffers are copied. `skip` (a 0/1 tensor on
+    the device, the non-finite guard's flag) leaves the EMA unchanged when 1, without a host sync."""
     ema_params = [p for p in ema.parameters()]
     model_params = [p.detach() for p in model.parameters()]
-    torch._foreach_lerp_(ema_params, model_params, 1.0 - decay)
+    weight = 1.0 - decay if skip is None else (1.0 - skip) * (1.0 - decay)
+    torch._foreach_lerp_(ema_params, model_params, weight)
     for b_ema, b in zip(ema.buffers(), model.buffers()):
         b_ema.copy_(b)
 

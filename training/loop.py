@@ -19,67 +19,90 @@ from tqdm.auto import tqdm
 
 from evaluation.evaluator import Evaluator
 from evaluation.metric_names import METRICS
-from schema import check_train
-from training.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from schema import check_train, check_train_files
+from training.checkpoint import clean_run_dir, save_checkpoint
+from training.guard import NonFiniteGuard
+from training.preempt import StopRequest, requeue_after, stop_on_signals
+from training.run_dir import (check_changes, config_changes, describe_changes, lock_run_dir, read_resume,
+                              resume_plan, shared_run_dir, trim_metrics)
 from training.run_log import RunLog
 from training.setup import (TrainingParts, build_parts, ensure_dirs, make_accelerator, make_loader,
                             micro_batch_size, open_dataset, seed_streams, uses_loss_mask)
 from training.state import TrainingState
 from training.step import StepSettings, StepStats, TrainStep
 from training.summary import RunSummary
-from utils.checkpoints import list_checkpoints
-from utils.distributed import broadcast_object
+from utils.collectives import watch_collectives
 
 
 def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] = None) -> dict[str, Any]:
     """Train per `cfg`, writing checkpoints, samples, metrics.jsonl and summary.json under `run_dir`;
-    `overrides` (the command-line overrides, e.g. a sweep job's) are recorded in summary.json."""
+    `overrides` (the command-line overrides, e.g. a sweep job's) are recorded in summary.json. A stop signal
+    ends the run at the next step with a checkpoint and status "preempted" (training/preempt.py)."""
     check_train(cfg)                                          # every key, before any work
+    check_train_files(cfg)
     accelerator = make_accelerator(cfg.train)
     micro_batch_size(cfg.train, accelerator.num_processes)    # the batch splits over processes and accumulation
-    run_dir = shared_run_dir(Path(run_dir))
-    resume_from = claim_run_dir(run_dir, cfg.resume)
+    with watch_collectives(cfg.train.collective_timeout_min):  # a stopped or lost rank is named, not waited for
+        run_dir = shared_run_dir(Path(run_dir))
+        with lock_run_dir(run_dir, accelerator.is_main_process):  # one launch at a time in a run dir
+            return _train(cfg, run_dir, overrides, accelerator)
+
+
+def _train(cfg: DictConfig, run_dir: Path, overrides: Optional[list[str]], accelerator: Accelerator) -> dict:
+    candidates = resume_plan(run_dir, cfg.resume)
     parts = build_parts(cfg, accelerator)                     # routes are validated here, within seconds
     dataset = open_dataset(cfg, parts.model)
+    resume_from, resumed = read_resume(candidates, accelerator.process_index)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    changes = config_changes(resumed["config"], config) if resumed else {}
+    check_changes(changes, resume_from)
     if accelerator.is_main_process:
-        ensure_dirs(run_dir)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        prepare_run_dir(run_dir, cfg, resumed)
     evaluator = Evaluator(cfg.eval, dataset, cfg.paths.cache_dir, accelerator) if eval_on(cfg) else None
     state = TrainingState(parts.model, parts.ema.model, parts.optimizer, make_loader(cfg, dataset, accelerator),
                           accelerator.num_processes)
     seed_streams(cfg, parts.model, accelerator.process_index)
-    if resume_from is not None:
-        load_checkpoint(resume_from, state, accelerator.process_index)
+    if resumed is not None:
+        state.load_state_dict(resumed, adapter_only=resumed["adapter_only"], where=str(resume_from))
     parts.prepare()
     use_mask = uses_loss_mask(cfg, dataset)
     step = TrainStep(parts, StepSettings.from_config(cfg, use_mask, dataset.meta, parts.model.routing.enabled))
-    run = Run(cfg, run_dir, parts, dataset, state, evaluator, RunSummary(run_dir, overrides, cfg, parts.model,
-                                                                          dataset, state.step))
-    announce(run, resume_from, use_mask)
-    run_steps(run, step)
-    return run.summary.finish(state.step, state.train_sec, state.train_sec - run.train_sec_start, run.out_of_time,
-                              cfg, accelerator.is_main_process)
+    summary = RunSummary(run_dir, overrides, cfg, parts.model, dataset, state.step)
+    summary.data["config_changes"] = changes
+    run = Run(cfg, run_dir, parts, dataset, state, evaluator, summary)
+    announce(run, resume_from, use_mask, changes)
+    try:
+        with stop_on_signals() as stop:
+            run_steps(run, step, stop)
+    except Exception as err:  # noqa: BLE001 - summary.json says the run failed, and why; the error goes on up
+        run.summary.fail(err, state.step, accelerator.is_main_process)
+        raise
+    result = run.summary.finish(state.step, state.train_sec, state.train_sec - run.train_sec_start, run.out_of_time,
+                                cfg, accelerator.is_main_process, preempted=stop.name,
+                                nonfinite_skips=run.nonfinite_skips)
+    if stop.name is not None and accelerator.is_main_process:
+        note = requeue_after(stop.signum, cfg.train.slurm_requeue)
+        if note:
+            tqdm.write(note)
+    return result
 
 
 def eval_on(cfg: Any) -> bool:
     return bool(cfg.eval.every_steps or cfg.eval.at_end)
 
 
-def shared_run_dir(run_dir: Path) -> Path:
-    """Rank 0's run dir on every rank: Hydra's ${now:...} dirs differ between ranks started in different seconds."""
-    return Path(broadcast_object(str(run_dir), src=0))
-
-
-def claim_run_dir(run_dir: Path, resume: Any) -> Optional[Path]:
-    """The checkpoint to resume from (resume: null | auto | PATH). Never overwrite a run: a directory with
-    checkpoints needs resume=auto or another dir. Every process checks (before any collective), so none is
-    left waiting at a barrier."""
-    resume_from = resolve_resume(resume, run_dir)
-    if resume_from is None and list_checkpoints(run_dir):
-        raise FileExistsError(
-            f"Run directory '{run_dir}' already holds checkpoints and resume={resume!r}. Use resume=auto to continue "
-            f"it, or a new hydra.run.dir to start fresh; nothing was overwritten.")
-    return resume_from
+def prepare_run_dir(run_dir: Path, cfg: DictConfig, resumed: Optional[dict]) -> None:
+    """Main process: remove what an interrupted launch left, cut metrics.jsonl back to the resumed step, write
+    config.yaml."""
+    ensure_dirs(run_dir)
+    for name in clean_run_dir(run_dir):
+        tqdm.write(f"removed {run_dir / 'checkpoints' / name} (left by an interrupted launch)")
+    step = int(resumed["step"]) if resumed is not None else 0
+    dropped = trim_metrics(run_dir, step)
+    if dropped:
+        tqdm.write(f"metrics.jsonl: dropped {dropped} record(s) after step {step} (logged by an interrupted launch "
+                   f"after its last checkpoint; those steps are trained and logged again)")
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
 
 
 @dataclass
@@ -96,6 +119,8 @@ class Run:
     log: RunLog = field(init=False)
     train_sec_start: float = field(init=False)   # training time before this launch (resume continues the count)
     out_of_time: bool = False
+    guard: NonFiniteGuard = field(init=False)
+    nonfinite_skips: int = 0
 
     def __post_init__(self) -> None:
         acc = self.parts.accelerator
@@ -105,9 +130,10 @@ class Run:
         budget = self.cfg.train.time_budget_min
         self.budget_sec = 60.0 * budget if budget else None
         self.out_of_time = self.budget_sec is not None and self.state.train_sec >= self.budget_sec
+        self.guard = NonFiniteGuard(self.cfg.train.nonfinite, self.cfg.train.max_nonfinite_skips, acc.device)
 
 
-def announce(run: Run, resume_from: Optional[Path], use_mask: bool) -> None:
+def announce(run: Run, resume_from: Optional[Path], use_mask: bool, changes: dict) -> None:
     """The start-up lines: model, routes, data, devices, run dir."""
     cfg, model, acc, dataset = run.cfg, run.parts.model, run.parts.accelerator, run.dataset
     if not acc.is_main_process:
@@ -123,6 +149,8 @@ def announce(run: Run, resume_from: Optional[Path], use_mask: bool) -> None:
                f"{acc.device}, mixed precision {cfg.train.mixed_precision}{compiled}\nrun dir: {run.run_dir}")
     if resume_from is not None:
         tqdm.write(f"Resumed from {resume_from} at step {run.state.step}.")
+        if changes:
+            tqdm.write(f"config changes since that checkpoint: {describe_changes(changes)}")
     if (getattr(dataset, "conditioning", None) or {}).get("text") and not hasattr(model, "conditioning"):
         tqdm.write("note: the data has text embeddings but this model is class-conditional; they are ignored.")
     if use_mask:
@@ -130,18 +158,28 @@ def announce(run: Run, resume_from: Optional[Path], use_mask: bool) -> None:
                    f"{bool(cfg.train.mask_force_keep and model.routing.enabled)}")
 
 
-def run_steps(run: Run, step_fn: TrainStep) -> None:
-    """The loop: a step, then whatever is due (log record, evaluation, checkpoint), until max_steps or the
-    time budget."""
+def run_steps(run: Run, step_fn: TrainStep, stop: StopRequest) -> None:
+    """The loop with its progress bar."""
+    bar = tqdm(total=run.cfg.train.max_steps, initial=run.state.step, desc="train", dynamic_ncols=True,
+               disable=not run.parts.accelerator.is_main_process)
+    try:
+        loop_steps(run, step_fn, stop, bar)
+    finally:                                    # the bar ends its line, so an error message starts on its own
+        bar.close()
+        run.log.close()
+
+
+def loop_steps(run: Run, step_fn: TrainStep, stop: StopRequest, bar: tqdm) -> None:
+    """A step, then whatever is due (log record, evaluation, checkpoint), until max_steps, the time budget or a
+    stop signal (then a checkpoint right away)."""
     cfg, state, acc = run.cfg, run.state, run.parts.accelerator
-    bar = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not acc.is_main_process, desc="train",
-               dynamic_ncols=True)
     window = LogWindow(acc.device)
     batches = iter(state.loader)
     run.parts.net.train()
     while state.step < cfg.train.max_steps and not run.out_of_time:
         start = time.time()
         stats = step_fn(batches, state.step)
+        run.guard.update(stats.nonfinite, state.step)
         state.step += 1
         state.train_sec += time.time() - start
         window.add(stats)
@@ -149,19 +187,36 @@ def run_steps(run: Run, step_fn: TrainStep) -> None:
         bar.update(1)
         if run.budget_sec is not None:
             run.out_of_time = time_budget_reached(state, run.budget_sec, cfg.train.log_every_steps, acc)
-        last = state.step == cfg.train.max_steps or run.out_of_time
+        stopping = stop.agreed()
+        last = state.step == cfg.train.max_steps or run.out_of_time or stopping
         if state.step % cfg.train.log_every_steps == 0 or last:
-            record = window.record(state, stats.lr, cfg.train.batch_size, acc)
-            run.log.log(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", it_s=f"{record['steps_per_sec']:.2f}")
+            log_record(run, window, stats, bar)
         paused = time.time()
-        if run.evaluator is not None and due(cfg.eval.every_steps, state.step, last and cfg.eval.at_end):
-            evaluate(run)
+        if run.evaluator is not None and not stopping and due(cfg.eval.every_steps, state.step,
+                                                              last and cfg.eval.at_end):
+            evaluate(run)   # a preempted run leaves evaluation to the launch that finishes it
         if due(cfg.checkpoint.every_steps, state.step, last):
+            run.nonfinite_skips += run.guard.check(state.step)    # never checkpoint past a stop condition
             checkpoint(run)
         window.exclude(time.time() - paused)    # evaluation and checkpoint time is not training throughput
-    bar.close()
-    run.log.close()
+        if stopping:
+            bar.write(f"{stop.name or 'a stop signal on another process'}: checkpoint written at step {state.step}; "
+                      f"stopping (resume=auto continues)")
+            break
+
+
+def log_record(run: Run, window: "LogWindow", stats: StepStats, bar: tqdm) -> None:
+    """A training record (the guard's counts are read here, where the loop syncs anyway)."""
+    skipped = run.guard.check(run.state.step)
+    run.nonfinite_skips += skipped
+    record = window.record(run.state, stats.lr, run.cfg.train.batch_size, run.parts.accelerator)
+    record["nonfinite_skips"] = skipped
+    run.log.log(record)
+    if skipped and run.parts.accelerator.is_main_process:
+        bar.write(f"warning: {skipped} step(s) before step {run.state.step} had a non-finite loss or gradient norm; "
+                  f"their updates were skipped (train.nonfinite={run.cfg.train.nonfinite})")
+    loss = record["loss"]
+    bar.set_postfix(loss="n/a" if loss is None else f"{loss:.4f}", it_s=f"{record['steps_per_sec']:.2f}")
 
 
 def due(every: int, step: int, anyway: bool) -> bool:
@@ -172,28 +227,31 @@ class LogWindow:
     """Training records average over the steps since the previous record: loss, throughput, token share."""
 
     def __init__(self, device: torch.device):
-        self.loss = torch.zeros((), device=device)
+        self.sums = torch.zeros(2, device=device)    # (loss sum, count) over the steps whose loss was finite
         self.run_start = time.time()
         self.restart()
 
     def restart(self) -> None:
         self.steps, self.tokens, self.data_sec, self.start = 0, 0.0, 0.0, time.time()
-        self.loss.zero_()
+        self.sums.zero_()
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` (spent on evaluation or checkpoints) out of the window's elapsed time."""
         self.start += seconds
 
     def add(self, stats: StepStats) -> None:
-        self.loss += stats.loss
+        finite = 1.0 - stats.nonfinite
+        self.sums += torch.stack([torch.where(finite > 0, stats.loss, 0.0), finite])   # on the device: no sync
         self.steps += 1
         self.tokens += stats.tokens_fraction
         self.data_sec += stats.data_sec
 
     def record(self, state: TrainingState, lr: float, batch_size: int, accelerator: Accelerator) -> dict[str, Any]:
-        """The record of this window (one host sync: the loss mean over processes); starts the next window."""
+        """The record of this window (one host sync: the loss mean over processes and finite steps; None when
+        every step was skipped); starts the next window."""
         elapsed = time.time() - self.start
-        mean_loss = accelerator.reduce(self.loss, reduction="mean").item() / self.steps
+        loss_sum, count = accelerator.reduce(self.sums, reduction="sum").tolist()
+        mean_loss = loss_sum / count if count else None
         record = {"type": "train", "step": state.step, "loss": mean_loss, "lr": lr,
                   "steps_per_sec": self.steps / elapsed, "images_per_sec": self.steps * batch_size / elapsed,
                   "tokens_fraction": self.tokens / self.steps, "data_wait_frac": self.data_sec / elapsed,

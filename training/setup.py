@@ -4,9 +4,10 @@ benchmark both build here, so the benchmark times the run's own step."""
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
@@ -44,7 +45,14 @@ def make_accelerator(train_cfg: Any) -> Accelerator:
     """A fresh Accelerator for this run. AcceleratorState is a process-wide singleton; it is cleared (keeping
     the process group) so train() can run again in one process with other settings (tests, sweeps)."""
     AcceleratorState._reset_state()
-    return Accelerator(mixed_precision=train_cfg.mixed_precision, cpu=train_cfg.cpu)
+    return Accelerator(mixed_precision=train_cfg.mixed_precision, cpu=train_cfg.cpu or cpu_process_group())
+
+
+def cpu_process_group(env: Mapping[str, str] = os.environ) -> bool:
+    """Several processes (WORLD_SIZE > 1: accelerate launch, torchrun, SLURM tasks) on a machine without CUDA:
+    accelerate forms a (gloo) process group only with cpu=True; without it each process would train alone
+    into the same run directory."""
+    return int(env.get("WORLD_SIZE") or 1) > 1 and not torch.cuda.is_available()
 
 
 def build_parts(cfg: Any, accelerator: Accelerator) -> TrainingParts:

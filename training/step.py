@@ -3,7 +3,8 @@
 A step is one optimizer update: for each of `grad_accum_steps` micro-batches, move the batch to the device,
 draw latents from moments data, drop labels (classifier-free guidance training), take the data's text
 embeddings and loss mask, compute the objective's loss under autocast and backpropagate (gradient sync only
-on the last micro-batch); then clip, step the optimizer and update the EMA. The random draws happen in this
+on the last micro-batch); then clip, step the optimizer and update the EMA, both skipped on the device
+when the loss or the gradient norm is not finite (training/guard.py). The random draws happen in this
 order on the training stream: moments, label dropout, then the objective's sigma/t and noise.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from data import draw_latents
 from routing import resize_loss_mask
 from training.ema import ema_decay_at, ema_update
+from training.guard import nonfinite_flag
 from training.setup import TrainingParts
 
 TEXT_KEYS = ("text", "text_mask", "pooled")
@@ -58,6 +60,7 @@ class StepStats:
     tokens_fraction: float        # share of token-block evaluations done (1.0 dense; force-keep raises it)
     data_sec: float               # time spent waiting for batches
     lr: float
+    nonfinite: torch.Tensor       # 1.0 when the loss or gradient norm was NaN/inf and the update was skipped
 
 
 class TrainStep:
@@ -80,12 +83,30 @@ class TrainStep:
             loss = self.micro_step(batch, sync=micro == s.grad_accum_steps - 1)
             loss_sum += loss.detach() / s.grad_accum_steps
             tokens += p.model.processed_fraction() / s.grad_accum_steps
-        if s.grad_clip:
-            p.accelerator.clip_grad_norm_(p.net.parameters(), s.grad_clip)
-        p.optimizer.step()
+        bad = nonfinite_flag(loss_sum, self.grad_norm())
+        self.optimizer_step(bad)
+        ema_update(p.ema, p.accelerator.unwrap_model(p.net), ema_decay_at(step, s.ema_decay, s.ema_warmup), skip=bad)
+        return StepStats(loss_sum, tokens, data_sec, lr, bad)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The total gradient norm (clipped to train.grad_clip when set), on the device."""
+        p = self.parts
+        if self.s.grad_clip:
+            return p.accelerator.clip_grad_norm_(p.net.parameters(), self.s.grad_clip)
+        return torch.nn.utils.get_total_norm([q.grad for q in p.net.parameters() if q.grad is not None])
+
+    def optimizer_step(self, bad: torch.Tensor) -> None:
+        """The update, skipped when `bad` is 1: on the device by a fused optimizer (found_inf), by the grad
+        scaler under fp16 (it skips non-finite gradients itself), on the host otherwise (one sync)."""
+        p = self.parts
+        inner = getattr(p.optimizer, "optimizer", p.optimizer)     # accelerate's wrapper holds the optimizer
+        if p.accelerator.scaler is None and inner.defaults.get("fused"):
+            inner.found_inf = bad
+            p.optimizer.step()
+            del inner.found_inf
+        elif p.accelerator.scaler is not None or not bool(bad.item()):
+            p.optimizer.step()
         p.optimizer.zero_grad(set_to_none=True)
-        ema_update(p.ema, p.accelerator.unwrap_model(p.net), ema_decay_at(step, s.ema_decay, s.ema_warmup))
-        return StepStats(loss_sum, tokens, data_sec, lr)
 
     def micro_step(self, batch: tuple, sync: bool) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its (undivided) loss."""

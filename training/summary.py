@@ -43,14 +43,16 @@ class RunSummary:
         self.data.setdefault("fid", []).append((step, fid))
 
     def finish(self, step: int, train_sec_total: float, train_sec: float, out_of_time: bool, cfg: Any,
-               is_main: bool) -> dict[str, Any]:
-        """Complete the summary (training-only throughput, FLOPs spent, final and best FID); the main process
-        writes it."""
+               is_main: bool, preempted: Optional[str] = None, nonfinite_skips: int = 0) -> dict[str, Any]:
+        """Complete the summary (training-only throughput, FLOPs spent, final and best FID, skipped steps);
+        `preempted`: the stop signal's name. The main process writes it."""
         steps_run = step - self.data["start_step"]
         per_sec = (lambda n: n / train_sec if train_sec else None)
         self.data.update({
-            "status": "completed", "final_step": step, "wall_sec": time.time() - self.start,
-            "stop_reason": "time_budget" if out_of_time else "max_steps",
+            "status": "preempted" if preempted else "completed", "final_step": step,
+            "wall_sec": time.time() - self.start,
+            "stop_reason": preempted or ("time_budget" if out_of_time else "max_steps"), "signal": preempted,
+            "nonfinite_skips": nonfinite_skips,
             "time_budget_min": cfg.train.time_budget_min, "train_sec_total": train_sec_total, "train_sec": train_sec,
             "steps_per_sec": per_sec(steps_run), "images_per_sec": per_sec(steps_run * cfg.train.batch_size),
             "train_flops_total": self.flops_per_step * steps_run,
@@ -60,6 +62,14 @@ class RunSummary:
         if is_main:
             atomic_write_json(self.run_dir / "summary.json", self.data)
         return self.data
+
+
+    def fail(self, err: BaseException, step: int, is_main: bool) -> None:
+        """summary.json of a launch that stopped with an error at `step` (the main process writes it)."""
+        self.data.update({"status": "failed", "final_step": step, "wall_sec": time.time() - self.start,
+                          "error": f"{type(err).__name__}: {err}"})
+        if is_main:
+            atomic_write_json(self.run_dir / "summary.json", self.data)
 
 
 def record_failure(run_dir: str | Path, overrides: list[str], err: BaseException) -> Path:

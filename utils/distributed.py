@@ -3,10 +3,14 @@ torch_utils/distributed.py is the model): one process is rank 0 of a world of 1,
 is then a no-op."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from utils.errors import USER_ERRORS
+
+T = TypeVar("T")
 
 
 def is_distributed() -> bool:
@@ -50,6 +54,25 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def rank_zero_call(fn: Callable[[], T]) -> T:
+    """fn() on rank 0 only, its result on every rank; a user error it raises (utils.errors.USER_ERRORS,
+    e.g. utils.lock.RunDirLocked) is raised on every rank, so that none is left waiting in a later
+    collective for a rank 0 that has ended. A collective: every rank must call it. Without a process group:
+    fn()."""
+    if not is_distributed():
+        return fn()
+    outcome: Any = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = ("value", fn())
+        except USER_ERRORS as err:
+            outcome = ("error", err)
+    kind, value = broadcast_object(outcome, src=0)
+    if kind == "error":
+        raise value
+    return value
 
 
 def all_gather_rows(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

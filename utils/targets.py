@@ -37,3 +37,37 @@ def build_target(node: Mapping[str, Any], allowed: Mapping[str, Callable[..., An
     kwargs = {k: v for k, v in spec.items() if not (k.startswith("_") and k.endswith("_"))}
     fn = allowed[target]
     return functools.partial(fn, **kwargs) if partial else fn(**kwargs)
+
+
+# The project's own builders, by config section: the only `_target_`s a checkpoint's config may name.
+# (models/build.py, diffusion/build.py and training/setup.py hold the callables; tests/test_checkpoints.py
+# checks that the names agree.)
+PROJECT_TARGETS = {
+    "model": ("models.build_dit", "models.families.build_family"),
+    "diffusion": ("diffusion.EDM", "diffusion.RectifiedFlow"),
+    "optimizer": ("torch.optim.AdamW",),
+}
+
+
+def find_targets(tree: Any, path: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every `_target_` in a nested dict/list config."""
+    found: list[tuple[str, Any]] = []
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            key = f"{path}.{k}" if path else str(k)
+            found += [(key, v)] if k == "_target_" else find_targets(v, key)
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            found += find_targets(v, f"{path}[{i}]")
+    return found
+
+
+def check_targets(config: Any, allowed: Mapping[str, Any], where: str) -> None:
+    """Refuse a config (read from a file) that names code other than the project's builders: each
+    `_target_` must sit directly in a section of `allowed` and be one of that section's names."""
+    for dotted, target in find_targets(plain(config)):
+        section = dotted[: -len("._target_")] if dotted.endswith("._target_") else ""
+        if section not in allowed or target not in allowed[section]:
+            names = sorted(n for names in allowed.values() for n in names)
+            raise TargetError(f"{where}: {dotted}={target!r} is not one of the project's builders ({names}); a "
+                              f"checkpoint cannot name code to run. Nothing was built from it.")

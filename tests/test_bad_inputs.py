@@ -1,0 +1,532 @@
+"""The bad-input acceptance table: every program (train.py, sample.py, fid.py, scripts/precompute_latents.py)
+refuses each bad config value, data directory, flag and checkpoint path below within seconds, with exactly one
+`error:` line naming the key or file and the offending value, no traceback, a non-zero exit status, and
+nothing already written (a finished run directory, a dataset) changed.
+
+The cases run through tests/bad_input_harness.py (a fork server that has the programs' imports loaded: about
+0.3 s a case instead of 4.5 s; two at a time, queued when the module starts, each test waiting for its own);
+test_harness_matches_the_real_program runs some of them as real subprocesses to show that the harness gives what
+the programs give.
+
+Placeholders in a case's arguments and needles: {run} a finished tiny training run, {data} its (pristine)
+dataset, {bad} the folder of broken copies of it (see BAD_DATA), {empty} an empty folder, {imgs} a folder of
+three PNGs, {ref} a small existing .npz, {samples} a folder with an earlier samples.npz, {missing} a path that
+does not exist, {out} the case's own folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import pytest
+import torch
+
+from bad_input_harness import REPO, Harness
+
+pytestmark = pytest.mark.slow   # 40-70 s on a 2-core machine: ~110 program runs and a tiny training run
+
+PRECOMPUTE = "scripts/precompute_latents.py"
+PREFIX = {"train.py": "", "sample.py": "sample/", "fid.py": "fid/", PRECOMPUTE: "precompute/"}
+MAX_SECS = 10.0                 # per case, from fork to exit
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    program: str                      # train.py | sample.py | fid.py | scripts/precompute_latents.py
+    args: tuple[str, ...]
+    needles: tuple[str, ...]          # each in the error line: the key or file, and the value
+    xfail: Optional[str] = None       # known not to be refused cleanly yet: where the fix lies
+
+    @property
+    def name(self) -> str:
+        """The test id: the case id, after the program for those of sample.py, fid.py and the precompute script."""
+        return PREFIX[self.program] + self.id
+
+    def param(self):
+        marks = [pytest.mark.xfail(strict=True, reason=self.xfail)] if self.xfail else []
+        return pytest.param(self, id=self.name, marks=marks)
+
+
+def train(id: str, *args: str, needles: tuple[str, ...] = (), xfail: Optional[str] = None) -> Case:
+    """A train.py case; without needles, the last argument (key=value) is the needle (sample, fid: the same)."""
+    return Case(id, "train.py", args, needles or (args[-1],), xfail)
+
+
+def sample(id: str, *args: str, needles: tuple[str, ...] = (), ckpt: bool = True,
+           xfail: Optional[str] = None) -> Case:
+    return Case(id, "sample.py", (("checkpoint={run}",) if ckpt else ()) + args, needles or (args[-1],), xfail)
+
+
+def fid(id: str, *args: str, needles: tuple[str, ...] = (), xfail: Optional[str] = None) -> Case:
+    return Case(id, "fid.py", args, needles or (args[-1],), xfail)
+
+
+def precompute(id: str, *args: str, needles: tuple[str, ...], xfail: Optional[str] = None) -> Case:
+    return Case(id, PRECOMPUTE, args, needles, xfail)
+
+
+
+CONFIG_CASES = [
+    train("route_ratio_above_one", "routing.routes.0.selection_ratio=1.5",
+          needles=("routing.routes[0].selection_ratio=1.5 is not allowed",)),
+    train("route_beyond_depth", "routing.routes.0.end_layer_idx=40",
+          needles=("routing.routes[0].end_layer_idx=40 is out of range",)),
+    train("tread_without_routes", "model=tread", "routing.routes=[]",
+          needles=("routing.routes", "TREAD training requires you to configure the routes")),
+    train("mixed_precision_fp8", "train.mixed_precision=fp8", needles=("train.mixed_precision='fp8'",)),
+    # diffusers families: their own keys, checked before any training work
+    train("family_preset_unknown", "model=flux", "model.preset=huge",
+          needles=("model.preset='huge' is not a flux preset",)),
+    train("family_config_key_unknown", "model=sd3", "model.config={{foo:1}}",
+          needles=("model.config for sd3 has a key that SD3Transformer2DModel does not take",)),
+    train("family_lora_matches_nothing", "model=wan", "model.lora={{rank:4,target_modules:[nope]}}",
+          needles=("model.lora.target_modules ['nope'] match no module",)),
+    train("family_pretrained_missing", "model=pixart", "model.pretrained={missing}/pixart",
+          needles=("model.pretrained='{missing}/pixart' (pixart) does not exist",)),
+    train("family_route_beyond_depth", "model=flux", "routing.routes.0.end_layer_idx=8",
+          needles=("routing.routes[0].end_layer_idx=8 is out of range for a model with depth 8",)),
+    train("grad_clip_zero", "train.grad_clip=0"),
+    train("lr_zero", "optimizer.lr=0"),
+    train("lr_string", "optimizer.lr=fast", needles=("optimizer.lr='fast'", "a number > 0")),
+    train("lr_nan", "optimizer.lr=nan"),
+    train("eps_zero", "optimizer.eps=0"),
+    train("beta2_one", "optimizer.betas=[0.9,1.0]", needles=("optimizer.betas=[0.9, 1.0]", "[0, 1)")),
+    train("beta1_negative", "optimizer.betas=[-0.1,0.999]", needles=("optimizer.betas=[-0.1, 0.999]",)),
+    train("weight_decay_negative", "optimizer.weight_decay=-0.01"),
+    train("sigma_min_zero", "diffusion.sigma_min=0"),
+    train("sigma_min_above_max", "diffusion.sigma_min=100", needles=("diffusion.sigma_min=100", "sigma_max")),
+    train("P_std_negative", "diffusion.P_std=-1"),
+    train("rf_shift_zero", "diffusion=rf", "diffusion.shift=0"),
+    train("warmup_negative", "train.lr_warmup_steps=-1"),
+    train("keep_last_zero", "checkpoint.keep_last=0"),
+    train("keep_last_negative", "checkpoint.keep_last=-2"),
+    train("num_workers_negative", "train.num_workers=-1"),
+    train("seed_string", "train.seed=abc", needles=("train.seed='abc'", "an integer")),
+    train("seed_float", "train.seed=1.5"),
+    train("seed_negative", "train.seed=-1"),
+    train("ema_decay_string", "ema.decay=high", needles=("ema.decay='high'", "[0, 1)")),
+    train("wandb_mode_unknown", "wandb.mode=loud", needles=("wandb.mode='loud'", "disabled, offline, online")),
+    train("arch_unknown", "model.arch=DiT-Z/2", needles=("model.arch='DiT-Z/2'", "DiT-T/2", "DiT-XL/2")),
+    train("bool_as_string", "train.cpu=yes", needles=("train.cpu='yes'", "true or false")),
+    train("eval_steps_zero", "eval.num_steps=0"),
+    train("eval_only_at_end_batch_zero", "eval.every_steps=0", "eval.at_end=true", "eval.batch_size=0"),
+    train("eval_reference_missing", "eval.reference={missing}/ref.npz",
+          needles=("eval.reference", "{missing}/ref.npz")),
+    train("unknown_train_key", "+train.foo=1", needles=("train.foo", "not a known key")),
+    train("unknown_model_key", "+model.bar=2", needles=("model.bar", "not a known key")),
+    train("nonfinite_unknown", "train.nonfinite=maybe", needles=("train.nonfinite='maybe'", "skip", "stop")),
+    train("nonfinite_skips_zero", "train.max_nonfinite_skips=0"),
+    train("collective_timeout_zero", "train.collective_timeout_min=0"),
+    train("slurm_requeue_string", "train.slurm_requeue=sometimes", needles=("train.slurm_requeue='sometimes'",)),
+    train("output_dir_empty", "paths.output_dir=", needles=("paths.output_dir=''",)),
+    # Hydra's own composition errors (before any of our code runs).
+    train("unknown_key_without_plus", "train.fooo=1", needles=("train.fooo",)),
+    train("unknown_group_option", "model=nosuch", needles=("model/nosuch", "tread")),
+    train("override_syntax", "train.seed=[1", needles=("train.seed=[1",)),
+    train("unresolvable_interpolation", "train.seed=${{oops}}", needles=("train.seed", "oops")),
+]
+
+# Broken copies of the pristine dataset: name -> how it is broken (given the copy's folder).
+BAD_DATA: dict[str, Callable[[Path], Any]] = {}
+
+
+def bad_data(name: str, *needles: str):
+    def register(edit: Callable[[Path], Any]) -> Case:
+        BAD_DATA[name] = edit
+        return train(f"data_{name}", "data.builtin=null", f"data.path={{bad}}/{name}", needles=needles)
+    return register
+
+
+def _meta(d: Path, **changes: Any) -> None:
+    meta = json.loads((d / "meta.json").read_text())
+    (d / "meta.json").write_text(json.dumps({**meta, **changes}))
+
+
+def _labels(d: Path, fn: Callable[[np.ndarray], np.ndarray]) -> None:
+    np.save(d / "labels.npy", fn(np.load(d / "labels.npy")))
+
+
+def _latents(d: Path, fn: Callable[[np.ndarray], np.ndarray]) -> None:
+    np.save(d / "latents.npy", fn(np.load(d / "latents.npy")))
+
+
+DATA_CASES = [
+    train("data_path_missing", "data.builtin=null", "data.path={missing}/dataset", needles=("{missing}/dataset",)),
+    train("data_path_is_a_file", "data.builtin=null", "data.path={ref}", needles=("{ref}", "not a directory")),
+    bad_data("empty", "{bad}/empty", "no meta.json")(lambda d: [p.unlink() for p in d.iterdir()]),
+    bad_data("no_meta", "{bad}/no_meta", "no meta.json")(lambda d: (d / "meta.json").unlink()),
+    bad_data("no_latents", "{bad}/no_latents/latents.npy", "missing")(lambda d: (d / "latents.npy").unlink()),
+    bad_data("no_labels", "{bad}/no_labels/labels.npy", "missing")(lambda d: (d / "labels.npy").unlink()),
+    bad_data("meta_not_json", "{bad}/meta_not_json/meta.json", "invalid JSON")(
+        lambda d: (d / "meta.json").write_text("{not json")),
+    bad_data("meta_format", "{bad}/meta_format/meta.json", "'format'", "'imagenet'")(
+        lambda d: _meta(d, format="imagenet")),
+    bad_data("latents_shape", "{bad}/latents_shape/latents.npy", "[400, 4, 16, 16]")(
+        lambda d: np.save(d / "latents.npy", np.zeros((400, 4, 16, 16), np.float16))),
+    bad_data("latents_dtype", "{bad}/latents_dtype/latents.npy", "int32")(
+        lambda d: _latents(d, lambda x: x.astype(np.int32))),
+    bad_data("latents_not_npy", "{bad}/latents_not_npy/latents.npy", "corrupt")(
+        lambda d: (d / "latents.npy").write_bytes(b"not a numpy file" * 10)),
+    bad_data("latents_truncated", "{bad}/latents_truncated/latents.npy", "truncated")(
+        lambda d: (d / "latents.npy").write_bytes((d / "latents.npy").read_bytes()[:5000])),
+    bad_data("labels_out_of_range", "{bad}/labels_out_of_range/labels.npy", "[0, 10]")(
+        lambda d: _labels(d, lambda y: np.where(np.arange(len(y)) == 7, 10, y))),
+    bad_data("labels_float", "{bad}/labels_float/labels.npy", "float32")(
+        lambda d: _labels(d, lambda y: y.astype(np.float32))),
+    bad_data("labels_count", "{bad}/labels_count/labels.npy", "[399]")(lambda d: _labels(d, lambda y: y[:399])),
+    bad_data("channels_mismatch", "{bad}/channels_mismatch", "4 channels", "data.channels")(
+        lambda d: (np.save(d / "latents.npy", np.zeros((400, 4, 16, 16), np.float16)), _meta(d, shape=[4, 16, 16]))),
+    bad_data("classes_mismatch", "{bad}/classes_mismatch", "12 classes", "data.num_classes")(
+        lambda d: _meta(d, num_classes=12, class_names=None)),
+]
+
+CHECKPOINT_PATH_CASES = [
+    train("resume_missing", "resume={missing}/run", needles=("resume=", "{missing}/run", "does not exist")),
+    train("resume_no_checkpoint", "resume={empty}", needles=("resume=", "{empty}", "no checkpoint")),
+    train("run_dir_has_checkpoints", "hydra.run.dir={run}", needles=("{run}", "already holds checkpoints")),
+    sample("checkpoint_missing", "checkpoint={missing}/run", ckpt=False,
+           needles=("checkpoint=", "{missing}/run", "does not exist")),
+    sample("checkpoint_no_checkpoint", "checkpoint={empty}", ckpt=False, needles=("checkpoint=", "{empty}")),
+    sample("checkpoint_not_set", ckpt=False, needles=("checkpoint is not set",)),
+    fid("bench_checkpoint_missing", "mode=bench", "checkpoints={missing}/run", "ref={ref}",
+        needles=("checkpoints=", "{missing}/run", "does not exist")),
+    fid("bench_no_checkpoint", "mode=bench", "checkpoints={empty}", "ref={ref}", needles=("checkpoints=", "{empty}")),
+]
+
+# ---- Checkpoint contents: a copy of the finished run ({out}/run) broken by CHECKPOINT_SETUP[case id] first.
+# A planted pickle payload would create {base}/payload_ran: a new file in the world, which every case checks for.
+CHECKPOINT_CASES = [
+    sample("pickle_payload", "checkpoint={out}/run", ckpt=False, needles=("model.pt", "old pickle format", "--trust")),
+    sample("foreign_target", "checkpoint={out}/run", ckpt=False,
+           needles=("model._target_='pathlib.Path.write_text'", "not one of the project's builders")),
+    sample("truncated_weights", "checkpoint={out}/run", ckpt=False, needles=("ema.safetensors", "truncated")),
+    sample("incomplete_checkpoint", "checkpoint={out}/run/checkpoints/step_0000001", ckpt=False,
+           needles=("step_0000001", "no checkpoint")),
+    fid("bench_pickle_payload", "mode=bench", "checkpoints={out}/run", "ref={ref}",
+        needles=("model.pt", "old pickle format")),
+    fid("bench_foreign_target", "mode=bench", "checkpoints={out}/run", "ref={ref}",
+        needles=("model._target_='pathlib.Path.write_text'",)),
+    train("resume_pickle_payload", "resume={out}/run", needles=("model.pt", "old pickle format", "--trust")),
+    train("resume_foreign_target", "resume={out}/run", needles=("model._target_='pathlib.Path.write_text'",)),
+    train("resume_other_architecture", "resume={run}", "model.arch=DiT-S/4",
+          needles=("model.arch: 'DiT-T/4' -> 'DiT-S/4'", "architecture")),
+    train("keep_last_minus_one", "checkpoint.keep_last=-1"),
+]
+
+
+class _Payload:
+    """Unpickling this runs a shell command: what a planted checkpoint does."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def _copy_run(out: Path, run: Path) -> Path:
+    shutil.copytree(run, out / "run", ignore=shutil.ignore_patterns(".lock"))
+    return next((out / "run" / "checkpoints").iterdir())
+
+
+def _plant_pickle(out: Path, run: Path) -> None:
+    """An old-format checkpoint (model.pt) whose unpickling would run `touch <base>/payload_ran`."""
+    step = _copy_run(out, run)
+    for f in step.iterdir():
+        f.unlink()
+    torch.save({"config": {}, "x": _Payload(f"touch {run.parent / 'payload_ran'}")}, step / "model.pt")
+
+
+def _foreign_target(out: Path, run: Path) -> None:
+    meta_file = _copy_run(out, run) / "checkpoint.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["model"] = {"_target_": "pathlib.Path.write_text", "self": str(run.parent / "payload_ran"),
+                               "data": "x"}
+    meta_file.write_text(json.dumps(meta))
+
+
+def _truncate(out: Path, run: Path) -> None:
+    weights = _copy_run(out, run) / "ema.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+
+def _incomplete(out: Path, run: Path) -> None:
+    (_copy_run(out, run) / "checkpoint.json").unlink()
+
+
+CHECKPOINT_SETUP: dict[str, Callable[[Path, Path], Any]] = {
+    "pickle_payload": _plant_pickle, "bench_pickle_payload": _plant_pickle, "resume_pickle_payload": _plant_pickle,
+    "foreign_target": _foreign_target, "bench_foreign_target": _foreign_target,
+    "resume_foreign_target": _foreign_target, "truncated_weights": _truncate, "incomplete_checkpoint": _incomplete}
+
+SAMPLE_CASES = [
+    sample("num_samples_zero", "num_samples=0"),
+    sample("batch_zero", "batch_size=0"),
+    sample("steps_zero", "num_steps=0"),
+    sample("seed_negative", "seeds=-3"),
+    sample("seeds_string", "seeds=abc", needles=("seeds='abc'",)),
+    sample("seeds_unquoted_list", "seeds=1,2", needles=("seeds=1,2",)),
+    sample("device_unknown", "device=tpu", needles=("device='tpu'", "cuda:N")),
+    sample("device_bad_index", "device=cuda:x", needles=("device='cuda:x'",)),
+    sample("device_absent", "device=cuda:99", needles=("device=cuda:99", "not available")),
+    sample("class_out_of_range", "classes=[99]", needles=("classes=[99]", "10 classes")),
+    sample("unknown_key", "+foo=1", needles=("foo is not a known key",)),
+    sample("out_dir_is_a_file", "out_dir={ref}", needles=("out_dir=", "{ref}")),
+    sample("out_dir_has_samples", "out_dir={samples}", needles=("out_dir=", "{samples}", "already holds samples")),
+    sample("route_spans_beyond_depth", "route_spans=[[0,40]]", "route_ratio=0.5",
+           needles=("end_layer_idx=40", "depth 12")),
+]
+
+FID_CASES = [
+    fid("mode_missing", needles=("mode=???",)),
+    fid("mode_unknown", "mode=foo"),
+    fid("calc_without_images", "mode=calc", needles=("mode=calc needs images=",)),
+    fid("images_missing", "mode=calc", "images={missing}/imgs", "ref={ref}", needles=("images={missing}/imgs",)),
+    fid("ref_missing", "mode=calc", "images={imgs}", "ref={missing}/ref.npz", needles=("ref={missing}/ref.npz",)),
+    fid("batch_zero", "mode=calc", "images={imgs}", "ref={ref}", "batch_size=0"),
+    fid("device_unknown", "mode=calc", "images={imgs}", "ref={ref}", "device=tpu", needles=("device='tpu'",)),
+    fid("metric_unknown", "mode=calc", "images={imgs}", "ref={ref}", "metrics=[fid,lpips]",
+        needles=("metrics[1]='lpips'",)),
+    fid("out_json_exists", "mode=calc", "images={imgs}", "ref={ref}", "out_json={ref}",
+        needles=("out_json={ref}", "already exists")),
+    fid("bench_num_samples_zero", "mode=bench", "checkpoints={run}", "ref={ref}", "num_samples=0"),
+    fid("bench_seed_negative", "mode=bench", "checkpoints={run}", "ref={ref}", "seeds=-1"),
+    fid("bench_steps_zero", "mode=bench", "checkpoints={run}", "ref={ref}", "num_steps=0"),
+    fid("bench_too_few_samples", "mode=bench", "checkpoints={run}", "ref={ref}", "num_samples=3",
+        needles=("3 images", "num_samples")),
+    fid("ref_source_missing", "mode=ref", "source={missing}/src", "out={out}/r.npz", needles=("source={missing}/src",)),
+    fid("ref_out_exists", "mode=ref", "source={data}", "out={ref}", needles=("out={ref}", "already exists")),
+]
+
+PRECOMPUTE_CASES = [
+    precompute("no_flags", needles=("--images DIR is required",)),
+    precompute("images_missing", "--images", "{missing}/imgs", "--out", "{out}/ds",
+               needles=("--images", "{missing}/imgs")),
+    precompute("out_missing", "--images", "{imgs}", needles=("--out DIR is required",)),
+    precompute("out_exists", "--images", "{imgs}", "--out", "{data}", needles=("--out", "{data}", "already exists")),
+    precompute("resolution_small", "--images", "{imgs}", "--out", "{out}/ds", "--resolution", "4",
+               needles=("--resolution=4",)),
+    precompute("kind_unknown", "--images", "{imgs}", "--out", "{out}/ds", "--kind", "foo", needles=("--kind='foo'",)),
+    precompute("dtype_unknown", "--images", "{imgs}", "--out", "{out}/ds", "--dtype", "int8",
+               needles=("--dtype='int8'",)),
+    precompute("device_unknown", "--images", "{imgs}", "--out", "{out}/ds", "--device", "tpu",
+               needles=("--device='tpu'",)),
+    precompute("batch_zero", "--images", "{imgs}", "--out", "{out}/ds", "--batch-size", "0",
+               needles=("--batch-size=0",)),
+    precompute("seed_negative", "--images", "{imgs}", "--out", "{out}/ds", "--seed", "-1", needles=("--seed=-1",)),
+    precompute("labels_missing", "--images", "{imgs}", "--out", "{out}/ds", "--labels", "{missing}/labels.csv",
+               needles=("--labels", "{missing}/labels.csv")),
+    precompute("ref_out_exists", "--images", "{imgs}", "--out", "{out}/ds", "--ref-out", "{ref}",
+               needles=("--ref-out", "{ref}", "already exists")),
+    precompute("text_family_unknown", "--images", "{imgs}", "--out", "{out}/ds", "--text-family", "foo",
+               needles=("--text-family='foo'",)),
+    precompute("no_images", "--images", "{empty}", "--out", "{out}/ds", "--device", "cpu",
+               needles=("no images", "{empty}")),
+    precompute("batch_not_int", "--images", "{imgs}", "--out", "{out}/ds", "--batch-size", "abc",
+               needles=("--batch-size", "abc")),
+    precompute("unknown_flag", "--images", "{imgs}", "--out", "{out}/ds", "--bogus", needles=("--bogus",)),
+]
+
+CASES = CONFIG_CASES + DATA_CASES + CHECKPOINT_PATH_CASES + CHECKPOINT_CASES + SAMPLE_CASES + FID_CASES + \
+    PRECOMPUTE_CASES
+# Run again as real subprocesses (one of each program, a dataset and a checkpoint path).
+REAL = ["seed_string", "data_labels_out_of_range", "sample/device_unknown", "fid/bench_seed_negative",
+        "precompute/kind_unknown", "resume_missing"]
+
+
+BY_ID = {c.name: c for c in CASES}
+assert len(BY_ID) == len(CASES), "case ids must be unique"
+
+
+# ----------------------------------------------------------------------------- the world the cases run in
+
+def fingerprint(root: Path) -> dict[str, tuple[int, ...]]:
+    """Every file under root: (size, mtime_ns, ctime_ns, inode), so that any write, rename or chmod shows; every
+    folder: that it is there."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        out[str(path.relative_to(root))] = () if path.is_dir() else (st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                                                                      st.st_ino)
+    return out
+
+
+def digest(root: Path) -> dict[str, str]:
+    """Every file under root: the sha256 of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@dataclass
+class World:
+    base: Path                          # everything made before the cases: no case may change any of it
+    harness: Harness
+    env: dict[str, str]
+    places: dict[str, str]
+    stats: dict[str, tuple[int, ...]]   # fingerprint(base) before the cases (updated after a change is reported)
+    hashes: dict[str, str]              # digest(base) before the cases, compared after all of them
+    forked: dict[str, tuple[Future, Path]] = field(default_factory=dict)   # case name -> (its result, its folder)
+    real: dict[str, Future] = field(default_factory=dict)    # case name -> (result, folder) of the real program
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fill(self, text: str, out: Path) -> str:
+        return text.format(**self.places, out=str(out))
+
+    def args(self, case: Case, out: Path) -> list[str]:
+        args = [self.fill(a, out) for a in case.args]
+        if case.program == "train.py":
+            common = ["debug=tiny", "train.compile=false", f"paths.output_dir={out}/outputs"]
+            if not any(a.startswith("hydra.run.dir=") for a in args):
+                common.append(f"hydra.run.dir={out}/run")
+            return common + args
+        if case.program == "sample.py":
+            return [*args, f"hydra.run.dir={out}/hydra"]
+        if case.program == "fid.py":
+            return [*args, f"hydra.run.dir={out}/hydra", f"paths.output_dir={out}/outputs"]
+        return args
+
+    def note_changes(self, result: dict[str, Any]) -> None:
+        """As a program ends: what differs in base since the last check (so a change is blamed on the case that
+        made it, or one running beside it). New files only count outside Hydra's record of a launch into the
+        run dir (run/.hydra/<time>/: a refused launch adds its record, it never rewrites an earlier one)."""
+        with self.lock:
+            now = fingerprint(self.base)
+            result["changes"] = ([f"{k}: changed" for k in self.stats if k in now and now[k] != self.stats[k]] +
+                                 [f"{k}: removed" for k in self.stats if k not in now] +
+                                 [f"{k}: new" for k in now if k not in self.stats and not k.startswith("run/.hydra")])
+            if result["changes"]:
+                self.stats = now
+
+    def start(self, case: Case, out: Path) -> None:
+        """Queue the case in the harness (its result: self.forked[case.name])."""
+        out.mkdir(parents=True, exist_ok=True)
+        if case.id in CHECKPOINT_SETUP:
+            CHECKPOINT_SETUP[case.id](out, Path(self.places["run"]))
+        future = self.harness.submit(case.program, self.args(case, out), out / "log", timeout=3 * MAX_SECS,
+                                     on_done=self.note_changes)
+        self.forked[case.name] = future, out
+
+
+def selected(request, test: str, param: str) -> list[Any]:
+    """The parameters of the selected tests of one function, in the order they run."""
+    return [item.callspec.params[param] for item in request.session.items if item.originalname == test]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, request) -> World:
+    """The finished run, its dataset and the other folders the cases name; then every selected case is queued
+    in the harness (two at a time: the tests only wait for their results) and the selected real programs are
+    started one at a time beside them."""
+    from PIL import Image
+
+    base = tmp_path_factory.mktemp("bad_inputs")
+    cache = base / "cache"
+    env = {**os.environ, "TREAD_CACHE_DIR": str(cache), "TREAD_OUTPUT_DIR": str(base / "outputs"),
+           "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    harness = Harness(env=env, jobs=2)
+    try:
+        run = base / "run"
+        made = harness.run("train.py", ["debug=tiny", "train.compile=false", "train.max_steps=1",
+                                        "checkpoint.every_steps=0", "eval.every_steps=0", "eval.at_end=false",
+                                        f"hydra.run.dir={run}"], tmp_path_factory.mktemp("setup"), timeout=120)
+        assert made["rc"] == 0, made["stderr"][-3000:]
+        data = next(cache.glob("toy_shapes_*"))
+        for name, edit in BAD_DATA.items():
+            shutil.copytree(data, base / "bad" / name)
+            edit(base / "bad" / name)
+        (base / "empty").mkdir()
+        (base / "imgs" / "cls0").mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(np.full((16, 16, 3), 40 * i, np.uint8)).save(base / "imgs" / "cls0" / f"{i}.png")
+        (base / "refs").mkdir()
+        np.savez(base / "refs" / "ref.npz", mu=np.zeros(4), sigma=np.eye(4))
+        (base / "samples").mkdir()
+        np.savez(base / "samples" / "samples.npz", arr_0=np.zeros((2, 16, 16, 3), np.uint8))
+        places = {"run": str(run), "data": str(data), "bad": str(base / "bad"), "empty": str(base / "empty"),
+                  "imgs": str(base / "imgs"), "ref": str(base / "refs" / "ref.npz"), "samples": str(base / "samples"),
+                  "missing": str(base / "missing")}
+        world = World(base, harness, env, places, fingerprint(base), digest(base))
+        real = [BY_ID[name] for name in selected(request, "test_harness_matches_the_real_program", "name")]
+        for case in selected(request, "test_bad_input_is_refused", "case") + real:
+            if case.name not in world.forked:
+                world.start(case, tmp_path_factory.mktemp("case") / "case")
+        # The real programs take ~4.5 s each (imports): one at a time, beside the harness.
+        with ThreadPoolExecutor(1) as pool:
+            for case in real:
+                world.real[case.name] = pool.submit(run_real, world, case, tmp_path_factory.mktemp("real") / "case")
+            yield world
+    finally:
+        harness.close()
+
+
+def run_real(world: World, case: Case, out: Path) -> tuple[dict[str, Any], Path]:
+    """`python <program> <args>` from the repo root, as a user runs it."""
+    out.mkdir(parents=True)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, case.program, *world.args(case, out)], cwd=REPO, env=world.env,
+                          capture_output=True, text=True, timeout=120)
+    result = {"rc": proc.returncode, "secs": time.monotonic() - start, "timed_out": False, "stdout": proc.stdout,
+              "stderr": proc.stderr}
+    world.note_changes(result)
+    return result, out
+
+
+def check_refused(world: World, case: Case, result: dict[str, Any], out: Path, max_secs: float = MAX_SECS) -> str:
+    """The acceptance rules; returns the error line (the case's folder written as {out})."""
+    text = result["stdout"] + result["stderr"]
+    assert not result["timed_out"], f"still running after {result['secs']:.0f} s (not refused): {text[-2000:]}"
+    assert result["rc"] != 0, f"exit status 0: {text[-2000:]}"
+    assert result["secs"] < max_secs, f"refused only after {result['secs']:.1f} s"
+    assert "Traceback" not in text, text[-3000:]
+    lines = [line for line in result["stderr"].splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, f"{len(lines)} lines start with error: in stderr:\n{result['stderr'][-3000:]}"
+    for needle in case.needles:
+        assert world.fill(needle, out) in lines[0], f"{world.fill(needle, out)!r} not in {lines[0]!r}"
+    assert not result["changes"], f"changed while this case ran (beside at most one other): {result['changes']}"
+    return lines[0].replace(str(out), "{out}")
+
+
+def test_the_table_is_big_enough():
+    assert len(CASES) >= 70
+    assert {c.program for c in CASES} == {"train.py", "sample.py", "fid.py", PRECOMPUTE}
+
+
+@pytest.mark.parametrize("case", [c.param() for c in CASES])
+def test_bad_input_is_refused(world, case):
+    future, out = world.forked[case.name]
+    check_refused(world, case, future.result(), out)
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_harness_matches_the_real_program(world, name):
+    """The case as a real `python <program> ...` subprocess: refused the same way, with the same status and error
+    line as in the harness. (Its time limit allows for the ~3.5 s of imports, on a machine the harness shares.)"""
+    case = BY_ID[name]
+    real, real_out = world.real[name].result()
+    forked, out = world.forked[name]
+    forked = forked.result()
+    assert (real["rc"], check_refused(world, case, real, real_out, max_secs=3 * MAX_SECS)) == \
+        (forked["rc"], check_refused(world, case, forked, out))
+
+
+def test_nothing_written_before_was_changed(world):
+    """After all the cases (last in this file): every file made before them has the same bytes."""
+    for future, _ in world.forked.values():
+        future.exception()                                     # wait for every queued case
+    for future in world.real.values():
+        future.exception()
+    now = digest(world.base)
+    assert {k: v for k, v in now.items() if k in world.hashes} == world.hashes
