@@ -69,8 +69,8 @@ def resume_plan(run_dir: Path, resume: Any) -> list[Path]:
     candidates = resume_candidates(resume, run_dir)
     if not candidates and (list_checkpoints(run_dir) or latest_legacy(run_dir)):
         raise FileExistsError(
-            f"Run directory '{run_dir}' already holds checkpoints and resume={resume!r}. Use resume=auto to continue "
-            f"it, or a new hydra.run.dir to start fresh; nothing was overwritten.")
+            f"Run directory '{run_dir}' already holds checkpoints and resume={resume or 'null'}. Use resume=auto to "
+            f"continue it, or a new hydra.run.dir to start fresh; nothing was overwritten.")
     return candidates
 
 
