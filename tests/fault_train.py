@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training import checkpoint, loop, step  # noqa: E402
+from training import checkpoint, step  # noqa: E402
 
 
 def die() -> None:
@@ -48,8 +48,9 @@ def inject(fault: str) -> None:
             finalize(final, keep_last)
         checkpoint.finalize = finalize_then_die_pruning
     elif kind == "kill_at":
-        guard_update = loop.NonFiniteGuard.update
-        loop.NonFiniteGuard.update = lambda self, bad, s: die() if s + 1 == int(arg) else guard_update(self, bad, s)
+        step_fn = step.TrainStep.__call__
+        step.TrainStep.__call__ = lambda self, b, s: (step_fn(self, b, s), die()) if s + 1 == int(arg) \
+            else step_fn(self, b, s)
     elif kind != "none":
         raise SystemExit(f"unknown fault {fault!r}")
 

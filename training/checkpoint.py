@@ -96,13 +96,16 @@ def _write_main(tmp: Path, final: Path, state: TrainingState, full: dict, config
 
 
 def check_finite(full: dict[str, Any], step: int) -> None:
-    """Refuse to write weights or EMA weights with NaN/inf (the run stops; earlier checkpoints stay)."""
+    """Refuse to write weights or EMA weights with NaN/inf (the run stops; earlier checkpoints stay). One host
+    sync per state dict."""
     for key in ("model", "ema"):
-        for name, t in full[key].items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise CheckpointWriteError(
-                    f"not writing the checkpoint of step {step}: the {key} weight '{name}' holds non-finite values "
-                    f"(see train.nonfinite); the earlier checkpoints are kept.")
+        names = [n for n, t in full[key].items() if t.is_floating_point()]
+        finite = torch.stack([torch.isfinite(full[key][n]).all() for n in names]).cpu() if names else None
+        if finite is not None and not finite.all():
+            name = names[int((~finite).nonzero()[0])]
+            raise CheckpointWriteError(
+                f"not writing the checkpoint of step {step}: the {key} weight '{name}' holds non-finite values "
+                f"(see train.nonfinite); the earlier checkpoints are kept.")
 
 
 def finalize(final: Path, keep_last: Optional[int]) -> None:

@@ -15,8 +15,6 @@ checkpoint on disk is always a finite one.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from utils.distributed import all_reduce_max
@@ -37,31 +35,25 @@ class NonFiniteGuard:
         self.total = torch.zeros((), device=device)      # skipped steps in this launch
         self.streak = torch.zeros((), device=device)     # skipped steps in a row, now
         self.longest = torch.zeros((), device=device)    # the longest streak since the last check
-        self.first_step: Optional[torch.Tensor] = None   # step of the first skip since the last check
         self.reported = 0
 
-    def update(self, bad: torch.Tensor, step: int) -> None:
+    def update(self, bad: torch.Tensor) -> None:
         """Count this step's flag (0/1 float tensor) without leaving the device."""
         self.total += bad
         self.streak = (self.streak + 1) * bad
         torch.maximum(self.longest, self.streak, out=self.longest)
-        if self.first_step is None:
-            self.first_step = torch.full((), float("inf"), device=bad.device)
-        torch.minimum(self.first_step, torch.where(bad > 0, float(step + 1), float("inf")), out=self.first_step)
 
     def check(self, step: int) -> int:
         """At a log record: raise NonFiniteError when the run must stop; returns the skips since the last check."""
-        first = self.first_step if self.first_step is not None else torch.full_like(self.total, float("inf"))
-        counts = all_reduce_max(torch.stack([self.total, self.longest, -first])).tolist()  # every rank decides alike
-        total, longest, first = int(counts[0]), int(counts[1]), -counts[2]
+        counts = all_reduce_max(torch.stack([self.total, self.longest])).tolist()  # every rank decides alike
+        total, longest = int(counts[0]), int(counts[1])
         new = total - self.reported
         self.reported = total
         self.longest.zero_()
-        if self.first_step is not None:
-            self.first_step.fill_(float("inf"))
         if new and self.mode == "stop":
-            raise NonFiniteError(f"training stopped at step {step}: the loss or gradient norm was non-finite at step "
-                                 f"{int(first)} (train.nonfinite=stop; that update was skipped). {ADVICE}")
+            raise NonFiniteError(f"training stopped at step {step}: the loss or gradient norm was non-finite in {new} "
+                                 f"step(s) since the previous log record (train.nonfinite=stop; those updates were "
+                                 f"skipped). {ADVICE}")
         if longest >= self.max_consecutive:
             raise NonFiniteError(f"training stopped at step {step}: the loss or gradient norm was non-finite for "
                                  f"{longest} steps in a row (train.max_nonfinite_skips={self.max_consecutive}). "

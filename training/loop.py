@@ -179,7 +179,7 @@ def loop_steps(run: Run, step_fn: TrainStep, stop: StopRequest, bar: tqdm) -> No
     while state.step < cfg.train.max_steps and not run.out_of_time:
         start = time.time()
         stats = step_fn(batches, state.step)
-        run.guard.update(stats.nonfinite, state.step)
+        run.guard.update(stats.nonfinite)
         state.step += 1
         state.train_sec += time.time() - start
         window.add(stats)

@@ -98,7 +98,7 @@ def latest_legacy(run_dir: Path) -> Optional[Path]:
 def run_dir_of(checkpoint: PathLike) -> Path:
     """The run directory that holds a checkpoint (given as run dir, step dir or a file in it)."""
     path = Path(checkpoint)
-    if path.suffix:
+    if path.is_file():
         path = path.parent
     return path.parent.parent if path.parent.name == "checkpoints" else path
 

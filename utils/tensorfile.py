@@ -33,7 +33,7 @@ class StateFileError(UserError):
     """A state or weights file that cannot be read (truncated, corrupt, or not written by this project)."""
 
 
-def _encode(obj: Any, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) -> Any:
+def _encode(obj: Any, tensors: dict[str, torch.Tensor], seen: dict[Any, str]) -> Any:
     """obj as JSON-able data, its tensors moved into `tensors` under t0, t1, ... keys."""
     if isinstance(obj, torch.Tensor):
         return {"__tensor__": _put(obj.detach().cpu(), tensors, seen)}
@@ -57,17 +57,20 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) 
     raise TypeError(f"cannot store a {type(obj).__name__} in a state file (tensors, arrays and plain data only)")
 
 
-def _put(t: torch.Tensor, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) -> str:
-    """Store t once: the same storage view twice (tied weights) is one entry; overlapping views are copied."""
-    ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) \
-        if t.numel() else None
+def _put(t: torch.Tensor, tensors: dict[str, torch.Tensor], seen: dict[Any, str]) -> str:
+    """Store t once: the same storage view twice (tied weights) is one entry; other views of a storage already
+    stored are copied (safetensors refuses tensors that share memory)."""
+    if not t.numel():
+        key = f"t{len(tensors)}"
+        tensors[key] = t
+        return key
+    storage = t.untyped_storage().data_ptr()
+    ident = (storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
     if ident in seen:
         return seen[ident]
     key = f"t{len(tensors)}"
-    shares = ident is not None and any(k[0] == ident[0] for k in seen)
-    tensors[key] = t.clone() if shares or not t.is_contiguous() else t
-    if ident is not None:
-        seen[ident] = key
+    tensors[key] = t.clone() if storage in seen or not t.is_contiguous() else t
+    seen[ident] = seen[storage] = key
     return key
 
 
