@@ -13,10 +13,12 @@ from .meta import (EXTRA_KEYS, LatentDatasetError, LatentDatasetExistsError, dra
 from .reader import LatentDataset
 from .text import TEXT_FAMILIES, TextEncoderError, encode_prompts, load_text_encoders, save_tiny_text_encoders
 from .toy import TOY_CLASS_NAMES, ensure_toy_dataset, generate_toy_shapes
+from .toy_text import ensure_toy_text_dataset
 from .wds import WebDatasetLatents
 from .writer import LatentDatasetWriter, write_latent_dataset
 
-BUILTINS = {"toy_shapes": ensure_toy_dataset}  # data.builtin name -> builder(path, **data.builtin_args)
+BUILTINS = {"toy_shapes": ensure_toy_dataset,   # data.builtin name -> builder(path, **data.builtin_args)
+            "toy_shapes_text": ensure_toy_text_dataset}
 FORMATS = ("latents", "wds")  # data.format: our directory format | WebDataset tar shards (TREAD/MaskDiT latents)
 
 __all__ = ["BUILTINS", "FORMATS", "LatentDataset", "LatentDatasetError", "LatentDatasetExistsError", "LatentLoader",

@@ -435,15 +435,15 @@ def save_tiny_text_encoders(family: str, out_dir: PathLike, *, seed: int = 0,
                             words: Sequence[str] = TINY_WORDS) -> Path:
     """Write tiny randomly initialised text encoders + word-level tokenizers for `family` as a diffusers-style
     pipeline folder (text_encoder*/, tokenizer*/, model_index.json) at `out_dir`; returns it. For tests and
-    offline trials only: the embeddings mean nothing. Widths: CLIP-L 16, CLIP-G 24, T5 32 (48 for sd3, so
-    the 40 CLIP features fit); 2 layers each. Leaves the global RNG alone."""
+    offline trials only: the embeddings mean nothing. Widths fit each family's tiny preset (text 32, pooled 32):
+    CLIP-L 32 (flux) or CLIP-L 16 + CLIP-G 16 (sd3), T5 32; 2 layers each. Leaves the global RNG alone."""
     from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel,
                               UMT5Config, UMT5EncoderModel)
 
     spec = family_spec(family)
     out = Path(out_dir).expanduser().absolute()
     out.mkdir(parents=True, exist_ok=True)
-    clip_widths = iter((16, 24))
+    clip_widths = iter((16, 16) if family == "sd3" else (32,))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for slot in spec.slots:
@@ -457,7 +457,7 @@ def save_tiny_text_encoders(family: str, out_dir: PathLike, *, seed: int = 0,
                 model = (CLIPTextModel if slot.kind == "clip" else CLIPTextModelWithProjection)(config)
             else:
                 tokenizer, vocab = _tiny_tokenizer("t5", words, 512)
-                width = 48 if family == "sd3" else 32
+                width = 32
                 kwargs = dict(d_model=width, d_ff=37, num_layers=2, num_heads=4, d_kv=8, vocab_size=len(vocab),
                               pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
                 umt5 = family in ("wan", "auraflow")

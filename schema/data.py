@@ -3,11 +3,12 @@ shards. data.channels / resolution / num_classes are what the model expects; the
 against them when it is opened."""
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from data.meta import LATENT_KINDS
+from data.text import TEXT_FAMILIES
 from models.dit import DIT_ARCHS
-from schema.base import SEED_LIMIT, ConfigError, Number, Section, key, one_of
+from schema.base import SEED_LIMIT, ConfigError, Number, Section, check, key, one_of
 
 
 class ToyArgs(Section):
@@ -17,6 +18,22 @@ class ToyArgs(Section):
     resolution: int = key("an integer >= 4 (image side)", ge=4)
     seed: int = key("an integer in [0, 2**32) (generator seed)", ge=0, lt=SEED_LIMIT)
     loss_masks: bool = key("true or false (store each shape's coverage as a loss mask)", default=False)
+
+
+class ToyTextArgs(Section):
+    """data.builtin_args of the toy_shapes_text data (data=toy_text)"""
+
+    num_per_class: int = key("a positive integer (images per class)", ge=1)
+    resolution: int = key("an integer >= 4 (image side)", ge=4)
+    seed: int = key("an integer in [0, 2**32) (generator seed)", ge=0, lt=SEED_LIMIT)
+    family: Literal[TEXT_FAMILIES] = key(one_of(TEXT_FAMILIES) + " (whose text encoders encode the captions)")
+    text_encoders: Optional[str] = key("a local pipeline folder with the family's text_encoder*/ and tokenizer*/ "
+                                       "(scripts/tiny_text_encoders.py writes tiny random ones)")
+    caption: str = key("a caption template containing {class}, e.g. 'a {class}'")
+    max_text_length: int = key("a positive integer (text tokens per caption)", ge=1)
+
+
+BUILTIN_ARGS = {"toy_shapes": ToyArgs, "toy_shapes_text": ToyTextArgs}
 
 
 class DataCommon(Section):
@@ -34,14 +51,16 @@ class LatentsData(DataCommon):
 
     format: Literal["latents"] = key("latents or wds")
     path: str = key("a directory with meta.json, latents.npy, labels.npy (or where the built-in data is made)")
-    builtin: Optional[Literal["toy_shapes"]] = key("null (use data.path as is) or toy_shapes")
-    builtin_args: Optional[ToyArgs] = key("null or the built-in generator's {num_per_class, resolution, seed, "
-                                          "loss_masks}", default=None)
+    builtin: Optional[Literal[tuple(BUILTIN_ARGS)]] = key(f"null (use data.path as is) or {one_of(BUILTIN_ARGS)}")
+    builtin_args: Optional[dict[str, Any]] = key("null or the built-in generator's arguments", default=None)
 
     def check_builtin(self) -> None:
-        if self.builtin is not None and self.builtin_args is None:
+        if self.builtin is None:
+            return
+        if self.builtin_args is None:
             raise ConfigError(f"data.builtin={self.builtin} needs data.builtin_args ({{num_per_class, resolution, "
-                              f"seed}}).")
+                              f"seed, ...}}).")
+        check(BUILTIN_ARGS[self.builtin], self.builtin_args, "data.builtin_args")
 
 
 class WdsData(DataCommon):

@@ -412,7 +412,7 @@ def tiny_encoders(tmp_path_factory):
 
 PROMPTS = ["a photo of a red disc", "", "dog &amp; cat  with   zebra stripes"]
 # (text (L, D), mask?, pooled P) with max_length=12: sd3 prepends the 77 CLIP tokens.
-SHAPES = {"flux": ((12, 32), False, 16), "sd3": ((77 + 12, 48), False, 16 + 24), "wan": ((12, 32), True, None),
+SHAPES = {"flux": ((12, 32), False, 32), "sd3": ((77 + 12, 32), False, 16 + 16), "wan": ((12, 32), True, None),
           "auraflow": ((12, 32), True, None), "pixart": ((12, 32), True, None)}
 
 

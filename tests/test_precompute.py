@@ -459,12 +459,12 @@ def test_flux_pooled_with_per_encoder_paths_and_flat_folder(tmp_path, vae_dir, t
         "--text-encoder-path", f"tokenizer={flux / 'tokenizer'}", "--text-encoder-path", f"text_encoder_2={flux}",
         "--max-text-length", "5")
     ds = LatentDataset(out)
-    assert ds.conditioning == {"text": (5, 32), "text_mask": False, "pooled": 16, "loss_mask": None}
+    assert ds.conditioning == {"text": (5, 32), "text_mask": False, "pooled": 32, "loss_mask": None}
     assert sorted(p.name for p in out.iterdir()) == ["labels.npy", "latents.npy", "meta.json", "pooled_embeds.npy",
                                                      "text_embeds.npy"]
     assert ds.meta["conditioning"]["text"]["encoders"] == [str(flux / "text_encoder"), str(flux / "text_encoder_2")]
     x, y, extras = ds.__getitems__([2, 0])
-    assert list(extras) == ["text", "pooled"] and extras["pooled"].shape == (2, 16)
+    assert list(extras) == ["text", "pooled"] and extras["pooled"].shape == (2, 32)
 
 
 def test_changed_captions_refuse_the_parts_folder(tmp_path, class_folder, vae_dir, text_dirs, monkeypatch):

@@ -98,6 +98,8 @@ def open_dataset(cfg: Any, model: nn.Module):
         raise ConfigError(
             f"data at '{cfg.data.path}' is {dataset.channels}x{dataset.resolution}x{dataset.resolution} but the model "
             f"expects {model.in_channels}x{model.input_size}x{model.input_size} (model.in_channels/model.input_size).")
+    if hasattr(model, "check_text_data"):      # text-conditioned families: the embedding widths
+        model.check_text_data(getattr(dataset, "conditioning", None) or {}, f"'{cfg.data.path}'")
     return dataset
 
 

@@ -249,6 +249,21 @@ class RoutedFamily(RoutedBackbone):
                                     f"embeddings and num_classes=0, so there is no class table to use.")
         return self.conditioner(labels)
 
+    def check_text_data(self, conditioning: Mapping[str, Any], where: str) -> None:
+        """The data's text embeddings (a reader's `conditioning`: {"text": (L, D) or None, "pooled": P or None})
+        against this transformer's text widths, before any work; `where` names the data."""
+        text, pooled = conditioning.get("text"), conditioning.get("pooled")
+        if text is not None and int(text[1]) != self.text_dim:
+            raise FamilyConfigError(
+                f"the text embeddings of the data at {where} are {text[1]} wide, but model.config.{self.text_dim_key}="
+                f"{self.text_dim} ({self.family}): encode the captions with this model's text encoders, or set "
+                f"model.config.{self.text_dim_key}={text[1]} for a fresh model.")
+        if text is not None and self.pooled_dim and pooled is not None and int(pooled) != self.pooled_dim:
+            raise FamilyConfigError(
+                f"the pooled text embeddings of the data at {where} are {pooled} wide, but model.config."
+                f"{self.pooled_dim_key}={self.pooled_dim} ({self.family}): encode the captions with this model's "
+                f"text encoders, or set model.config.{self.pooled_dim_key}={pooled} for a fresh model.")
+
     def to_model_layout(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) image latents -> (B, C, 1, H, W) for video families; identity otherwise."""
         return x.unsqueeze(2) if self.frames_axis and x.dim() == 4 else x
