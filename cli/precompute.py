@@ -29,9 +29,16 @@ name), encoded with --text-family {flux,sd3,wan,auraflow,pixart} by the text enc
 pipeline folder (--text-encoders DIR; `hf download <repo> --include 'text_encoder*/*' 'tokenizer*/*'
 --local-dir DIR`) or per-encoder folders (--text-encoder-path text_encoder_2=/models/t5), exactly as that
 family's pipeline encodes prompts (data/text.py). Each image's caption is encoded once (its flipped copy reuses
-it) into text_embeds.npy [+ text_mask.npy, pooled_embeds.npy]. --loss-masks DIR adds loss_mask.npy: one
+it) into text_embeds.npy [+ text_mask.npy, pooled_embeds.npy]; --no-t5 (sd3) encodes without T5 (not loaded;
+its part, after the 77 CLIP tokens, is zeros). --loss-masks DIR adds loss_mask.npy: one
 grayscale mask per image at DIR/<the image's relative path with its stem>.png (any image extension; the image's
 size; 255 = inside), center-cropped like its image to --resolution (flipped copies get flipped masks).
+
+Edit pairs (FLUX Kontext, model=flux_kontext): --reference-images DIR adds reference_latents.npy: one reference
+image per target image at DIR/<the image's relative path with its stem> (any image extension), center-cropped
+to --resolution and encoded by the same VAE as the posterior mean (as FluxKontextPipeline encodes its image,
+whatever --kind; flipped copies get flipped references). A target without a reference, or a reference without
+a target, is an error naming them.
 """
 from __future__ import annotations
 
@@ -152,10 +159,16 @@ def _conditioning_args(p: argparse.ArgumentParser) -> None:
                            "text_encoder, tokenizer, text_encoder_2, tokenizer_2, ...)")
     cond.add_argument("--max-text-length", type=int, metavar="N",
                       help="T5 sequence length (default: the family pipeline's, e.g. flux 512, pixart 120)")
+    cond.add_argument("--no-t5", action="store_true", help="sd3 only: encode without T5 (not loaded; its part of "
+                                                           "the embeddings is zeros, as the pipeline with "
+                                                           "text_encoder_3=None)")
     cond.add_argument("--text-encoder-dtype", default="float32", help="text encoder weights/compute dtype: float32 "
                                                                       "(default) | bfloat16 | float16")
     cond.add_argument("--loss-masks", metavar="DIR", help="folder of grayscale loss masks, one per image, at the "
                                                           "image's relative path and stem (e.g. cls/x.png)")
+    cond.add_argument("--reference-images", metavar="DIR", help="FLUX Kontext edit pairs: folder of reference "
+                                                                "images, one per image, at the image's relative "
+                                                                "path and stem (e.g. cls/x.jpg)")
 
 
 def _reference_args(p: argparse.ArgumentParser) -> None:
@@ -253,7 +266,7 @@ def validate_conditioning_args(args: argparse.Namespace) -> None:
                                   f"encode the captions")
         used = [f for f, v in (("--text-encoders", args.text_encoders), ("--text-encoder-path",
                                                                           args.text_encoder_path),
-                               ("--max-text-length", args.max_text_length)) if v]
+                               ("--max-text-length", args.max_text_length), ("--no-t5", args.no_t5)) if v]
         if used:
             raise PrecomputeError(f"{'/'.join(used)} only apply with --text-family and captions")
     else:
@@ -261,6 +274,9 @@ def validate_conditioning_args(args: argparse.Namespace) -> None:
     if args.loss_masks is not None and not Path(args.loss_masks).expanduser().is_dir():
         raise _bad("--loss-masks", args.loss_masks, "no such folder (a folder of grayscale masks, one per image, "
                                                     "with the image's relative path and stem)")
+    if args.reference_images is not None and not Path(args.reference_images).expanduser().is_dir():
+        raise _bad("--reference-images", args.reference_images, "no such folder (a folder of reference images, one "
+                                                                "per image, with the image's relative path and stem)")
 
 
 def _validate_text_family(args: argparse.Namespace, captioned: bool) -> None:
@@ -281,8 +297,11 @@ def _validate_text_family(args: argparse.Namespace, captioned: bool) -> None:
                               f"diffusers pipeline folder with text_encoder*/ and tokenizer*/ (fetch one with "
                               f"`hf download {FAMILIES[family].repo} --include 'text_encoder*/*' "
                               f"'tokenizer*/*' --local-dir DIR`), or --text-encoder-path KEY=PATH per encoder")
+    if args.no_t5 and family != "sd3":
+        raise PrecomputeError(f"--no-t5 is for --text-family sd3 only (SD3 runs without T5); --text-family "
+                              f"{family}'s text embeddings are its T5's output")
     try:
-        resolve_text_encoder_paths(family, text_encoder_paths(args))
+        resolve_text_encoder_paths(family, text_encoder_paths(args), t5=not args.no_t5)
     except TextEncoderError as err:
         raise PrecomputeError(str(err)) from None
     if args.max_text_length is not None and args.max_text_length < 1:
@@ -348,7 +367,8 @@ def load_encoder(plan: Plan, device) -> Encoder:
     text = None
     if plan.captions is not None:
         dtype = getattr(torch, args.text_encoder_dtype)
-        encoders = load_text_encoders(args.text_family, text_encoder_paths(args), device=device, dtype=dtype)
+        encoders = load_text_encoders(args.text_family, text_encoder_paths(args), device=device, dtype=dtype,
+                                      t5=not args.no_t5)
         text = TextEncoder(args.text_family, encoders, args.max_text_length, device, dtype)
     return Encoder(vae, args.kind, args.seed, shift, text)
 

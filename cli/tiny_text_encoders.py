@@ -6,7 +6,8 @@ import argparse
 from typing import Optional, Sequence
 
 from cli.errors import user_errors
-from data.text import TEXT_FAMILIES, save_tiny_text_encoders
+from data.text import TEXT_FAMILIES
+from data.tiny_text import save_tiny_text_encoders
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -8,10 +8,11 @@ from typing import Any, Mapping, Union
 from .decode import check_decodable, decode_to_uint8
 from .images import ImageFolderError, center_crop_arr, list_image_folder
 from .loader import LatentLoader, ShardedBatchSampler
-from .meta import (EXTRA_KEYS, LatentDatasetError, LatentDatasetExistsError, draw_latents, latent_kind, model_shape,
-                   read_meta, shift_factor)
+from .meta import (COND_KEYS, EXTRA_KEYS, LatentDatasetError, LatentDatasetExistsError, draw_latents,
+                   has_model_conditioning, latent_kind, model_shape, read_meta, shift_factor)
 from .reader import LatentDataset
-from .text import TEXT_FAMILIES, TextEncoderError, encode_prompts, load_text_encoders, save_tiny_text_encoders
+from .text import TEXT_FAMILIES, TextEncoderError, encode_prompts, load_text_encoders
+from .tiny_text import save_tiny_text_encoders
 from .toy import TOY_CLASS_NAMES, ensure_toy_dataset, generate_toy_shapes
 from .toy_text import ensure_toy_text_dataset
 from .wds import WebDatasetLatents
@@ -26,7 +27,7 @@ __all__ = ["BUILTINS", "FORMATS", "LatentDataset", "LatentDatasetError", "Latent
            "ensure_toy_dataset", "latent_kind", "model_shape", "LatentDatasetWriter", "shift_factor",
            "ImageFolderError", "center_crop_arr", "list_image_folder",
            "generate_toy_shapes", "read_meta", "write_latent_dataset", "WebDatasetLatents",
-           "EXTRA_KEYS",
+           "COND_KEYS", "EXTRA_KEYS", "has_model_conditioning",
            "TEXT_FAMILIES", "TextEncoderError", "encode_prompts", "load_text_encoders", "save_tiny_text_encoders"]
 
 
@@ -75,7 +76,7 @@ def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, WebDatase
         if builtin not in BUILTINS:
             raise LatentDatasetError(f"unknown data.builtin={builtin!r}; allowed: {sorted(BUILTINS)} or null "
                                      f"(use the dataset at data.path as is)")
-        BUILTINS[builtin](path, **dict(data_cfg.get("builtin_args") or {}))
+        path = BUILTINS[builtin](path, **dict(data_cfg.get("builtin_args") or {}))   # where the builder put it
     return LatentDataset(path, expected_channels=data_cfg.get("channels"),
                          expected_resolution=data_cfg.get("resolution"),
                          expected_num_classes=data_cfg.get("num_classes"))

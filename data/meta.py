@@ -27,13 +27,22 @@ come together (one without the other is an error). Data without them is class-co
     files.pooled_embeds  pooled_embeds.npy  (N, P) float16|float32: pooled text embeddings
     files.loss_mask      loss_mask.npy      (N, Hm, Wm) uint8: coverage 0..255 (255 = fully inside) at any
                                             resolution (image or latent); read as float (uint8 / 255)
+    files.reference_latents  reference_latents.npy  (N, C, H, W) of `dtype`, C, H, W the model-space shape
+                                            (model_shape: C halved for moments data): per sample the latents of
+                                            its reference image (FLUX Kontext edit pairs, model.kontext), always
+                                            stored like "sample" latents (the VAE posterior mean - shift_factor,
+                                            as FluxKontextPipeline encodes its image: sample_mode "argmax") and
+                                            read * latent_scale, whatever latent_kind the targets have. Its
+                                            shape follows from meta "shape", so it has no describing meta key.
     meta "conditioning"  {"text": {"seq_len": L, "dim": D, "mask": true|false, ...free keys, e.g. "family",
                           "encoders", "max_length"}, "pooled": {"dim": P, ...}}   (each part optional)
     meta "loss_mask"     {"shape": [Hm, Wm]}
 
 LatentDataset items are (x, y) without such files and (x, y, extras) with them: extras is a dict with the
 keys present among "text" float32 (L, D), "text_mask" bool (L,), "pooled" float32 (P,), "loss_mask" float32
-(1, Hm, Wm) in [0, 1] (batched by __getitems__: a leading B). routing.token_keep_mask /
+(1, Hm, Wm) in [0, 1], "reference" float32 (C, H, W) model-space latents (batched by __getitems__: a leading B).
+COND_KEYS are the extras a model takes as per-sample conditioning (cond=...; training, sampling and FLOPs
+counting pass exactly these on); the loss mask is the training step's. routing.token_keep_mask /
 routing.resize_loss_mask bring a loss mask to the token grid / latent resolution.
 
 Writing: data/writer.py; reading: data/reader.py; decoding to pixels: data/decode.py.
@@ -57,10 +66,13 @@ LATENT_KINDS = ("sample", "moments")
 DEFAULT_FILES = {"latents": "latents.npy", "labels": "labels.npy"}
 # Optional per-sample files: meta "files" key -> default file name.
 EXTRA_FILES = {"text_embeds": "text_embeds.npy", "text_mask": "text_mask.npy", "pooled_embeds": "pooled_embeds.npy",
-               "loss_mask": "loss_mask.npy"}
+               "loss_mask": "loss_mask.npy", "reference_latents": "reference_latents.npy"}
 # Keys of an extras dict (writer input, reader output), in this order, and the files holding them.
-EXTRA_KEYS = ("text", "text_mask", "pooled", "loss_mask")
-EXTRA_FILE_OF = {"text": "text_embeds", "text_mask": "text_mask", "pooled": "pooled_embeds", "loss_mask": "loss_mask"}
+EXTRA_KEYS = ("text", "text_mask", "pooled", "loss_mask", "reference")
+EXTRA_FILE_OF = {"text": "text_embeds", "text_mask": "text_mask", "pooled": "pooled_embeds",
+                 "loss_mask": "loss_mask", "reference": "reference_latents"}
+# The extras that are the model's per-sample conditioning (cond=...): text embeddings, Kontext reference latents.
+COND_KEYS = ("text", "text_mask", "pooled", "reference")
 # Top-level meta.json keys and the JSON types they must have (checked in detail in read_meta).
 META_TYPES: dict[str, tuple[type, ...]] = {
     "format": (str,), "version": (int,), "shape": (list,), "dtype": (str,), "num_samples": (int,),
@@ -196,6 +208,12 @@ def _validate_conditioning(meta: dict, where: str, advice: str) -> None:
             have, lack = (f"files.{key}", what) if key in files else (what, f"files.{key}")
             raise LatentDatasetError(f"{where}: meta has {have} but no {lack}; an optional file and its "
                                      f"description go together (both or neither). {advice}")
+
+
+def has_model_conditioning(conditioning: Mapping[str, Any]) -> bool:
+    """Whether a reader's `conditioning` ({"text": ..., "reference": ..., ...}) holds per-sample conditioning
+    the model takes (COND_KEYS: text embeddings or reference latents), so it is passed on as cond=...."""
+    return conditioning.get("text") is not None or conditioning.get("reference") is not None
 
 
 def read_meta(path: PathLike) -> dict:

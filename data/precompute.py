@@ -20,7 +20,7 @@ from utils.io import atomic_write
 from .images import center_crop_arr, load_image, short_list
 from .meta import EXTRA_KEYS
 from .precompute_plan import Plan, PrecomputeError, read_shard, settings_text, text_encoder_paths
-from .text import default_max_length, encode_prompts, family_spec
+from .text import default_max_length, encode_prompts, family_slots
 from .vae import encode
 from .writer import LatentDatasetWriter
 
@@ -61,6 +61,12 @@ class Encoder:
                         for i in sample_indices])
         eps = torch.from_numpy(eps).to(mean.device)
         return (mean + torch.exp(0.5 * logvar) * eps - self.shift).cpu().numpy()
+
+    def reference(self, images: np.ndarray) -> np.ndarray:
+        """uint8 (B, H, W, 3) reference images -> stored reference latents: the posterior mean - shift, as
+        FluxKontextPipeline encodes its image (sample_mode "argmax"), whatever --kind the targets use."""
+        mean, _ = encode(self.vae, images, kind="moments").chunk(2, dim=1)
+        return (mean - self.shift).cpu().numpy()
 
 
 def load_image_and_mask(image_path: Path, mask_path: Path, resolution: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,15 +119,18 @@ def iter_images(plan: Plan, start: int, stop: int, batch_size: int, pool: Option
 def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[ThreadPoolExecutor], progress=None) -> None:
     """Encode one shard's images and write <parts>/shard_XXXXX.npz atomically."""
     start, stop = plan.shard_range(shard)
-    lat, flipped, masks, text = _encode_images(plan, start, stop, encoder, pool, progress)
+    lat, flipped, masks, text, refs = _encode_images(plan, start, stop, encoder, pool, progress)
     store = np.dtype(plan.settings["dtype"])
     f16 = " (float16 overflows above 65504: try --dtype float32)" if store == np.float16 else ""
     vae_advice = " (try --vae-dtype float32)" if plan.settings["vae_dtype"] != "float32" else ""
     arrays = {"latents": np.concatenate(lat)}
     if flipped:
         arrays["flipped"] = np.concatenate(flipped)
+    arrays.update({key: np.concatenate(values) for key, values in refs.items()})   # reference[, flipped_reference]
     for key, value in arrays.items():
-        arrays[key] = _cast_stored(value, store, plan, start, "latents", "", f16 + vae_advice)
+        ref = "reference" in key
+        arrays[key] = _cast_stored(value, store, plan, start, "reference latents" if ref else "latents",
+                                   "the references of " if ref else "", f16 + vae_advice)
     if masks:
         arrays["loss_mask"] = np.concatenate(masks).astype(np.uint8)
     for key, values in text.items():  # text (B, L, D), [text_mask (B, L) bool], [pooled (B, P)]
@@ -137,30 +146,49 @@ def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[Thread
 
 
 def _encode_images(plan: Plan, start: int, stop: int, encoder: Encoder, pool: Optional[ThreadPoolExecutor],
-                   progress=None) -> tuple[list, list, list, dict[str, list]]:
+                   progress=None) -> tuple[list, list, list, dict[str, list], dict[str, list]]:
     """Images [start, stop) encoded batch by batch: (latents, latents of the flipped copies, loss masks,
-    {text key: arrays}), each a list of per-batch arrays (empty lists / dict where not stored)."""
+    {text key: arrays}, {"reference", "flipped_reference": reference latents}), each a list of per-batch
+    arrays (empty lists / dicts where not stored)."""
     n, with_masks = plan.num_images, plan.mask_paths is not None
-    lat, flipped, masks, text = [], [], [], {}
+    lat, flipped, masks, text, refs = [], [], [], {}, {}
     for idx, images, *mask in iter_images(plan, start, stop, plan.args.batch_size, pool, masks=with_masks):
         lat.append(_finite(encoder(images, idx), plan, idx, ""))
         if plan.settings["flip"]:
             flipped.append(_finite(encoder(np.ascontiguousarray(images[:, :, ::-1]), idx + n), plan, idx, "flipped "))
         if with_masks:
             masks.append(mask[0])
+        if plan.reference_paths is not None:
+            for key, value in _encode_references(plan, idx, encoder, pool).items():
+                refs.setdefault(key, []).append(value)
         if encoder.text is not None:  # once per image: flipped copies reuse it
             for key, value in encoder.text([plan.captions[i] for i in idx]).items():
                 text.setdefault(key, []).append(value)
         if progress is not None:
             progress.update(len(idx))
-    return lat, flipped, masks, text
+    return lat, flipped, masks, text, refs
 
 
-def _finite(values: np.ndarray, plan: Plan, idx: np.ndarray, which: str) -> np.ndarray:
-    """The VAE's values for images `idx` (--kind's moments or draws), refused when any is NaN/inf."""
+def _encode_references(plan: Plan, idx: np.ndarray, encoder: Encoder, pool: Optional[ThreadPoolExecutor]
+                       ) -> dict[str, np.ndarray]:
+    """The reference images of images `idx`, center-cropped like them and encoded (Encoder.reference):
+    {"reference": (B, C, h, w)} and, with --flip, "flipped_reference" (the mirrored references)."""
+    load = lambda i: load_image(plan.reference_paths[i], plan.args.resolution)  # noqa: E731
+    images = np.stack(list(pool.map(load, idx)) if pool is not None else [load(i) for i in idx])
+    out = {"reference": _finite(encoder.reference(images), plan, idx, "reference ", plan.reference_paths)}
+    if plan.settings["flip"]:
+        mirrored = encoder.reference(np.ascontiguousarray(images[:, :, ::-1]))
+        out["flipped_reference"] = _finite(mirrored, plan, idx, "flipped reference ", plan.reference_paths)
+    return out
+
+
+def _finite(values: np.ndarray, plan: Plan, idx: np.ndarray, which: str,
+            paths: Optional[list[Path]] = None) -> np.ndarray:
+    """The VAE's values for images `idx` (--kind's moments or draws) of `paths` (default: the images),
+    refused when any is NaN/inf."""
     bad = np.flatnonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1))
     if len(bad):
-        files = short_list([str(plan.paths[int(idx[i])]) for i in bad], 3)
+        files = short_list([str((paths or plan.paths)[int(idx[i])]) for i in bad], 3)
         advice = " (try --vae-dtype float32)" if plan.settings["vae_dtype"] != "float32" else \
             " (check the VAE weights, or leave those images out)"
         raise PrecomputeError(f"the VAE '{plan.settings['vae']}' gave non-finite latents (NaN/inf) for {len(bad)} "
@@ -196,15 +224,18 @@ def merge_shards(plan: Plan, meta: dict) -> Path:
                              num_classes=plan.num_classes, class_names=plan.class_names,
                              dtype=plan.settings["dtype"], text_shape=shapes.get("text"),
                              text_mask="text_mask" in shapes, pooled_dim=shapes["pooled"][0] if "pooled" in shapes
-                             else None, loss_mask_shape=shapes.get("loss_mask"), **meta) as writer:
+                             else None, loss_mask_shape=shapes.get("loss_mask"),
+                             reference_latents="reference" in shapes, **meta) as writer:
         for shard in range(plan.num_shards):
             z = first if shard == 0 else read_shard(plan, shard)
             start, _ = plan.shard_range(shard)
             extras = {k: z[k] for k in keys}
             writer.write(start, z["latents"], z["labels"], extras or None)
-            if flip:  # the mirror image keeps its caption; its mask is mirrored too
+            if flip:  # the mirror image keeps its caption; its mask and reference are mirrored too
                 if "loss_mask" in extras:
                     extras["loss_mask"] = extras["loss_mask"][:, :, ::-1]
+                if "reference" in extras:
+                    extras["reference"] = z["flipped_reference"]
                 writer.write(n + start, z["flipped"], z["labels"], extras or None)
             first = None
     return plan.out
@@ -229,11 +260,14 @@ def dataset_meta(plan: Plan, vae) -> dict:
         t, args = s["text"], plan.args
         length = t["max_length"] or default_max_length(t["family"], text_encoder_paths(args))
         meta["conditioning_meta"] = {"text": {
-            "family": t["family"], "encoders": [t["encoders"][slot.model] for slot in family_spec(t["family"]).slots],
-            "max_length": length, "encoder_dtype": t["encoder_dtype"]}}
+            "family": t["family"], "encoders": [t["encoders"][slot.model]
+                                                for slot in family_slots(t["family"], t.get("t5", True))],
+            "max_length": length, "encoder_dtype": t["encoder_dtype"], **({} if t.get("t5", True) else {"t5": False})}}
         meta["extra_meta"].update(
             captions_file=None if args.captions is None else str(Path(args.captions).expanduser().absolute()),
             caption_from_class=args.caption_from_class, captions_sha256=t["captions_sha256"])
     if "loss_masks" in s:
         meta["extra_meta"]["loss_masks_dir"] = s["loss_masks"]["dir"]
+    if "reference_images" in s:
+        meta["extra_meta"]["reference_images_dir"] = s["reference_images"]["dir"]
     return meta

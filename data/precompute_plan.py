@@ -58,6 +58,7 @@ class Plan:
     mask_paths: Optional[list[Path]] = field(default=None, repr=False)  # per image, with --loss-masks
     text_paths: Optional[dict[str, str]] = None                         # resolved encoder / tokenizer folders
     skipped: list[Path] = field(default_factory=list, repr=False)       # files under root that are not images
+    reference_paths: Optional[list[Path]] = field(default=None, repr=False)  # per image, --reference-images
 
     @property
     def num_images(self) -> int:
@@ -86,12 +87,14 @@ def make_plan(args: argparse.Namespace) -> Plan:
     num_classes = len(class_names) if class_names is not None else int(labels.max()) + 1
     captions = plan_captions(args, root, paths, labels, class_names) if args.text_family else None
     mask_paths = plan_masks(args, root, paths) if args.loss_masks else None
+    reference_paths = plan_references(args, root, paths) if args.reference_images else None
     if args.max_images is not None and args.max_images < len(paths):
         # a fixed random subset (sorted): folders are stored class by class, so the first N would be one class
         keep = np.sort(np.random.default_rng(args.seed).choice(len(paths), size=args.max_images, replace=False))
         paths, labels = [paths[i] for i in keep], labels[keep]
         captions = None if captions is None else [captions[i] for i in keep]
         mask_paths = None if mask_paths is None else [mask_paths[i] for i in keep]
+        reference_paths = None if reference_paths is None else [reference_paths[i] for i in keep]
     digest = hashlib.sha256()
     for p, y in zip(paths, labels):
         digest.update(f"{p.relative_to(root).as_posix()}\t{y}\n".encode())
@@ -105,15 +108,20 @@ def make_plan(args: argparse.Namespace) -> Plan:
     }
     text_paths = None
     if captions is not None:  # only with these options: settings of plain runs stay as they were
-        text_paths = {k: str(v) for k, v in resolve_text_encoder_paths(args.text_family,
-                                                                        text_encoder_paths(args)).items()}
+        text_paths = {k: str(v) for k, v in resolve_text_encoder_paths(args.text_family, text_encoder_paths(args),
+                                                                        t5=not args.no_t5).items()}
         settings["text"] = {"family": args.text_family, "encoders": text_paths, "max_length": args.max_text_length,
                             "encoder_dtype": args.text_encoder_dtype, "captions_sha256": _digest(captions)}
+        if args.no_t5:  # only then: settings of runs with T5 stay as they were
+            settings["text"]["t5"] = False
     if mask_paths is not None:
         settings["loss_masks"] = {"dir": str(Path(args.loss_masks).expanduser().absolute()),
                                   "sha256": _digest([p.as_posix() for p in mask_paths])}
+    if reference_paths is not None:
+        settings["reference_images"] = {"dir": str(Path(args.reference_images).expanduser().absolute()),
+                                        "sha256": _digest([p.as_posix() for p in reference_paths])}
     return Plan(root, out, parts_dir_of(out), paths, labels, class_names, num_classes, settings, args.shard_size,
-                args, captions, mask_paths, text_paths, skipped)
+                args, captions, mask_paths, text_paths, skipped, reference_paths=reference_paths)
 
 
 def skipped_note(plan: Plan) -> Optional[str]:
@@ -173,22 +181,47 @@ def plan_captions(args: argparse.Namespace, root: Path, paths: list[Path], label
     return captions
 
 
+def images_by_stem(folder: Path, flag: str, what: str) -> dict[str, Path]:
+    """The images under `folder` by relative path without extension; two images for one stem are an error."""
+    found: dict[str, Path] = {}
+    for image in images_under(folder):
+        key = image.relative_to(folder).with_suffix("").as_posix()
+        if key in found:
+            raise PrecomputeError(f"{flag} '{folder}' has two {what} for '{key}': '{found[key].name}' and "
+                                  f"'{image.name}'; keep one")
+        found[key] = image
+    return found
+
+
 def plan_masks(args: argparse.Namespace, root: Path, paths: list[Path]) -> list[Path]:
     """Every image's loss mask: <--loss-masks>/<relative path, any image extension>."""
     mask_root = Path(args.loss_masks).expanduser().absolute()
-    found: dict[str, Path] = {}
-    for m in images_under(mask_root):
-        key = m.relative_to(mask_root).with_suffix("").as_posix()
-        if key in found:
-            raise PrecomputeError(f"--loss-masks '{mask_root}' has two masks for '{key}': '{found[key].name}' and "
-                                  f"'{m.name}'; keep one")
-        found[key] = m
+    found = images_by_stem(mask_root, "--loss-masks", "masks")
     stems = [p.relative_to(root).with_suffix("").as_posix() for p in paths]
     missing = [s for s in stems if s not in found]
     if missing:
         raise PrecomputeError(f"--loss-masks '{mask_root}' has no mask for {len(missing)} of {len(stems)} image(s): "
                               f"{short_list(missing)} (expected e.g. '{mask_root / missing[0]}.png': the image's "
                               f"relative path and stem)")
+    return [found[s] for s in stems]
+
+
+def plan_references(args: argparse.Namespace, root: Path, paths: list[Path]) -> list[Path]:
+    """Every image's reference image (FLUX Kontext edit pairs): <--reference-images>/<relative path, any image
+    extension>. Targets without a reference and references without a target are both errors naming them."""
+    ref_root = Path(args.reference_images).expanduser().absolute()
+    found = images_by_stem(ref_root, "--reference-images", "references")
+    stems = [p.relative_to(root).with_suffix("").as_posix() for p in paths]
+    missing, extra = [s for s in stems if s not in found], sorted(set(found) - set(stems))
+    unmatched = []
+    if missing:
+        unmatched.append(f"no reference for {len(missing)} of {len(stems)} image(s): {short_list(missing)}")
+    if extra:
+        unmatched.append(f"{len(extra)} reference(s) with no image in '{root}': {short_list(extra)}")
+    if unmatched:
+        raise PrecomputeError(f"--reference-images '{ref_root}' does not pair up with --images: "
+                              f"{'; '.join(unmatched)} (a reference has its target image's relative path and stem, "
+                              f"any image extension)")
     return [found[s] for s in stems]
 
 

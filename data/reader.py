@@ -110,19 +110,24 @@ class LatentMeta:
     @property
     def conditioning(self) -> dict[str, Any]:
         """The optional per-sample data: {"text": (L, D) or None, "text_mask": bool, "pooled": P or None,
-        "loss_mask": (Hm, Wm) or None} (from meta "conditioning" and "loss_mask")."""
+        "loss_mask": (Hm, Wm) or None} (from meta "conditioning" and "loss_mask"), and "reference": (C, H, W), the
+        model-space latent shape, only for data with files.reference_latents (FLUX Kontext edit pairs; absent
+        otherwise, so read it with .get)."""
         cond = self._meta.get("conditioning") or {}
         text, pooled, lm = cond.get("text"), cond.get("pooled"), self._meta.get("loss_mask")
-        return {"text": None if text is None else (text["seq_len"], text["dim"]),
-                "text_mask": bool(text is not None and text.get("mask", False)),
-                "pooled": None if pooled is None else pooled["dim"],
-                "loss_mask": None if lm is None else tuple(lm["shape"])}
+        out = {"text": None if text is None else (text["seq_len"], text["dim"]),
+               "text_mask": bool(text is not None and text.get("mask", False)),
+               "pooled": None if pooled is None else pooled["dim"],
+               "loss_mask": None if lm is None else tuple(lm["shape"])}
+        if "reference_latents" in self._meta["files"]:
+            out["reference"] = model_shape(self._meta)
+        return out
 
     @property
     def has_extras(self) -> bool:
-        """True when items carry an extras dict (text / pooled embeddings, loss masks) after (x, y)."""
+        """True when items carry an extras dict (text / pooled embeddings, loss masks, references) after (x, y)."""
         c = self.conditioning
-        return c["text"] is not None or c["pooled"] is not None or c["loss_mask"] is not None
+        return any(c.get(k) is not None for k in ("text", "pooled", "loss_mask", "reference"))
 
     def __len__(self) -> int:
         return self._meta["num_samples"]
@@ -179,7 +184,9 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         expected = {"text": ((n, *(c["text"] or ())), DTYPES, "num_samples, conditioning.text seq_len and dim"),
                     "text_mask": ((n, (c["text"] or (0,))[0]), ("bool",), "num_samples, conditioning.text seq_len"),
                     "pooled": ((n, c["pooled"]), DTYPES, "num_samples, conditioning.pooled dim"),
-                    "loss_mask": ((n, *(c["loss_mask"] or ())), ("uint8",), "num_samples, loss_mask.shape")}
+                    "loss_mask": ((n, *(c["loss_mask"] or ())), ("uint8",), "num_samples, loss_mask.shape"),
+                    "reference": ((n, *(c.get("reference") or ())), (m["dtype"],),
+                                  "num_samples, dtype and the model-space shape")}
         for key, array in (self._extras or {}).items():
             shape, dtypes, source = expected[key]
             if array.shape != shape or array.dtype.name not in dtypes:
@@ -203,13 +210,15 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         x, y = torch.from_numpy(arr) * self._scale(), torch.tensor(int(labels[index]), dtype=torch.int64)
         if not self._extras:
             return x, y
-        return x, y, {key: _extra_tensor(key, np.array(array[index])[None])[0] for key, array in self._extras.items()}
+        return x, y, {key: _extra_tensor(key, np.array(array[index])[None], self.latent_scale)[0]
+                      for key, array in self._extras.items()}
 
     def __getitems__(self, indices: Sequence[int]) -> Union[tuple[torch.Tensor, torch.Tensor],
                                                             tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         """Batched fetch, (x (B, C, H, W) float32, y (B,) int64), with one fancy-indexed read of each memmap;
         with extras (x, y, {"text": (B, L, D) float32, "text_mask": (B, L) bool, "pooled": (B, P) float32,
-        "loss_mask": (B, 1, Hm, Wm) float32 in [0, 1]}), the keys the dataset has, in request order."""
+        "loss_mask": (B, 1, Hm, Wm) float32 in [0, 1], "reference": (B, C, H, W) float32}), the keys the dataset
+        has, in request order."""
         latents, labels = self._open()
         idx = np.asarray(indices, dtype=np.int64)
         order = np.argsort(idx, kind="stable")  # ascending reads are mostly sequential on disk
@@ -223,14 +232,16 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         for key, array in self._extras.items():
             out = np.empty((len(idx), *array.shape[1:]), array.dtype)
             out[order] = array[idx[order]]
-            extras[key] = _extra_tensor(key, out)
+            extras[key] = _extra_tensor(key, out, self.latent_scale)
         return x, y, extras
 
 
-def _extra_tensor(key: str, batch: np.ndarray) -> torch.Tensor:
+def _extra_tensor(key: str, batch: np.ndarray, latent_scale: float) -> torch.Tensor:
     """A batch read from an extras file -> its tensor: float32 embeddings, bool mask, (B, 1, Hm, Wm) float
-    loss mask in [0, 1] (uint8 / 255)."""
+    loss mask in [0, 1] (uint8 / 255), float32 model-space reference latents (stored values * latent_scale)."""
     t = torch.from_numpy(batch)
+    if key == "reference":
+        return t.float() * latent_scale
     if key == "text_mask":
         return t
     if key == "loss_mask":

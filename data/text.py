@@ -9,6 +9,9 @@ text_embeds.npy, text_mask.npy, pooled_embeds.npy). Families (encoders by diffus
               text   (B, 77 + 256, D): [CLIP-L ; CLIP-G] penultimate hidden states (77 tokens) joined on the
                      feature axis and zero-padded to the T5 width D, then the T5 output on the sequence axis
               pooled (B, P): [CLIP-L ; CLIP-G] text_embeds (projections)
+              without T5 (t5=False: text_encoder_3=None in the pipeline): the T5 part is zeros, 256 x D with D
+                     the transformer's joint_attention_dim (here: the pipeline folder's transformer/config.json,
+                     else text_encoder_3/config.json's d_model, else SD3's 4096); T5 is neither needed nor loaded
     wan       text_encoder: UMT5 (UMT5EncoderModel)
               text (B, 512, D): last hidden state (mask passed), padding positions zeroed; prompts are
                    whitespace/HTML-cleaned as the pipeline does; text_mask (B, 512)
@@ -24,7 +27,7 @@ PixArt's optional caption cleaning (clean_caption, which needs bs4/ftfy) is not 
 as given. Weights are never downloaded: pass a local diffusers pipeline folder (text_encoder*/ and
 tokenizer*/ subfolders), e.g. fetched with
     hf download black-forest-labs/FLUX.1-dev --include 'text_encoder*/*' 'tokenizer*/*' --local-dir DIR
-or per-encoder folders. save_tiny_text_encoders writes tiny random encoders for tests.
+or per-encoder folders. data/tiny_text.py writes tiny random encoders (tests, offline trials).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart")
 PathLike = Union[str, os.PathLike]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
 CLIP_DEFAULT_LENGTH = 77
+SD3_T5_WIDTH = 4096   # joint_attention_dim of every SD3 / SD3.5 transformer (T5-XXL's width)
 
 
 class TextEncoderError(UserError):
@@ -98,6 +102,17 @@ def family_spec(family: str) -> FamilySpec:
     return FAMILIES[family]
 
 
+def family_slots(family: str, t5: bool = True) -> tuple[EncoderSlot, ...]:
+    """`family`'s encoders; t5=False (SD3 only: its pipeline runs without text_encoder_3) leaves T5 out."""
+    slots = family_spec(family).slots
+    if t5:
+        return slots
+    if family != "sd3":
+        raise TextEncoderError(f"t5=False (no T5 encoder) is for sd3 only; {family}'s text embeddings are its T5's "
+                               f"output. Allowed: t5=True for {family}.")
+    return tuple(s for s in slots if s.kind != "t5")
+
+
 def encoder_keys(family: str) -> tuple[str, ...]:
     """The path keys load_text_encoders accepts for `family`: "pipeline" and each model/tokenizer subfolder."""
     return ("pipeline",) + tuple(k for s in family_spec(family).slots for k in (s.model, s.tokenizer))
@@ -113,6 +128,8 @@ class TextEncoders:
     tokenizers: dict[str, Any]
     paths: dict[str, str] = field(default_factory=dict)
     max_length: Optional[int] = None
+    t5: bool = True                   # False: SD3 loaded without T5 (its part of the embeddings is zeros)
+    t5_width: Optional[int] = None    # without T5: the width of those zeros (None: SD3_T5_WIDTH)
 
 
 # ----------------------------------------------------------------------------- locating and loading
@@ -128,21 +145,28 @@ def _has_tokenizer(folder: Path) -> bool:
     return any((folder / f).is_file() for f in TOKENIZER_FILES)
 
 
-def resolve_text_encoder_paths(family: str, paths: Union[PathLike, Mapping[str, PathLike]]) -> dict[str, Path]:
+def resolve_text_encoder_paths(family: str, paths: Union[PathLike, Mapping[str, PathLike]], *,
+                               t5: bool = True) -> dict[str, Path]:
     """{model or tokenizer subfolder name: local folder} for every encoder of `family`, without loading anything.
 
     `paths` is a diffusers pipeline folder, or a dict with "pipeline" (that folder) and/or explicit folders
     per model / tokenizer key (encoder_keys(family)). An explicit model folder holds config.json (or is a
     pipeline-like folder with the subfolder inside); its tokenizer is taken from the explicit tokenizer key,
     else that pipeline-like folder, else the pipeline folder, else the model folder itself. Missing files
-    raise TextEncoderError naming the family, the encoder, the path tried and how to get the files.
+    raise TextEncoderError naming the family, the encoder, the path tried and how to get the files. t5=False
+    (sd3): T5's folders are not looked for.
     """
     spec = family_spec(family)
+    slots = family_slots(family, t5)
     given = {"pipeline": paths} if isinstance(paths, (str, os.PathLike)) else dict(paths or {})
     unknown = sorted(set(given) - set(encoder_keys(family)))
     if unknown:
         raise TextEncoderError(f"{family} text encoder paths have unknown key(s) {unknown}; allowed: "
                                f"{list(encoder_keys(family))}")
+    unused = sorted(k for s in set(spec.slots) - set(slots) for k in (s.model, s.tokenizer) if given.get(k))
+    if unused:
+        raise TextEncoderError(f"{family} text encoder paths {unused} are given with t5=False (no T5); allowed: "
+                               f"leave them out, or encode with T5.")
     given = {k: Path(v).expanduser().absolute() for k, v in given.items() if v is not None and str(v)}
     pipe = given.get("pipeline")
     if pipe is not None and not pipe.is_dir():
@@ -150,7 +174,7 @@ def resolve_text_encoder_paths(family: str, paths: Union[PathLike, Mapping[str, 
         raise TextEncoderError(f"{family} text encoders: the pipeline folder '{pipe}' does not exist. "
                                f"{_advice(family, slot)}")
     out: dict[str, Path] = {}
-    for slot in spec.slots:
+    for slot in slots:
         explicit, own_pipe = given.get(slot.model), None
         if explicit is not None and not (explicit / "config.json").is_file() and \
                 (explicit / slot.model / "config.json").is_file():
@@ -195,17 +219,18 @@ def _model_class(family: str, slot: EncoderSlot, folder: Path):
 
 
 def load_text_encoders(family: str, paths: Union[PathLike, Mapping[str, PathLike]], device: Any = "cpu",
-                       dtype: torch.dtype = torch.float32) -> TextEncoders:
+                       dtype: torch.dtype = torch.float32, *, t5: bool = True) -> TextEncoders:
     """Load `family`'s text encoders (transformers CLIPTextModel / CLIPTextModelWithProjection /
     T5EncoderModel / UMT5EncoderModel + AutoTokenizer) from local folders (see resolve_text_encoder_paths),
     on `device` in `dtype`, in eval mode without gradients. Never downloads: missing files raise
-    TextEncoderError saying how to provide them."""
+    TextEncoderError saying how to provide them. t5=False (sd3 only): T5 is not loaded (nor needed); its part
+    of the embeddings will be zeros (encode_prompts)."""
     from transformers import AutoTokenizer
 
     spec = family_spec(family)
-    found = resolve_text_encoder_paths(family, paths)
+    found = resolve_text_encoder_paths(family, paths, t5=t5)
     models, tokenizers = {}, {}
-    for slot in spec.slots:
+    for slot in family_slots(family, t5):
         folder, tok_folder = found[slot.model], found[slot.tokenizer]
         cls = _model_class(family, slot, folder)
         try:
@@ -221,7 +246,25 @@ def load_text_encoders(family: str, paths: Union[PathLike, Mapping[str, PathLike
                                    f"({err}). {_advice(family, slot)}") from None
     length = default_max_length(family, paths)
     return TextEncoders(family, models, tokenizers, {k: str(v) for k, v in found.items()},
-                        None if length == spec.max_length else length)
+                        None if length == spec.max_length else length, t5=t5,
+                        t5_width=None if t5 else sd3_t5_width(paths))
+
+
+def sd3_t5_width(paths: Union[PathLike, Mapping[str, PathLike], None]) -> Optional[int]:
+    """The width of SD3's zeros in place of T5, as the pipeline takes it (its transformer's joint_attention_dim),
+    read from the pipeline folder's config files only: transformer/config.json, else text_encoder_3/config.json
+    (T5's d_model, when the folder has it); None when neither is there (encode_prompts then uses SD3_T5_WIDTH)."""
+    pipe = paths if isinstance(paths, (str, os.PathLike)) else (paths or {}).get("pipeline")
+    if not pipe:
+        return None
+    for sub, name in (("transformer", "joint_attention_dim"), ("text_encoder_3", "d_model")):
+        try:
+            value = json.loads((Path(pipe).expanduser() / sub / "config.json").read_text()).get(name)
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def default_max_length(family: str, paths: Union[PathLike, Mapping[str, PathLike], None] = None) -> int:
@@ -267,7 +310,10 @@ def _clip_length(tokenizer, model) -> int:
     return min(length, int(model.config.max_position_embeddings))
 
 
-def _as_encoders(family: str, encoders: Union[TextEncoders, Mapping[str, Any]]) -> TextEncoders:
+def _as_encoders(family: str, encoders: Union[TextEncoders, Mapping[str, Any]], t5: Optional[bool]
+                 ) -> tuple[TextEncoders, bool]:
+    """(the encoders as TextEncoders, whether T5 runs): t5 None follows the encoders (loaded with or without
+    T5; a dict: with); t5=True with encoders loaded without T5 is an error."""
     if isinstance(encoders, TextEncoders):
         if encoders.family != family:
             raise TextEncoderError(f"encoders were loaded for family {encoders.family!r}, not {family!r}")
@@ -280,27 +326,33 @@ def _as_encoders(family: str, encoders: Union[TextEncoders, Mapping[str, Any]]) 
     else:
         raise TextEncoderError(f"encoders must be a TextEncoders (load_text_encoders) or a dict of models and "
                                f"tokenizers by pipeline subfolder name, got {type(encoders).__name__}")
-    missing = [k for s in family_spec(family).slots for k, d in ((s.model, enc.models), (s.tokenizer, enc.tokenizers))
-               if k not in d]
+    use_t5 = enc.t5 if t5 is None else bool(t5)
+    if use_t5 and not enc.t5:
+        raise TextEncoderError(f"t5=True, but these {family} encoders were loaded without T5 "
+                               f"(load_text_encoders(..., t5=False)); allowed: t5=False or None with them.")
+    missing = [k for s in family_slots(family, use_t5) for k, d in ((s.model, enc.models),
+                                                                    (s.tokenizer, enc.tokenizers)) if k not in d]
     if missing:
         raise TextEncoderError(f"{family} text encoding needs {missing} (model / tokenizer by pipeline subfolder "
                                f"name); got {sorted(enc.models) + sorted(enc.tokenizers)}")
-    return enc
+    return enc, use_t5
 
 
 def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]], prompts: Union[str, Sequence[str]],
                    *, max_length: Optional[int] = None, device: Any = "cpu",
-                   dtype: Optional[torch.dtype] = torch.float32) -> dict[str, np.ndarray]:
+                   dtype: Optional[torch.dtype] = torch.float32, t5: Optional[bool] = None) -> dict[str, np.ndarray]:
     """Encode `prompts` as `family`'s pipeline does (see the module doc): {"text": float32 (B, L, D),
     "text_mask": bool (B, L) (wan, auraflow, pixart), "pooled": float32 (B, P) (flux, sd3)} as numpy arrays.
 
     `encoders`: load_text_encoders' result, or a dict {pipeline subfolder name: model or tokenizer}.
     max_length: the T5-type sequence length (default: the family's; 300 for PixArt-Sigma weights). The
     models run on `device` in `dtype`, without gradients; models elsewhere are moved (in place: load them
-    there with load_text_encoders to avoid it; dtype None keeps theirs).
+    there with load_text_encoders to avoid it; dtype None keeps theirs). t5 (sd3 only for False): False
+    encodes without T5 (its part is zeros, as StableDiffusion3Pipeline with text_encoder_3=None); None: as the
+    encoders were loaded (load_text_encoders(..., t5=...); a dict: with T5).
     """
     spec = family_spec(family)
-    enc = _as_encoders(family, encoders)
+    enc, use_t5 = _as_encoders(family, encoders, t5)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     bad = [p for p in prompts if not isinstance(p, str)]
     if not prompts or bad:
@@ -312,6 +364,8 @@ def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]]
     device = torch.device(device)
     models = {}
     for key, model in enc.models.items():
+        if key not in {s.model for s in family_slots(family, use_t5)}:
+            continue
         if model.device != device:
             model = model.to(device)
         if dtype is not None and model.dtype != dtype:  # only then: a cast would undo T5's fp32-kept layers
@@ -321,7 +375,7 @@ def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]]
         if family == "flux":
             out = _encode_flux(models, enc.tokenizers, prompts, length, device)
         elif family == "sd3":
-            out = _encode_sd3(models, enc.tokenizers, prompts, length, device)
+            out = _encode_sd3(models, enc.tokenizers, prompts, length, device, _zeros_width(enc, use_t5))
         else:  # one T5-type encoder that sees the attention mask: wan, auraflow, pixart
             out = _encode_masked_t5(family, models, enc.tokenizers, prompts, length, device)
     arrays = {k: v.detach().cpu().numpy() if v.dtype == torch.bool else v.detach().float().cpu().numpy()
@@ -341,10 +395,18 @@ def _encode_flux(models: dict, tok: dict, prompts: list[str], length: int, devic
     return out
 
 
-def _encode_sd3(models: dict, tok: dict, prompts: list[str], length: int, device: torch.device
-                ) -> dict[str, torch.Tensor]:
+def _zeros_width(enc: TextEncoders, use_t5: bool) -> Optional[int]:
+    """SD3 without T5: the width of the zeros standing in for T5 (None: T5 runs)."""
+    if use_t5:
+        return None
+    t5 = enc.models.get("text_encoder_3")
+    return enc.t5_width or (int(t5.config.d_model) if t5 is not None else SD3_T5_WIDTH)
+
+
+def _encode_sd3(models: dict, tok: dict, prompts: list[str], length: int, device: torch.device,
+                zeros_width: Optional[int] = None) -> dict[str, torch.Tensor]:
     """SD3: both CLIPs' penultimate hidden states (zero-padded to the T5 width) before the T5 output, and both
-    CLIPs' projections as the pooled embedding."""
+    CLIPs' projections as the pooled embedding. zeros_width: no T5; its output is zeros (B, length, width)."""
     out: dict[str, torch.Tensor] = {}
     hidden, pooled = [], []
     for model_key, tok_key in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
@@ -356,8 +418,11 @@ def _encode_sd3(models: dict, tok: dict, prompts: list[str], length: int, device
     if hidden[0].shape[1] != hidden[1].shape[1]:
         raise TextEncoderError(f"sd3: the CLIP tokenizers give {hidden[0].shape[1]} and {hidden[1].shape[1]} "
                                f"tokens; both must use the same length (77)")
-    ids, _ = _tokenize(tok["tokenizer_3"], prompts, length, device)
-    t5 = models["text_encoder_3"](ids)[0].float()  # no attention mask, as the SD3 pipeline
+    if zeros_width is not None:   # StableDiffusion3Pipeline with text_encoder_3=None
+        t5 = torch.zeros((len(prompts), length, zeros_width), device=device)
+    else:
+        ids, _ = _tokenize(tok["tokenizer_3"], prompts, length, device)
+        t5 = models["text_encoder_3"](ids)[0].float()  # no attention mask, as the SD3 pipeline
     clip = torch.cat(hidden, dim=-1)
     if clip.shape[-1] > t5.shape[-1]:
         raise TextEncoderError(f"sd3: the CLIP hidden states are {clip.shape[-1]} wide together, more than "
@@ -397,73 +462,3 @@ def read_captions_file(path: PathLike) -> dict[str, str]:
                                 header=(("file_name", "filename", "file", "path", "image"),
                                         ("caption", "text", "prompt")),
                                 json_value=_json_caption, json_example='{"file name": "caption"}', say_where=True)
-
-
-# ----------------------------------------------------------------------------- tiny random encoders (tests)
-
-TINY_WORDS = ("a an the of photo picture image with on in and red green blue yellow magenta cyan orange white "
-              "purple lime disc square triangle ring plus horizontal vertical stripes checkerboard diamond x cat "
-              "dog eel bird tree house").split()
-
-
-def _tiny_tokenizer(style: str, words: Sequence[str], max_length: int):
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    if style == "clip":  # eos id 1 (not 2: CLIP treats eos_token_id 2 as "argmax of the ids")
-        special = {"<|startoftext|>": 0, "<|endoftext|>": 1, "<unk>": 2}
-        bos, eos, pad = "<|startoftext|>", "<|endoftext|>", "<|endoftext|>"
-        template = f"{bos} $A {eos}"
-    else:  # T5 / UMT5: pad 0, eos 1, unk 2; no bos
-        special = {"<pad>": 0, "</s>": 1, "<unk>": 2}
-        bos, eos, pad = None, "</s>", "<pad>"
-        template = f"$A {eos}"
-    vocab = dict(special)
-    for w in words:
-        vocab.setdefault(w.lower(), len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single=template, special_tokens=[(t, vocab[t]) for t in (bos, eos) if t is not None])
-    kwargs = {"bos_token": bos} if bos else {}
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, unk_token="<unk>",
-                                   model_max_length=max_length, **kwargs), vocab
-
-
-def save_tiny_text_encoders(family: str, out_dir: PathLike, *, seed: int = 0,
-                            words: Sequence[str] = TINY_WORDS) -> Path:
-    """Write tiny randomly initialised text encoders + word-level tokenizers for `family` as a diffusers-style
-    pipeline folder (text_encoder*/, tokenizer*/, model_index.json) at `out_dir`; returns it. For tests and
-    offline trials only: the embeddings mean nothing. Widths fit each family's tiny preset (text 32, pooled 32):
-    CLIP-L 32 (flux) or CLIP-L 16 + CLIP-G 16 (sd3), T5 32; 2 layers each. Leaves the global RNG alone."""
-    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel,
-                              UMT5Config, UMT5EncoderModel)
-
-    spec = family_spec(family)
-    out = Path(out_dir).expanduser().absolute()
-    out.mkdir(parents=True, exist_ok=True)
-    clip_widths = iter((16, 16) if family == "sd3" else (32,))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for slot in spec.slots:
-            if slot.kind in ("clip", "clip_proj"):
-                tokenizer, vocab = _tiny_tokenizer("clip", words, CLIP_DEFAULT_LENGTH)
-                width = next(clip_widths)
-                config = CLIPTextConfig(hidden_size=width, intermediate_size=37, num_hidden_layers=2,
-                                        num_attention_heads=4, vocab_size=len(vocab), projection_dim=width,
-                                        max_position_embeddings=CLIP_DEFAULT_LENGTH, bos_token_id=0, eos_token_id=1,
-                                        pad_token_id=1)
-                model = (CLIPTextModel if slot.kind == "clip" else CLIPTextModelWithProjection)(config)
-            else:
-                tokenizer, vocab = _tiny_tokenizer("t5", words, 512)
-                width = 32
-                kwargs = dict(d_model=width, d_ff=37, num_layers=2, num_heads=4, d_kv=8, vocab_size=len(vocab),
-                              pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-                umt5 = family in ("wan", "auraflow")
-                model = (UMT5EncoderModel(UMT5Config(**kwargs)) if umt5 else T5EncoderModel(T5Config(**kwargs)))
-            model.eval().save_pretrained(out / slot.model)
-            tokenizer.save_pretrained(out / slot.tokenizer)
-    index = {"_class_name": spec.pipeline, "_note": "tiny random text encoders (data.text.save_tiny_text_encoders)"}
-    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return out

@@ -11,6 +11,8 @@ class-balanced grid work as for toy_shapes. Only the ten class captions are enco
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Optional, Union
@@ -51,13 +53,16 @@ def _check_args(family: str, text_encoders: Optional[PathLike], max_text_length:
 def ensure_toy_text_dataset(path: PathLike, num_per_class: int = 1000, resolution: int = 16, seed: int = 0, *,
                             family: str = "flux", text_encoders: Optional[PathLike] = None,
                             caption: str = "a {class}", max_text_length: int = 16) -> Path:
-    """Return `path`, first writing toy_shapes_text there unless it already holds these parameters."""
-    root = Path(path).expanduser().absolute()
+    """The dataset's directory, `path`/<digest of the parameters>, first writing toy_shapes_text there unless it
+    exists: each set of encoders, captions and lengths gets its own dataset, so switching encoders never meets
+    (or overwrites) data encoded by others."""
     encoders = _check_args(family, text_encoders, max_text_length)
     captions = class_captions(caption)
     params = {"name": "toy_shapes_text", "num_per_class": int(num_per_class), "resolution": int(resolution),
               "seed": int(seed), "family": family, "text_encoders": str(encoders), "caption": caption,
               "max_text_length": int(max_text_length)}
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(path).expanduser().absolute() / digest
 
     def check_existing() -> Path:
         found = read_meta(root).get("builtin")

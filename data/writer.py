@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from .meta import (DEFAULT_FILES, EXTRA_FILE_OF, EXTRA_FILES, EXTRA_KEYS, FORMAT, VERSION, LatentDatasetError,
-                   LatentDatasetExistsError, PathLike, validate_meta)
+                   LatentDatasetExistsError, PathLike, model_shape, validate_meta)
 
 
 def _exists_error(root: Path) -> LatentDatasetExistsError:
@@ -29,8 +29,10 @@ def _check_target(root: Path) -> None:
 # What each extras array holds, for error messages.
 EXTRA_WHAT = {"text": "(n, L, D) float array of text embeddings", "text_mask": "(n, L) bool attention mask",
               "pooled": "(n, P) float array of pooled embeddings",
-              "loss_mask": "(n, Hm, Wm) loss mask (uint8 0..255, or float in [0, 1])"}
-_EXTRA_NDIM = {"text": 3, "text_mask": 2, "pooled": 2, "loss_mask": 3}
+              "loss_mask": "(n, Hm, Wm) loss mask (uint8 0..255, or float in [0, 1])",
+              "reference": "(n, C, H, W) float array of reference latents (stored values, like the latents)"}
+_EXTRA_NDIM = {"text": 3, "text_mask": 2, "pooled": 2, "loss_mask": 3, "reference": 4}
+DECLARE = "text_shape=(L, D), text_mask=True, pooled_dim=P, loss_mask_shape=(Hm, Wm), reference_latents=True"
 _RESERVED = {"text": ("seq_len", "dim", "mask"), "pooled": ("dim",)}  # conditioning keys the writer sets itself
 
 
@@ -114,10 +116,12 @@ class LatentDatasetWriter:
 
     Optional per-sample arrays (see the module doc): text_shape=(L, D) (text_embeds.npy, in the dataset
     dtype), text_mask=True (text_mask.npy, needs text_shape), pooled_dim=P (pooled_embeds.npy, dataset
-    dtype), loss_mask_shape=(Hm, Wm) (loss_mask.npy, uint8). Each one declared must then come with every
-    write, as write(start, latents, labels, extras={"text": ..., "text_mask": ..., "pooled": ...,
-    "loss_mask": ...}). conditioning_meta adds descriptive keys to meta "conditioning" (e.g. {"text":
-    {"family": "flux", "encoders": [...], "max_length": 512}}); seq_len/dim/mask come from the arrays.
+    dtype), loss_mask_shape=(Hm, Wm) (loss_mask.npy, uint8), reference_latents=True (reference_latents.npy,
+    dataset dtype, the model-space shape: FLUX Kontext references, stored like "sample" latents). Each one
+    declared must then come with every write, as write(start, latents, labels, extras={"text": ...,
+    "text_mask": ..., "pooled": ..., "loss_mask": ..., "reference": ...}). conditioning_meta adds descriptive
+    keys to meta "conditioning" (e.g. {"text": {"family": "flux", "encoders": [...], "max_length": 512}});
+    seq_len/dim/mask come from the arrays.
 
     Pieces go into memory-mapped files in a temporary sibling directory; leaving the block without an error
     checks that every sample was written and renames the directory into place (commit()); an error removes
@@ -130,7 +134,7 @@ class LatentDatasetWriter:
                  extra_meta: Optional[Mapping[str, Any]] = None, text_shape: Optional[Sequence[int]] = None,
                  text_mask: bool = False, pooled_dim: Optional[int] = None,
                  loss_mask_shape: Optional[Sequence[int]] = None,
-                 conditioning_meta: Optional[Mapping[str, Any]] = None):
+                 conditioning_meta: Optional[Mapping[str, Any]] = None, reference_latents: bool = False):
         self.root = root = Path(path).expanduser().absolute()
         to_int = lambda v: int(v) if isinstance(v, np.integer) else v  # numpy ints are not JSON-serialisable
         self.meta = {"format": FORMAT, "version": VERSION, "shape": [to_int(s) for s in shape], "dtype": dtype,
@@ -145,8 +149,15 @@ class LatentDatasetWriter:
         extra, self._specs = _conditioning_layout(root, dtype, text_shape, text_mask, pooled_dim, loss_mask_shape,
                                                   conditioning_meta)
         self.meta.update(extra)
+        if not isinstance(reference_latents, (bool, np.bool_)):
+            raise LatentDatasetError(f"reference_latents for '{root}' is {reference_latents!r} but must be True or "
+                                     f"False")
         self.meta["files"].update({EXTRA_FILE_OF[k]: EXTRA_FILES[EXTRA_FILE_OF[k]] for k in self._specs})
+        if reference_latents:
+            self.meta["files"]["reference_latents"] = EXTRA_FILES["reference_latents"]
         validate_meta(self.meta, f"meta for '{root}'", "Fix the write_latent_dataset() arguments.")
+        if reference_latents:   # the model-space shape (validated above): C halved for moments data
+            self._specs["reference"] = (model_shape(self.meta), dtype)
         try:
             json.dumps(self.meta)
         except (TypeError, ValueError) as err:
@@ -177,12 +188,11 @@ class LatentDatasetWriter:
         missing, undeclared = [k for k in want if k not in got], [k for k in got if k not in want]
         if missing:
             raise LatentDatasetError(f"extras for '{root}' lack {missing}: the dataset stores {list(want)} (declared "
-                                     f"by the writer's text_shape/text_mask/pooled_dim/loss_mask_shape), so every "
-                                     f"write must give them")
+                                     f"by the writer's text_shape/text_mask/pooled_dim/loss_mask_shape/"
+                                     f"reference_latents), so every write must give them")
         if undeclared:
             raise LatentDatasetError(f"extras for '{root}' include {undeclared}, which the dataset does not store: "
-                                     f"declare them when creating the writer (text_shape=(L, D), text_mask=True, "
-                                     f"pooled_dim=P, loss_mask_shape=(Hm, Wm))")
+                                     f"declare them when creating the writer ({DECLARE})")
         out = {}
         for key, (tail, dtype) in want.items():
             a, head = np.asarray(got[key]), f"extras['{key}'] for '{root}'"
@@ -190,7 +200,7 @@ class LatentDatasetWriter:
                 want = ", ".join(map(str, (n, *tail)))
                 raise LatentDatasetError(f"{head} must be a {EXTRA_WHAT[key]} of shape ({want}) (one per latent), "
                                          f"got shape {a.shape}")
-            if key in ("text", "pooled"):
+            if key in ("text", "pooled", "reference"):
                 if not (np.issubdtype(a.dtype, np.floating) or a.size == 0):
                     raise LatentDatasetError(f"{head} must be a float array, got {a.dtype}")
                 a = _cast_finite(a, dtype, f"{head} contains", start, start + n, "use dtype='float32'")
@@ -313,9 +323,9 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
     `latents` (N, C, H, W) are the *stored* values (model space / latent_scale). `extra_meta` adds keys to
     meta.json (e.g. "builtin"). `extras` optionally adds per-sample conditioning / loss masks as full arrays
     {"text": (N, L, D), "text_mask": (N, L) bool, "pooled": (N, P), "loss_mask": (N, Hm, Wm) uint8 or float
-    in [0, 1]} (any subset; text_mask needs text), described further by `conditioning_meta` (see
-    LatentDatasetWriter). Raises LatentDatasetExistsError if `path` exists and is not an empty directory.
-    Datasets too big for RAM: LatentDatasetWriter.
+    in [0, 1], "reference": (N, C, H, W) stored reference latents} (any subset; text_mask needs text),
+    described further by `conditioning_meta` (see LatentDatasetWriter). Raises LatentDatasetExistsError if
+    `path` exists and is not an empty directory. Datasets too big for RAM: LatentDatasetWriter.
     """
     root = Path(path).expanduser().absolute()
     latents, labels = np.asarray(latents), np.asarray(labels)
@@ -339,7 +349,8 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
                              dtype=dtype, extra_meta=extra_meta, text_shape=shape_of("text"),
                              text_mask="text_mask" in extras,
                              pooled_dim=extras["pooled"].shape[1] if "pooled" in extras else None,
-                             loss_mask_shape=shape_of("loss_mask"), conditioning_meta=conditioning_meta) as writer:
+                             loss_mask_shape=shape_of("loss_mask"), conditioning_meta=conditioning_meta,
+                             reference_latents="reference" in extras) as writer:
         if not (labels.min() >= 0 and labels.max() < writer.meta["num_classes"]):  # checked before any copying
             raise LatentDatasetError(f"labels for '{root}' range over [{labels.min()}, {labels.max()}] but must lie "
                                      f"in [0, num_classes={num_classes}); pass the right num_classes or remap the "

@@ -16,6 +16,7 @@ from evaluation.features import build_feature_extractor
 from evaluation.images import save_image_grid
 from evaluation.metrics import FeatureAccumulator, compute_metrics
 from evaluation.reference import load_reference_full, reference_for_dataset
+from evaluation.validation import ValidationPrompts
 from sampling import Guidance, generate, text_conditioning_for_seeds
 from utils.distributed import all_gather_rows
 
@@ -28,9 +29,12 @@ def decode_options(cfg: Any) -> dict[str, Any]:
 
 class Evaluator:
     """ADM-style metrics (eval.metrics; FID by default) of generated samples against the dataset's
-    reference, plus a sample grid. The VAE (if any) and the reference are loaded once, here."""
+    reference, plus a sample grid, and the captioned grid of the validation prompts (eval.validation_prompts,
+    encoded with `model`'s text encoders, model_cfg.text_encoders). The VAE (if any), the reference and the
+    prompts' embeddings are made once, here: missing text encoders fail first."""
 
-    def __init__(self, eval_cfg: Any, dataset, cache_dir: str | Path, accelerator):
+    def __init__(self, eval_cfg: Any, dataset, cache_dir: str | Path, accelerator, model: Any = None,
+                 model_cfg: Any = None):
         self.cfg = eval_cfg
         self.dataset = dataset
         self.accelerator = accelerator
@@ -38,6 +42,8 @@ class Evaluator:
         self.decode = decode_options(eval_cfg)
         self.metrics = tuple(eval_cfg.metrics)
         self.guidance = Guidance.from_settings(eval_cfg)
+        self.validation = ValidationPrompts(eval_cfg, model_cfg or {}, model, dataset, self.device) \
+            if eval_cfg.get("validation_prompts") else None
         # Loads the VAE now (once per process): missing weights fail before training.
         check_decodable(dataset.meta, **self.decode, device=self.device)
         zeros = torch.zeros(1, *dataset.shape, device=self.device)
@@ -76,12 +82,17 @@ class Evaluator:
         feats.gather()
         scores = compute_metrics(feats, self.reference, self.metrics)
         grid_images = self._gather_grid(grid, grid_n, self.image_shape)
+        extra = {}
+        # A few images, outside the metrics; every process samples them (a sharded EMA needs all ranks).
+        validation = self.validation.sample(net, diffusion, self.guidance, self.decode) if self.validation else None
         if acc.is_main_process and samples_dir is not None:
             save_image_grid(grid_images, Path(samples_dir) / f"step_{step:07d}.png",
                             nrow=min(self.dataset.num_classes, grid_n),
                             upscale=max(1, 64 // grid_images.shape[1]))
+            if validation is not None:
+                extra["validation_grid"] = str(self.validation.save(*validation, step, Path(samples_dir)))
         return {"type": "eval", "step": step, **scores, "num_samples": cfg.num_samples,
-                "features": self.extractor.name, "eval_sec": time.time() - start}
+                "features": self.extractor.name, **extra, "eval_sec": time.time() - start}
 
     def _gather_grid(self, grid: dict[int, torch.Tensor], n: int, img_shape) -> torch.Tensor:
         """All grid images on every process, in seed order (seed i lives on rank i mod P)."""

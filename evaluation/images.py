@@ -9,7 +9,7 @@ from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 from utils.io import atomic_write
 
@@ -45,6 +45,64 @@ def make_grid(images: ImagesLike, nrow: Optional[int] = None, upscale: int = 1, 
 def save_image_grid(images: ImagesLike, path: Union[str, Path], nrow: Optional[int] = None,
                     upscale: int = 1) -> Path:
     grid = Image.fromarray(make_grid(images, nrow, upscale))
+    return atomic_write(path, lambda f: grid.save(f, format="PNG"))
+
+
+CAPTION_MIN_WIDTH = 128   # captioned cells are upscaled (nearest) to at least this many pixels across
+CAPTION_MAX_LINES = 4     # caption lines under each image; a longer caption ends in "..."
+
+
+def wrap_caption(text: str, width: int, font, max_lines: int = CAPTION_MAX_LINES) -> list[str]:
+    """`text` in lines that fit `width` pixels in `font` (greedy by word; a word wider than a line is split),
+    at most `max_lines`, the last one ending in "..." when the caption goes on."""
+    lines: list[str] = []
+    for word in text.split():
+        while len(word) > 1 and font.getlength(word) > width:   # an over-long word: its head on a line of its own
+            cut = len(word) - 1
+            while cut > 1 and font.getlength(word[:cut]) > width:
+                cut -= 1
+            lines, word = lines + [word[:cut]], word[cut:]
+        if lines and font.getlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    if len(lines) > max_lines:
+        last = lines[max_lines - 1]
+        while last and font.getlength(last + "...") > width:
+            last = last[:-1]
+        lines = lines[:max_lines - 1] + [last + "..."]
+    return lines or [""]
+
+
+def make_captioned_grid(images: ImagesLike, captions: list[str], nrow: Optional[int] = None,
+                        min_width: int = CAPTION_MIN_WIDTH, padding: int = 2) -> np.ndarray:
+    """Tile images as make_grid does, each with its caption drawn beneath it (PIL's default font, white on
+    black, wrapped to the image width). Images are upscaled (nearest) to at least `min_width` pixels across,
+    so small latents' captions stay legible; every cell has room for the longest caption's lines."""
+    images = to_nhwc_uint8(images)
+    if len(captions) != len(images):
+        raise ValueError(f"captioned grid: {len(images)} images but {len(captions)} captions")
+    upscale = max(1, min_width // images.shape[2])
+    images = images.repeat(upscale, axis=1).repeat(upscale, axis=2)
+    n, h, w, _ = images.shape
+    font = ImageFont.load_default()
+    line_height = font.getbbox("Ag")[3] + 2
+    wrapped = [wrap_caption(c, w - 4, font) for c in captions]
+    strip = 4 + line_height * max(len(lines) for lines in wrapped)
+    cells = np.zeros((n, h + strip, w, 3), np.uint8)
+    for cell, img, lines in zip(cells, images, wrapped):
+        canvas = Image.new("RGB", (w, strip))
+        draw = ImageDraw.Draw(canvas)
+        for i, line in enumerate(lines):
+            draw.text((2, 2 + i * line_height), line, fill=(255, 255, 255), font=font)
+        cell[:h], cell[h:] = img, np.asarray(canvas)
+    return make_grid(cells, nrow, padding=padding)
+
+
+def save_captioned_grid(images: ImagesLike, captions: list[str], path: Union[str, Path],
+                        nrow: Optional[int] = None) -> Path:
+    """make_captioned_grid as a PNG file (written atomically)."""
+    grid = Image.fromarray(make_captioned_grid(images, captions, nrow))
     return atomic_write(path, lambda f: grid.save(f, format="PNG"))
 
 
@@ -176,10 +234,15 @@ def load_images(path: Union[str, Path]) -> np.ndarray:
     raise ValueError(f"{path} is neither an image folder nor an .npz file")
 
 
-def write_samples(images: torch.Tensor, labels: torch.Tensor, out_dir: Path, grid_nrow: Optional[int]) -> dict:
-    """A PNG folder, a grid and an ADM-format samples.npz (arr_0 uint8 NHWC, arr_1 labels) under out_dir."""
+def write_samples(images: torch.Tensor, labels: torch.Tensor, out_dir: Path, grid_nrow: Optional[int],
+                  captions: Optional[list[str]] = None) -> dict:
+    """A PNG folder, a grid and an ADM-format samples.npz (arr_0 uint8 NHWC, arr_1 labels) under out_dir;
+    with `captions` (one per image: prompts), the grid has each image's caption beneath it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     save_png_folder(images, out_dir / "images")
     save_npz(images, out_dir / "samples.npz", labels=labels.numpy())
-    save_image_grid(images[:256], out_dir / "grid.png", nrow=grid_nrow, upscale=max(1, 64 // images.shape[1]))
+    if captions is not None:
+        save_captioned_grid(images[:256], captions[:256], out_dir / "grid.png", nrow=grid_nrow)
+    else:
+        save_image_grid(images[:256], out_dir / "grid.png", nrow=grid_nrow, upscale=max(1, 64 // images.shape[1]))
     return {"images": str(out_dir / "images"), "npz": str(out_dir / "samples.npz"), "grid": str(out_dir / "grid.png")}

@@ -229,9 +229,11 @@ class ReferenceBuilder:
     whose global index (0 <= index < total) is in subset_indices(total, store_images, seed): ADM references
     keep 10K images (arr_0) for precision/recall next to whole-dataset mu/sigma and mu_s/sigma_s.
     With several processes: each adds its share (with global indices), all call all_reduce(), and one calls
-    save()."""
+    save(). local=True: this process alone adds every image (e.g. the first process of a run building the
+    cache while the others wait), so save() needs no all_reduce even inside a distributed run."""
 
-    def __init__(self, extractor: nn.Module, total: int, store_images: Optional[int] = 10000, seed: int = 0):
+    def __init__(self, extractor: nn.Module, total: int, store_images: Optional[int] = 10000, seed: int = 0,
+                 local: bool = False):
         if getattr(extractor, "spatial_dim", None) is None or not hasattr(extractor, "forward_all"):
             raise TypeError(f"ReferenceBuilder needs an extractor with spatial features (forward_all, spatial_dim); "
                             f"'{getattr(extractor, 'name', type(extractor).__name__)}' has none")
@@ -248,6 +250,7 @@ class ReferenceBuilder:
         if store_images is None or store_images > 0:
             self._keep[subset_indices(self.total, store_images, seed)] = True
         self.store_images = int(self._keep.sum())
+        self.local = bool(local)
         self._images: list[np.ndarray] = []
         self._image_indices: list[np.ndarray] = []
         self.image_size: Optional[tuple[int, int]] = None
@@ -317,7 +320,7 @@ class ReferenceBuilder:
         """Write the ADM-compatible reference npz atomically: arr_0 (kept images, by index), mu, sigma, mu_s,
         sigma_s, plus feature, num_images, source and resolution (the image side, for square images).
         After all_reduce() when distributed; call it on one rank."""
-        if is_distributed() and not self.reduced:
+        if is_distributed() and not (self.reduced or self.local):
             raise RuntimeError("ReferenceBuilder.save in a distributed run: call all_reduce() on every rank first")
         if self.n < 2:
             raise ValueError(f"a reference needs at least 2 images, got {self.n}")
@@ -393,7 +396,7 @@ def reference_for_dataset(dataset, extractor: nn.Module, out_path: PathLike, max
         return out_path
     print(f"Building reference statistics ({extractor.name}, {len(indices)} images) -> {out_path}", flush=True)
     device = extractor_device(extractor)
-    builder = ReferenceBuilder(extractor, len(indices), store_images)
+    builder = ReferenceBuilder(extractor, len(indices), store_images, local=True)   # every image, on this process
     for i in tqdm(range(0, len(indices), batch_size), desc=f"reference ({extractor.name})", unit="batch",
                   dynamic_ncols=True, leave=False):
         x = _latents(dataset, indices[i:i + batch_size]).to(device)

@@ -171,6 +171,10 @@ class DiT(RoutedBackbone):
     def num_tokens(self) -> int:
         return self.x_embedder.num_patches
 
+    def routable_blocks(self) -> list[nn.Module]:
+        """The blocks route indices count over (as the families' routable_blocks(); training/fsdp.py shards each)."""
+        return list(self.blocks)
+
     def tokens_from_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """A (B, 1, H, W) loss-mask coverage in [0, 1] -> (B, N) bool: tokens more than half covered."""
         side = self.input_size // self.patch_size

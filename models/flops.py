@@ -75,7 +75,8 @@ def model_forward_flops(model: Any, cond: Optional[Mapping[str, torch.Tensor]] =
     """Theoretical forward FLOPs per sample of a backbone with its configured routes: DiT's analytic
     forward_flops, or counted on one sample for the diffusers families (with `cond`, the data's text
     conditioning of one sample, when the data has it). Counting runs the eager forward in training mode and
-    leaves the router's random stream where it was."""
+    leaves the router's random stream and the global one where they were (peft's LoKr/LoHa layers draw from
+    the global stream in every training forward, so an exact resume needs the count not to move it)."""
     if hasattr(model, "forward_flops"):
         return float(model.forward_flops())
     param = next(model.parameters())
@@ -85,8 +86,9 @@ def model_forward_flops(model: Any, cond: Optional[Mapping[str, torch.Tensor]] =
     was_training = model.training
     saved = model.routing.router.state_dict()  # counting must not advance the router's RNG
     model.train()
+    devices = [param.device] if param.device.type == "cuda" else []
     try:
-        with model.eager():
+        with model.eager(), torch.random.fork_rng(devices=devices):
             return counted_forward_flops(model, torch.zeros(shape, device=param.device),
                                          torch.zeros(1, dtype=torch.long, device=param.device),
                                          {k: v.to(param.device) for k, v in (cond or {}).items()})

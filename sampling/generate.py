@@ -7,8 +7,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from data import COND_KEYS, has_model_conditioning
 from diffusion import StackedRandomGenerator
-from sampling.guidance import Guidance, denoiser, per_sample_routing
+from sampling.guidance import UNCOND, Guidance, denoiser, per_sample_routing
 
 CondFn = Callable[[list[int]], dict]   # seeds -> per-sample conditioning (text embeddings) for those seeds
 
@@ -49,12 +50,13 @@ def batch_labels(seeds: Sequence[int], start: int, num_classes: int, classes: Op
 @torch.no_grad()
 def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_classes: int, device: torch.device,
              *, batch_size: int, classes: Optional[Sequence[int]] = None, num_steps: Optional[int] = None,
-             cond_fn: Optional[CondFn] = None, guidance: Optional[Guidance] = None, stats: Optional[dict] = None
-             ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+             cond_fn: Optional[CondFn] = None, guidance: Optional[Guidance] = None, stats: Optional[dict] = None,
+             uncond_fn: Optional[CondFn] = None) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """Yield (seeds, labels, latents) batches. `classes` defaults to class_for_seed; `cond_fn(seeds)` gives
-    per-sample conditioning (text embeddings) for text-conditioned models. `guidance` (CFG, inference
-    routing, TREAD guidance; default none) draws each sample's routed tokens from a generator seeded by its
-    seed; `stats` counts forward passes per branch (sampling/cost.py)."""
+    per-sample conditioning (text embeddings) for text-conditioned models; `uncond_fn(seeds)`, that of CFG's
+    unconditional branch (negative prompts; None: the null label). `guidance` (CFG, inference routing, TREAD
+    guidance; default none) draws each sample's routed tokens from a generator seeded by its seed; `stats`
+    counts forward passes per branch (sampling/cost.py)."""
     net.eval()
     seeds = list(seeds)
     guidance = guidance if guidance is not None else Guidance()
@@ -65,20 +67,23 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
         labels = batch_labels(batch, i, num_classes, classes, device)
         noise = gen.randn([len(batch), *shape], device=device)
         cond = {k: v.to(device) for k, v in cond_fn(batch).items()} if cond_fn is not None else None
+        if uncond_fn is not None and guidance.cfg_scale != 1.0:   # rides along; guidance.split_uncond takes it
+            cond = {**(cond or {}), UNCOND: {k: v.to(device) for k, v in uncond_fn(batch).items()}}
         with per_sample_routing(net, batch, device, guidance):
             x = diffusion.sample(denoise, noise, labels, num_steps=num_steps, randn_like=gen.randn_like, cond=cond)
         yield batch, labels, x
 
 
 def text_conditioning_for_seeds(dataset, net) -> Optional[CondFn]:
-    """Text-conditioned data and model: sample seed i with the text embeddings of dataset item i mod N (so
-    samples follow the data's caption distribution); None for class-conditional data or models."""
-    if not (getattr(dataset, "conditioning", None) or {}).get("text"):
+    """Text-conditioned data and model: sample seed i with the text embeddings (and FLUX Kontext reference
+    latents) of dataset item i mod N (so samples follow the data's caption distribution); None for
+    class-conditional data or models."""
+    if not has_model_conditioning(getattr(dataset, "conditioning", None) or {}):
         return None
     if not hasattr(getattr(net, "model", net), "conditioning"):  # DiT: class labels only
         return None
 
     def cond(seeds: list[int]) -> dict:
         batch = dataset.__getitems__([s % len(dataset) for s in seeds])
-        return {k: v for k, v in batch[2].items() if k in ("text", "text_mask", "pooled")}
+        return {k: v for k, v in batch[2].items() if k in COND_KEYS}
     return cond

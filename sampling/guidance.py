@@ -11,7 +11,10 @@ rectified flow: t) and conditional inputs c:
   one. Both branches are conditional (the paper repo runs both unconditionally, so its guidance ignores the
   class);
 * classifier-free guidance (`cfg_scale` != 1) on top: uncond + cfg * (cond - uncond), uncond taken at the
-  main branch's ratio in the same batched call as the strong conditional;
+  main branch's ratio in the same batched call as the strong conditional. The unconditional branch gets the
+  null label (the model's own unconditional input, as in training label dropout: text models zero their text
+  embeddings), or, where the per-sample conditioning carries an UNCOND entry (negative prompts), the real
+  labels with that entry's conditioning instead;
 * `interval` = (lo, hi): both guidances apply only where lo <= s <= hi (Kynkaenniemi et al. 2024); outside
   it a step costs one conditional evaluation of the main branch.
 
@@ -124,11 +127,28 @@ def routed(model: Any, specs: Optional[list[dict]]) -> Iterator[None]:
 
 
 
-def _both(cond: dict) -> dict:
-    """Per-sample conditioning repeated for the batched [conditional, unconditional] call."""
-    return {k: (torch.cat([v, v]) if isinstance(v, torch.Tensor) else
-                {kk: torch.cat([vv, vv]) for kk, vv in v.items()} if isinstance(v, dict) else v)
-            for k, v in cond.items()}
+UNCOND = "uncond"   # key, inside the per-sample conditioning, of the unconditional branch's own conditioning
+
+
+def _joined(first: dict, second: dict) -> dict:
+    """Per-sample conditioning of the batched [conditional, unconditional] call: `first`'s rows, then
+    `second`'s (nested dicts, such as the samplers' cond={...}, joined key by key; where `second` lacks a
+    key, `first`'s rows are repeated: the unconditional branch replaces only what it has)."""
+    return {k: (torch.cat([v, second.get(k, v)]) if isinstance(v, torch.Tensor) else
+                _joined(v, second.get(k, v)) if isinstance(v, dict) else v)
+            for k, v in first.items()}
+
+
+def split_uncond(cond: dict) -> tuple[dict, Optional[dict]]:
+    """(conditional, unconditional) keyword arguments of the denoiser: the samplers pass the per-sample
+    conditioning as cond={...}; an UNCOND entry in it is the unconditional branch's conditioning (negative
+    prompts), removed from the conditional one. (cond, None) where there is none (the null label then)."""
+    inner = cond.get("cond")
+    if not isinstance(inner, dict) or UNCOND not in inner:
+        return cond, None
+    inner = dict(inner)
+    uncond = inner.pop(UNCOND)
+    return {**cond, "cond": inner}, {**cond, "cond": uncond}
 
 
 def guided_denoiser(net: Any, guidance: Guidance, null_label: int,
@@ -147,10 +167,15 @@ def guided_denoiser(net: Any, guidance: Guidance, null_label: int,
     def denoise(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
         inside = interval is None or interval[0] <= float(noise.reshape(-1)[0]) <= interval[1]
         use_cfg, use_tread = inside and cfg_scale != 1.0, inside and w != 1.0
+        cond, uncond_cond = split_uncond(cond)
         with routed(model, strong):
             if use_cfg:   # one batched call: [conditional, unconditional]
-                null = torch.full_like(labels, null_label)
-                out = net(torch.cat([x, x]), torch.cat([noise, noise]), torch.cat([labels, null]), **_both(cond))
+                if uncond_cond is None:   # the null label: the model's own unconditional input
+                    uncond_labels, uncond_cond = torch.full_like(labels, null_label), cond
+                else:                     # the unconditional branch's own conditioning (negative prompts)
+                    uncond_labels = labels
+                out = net(torch.cat([x, x]), torch.cat([noise, noise]), torch.cat([labels, uncond_labels]),
+                          **_joined(cond, uncond_cond))
                 cond_out, uncond = out.chunk(2)
             else:
                 cond_out = net(x, noise, labels, **cond)
@@ -190,5 +215,6 @@ def denoiser(net: Any, guidance: Guidance, null_label: int, stats: Optional[dict
 def classifier_free_guidance(net: Any, cfg_scale: float, null_label: int) -> Denoiser:
     """net(x, noise, labels, **cond) -> uncond + cfg_scale * (cond - uncond), both branches in one batched
     call; cfg_scale == 1 is the plain conditional model. Per-sample conditioning tensors in `cond` (text
-    embeddings, ...) are repeated for the unconditional half, whose null label tells the model to drop them."""
+    embeddings, ...) are repeated for the unconditional half, whose null label tells the model to drop them,
+    unless `cond` carries the unconditional half's own conditioning (UNCOND, see split_uncond)."""
     return denoiser(net, Guidance(cfg_scale=cfg_scale), null_label)

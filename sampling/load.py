@@ -32,13 +32,15 @@ def load_for_inference(checkpoint: str | Path, use_ema: bool = True, device: str
 def text_conditioning(net, meta: dict, config: Any) -> Optional[CondFn]:
     """For a text-conditioned checkpoint (a diffusers family trained on data with text embeddings): a
     cond_fn(seeds) giving sample i the text embeddings of training item i mod N, read from the training data
-    (config.data). None for class-conditional checkpoints."""
-    if not hasattr(getattr(net, "model", net), "conditioning") or not (meta.get("conditioning") or {}).get("text"):
+    (config.data), and FLUX Kontext's reference latents likewise. None for class-conditional checkpoints."""
+    from_data = (meta.get("conditioning") or {}).get("text") or "reference_latents" in (meta.get("files") or {})
+    if not hasattr(getattr(net, "model", net), "conditioning") or not from_data:
         return None
     try:
         dataset = build_dataset(config.data)
     except (LatentDatasetError, FileNotFoundError) as err:
         raise FileNotFoundError(
-            f"this checkpoint is text-conditioned: samples take their text embeddings from the training data "
+            f"this checkpoint is text-conditioned: samples take their text embeddings (reference latents) from the "
+            f"training data "
             f"(data.path={config.data.get('path')!r}), which cannot be read here: {err}") from None
     return text_conditioning_for_seeds(dataset, net)

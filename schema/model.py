@@ -3,9 +3,13 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
+from pydantic import model_validator
+
+from diffusion.rf import DynamicShift, RectifiedFlow
 from models.dit import DIT_ARCHS
 from models.families import FAMILIES
-from models.lora import LORA_KEYS
+from models.lora import ADAPTER_TYPES, LORA_KEYS, check_type_keys
+from models.quantize import QUANTIZE_MODES, check_quantize
 from routing import SELECTION_MODES
 from schema.base import SEED_LIMIT, ConfigError, Flag, NonNegativeNumber, Number, PositiveNumber, Section, key, one_of
 
@@ -40,12 +44,33 @@ class Routing(Section):
 class Lora(Section):
     """model.lora"""
 
-    rank: int = key("a positive integer (adapter rank, e.g. 16)", ge=1)
+    type: Literal[ADAPTER_TYPES] = key(one_of(ADAPTER_TYPES) + " (peft's LoraConfig, LoKrConfig, LoHaConfig)",
+                                       default="lora")
+    rank: int = key("a positive integer (adapter rank, e.g. 16; peft's r)", ge=1)
     alpha: Optional[Number] = key("a number > 0 (scale = alpha / rank; null: rank)", gt=0, default=None)
     target_modules: list[str] = key("a non-empty list of module names to adapt, e.g. [to_q, to_k, to_v, to_out.0]",
                                     min_length=1)
-    dropout: Number = key("a number in [0, 1)", ge=0, lt=1, default=0.0)
-    init: Any = key("peft's init_lora_weights (true, gaussian, ...)", default=True)
+    init: Any = key("peft's init_lora_weights (lora: true, false, gaussian, ...) or init_weights (lokr: true, "
+                    "false, lycoris; loha: true, false)", default=True)
+    dropout: Number = key("a number in [0, 1) (type=lora only: dropout on the adapter's input)", ge=0, lt=1,
+                          default=0.0)
+    decompose_factor: int = key("-1 (near-square Kronecker factors) or an integer >= 1 (type=lokr only)", ge=-1,
+                                default=-1)
+    decompose_both: bool = key("true or false (type=lokr only: also split the first Kronecker factor into a rank "
+                               "product)", default=False)
+    rank_dropout: Number = key("a number in [0, 1) (type=lokr|loha only: drops rows of the update)", ge=0, lt=1,
+                               default=0.0)
+    module_dropout: Number = key("a number in [0, 1) (type=lokr|loha only: skips the whole adapter)", ge=0, lt=1,
+                                 default=0.0)
+
+    @model_validator(mode="after")
+    def check_adapter_keys(self) -> "Lora":
+        """Keys of another adapter type are an error (models/lora.py says which type takes which)."""
+        check_type_keys(self.model_fields_set, self.type, "model.lora")
+        if self.decompose_factor == 0:
+            raise ValueError("model.lora.decompose_factor=0 is not allowed; allowed: -1 (near-square Kronecker "
+                             "factors) or an integer >= 1.")
+        return self
 
 
 assert set(Lora.model_fields) == set(LORA_KEYS)
@@ -74,7 +99,8 @@ class DiTModel(Backbone):
     mlp_ratio: Optional[Number] = key("a number > 0", gt=0, default=None)
 
 
-FAMILY_ONLY = {"guidance": "flux", "frames": "wan", "expand_timesteps": "wan", "vae_scale_factor": "pixart"}
+FAMILY_ONLY = {"guidance": "flux", "kontext": "flux", "use_t5": "sd3", "frames": "wan", "expand_timesteps": "wan",
+               "vae_scale_factor": "pixart"}
 
 
 class FamilyModel(Backbone):
@@ -88,11 +114,27 @@ class FamilyModel(Backbone):
     config: Optional[dict[str, Any]] = key("null or a mapping of diffusers config overrides")
     arch: str = key("a display name")
     text_len: int = key("a positive integer (class-to-text table length)", ge=1)
-    lora: Optional[Lora] = key("null or {rank, alpha, target_modules, dropout}")
+    lora: Optional[Lora] = key("null or {type, rank, alpha, target_modules, ...} (lora | lokr | loha)")
+    quantize: Optional[Literal[QUANTIZE_MODES]] = key(
+        "null (full precision) or " + one_of(QUANTIZE_MODES) + ": the frozen base blocks' Linear weights are "
+        "quantized and model.lora's adapters train on top (needs model.lora; models/quantize.py)", default=None)
+    text_encoders: Optional[str] = key("null or a local diffusers pipeline folder with the family's text_encoder*/ "
+                                       "and tokenizer*/ subfolders (prompts: sample.py, eval.validation_prompts)",
+                                       default=None)
     guidance: Optional[Number] = key("null or a number (FLUX guidance-distilled models)", default=None)
+    kontext: bool = key("true or false (FLUX Kontext: the data's reference latents, reference_latents.npy, "
+                        "condition every sample as never-routed image tokens)", default=False)
+    use_t5: bool = key("true or false (SD3: false zeroes the T5 part of the text embeddings, the positions after "
+                       "the 77 CLIP tokens, as StableDiffusion3Pipeline with text_encoder_3=None)", default=True)
     frames: Optional[int] = key("a positive integer (Wan latent frames)", ge=1, default=None)
     expand_timesteps: Optional[bool] = key("true or false (Wan)", default=None)
     vae_scale_factor: Optional[int] = key("a positive integer (PixArt)", ge=1, default=None)
+
+    @model_validator(mode="after")
+    def check_quantize(self) -> "FamilyModel":
+        """A quantized base trains through adapters only (models/quantize.py says it, once)."""
+        check_quantize(self.quantize, self.lora)
+        return self
 
     def check_family_keys(self) -> None:
         for name, family in FAMILY_ONLY.items():
@@ -125,15 +167,40 @@ class EDMConfig(Section):
                               f"allowed; allowed: 0 < sigma_min < sigma_max.")
 
 
+class DynamicShiftConfig(Section):
+    """diffusion.dynamic_shift"""
+
+    base_shift: Number = key("a number (mu at base_seq_len image tokens; FLUX.1: 0.5)")
+    max_shift: Number = key("a number (mu at max_seq_len image tokens; FLUX.1: 1.15)")
+    base_seq_len: int = key("an integer >= 1, below max_seq_len (FLUX.1: 256)", ge=1)
+    max_seq_len: int = key("an integer above base_seq_len (FLUX.1: 4096)", ge=2)
+    patch_size: int = key("an integer >= 1: latent cells per token side (FLUX packs 2x2: 2; DiT, SD3: their "
+                          "patch_size)", ge=1)
+
+    @model_validator(mode="after")
+    def check_lengths(self) -> "DynamicShiftConfig":
+        DynamicShift(**self.model_dump())       # base_seq_len < max_seq_len, said once (diffusion/rf.py)
+        return self
+
+
 class RFConfig(Section):
     """diffusion=rf"""
 
     target: Literal["diffusion.RectifiedFlow"] = key("diffusion.RectifiedFlow", alias="_target_")
     P_mean: Number = key("a number (mean of logit t)")
     P_std: PositiveNumber
-    shift: Number = key("a number > 0 (timestep shift)", gt=0)
+    shift: Number = key("a number > 0 (static timestep shift; 1 when dynamic_shift is set)", gt=0)
     t_scale: Number = key("a number > 0 (noise level = t * t_scale)", gt=0)
     num_steps: int = key("an integer >= 1 (Euler steps)", ge=1)
+    dynamic_shift: Optional[DynamicShiftConfig] = key(
+        "null (the static shift) or {base_shift, max_shift, base_seq_len, max_seq_len, patch_size}: FLUX's "
+        "resolution-dependent shift exp(mu), mu linear in the image token count", default=None)
+
+    @model_validator(mode="after")
+    def check_one_shift(self) -> "RFConfig":
+        if self.dynamic_shift is not None and self.shift != 1:
+            RectifiedFlow(shift=self.shift, dynamic_shift=self.dynamic_shift.model_dump())   # says why, once
+        return self
 
 
 DIFFUSIONS = {"diffusion.EDM": EDMConfig, "diffusion.RectifiedFlow": RFConfig}

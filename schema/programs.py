@@ -8,7 +8,8 @@ from omegaconf import DictConfig
 from pydantic import Field
 
 from schema.base import SEED_LIMIT, ConfigError, Flag, PositiveInt, check, key, show
-from schema.sampling import DecodeSettings, MetricSettings, SamplingSettings, check_guidance
+from schema.sampling import (NEGATIVE_PROMPT, PROMPTS, TEXT_ENCODERS, DecodeSettings, MetricSettings, Prompt,
+                             SamplingSettings, check_guidance)
 from schema.train import Paths
 from schema.tree import container
 
@@ -34,7 +35,12 @@ class SampleConfig(SamplingSettings, DecodeSettings):
     batch_size: int = key("a positive integer", ge=1)
     device: Device = key(DEVICES)
     out_dir: Optional[str] = key("null (<run dir>/samples/sample_<time>) or a directory")
-    grid_nrow: Optional[int] = key("null (the number of classes) or a positive integer", ge=1)
+    grid_nrow: Optional[int] = key("null (the number of classes; with prompts, the seeds per prompt) or a positive "
+                                   "integer", ge=1)
+    prompts: Optional[list[Prompt]] = key(f"null (the training data's text or classes) or {PROMPTS}", min_length=1)
+    prompts_file: Optional[str] = key("null or a UTF-8 text file with one prompt per line (empty lines skipped)")
+    negative_prompt: str = key(NEGATIVE_PROMPT)
+    text_encoders: Optional[str] = key(f"null (the checkpoint's model.text_encoders) or {TEXT_ENCODERS}")
 
 
 class FidConfig(SamplingSettings, DecodeSettings, MetricSettings):
@@ -79,7 +85,18 @@ def check_sample(cfg: Union[DictConfig, dict]) -> SampleConfig:
     check_guidance(s, "")
     check_seeds(s.seeds)
     check_device(s.device)
+    check_prompt_keys(s)
     return s
+
+
+def check_prompt_keys(s: SampleConfig) -> None:
+    """prompts / prompts_file: one of them at most, and not with classes (prompts replace classes)."""
+    if s.prompts is not None and s.prompts_file is not None:
+        raise ConfigError(f"prompts={show(s.prompts)} and prompts_file={show(s.prompts_file)} are both set; allowed: "
+                          f"one of them (or neither).")
+    if (s.prompts is not None or s.prompts_file is not None) and s.classes is not None:
+        raise ConfigError(f"classes={show(s.classes)} cannot be combined with prompts: prompts condition a text model, "
+                          f"classes a class-conditional one; allowed: classes=null with prompts.")
 
 
 def check_fid(cfg: Union[DictConfig, dict]) -> FidConfig:

@@ -7,11 +7,19 @@ from __future__ import annotations
 from typing import Annotated, Literal, Optional
 
 from annotated_types import Len
+from pydantic import Field
 
 from data.vae import VAE_DTYPES
 from evaluation.features import FEATURE_NAMES
 from evaluation.metric_names import METRICS
 from schema.base import ConfigError, Number, Section, check, key, one_of
+
+# Prompts in (sample.py prompts, eval.validation_prompts): sampling/prompts.py encodes them.
+Prompt = Annotated[str, Field(pattern=r"\S")]
+PROMPTS = "a non-empty list of prompts (non-empty strings)"
+NEGATIVE_PROMPT = ("a string: CFG's unconditional branch gets its text embeddings; empty: the null label's zero "
+                   "text embeddings, as in training label dropout")
+TEXT_ENCODERS = "a local diffusers pipeline folder with the family's text_encoder*/ and tokenizer*/ subfolders"
 
 
 class SamplingSettings(Section):

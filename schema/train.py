@@ -9,13 +9,25 @@ from omegaconf import DictConfig
 from schema.base import SEED_LIMIT, ConfigError, Flag, Number, PositiveNumber, Section, check, key, one_of
 from schema.data import DATA
 from schema.model import DIFFUSIONS, MODELS, OPTIMIZERS, FamilyModel, Routing
-from schema.sampling import DecodeSettings, MetricSettings, SamplingSettings, check_guidance
+from schema.sampling import (NEGATIVE_PROMPT, PROMPTS, DecodeSettings, MetricSettings, Prompt, SamplingSettings,
+                             check_guidance)
 from schema.tree import container, pick
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 WANDB_MODES = ("disabled", "offline", "online")
 NONFINITE = ("skip", "stop")
+PARALLEL = ("ddp", "fsdp")
+
+
+class Fsdp(Section):
+    """train.fsdp (read with train.parallel=fsdp: training/fsdp.py)"""
+
+    reshard_after_forward: Flag = key("true (free a block's gathered weights after its forward and gather them "
+                                      "again in backward: least memory) or false (keep them to backward: one "
+                                      "all-gather less per block, more memory)")
+    cpu_offload: Flag = key("true (sharded weights, gradients and optimizer state live in host memory; CUDA "
+                            "only) or false")
 
 
 class Train(Section):
@@ -47,6 +59,10 @@ class Train(Section):
     collective_timeout_min: PositiveNumber = key("a number > 0 (minutes a process waits in a collective for the "
                                                  "other ranks)")
     slurm_requeue: Flag = key("true or false (requeue the SLURM job after a time-limit warning's checkpoint)")
+    parallel: Literal[PARALLEL] = key("ddp (every process holds the whole model) or fsdp (weights, gradients, "
+                                      "optimizer state and EMA sharded over the processes, one group per routable "
+                                      "block; needs >= 2 processes)")
+    fsdp: Fsdp
 
 
 class EMA(Section):
@@ -90,6 +106,11 @@ class Eval(SamplingSettings, DecodeSettings, MetricSettings):
     reference: Optional[str] = key("null (built from the dataset and cached) or a reference .npz")
     reference_max_images: Optional[int] = key("null or an integer >= 2", ge=2)
     grid_size: int = key("an integer >= 1 (images in the saved sample grid)", ge=1)
+    validation_prompts: Optional[list[Prompt]] = key(
+        f"null or {PROMPTS}: sampled at every evaluation into a captioned grid (not counted in the metrics)",
+        min_length=1)
+    validation_per_prompt: int = key("a positive integer (images per validation prompt: seeds 0..n-1)", ge=1)
+    negative_prompt: str = key(NEGATIVE_PROMPT)
 
 
 SECTIONS = {"train": Train, "ema": EMA, "checkpoint": Checkpoint, "wandb": Wandb, "paths": Paths, "eval": Eval,

@@ -187,7 +187,7 @@ def bad_extras(**changes):
     (bad_extras(loss_mask=np.full((4, HM, HM), 300)), r"integer mask, so it must lie in \[0, 255\]"),
     (bad_extras(text=np.full((4, L, D), 1e6)), r"extras\['text'\] .*non-finite .*float16 overflows"),
     (bad_extras(caption=np.zeros(4)), r"unknown key\(s\) \['caption'\]; allowed: \['text', 'text_mask', 'pooled', "
-                                      r"'loss_mask'\]"),
+                                      r"'loss_mask', 'reference'\]"),
 ])
 def test_write_validates_extras(tmp_path, extras, message):
     x, y = make_latents(4)
@@ -259,7 +259,8 @@ def resave(name, array):
      r"key 'loss_mask' is \{'shape': \[0, 8\]\} but must be an object \{'shape': \[Hm, Wm\]\}"),
     (lambda p: edit_meta(p, lambda m: m.update(conditioning=[1])), r"key 'conditioning' is \[1\]"),
     (lambda p: edit_meta(p, lambda m: m["files"].update(captions="c.npy")),
-     r"key 'files' is .* optionally any of \['loss_mask', 'pooled_embeds', 'text_embeds', 'text_mask'\]"),
+     r"key 'files' is .* optionally any of \['loss_mask', 'pooled_embeds', 'reference_latents', 'text_embeds', "
+     r"'text_mask'\]"),
 ])
 def test_corrupt_extras_errors_name_file_key_and_value(cond_ds, corrupt, message):
     path = cond_ds[0]

@@ -377,7 +377,7 @@ CAPTIONS = "file_name,caption\na_cat/x.png,a cat, sitting on a mat\nc_eel/e.png,
 @pytest.fixture(scope="module")
 def text_dirs(tmp_path_factory):
     """Tiny random text encoders (data.text.save_tiny_text_encoders) as pipeline folders, per family."""
-    from data.text import save_tiny_text_encoders
+    from data.tiny_text import save_tiny_text_encoders
 
     root = tmp_path_factory.mktemp("text")
     return {f: save_tiny_text_encoders(f, root / f) for f in ("pixart", "flux")}

@@ -32,12 +32,13 @@ def test_captions_are_encoded_per_class_with_the_family_encoders(tmp_path, flux_
                                atol=0)
     np.testing.assert_allclose(extras["pooled"].numpy(), want["pooled"][labels.numpy()].astype(np.float16))
     assert ds.meta["captions"][0] == "a photo of a red disc"
-    # asking for other parameters at the same path is refused; the same ones reuse the data
-    assert ensure_toy_text_dataset(root, num_per_class=3, resolution=8, family="flux", text_encoders=flux_encoders,
-                                   caption="a photo of a {class}", max_text_length=6) == root
-    with pytest.raises(LatentDatasetError, match=r"already holds a dataset .*'caption': 'a \{class\}'"):
-        ensure_toy_text_dataset(root, num_per_class=3, resolution=8, family="flux", text_encoders=flux_encoders,
-                                caption="a {class}", max_text_length=6)
+    # the same parameters reuse the data; others (captions, encoders, ...) get their own directory beside it
+    again = dict(num_per_class=3, resolution=8, family="flux", text_encoders=flux_encoders, max_text_length=6)
+    assert ensure_toy_text_dataset(tmp_path / "ds", caption="a photo of a {class}", **again) == root
+    other = ensure_toy_text_dataset(tmp_path / "ds", caption="a {class}", **again)
+    assert other.parent == root.parent and other != root
+    assert LatentDataset(other).meta["captions"][0] == "a red disc" and LatentDataset(root).meta["builtin"]["caption"] \
+        == "a photo of a {class}"
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -50,7 +51,7 @@ def test_bad_builtin_args(tmp_path, flux_encoders, kwargs, match):
     args = {**dict(num_per_class=1, resolution=8, family="flux", text_encoders=flux_encoders), **kwargs}
     with pytest.raises(LatentDatasetError, match=match):
         ensure_toy_text_dataset(tmp_path / "ds", **args)
-    assert not (tmp_path / "ds").exists()
+    assert not (tmp_path / "ds").exists() or not any((tmp_path / "ds").iterdir())
     assert class_captions("a {class}")[9] == "a lime X"
 
 

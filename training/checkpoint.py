@@ -10,6 +10,7 @@ checkpoint and ends the run with an error naming the path and the cause.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 from pathlib import Path
@@ -19,6 +20,8 @@ import torch
 from accelerate import Accelerator
 
 from models.lora import adapter_state_dict, has_lora
+from models.lora_export import diffusers_lora
+from training.fsdp import gathered, is_sharded
 from training.state import TrainingState
 from utils.checkpoints import (FORMAT, LEGACY_FILE, META_FILE, TRAIN_FILE, WEIGHT_FILES, CheckpointError,
                                checkpoint_dir, find_checkpoint, latest_legacy, list_checkpoints, load_model_file,
@@ -50,11 +53,15 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, state: TrainingStat
     final = checkpoint_dir(run_dir, state.step)
     tmp = tmp_dir(final)
     full = state.state_dict()
-    check_finite(full, state.step)                      # the same weights on every process: all agree
+    if trainable is not None:   # adapter-only: what is written is what is checked (a quantized base has no isfinite)
+        full.update({k: {n: v for n, v in full[k].items() if n in trainable} for k in WEIGHT_FILES})
+    agree_finite(full, state.step)
     accelerator.wait_for_everyone()
     failure = _try(lambda: _write_rng(tmp, full["rng"], accelerator.process_index), tmp)
-    if not any_rank(failure is not None) and accelerator.is_main_process:
-        failure = _try(lambda: _write_main(tmp, final, state, full, config, data_meta, trainable), tmp)
+    # The adapter export reads the EMA module itself: a sharded one is gathered on every process first.
+    with gathered(state.ema_model, when=is_sharded(state.ema_model) and has_lora(state.model)):
+        if not any_rank(failure is not None) and accelerator.is_main_process:
+            failure = _try(lambda: _write_main(tmp, final, state, full, config, data_meta, trainable), tmp)
     if any_rank(failure is not None):
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -89,8 +96,8 @@ def _write_main(tmp: Path, final: Path, state: TrainingState, full: dict, config
         weights = full[key] if trainable is None else {n: v for n, v in full[key].items() if n in trainable}
         save_tensors(weights, tmp / name)
     save_state({k: full[k] for k in ("step", "train_sec", "optimizer", "loader", "world_size")}, tmp / TRAIN_FILE)
-    if has_lora(state.model):  # the EMA adapter alone in peft's format, for diffusers pipelines
-        export_adapter(state.ema_model, tmp / "adapter_model.safetensors")
+    if has_lora(state.model):  # the EMA adapter alone: for diffusers pipelines, and in peft's format
+        export_adapter(state.ema_model, tmp)
     atomic_write_json(tmp / META_FILE, {"format": FORMAT, "step": state.step, "config": config,
                                         "data_meta": data_meta, "adapter_only": trainable is not None})
 
@@ -106,6 +113,20 @@ def check_finite(full: dict[str, Any], step: int) -> None:
             raise CheckpointWriteError(
                 f"not writing the checkpoint of step {step}: the {key} weight '{name}' holds non-finite values "
                 f"(see train.nonfinite); the earlier checkpoints are kept.")
+
+
+def agree_finite(full: dict[str, Any], step: int) -> None:
+    """check_finite on every process, and every process raises if any did: with train.parallel=fsdp only rank 0
+    holds the gathered weights (with DDP all hold the same ones and agree anyway)."""
+    try:
+        check_finite(full, step)
+        failure = None
+    except CheckpointWriteError as err:
+        failure = err
+    if any_rank(failure is not None):
+        raise failure or CheckpointWriteError(f"not writing the checkpoint of step {step}: another process found "
+                                              f"non-finite weights (see train.nonfinite); the earlier checkpoints "
+                                              f"are kept.")
 
 
 def finalize(final: Path, keep_last: Optional[int]) -> None:
@@ -172,7 +193,19 @@ def resume_candidates(resume: Optional[str], run_dir: Path) -> list[Path]:
         raise FileNotFoundError(f"{err} Use resume=auto to continue the latest checkpoint in hydra.run.dir.") from None
 
 
-def export_adapter(model: torch.nn.Module, path: Path) -> None:
-    """Write the LoRA adapter of `model`'s diffusers transformer as peft-format safetensors."""
+# The EMA adapter of adapter runs, beside the checkpoint's weights. The first name is diffusers' default LoRA file
+# name, so `pipe.load_lora_weights(<step dir>)` picks it among the other .safetensors files of the directory.
+DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
+PEFT_ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def export_adapter(model: torch.nn.Module, directory: Path) -> None:
+    """Write the adapter of `model`'s diffusers transformer twice: as the exact plain LoRA that diffusers
+    pipelines load (DIFFUSERS_LORA_FILE, models/lora_export.py; LoKr and LoHa too) and in peft's own format for
+    its type (PEFT_ADAPTER_FILE, keys relative to the transformer, peft's config in the metadata)."""
     target = getattr(model, "transformer", model)
-    save_tensors(adapter_state_dict(target), path)
+    tensors, metadata = diffusers_lora(target)
+    save_tensors(tensors, Path(directory) / DIFFUSERS_LORA_FILE, metadata=metadata)
+    save_tensors(adapter_state_dict(target), Path(directory) / PEFT_ADAPTER_FILE,
+                 metadata={"format": "pt", "peft_config": json.dumps(target.peft_config["default"].to_dict(),
+                                                                      default=list, sort_keys=True)})

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from evaluation.evaluator import Evaluator
 from evaluation.metric_names import METRICS
+from models.quantize import quantize_mode
 from schema import check_train, check_train_files
 from training.checkpoint import clean_run_dir, save_checkpoint
 from training.guard import NonFiniteGuard
@@ -58,7 +59,8 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Optional[list[str]], accel
     check_changes(changes, resume_from)
     if accelerator.is_main_process:
         prepare_run_dir(run_dir, cfg, resumed)
-    evaluator = Evaluator(cfg.eval, dataset, cfg.paths.cache_dir, accelerator) if eval_on(cfg) else None
+    evaluator = Evaluator(cfg.eval, dataset, cfg.paths.cache_dir, accelerator, parts.model, cfg.model) \
+        if eval_on(cfg) else None
     state = TrainingState(parts.model, parts.ema.model, parts.optimizer, make_loader(cfg, dataset, accelerator),
                           accelerator.num_processes)
     seed_streams(cfg, parts.model, accelerator.process_index)
@@ -269,15 +271,21 @@ def evaluate(run: Run) -> None:
     if acc.is_main_process:
         shown = ", ".join(f"{k} {record[k]:.4g}" for k in METRICS if k in record)
         tqdm.write(f"step {state.step} ({record['features']} features, {record['num_samples']} samples): {shown}")
+    if "validation_grid" in record and run.log.wandb is not None:   # the validation prompts' captioned grid
+        import wandb  # deferred: an optional service client, seconds to import (imported by RunLog when on)
+
+        run.log.wandb.log({"eval/validation": wandb.Image(record["validation_grid"])}, step=state.step)
     if "fid" in record:
         run.summary.add_fid(state.step, record["fid"])
 
 
 def checkpoint(run: Run) -> Path:
-    """Save the run's state; adapter-only runs save the trainable weights alone."""
+    """Save the run's state; adapter-only runs save the trainable weights alone. A quantized base
+    (model.quantize) implies adapter-only: it never trains, and the seeded build of a resume or of sampling
+    quantizes the same base again."""
     cfg = run.cfg
-    trainable = ({n for n, p in run.parts.model.named_parameters() if p.requires_grad}
-                 if cfg.checkpoint.adapter_only else None)
+    adapter_only = cfg.checkpoint.adapter_only or quantize_mode(run.parts.model) is not None
+    trainable = {n for n, p in run.parts.model.named_parameters() if p.requires_grad} if adapter_only else None
     return save_checkpoint(run.parts.accelerator, run.run_dir, run.state, OmegaConf.to_container(cfg, resolve=True),
                            run.dataset.meta, cfg.checkpoint.keep_last, trainable)
 

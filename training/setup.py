@@ -17,7 +17,9 @@ from accelerate.state import AcceleratorState
 from data import LatentLoader, build_dataset
 from diffusion.build import build_diffusion
 from models import build_model
+from models.quantize import frozen_base
 from schema import ConfigError
+from training.fsdp import check_parallel, shard_backbone
 from utils.targets import build_target
 
 OPTIMIZERS = {"torch.optim.AdamW": torch.optim.AdamW}
@@ -34,9 +36,14 @@ class TrainingParts:
     ema: nn.Module          # EMA copy of net, made before compiling: evaluation stays eager
     optimizer: torch.optim.Optimizer
     compiled: bool
+    sharded: bool = False   # train.parallel=fsdp: backbone and EMA are sharded per block (training/fsdp.py)
 
     def prepare(self) -> None:
-        """Hand net and optimizer to accelerate (device placement, DDP); after a resume has loaded them."""
+        """Hand net and optimizer to accelerate (device placement, DDP); after a resume has loaded them. A
+        sharded net is placed and synchronised by FSDP already: accelerate wraps only its optimizer."""
+        if self.sharded:
+            self.optimizer = self.accelerator.prepare(self.optimizer)
+            return
         self.net, self.optimizer = self.accelerator.prepare(self.net, self.optimizer)
         self.ema.to(self.accelerator.device)
 
@@ -58,16 +65,38 @@ def cpu_process_group(env: Mapping[str, str] = os.environ) -> bool:
 def build_parts(cfg: Any, accelerator: Accelerator) -> TrainingParts:
     """Model (routes validated against its depth here), objective, EMA, compile and optimizer, with the same
     initialisation on every process (seeded by train.seed)."""
+    check_shared_base(cfg)
+    check_parallel(cfg, accelerator.num_processes, accelerator.device.type == "cuda")
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     diffusion = build_diffusion(cfg.diffusion)
     net = diffusion.precondition(model)
-    ema = copy.deepcopy(net).requires_grad_(False).eval()
+    # A quantized frozen base (model.quantize) is shared by the EMA, not copied: it never changes.
+    ema = copy.deepcopy(net, frozen_base(model)).requires_grad_(False).eval()
+    sharded = maybe_shard(cfg.train, model, ema.model)      # before the optimizer: parameters become shards
     compiled = maybe_compile(cfg.train, model, accelerator.device)
     # LoRA (model.lora) freezes the base weights: only parameters that require grad are optimised.
     optimizer = build_target(cfg.optimizer, OPTIMIZERS, "optimizer")(params=[p for p in net.parameters()
                                                                              if p.requires_grad])
-    return TrainingParts(accelerator, model, diffusion, net, ema, optimizer, compiled)
+    return TrainingParts(accelerator, model, diffusion, net, ema, optimizer, compiled, sharded)
+
+
+def check_shared_base(cfg: Any) -> None:
+    """The EMA shares a quantized base with the trained model, which per-module FSDP sharding cannot do."""
+    if cfg.model.get("quantize") and cfg.train.parallel == "fsdp":
+        raise ConfigError(f"model.quantize={cfg.model.quantize} cannot be combined with train.parallel=fsdp (the "
+                          f"EMA shares the quantized base, which FSDP would shard twice); allowed: train.parallel="
+                          f"ddp, or model.quantize=null.")
+
+
+def maybe_shard(train_cfg: Any, model: nn.Module, ema_model: nn.Module) -> bool:
+    """train.parallel=fsdp: shard the backbone and its EMA copy alike, one FSDP group per routable block (the
+    EMA is resharded after every forward: it only samples)."""
+    if train_cfg.parallel != "fsdp":
+        return False
+    shard_backbone(model, train_cfg.fsdp.reshard_after_forward, train_cfg.fsdp.cpu_offload)
+    shard_backbone(ema_model, True, train_cfg.fsdp.cpu_offload, forward_only=True)
+    return True
 
 
 def maybe_compile(train_cfg: Any, model: nn.Module, device: torch.device) -> bool:

@@ -16,13 +16,12 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from data import draw_latents
+from data import COND_KEYS, draw_latents
 from routing import resize_loss_mask
 from training.ema import ema_decay_at, ema_update
+from training.fsdp import full
 from training.guard import nonfinite_flag
 from training.setup import TrainingParts
-
-TEXT_KEYS = ("text", "text_mask", "pooled")
 
 
 @dataclass(frozen=True)
@@ -89,11 +88,12 @@ class TrainStep:
         return StepStats(loss_sum, tokens, data_sec, lr, bad)
 
     def grad_norm(self) -> torch.Tensor:
-        """The total gradient norm (clipped to train.grad_clip when set), on the device."""
+        """The total gradient norm (clipped to train.grad_clip when set), on the device; with sharded gradients
+        (train.parallel=fsdp) torch reduces it over the shards and full() takes its replicated value."""
         p = self.parts
         if self.s.grad_clip:
-            return p.accelerator.clip_grad_norm_(p.net.parameters(), self.s.grad_clip)
-        return torch.nn.utils.get_total_norm([q.grad for q in p.net.parameters() if q.grad is not None])
+            return full(p.accelerator.clip_grad_norm_(p.net.parameters(), self.s.grad_clip))
+        return full(torch.nn.utils.get_total_norm([q.grad for q in p.net.parameters() if q.grad is not None]))
 
     def optimizer_step(self, bad: torch.Tensor) -> None:
         """The update, skipped when `bad` is 1: on the device by a fused optimizer (found_inf), by the grad
@@ -114,7 +114,7 @@ class TrainStep:
         x, y, extras = split_batch(batch, p.accelerator.device)
         x = draw_latents(x, s.data_meta)                   # moments data: one latent drawn per read (training RNG)
         y = drop_labels(y, s.label_dropout, self.null_label)
-        cond = {k: extras[k] for k in TEXT_KEYS if k in extras}
+        cond = {k: extras[k] for k in COND_KEYS if k in extras}   # text; Kontext references: never dropped
         mask = extras.get("loss_mask") if s.use_mask else None
         kwargs: dict[str, Any] = {"cond": cond} if cond and self.takes_text else {}
         if mask is not None and s.force_keep:

@@ -8,19 +8,18 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
+from data import COND_KEYS, has_model_conditioning
 from models.flops import model_forward_flops, train_step_flops
 from routing import tokens_processed_fraction
 from utils.io import atomic_write_json
 
-TEXT_KEYS = ("text", "text_mask", "pooled")
-
 
 def sample_conditioning(model: Any, dataset) -> Optional[dict]:
-    """One sample's text embeddings when a text-conditioned family trains on text data (FLOPs are counted
-    with them); None otherwise."""
-    if hasattr(model, "conditioning") and (getattr(dataset, "conditioning", None) or {}).get("text"):
+    """One sample's text embeddings (and Kontext reference latents) when a text-conditioned family trains on
+    data that has them (FLOPs are counted with them); None otherwise."""
+    if hasattr(model, "conditioning") and has_model_conditioning(getattr(dataset, "conditioning", None) or {}):
         extras = dataset.__getitems__([0])[2]
-        return {k: extras[k] for k in TEXT_KEYS if k in extras}
+        return {k: extras[k] for k in COND_KEYS if k in extras}
     return None
 
 

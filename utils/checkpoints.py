@@ -5,7 +5,8 @@
         ema.safetensors          EMA backbone weights
         train_state.safetensors  resume state: optimizer, data position, step, training time
         rng_rank{r}.safetensors  each process's random streams
-        adapter_model.safetensors  LoRA runs: the EMA adapter in peft's format
+        adapter_model.safetensors  adapter runs: the EMA adapter in peft's format (LoRA, LoKr or LoHa)
+        pytorch_lora_weights.safetensors  adapter runs: the EMA adapter as an exact LoRA for pipe.load_lora_weights
         checkpoint.json          step, the resolved config, the data's meta; written last: a step dir
                                  without it is incomplete
 

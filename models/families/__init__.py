@@ -6,6 +6,7 @@ from typing import Any, Mapping, Optional
 
 from models.families.base import ClassTextEmbedder, Embedded, FamilyConfigError, RoutedFamily, load_pretrained
 from models.lora import apply_lora
+from models.quantize import check_quantize, quantize_base
 
 # family name -> module under models.families; each module defines FAMILY (the class) and PRESETS.
 FAMILY_MODULES = {"flux": "flux", "sd3": "sd3", "wan": "wan", "auraflow": "auraflow", "pixart": "pixart"}
@@ -23,10 +24,14 @@ def build_family(family: str, *, input_size: int, in_channels: int, num_classes:
                  pretrained: Optional[str] = None, subfolder: Optional[str] = "transformer",
                  config: Optional[Mapping[str, Any]] = None, routing: Optional[Mapping[str, Any]] = None,
                  text_len: int = 8, gradient_checkpointing: bool = False,
-                 lora: Optional[Mapping[str, Any]] = None, arch: Optional[str] = None, **family_kwargs: Any
-                 ) -> RoutedFamily:
+                 lora: Optional[Mapping[str, Any]] = None, arch: Optional[str] = None,
+                 text_encoders: Optional[str] = None, quantize: Optional[str] = None,
+                 **family_kwargs: Any) -> RoutedFamily:
     """Build a routed family model: a preset's diffusers config (+ `config` overrides) with fresh weights, or
-    `pretrained` weights (hub id or local diffusers folder) loaded unchanged with from_pretrained."""
+    `pretrained` weights (hub id or local diffusers folder) loaded unchanged with from_pretrained.
+    `text_encoders` (where prompts are encoded: sampling/prompts.py) plays no part in building. `quantize`
+    (models/quantize.py) quantizes the frozen base blocks before `lora`'s adapters are injected on top."""
+    check_quantize(quantize, lora)
     module = family_module(family)
     cls = module.FAMILY
     if pretrained:
@@ -48,6 +53,7 @@ def build_family(family: str, *, input_size: int, in_channels: int, num_classes:
     model = cls(transformer, input_size=input_size, in_channels=in_channels, num_classes=num_classes,
                 routing=routing, text_len=text_len, arch=arch or f"{family}-{'pretrained' if pretrained else preset}",
                 gradient_checkpointing=gradient_checkpointing, **family_kwargs)
+    quantize_base(model, quantize)
     if lora:
         apply_lora(model.transformer, lora, key="model.lora")
     return model

@@ -65,8 +65,8 @@ class AuraFlowFamily(RoutedFamily):
         if c.num_mmdit_layers + c.num_single_dit_layers == 0:
             raise FamilyConfigError("model.config.num_mmdit_layers + num_single_dit_layers = 0: no blocks to run.")
 
-    def routable_blocks(self) -> list[nn.Module]:
-        return [*self.transformer.joint_transformer_blocks, *self.transformer.single_transformer_blocks]
+    def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
+        return [*transformer.joint_transformer_blocks, *transformer.single_transformer_blocks]
 
     def timestep(self, noise_level: torch.Tensor) -> torch.Tensor:
         return noise_level / 1000.0   # the AuraFlow pipeline passes t in [0, 1]; the embedding scales by 1000

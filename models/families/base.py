@@ -200,8 +200,13 @@ class RoutedFamily(RoutedBackbone):
     def install_processors(self) -> None:
         """Swap in attention processors that accept per-sample (batched) RoPE, where the family needs it."""
 
-    def routable_blocks(self) -> list[nn.Module]:
+    def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
+        """The blocks of a transformer of this family, in route-index order (also for a pipeline's copy)."""
         raise NotImplementedError
+
+    def routable_blocks(self) -> list[nn.Module]:
+        """The blocks route indices count over: this model's transformer's blocks_of."""
+        return self.blocks_of(self.transformer)
 
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
         raise NotImplementedError

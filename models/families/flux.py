@@ -13,6 +13,14 @@ the shared (S, head_dim) form), with separate or fused QKV projections alike.
 Single-stream blocks concatenate [text, image] inside diffusers' block; the block only ever sees the
 kept image tokens, and force-keep masks live on the image tokens alone, so their shape is the same
 in double- and single-stream blocks.
+
+FLUX Kontext (`kontext=True`, model=flux_kontext): the reference image's latents cond["reference"]
+(B, C, H, W), the target's shape, are packed into as many extra image tokens with position ids (1, row,
+col), as FluxKontextPipeline builds them: diffusers sees hidden_states = [target, reference] and the
+output keeps the target's part. Only the target tokens are routable (`Embedded.x`, the loss); the
+reference tokens and their RoPE rows are never-routed context (text, reference) that each block's
+callable appends to the kept target tokens, so they pass through the blocks' image weights, and splits
+off again after the block.
 """
 from __future__ import annotations
 
@@ -109,8 +117,12 @@ class FluxFamily(RoutedFamily):
     def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
         return {"in_channels": in_channels * cls.PACK ** 2}
 
-    def __init__(self, transformer: nn.Module, *, guidance: Optional[float] = None, **kwargs: Any):
+    def __init__(self, transformer: nn.Module, *, guidance: Optional[float] = None, kontext: bool = False,
+                 **kwargs: Any):
         self.guidance = guidance
+        if not isinstance(kontext, bool):
+            raise FamilyConfigError(f"model.kontext={kontext!r} is not allowed; allowed: true or false.")
+        self.kontext = kontext
         super().__init__(transformer, **kwargs)
         if transformer.config.guidance_embeds and guidance is None:
             raise FamilyConfigError("model.guidance must be set for a guidance-distilled FLUX (guidance_embeds: "
@@ -141,8 +153,8 @@ class FluxFamily(RoutedFamily):
             if hasattr(module, "set_processor") and hasattr(module, "norm_q"):
                 module.set_processor(BatchedRopeFluxAttnProcessor())
 
-    def routable_blocks(self) -> list[nn.Module]:
-        return [*self.transformer.transformer_blocks, *self.transformer.single_transformer_blocks]
+    def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
+        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
 
     def timestep(self, noise_level: torch.Tensor) -> torch.Tensor:
         return noise_level / 1000.0   # diffusers' FLUX takes t in [0, 1] and scales by 1000 itself
@@ -171,6 +183,45 @@ class FluxFamily(RoutedFamily):
     def text_ids(self, text_len: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(text_len, 3, device=device)
 
+    def reference_ids(self, device: torch.device) -> torch.Tensor:
+        """Kontext's reference image ids: the target's grid with first coordinate 1 (FluxKontextPipeline)."""
+        ids = self.image_ids(device)
+        ids[:, 0] = 1
+        return ids
+
+    # -- Kontext: the reference latents ---------------------------------------------------------------
+    def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
+        """The text conditioning (RoutedFamily's; label dropout zeroes text only) plus, with kontext, the
+        reference latents cond["reference"]: Kontext always conditions on its image, in both CFG branches."""
+        text = super().conditioning(labels, cond)
+        if not self.kontext:
+            return text
+        ref = (cond or {}).get("reference")
+        want = (labels.shape[0], self.in_channels, self.input_size, self.input_size)
+        if ref is None or tuple(ref.shape) != want:
+            got = "none" if ref is None else f"shape {list(ref.shape)}"
+            raise FamilyConfigError(
+                f"model.kontext=true needs the reference image's latents cond['reference'] of the target's shape "
+                f"{list(want)} (B, data.channels, data.resolution, data.resolution), got {got}: train on data with "
+                f"reference_latents.npy (precompute --reference-images DIR), or set model.kontext=false.")
+        return {**text, "reference": ref}
+
+    def check_text_data(self, conditioning: Mapping[str, Any], where: str) -> None:
+        """RoutedFamily's width checks, and that the data has reference latents exactly when kontext is on:
+        references with kontext off would be dropped silently, i.e. a different task (text-to-image) learnt."""
+        super().check_text_data(conditioning, where)
+        has_ref = conditioning.get("reference") is not None
+        if self.kontext and not has_ref:
+            raise FamilyConfigError(
+                f"model.kontext=true but the data at data.path={where} has no reference latents (missing "
+                f"reference_latents.npy, meta.json files.reference_latents): build the dataset with "
+                f"scripts/precompute_latents.py --reference-images DIR, or use model=flux.")
+        if has_ref and not self.kontext:
+            raise FamilyConfigError(
+                f"the data at data.path={where} has reference latents (reference_latents.npy, edit pairs) but "
+                f"model.kontext=false would ignore them: use model=flux_kontext (or model.kontext=true), or data "
+                f"without reference_latents.npy.")
+
     def _guidance(self, batch: int, device: torch.device) -> Optional[torch.Tensor]:
         if not self.transformer.config.guidance_embeds:
             return None
@@ -185,22 +236,35 @@ class FluxFamily(RoutedFamily):
             tr.time_text_embed(t, guidance.to(hidden.dtype) * 1000, cond["pooled"])
         context = tr.context_embedder(cond["text"])                                # (B, L, D)
         L, B, N = context.shape[1], x.shape[0], hidden.shape[1]
-        cos, sin = tr.pos_embed(torch.cat([self.text_ids(L, x.device), self.image_ids(x.device)]))  # (L+N, Dh)
-        per_token = {"rope_cos": cos[L:].unsqueeze(0).expand(B, N, -1),
-                     "rope_sin": sin[L:].unsqueeze(0).expand(B, N, -1)}
-        return Embedded(hidden, context, per_token, {"temb": temb, "text_cos": cos[:L], "text_sin": sin[:L]})
+        ids = [self.text_ids(L, x.device), self.image_ids(x.device)]
+        if self.kontext:
+            ids.append(self.reference_ids(x.device))
+        cos, sin = tr.pos_embed(torch.cat(ids))                                    # (L+N[+N], Dh)
+        per_token = {"rope_cos": cos[L:L + N].unsqueeze(0).expand(B, N, -1),
+                     "rope_sin": sin[L:L + N].unsqueeze(0).expand(B, N, -1)}
+        extra = {"temb": temb, "text_cos": cos[:L], "text_sin": sin[:L]}
+        if self.kontext:   # never routed: the reference tokens travel with the text as context
+            context = (context, tr.x_embedder(self.pack(cond["reference"])))      # (B, L, D), (B, N, D)
+            extra.update(ref_cos=cos[L + N:], ref_sin=sin[L + N:])
+        return Embedded(hidden, context, per_token, extra)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         temb, text_cos, text_sin = emb.extra["temb"], emb.extra["text_cos"], emb.extra["text_sin"]
+        ref_rope = (emb.extra["ref_cos"], emb.extra["ref_sin"]) if self.kontext else None
 
         def run(block: nn.Module) -> Callable[..., Any]:
-            def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
-                B, L = x.shape[0], context.shape[1]
-                cos = torch.cat([text_cos.unsqueeze(0).expand(B, L, -1), tok["rope_cos"]], dim=1)
-                sin = torch.cat([text_sin.unsqueeze(0).expand(B, L, -1), tok["rope_sin"]], dim=1)
-                context, x = block(hidden_states=x, encoder_hidden_states=context, temb=cond32(temb),
-                                   image_rotary_emb=(cos, sin))
-                return x, context
+            def fn(x: torch.Tensor, context: Any, tok: Mapping[str, torch.Tensor]):
+                text, ref = context if ref_rope is not None else (context, None)
+                B, L, K = x.shape[0], text.shape[1], x.shape[1]
+                cos = [text_cos.unsqueeze(0).expand(B, L, -1), tok["rope_cos"]]
+                sin = [text_sin.unsqueeze(0).expand(B, L, -1), tok["rope_sin"]]
+                if ref is not None:   # [kept target, reference] through the image weights, like diffusers
+                    cos.append(ref_rope[0].unsqueeze(0).expand(B, -1, -1))
+                    sin.append(ref_rope[1].unsqueeze(0).expand(B, -1, -1))
+                    x = torch.cat([x, ref], dim=1)
+                text, x = block(hidden_states=x, encoder_hidden_states=text, temb=cond32(temb),
+                                image_rotary_emb=(torch.cat(cos, dim=1), torch.cat(sin, dim=1)))
+                return (x, text) if ref is None else (x[:, :K], (text, x[:, K:]))
             return fn
 
         return [run(b) for b in self.routable_blocks()]
@@ -211,12 +275,18 @@ class FluxFamily(RoutedFamily):
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
                           transformer: nn.Module) -> torch.Tensor:
+        """diffusers' forward; with kontext on the inputs as FluxKontextPipeline builds them: hidden states
+        [target, reference], ids [target ids, reference ids], the output's target part kept."""
         L = cond["text"].shape[1]
-        out = transformer(hidden_states=self.pack(x), encoder_hidden_states=cond["text"],
-                               pooled_projections=cond["pooled"], timestep=timestep,
-                               img_ids=self.image_ids(x.device), txt_ids=self.text_ids(L, x.device),
-                               guidance=self._guidance(x.shape[0], x.device), return_dict=False)[0]
-        return self.unpack(out)
+        hidden, img_ids = self.pack(x), self.image_ids(x.device)
+        if self.kontext:
+            hidden = torch.cat([hidden, self.pack(cond["reference"])], dim=1)
+            img_ids = torch.cat([img_ids, self.reference_ids(x.device)])
+        out = transformer(hidden_states=hidden, encoder_hidden_states=cond["text"],
+                          pooled_projections=cond["pooled"], timestep=timestep,
+                          img_ids=img_ids, txt_ids=self.text_ids(L, x.device),
+                          guidance=self._guidance(x.shape[0], x.device), return_dict=False)[0]
+        return self.unpack(out[:, :self.num_tokens])
 
 
 FAMILY = FluxFamily

@@ -82,8 +82,8 @@ class PixArtFamily(RoutedFamily):
                 f"attention_head_dim = {tr.inner_dim}) divisible by 3: the resolution (2 values) and aspect-ratio "
                 f"embeddings are width/3 each. Allowed: a multiple of 3, or use_additional_conditions=false.")
 
-    def routable_blocks(self) -> list[nn.Module]:
-        return list(self.transformer.transformer_blocks)
+    def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
+        return list(transformer.transformer_blocks)
 
     # noise_level = t * 1000 is what the PixArt pipelines feed (scheduler timesteps): the default timestep().
 

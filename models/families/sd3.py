@@ -14,6 +14,11 @@ SD3.5 blocks with dual attention (`dual_attention_layers`) run a second, image-o
 (attn2) after the joint one; under a route it simply attends over the kept image tokens. QK-norm
 (`qk_norm: rms_norm`, SD3.5) acts per head and token, so it is unaffected by routing.
 
+Without T5 (`use_t5=False`): StableDiffusion3Pipeline with text_encoder_3=None feeds zeros in place of the T5
+output, i.e. the text embeddings' sequence positions after the 77 CLIP tokens (data/text.py documents the
+layout). The family zeroes them in its conditioning, for training and sampling alike, so data encoded with T5
+trains (and samples) exactly as data encoded without it.
+
 Timesteps: the SD3 pipeline hands the transformer the scheduler's timesteps, sigma * 1000, and the
 transformer's timestep embedding does not rescale them, so noise_level (t * 1000) passes unchanged.
 """
@@ -25,6 +30,8 @@ import torch
 import torch.nn as nn
 
 from models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
+
+CLIP_TOKENS = 77   # the SD3 text embeddings: 77 CLIP positions, then the T5 output (data/text.py)
 
 SD3_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 8 joint blocks, width 64. SD3.5-style: dual attention in the first
@@ -63,6 +70,21 @@ class SD3Family(RoutedFamily):
     pooled_dim_key = "pooled_projection_dim"
     pos_table = "side"
 
+    def __init__(self, transformer: nn.Module, *, use_t5: bool = True, **kwargs: Any):
+        if not isinstance(use_t5, bool):
+            raise FamilyConfigError(f"model.use_t5={use_t5!r} is not allowed; allowed: true or false.")
+        self.use_t5 = use_t5
+        super().__init__(transformer, **kwargs)
+
+    def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
+        """RoutedFamily's text conditioning; without T5, the T5 positions (after the 77 CLIP tokens) are zeros."""
+        text = super().conditioning(labels, cond)
+        if self.use_t5 or text["text"].shape[1] <= CLIP_TOKENS:
+            return text
+        clip_part = text["text"][:, :CLIP_TOKENS]
+        zeros = clip_part.new_zeros((clip_part.shape[0], text["text"].shape[1] - CLIP_TOKENS, clip_part.shape[2]))
+        return {**text, "text": torch.cat([clip_part, zeros], dim=1)}
+
     def check_shapes(self) -> None:
         c = self.transformer.config
         self._check_patch_io(c, "SD3 patchifies the latents as they are")
@@ -76,8 +98,8 @@ class SD3Family(RoutedFamily):
             raise FamilyConfigError(f"model.config.dual_attention_layers={list(c.dual_attention_layers)} has "
                                     f"indices {bad} outside the {c.num_layers} blocks (0..{c.num_layers - 1}).")
 
-    def routable_blocks(self) -> list[nn.Module]:
-        return list(self.transformer.transformer_blocks)
+    def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
+        return list(transformer.transformer_blocks)
 
     def timestep(self, noise_level: torch.Tensor) -> torch.Tensor:
         return noise_level   # the SD3 pipeline passes sigma * 1000; the embedding does not rescale

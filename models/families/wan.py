@@ -100,8 +100,8 @@ class WanFamily(RoutedFamily):
                 f"model.config.image_dim={c.image_dim} / added_kv_proj_dim={c.added_kv_proj_dim}: image-conditioned "
                 f"Wan (I2V, CLIP image tokens) is not supported; allowed: null (text-to-video / TI2V models).")
 
-    def routable_blocks(self) -> list[nn.Module]:
-        return list(self.transformer.blocks)
+    def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
+        return list(transformer.blocks)
 
     # noise_level = t * 1000 is already Wan's convention (flow-matching sigma * 1000): the default timestep().
 
