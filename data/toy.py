@@ -131,27 +131,38 @@ def ensure_toy_dataset(path: Union[str, os.PathLike], num_per_class: int = 1000,
     if loss_masks:  # absent when false: the default dataset's meta.json stays as it always was
         params["loss_masks"] = True
 
-    def check_existing() -> Path:
-        found = read_meta(root).get("builtin")
-        if found != params:
-            raise LatentDatasetError(
-                f"'{root}' already holds a dataset with meta.json builtin={found}, but toy_shapes with {params} "
-                f"was requested (data.builtin_args). Delete the directory to regenerate it, or point data.path at a "
-                f"directory for these parameters.")
-        return root
-
-    if (root / "meta.json").is_file():
-        return check_existing()
-    generated = generate_toy_shapes(num_per_class, resolution, seed, **({"loss_masks": True} if loss_masks else {}))
-    images, labels = generated[:2]
-    extras = {"loss_mask": generated[2].numpy()} if loss_masks else None
-    try:
+    def write() -> None:
+        generated = generate_toy_shapes(num_per_class, resolution, seed,
+                                        **({"loss_masks": True} if loss_masks else {}))
+        images, labels = generated[:2]
         write_latent_dataset(
             root, images.numpy(), labels.numpy(), num_classes=len(TOY_CLASS_NAMES), class_names=TOY_CLASS_NAMES,
             source=f"built-in toy_shapes generator (data/toy.py): {num_per_class} per class x "
                    f"{len(TOY_CLASS_NAMES)} classes, {resolution}x{resolution} RGB in [-1, 1], seed {seed}"
                    + (", with shape-coverage loss masks" if loss_masks else ""),
-            dtype="float16", extra_meta={"builtin": params}, extras=extras)
+            dtype="float16", extra_meta={"builtin": params},
+            extras={"loss_mask": generated[2].numpy()} if loss_masks else None)
+
+    return ensure_builtin(root, params, write)
+
+
+def ensure_builtin(root: Path, params: dict, write: Callable[[], None]) -> Path:
+    """`root`, first calling write() (which writes a dataset whose meta.json builtin is `params` atomically at
+    root) unless root already holds one; a dataset there with other parameters is an error. Concurrent
+    processes may race: the loser uses the winner's (identical) dataset."""
+    def check_existing() -> Path:
+        found = read_meta(root).get("builtin")
+        if found != params:
+            raise LatentDatasetError(
+                f"'{root}' already holds a dataset with meta.json builtin={found}, but {params['name']} with "
+                f"{params} was requested (data.builtin_args). Delete the directory to regenerate it, or point "
+                f"data.path at a directory for these parameters.")
+        return root
+
+    if (root / "meta.json").is_file():
+        return check_existing()
+    try:
+        write()
     except LatentDatasetExistsError:
         if not (root / "meta.json").is_file():  # not a concurrent writer's dataset: something else is there
             raise

@@ -19,9 +19,9 @@ from typing import Optional, Union
 
 import numpy as np
 
-from .meta import LatentDatasetError, LatentDatasetExistsError, read_meta
+from .meta import LatentDatasetError
 from .text import TEXT_FAMILIES, encode_prompts, load_text_encoders
-from .toy import TOY_CLASS_NAMES, generate_toy_shapes
+from .toy import TOY_CLASS_NAMES, ensure_builtin, generate_toy_shapes
 from .writer import write_latent_dataset
 
 PathLike = Union[str, os.PathLike]
@@ -64,30 +64,17 @@ def ensure_toy_text_dataset(path: PathLike, num_per_class: int = 1000, resolutio
     digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(path).expanduser().absolute() / digest
 
-    def check_existing() -> Path:
-        found = read_meta(root).get("builtin")
-        if found != params:
-            raise LatentDatasetError(
-                f"'{root}' already holds a dataset with meta.json builtin={found}, but toy_shapes_text with {params} "
-                f"was requested (data.builtin_args). Delete the directory to regenerate it, or point data.path at a "
-                f"directory for these parameters.")
-        return root
-
-    if (root / "meta.json").is_file():
-        return check_existing()
-    images, labels = generate_toy_shapes(num_per_class, resolution, seed)
-    per_class = encode_prompts(family, load_text_encoders(family, encoders), captions, max_length=max_text_length)
-    extras = {key: np.ascontiguousarray(value[labels.numpy()]) for key, value in per_class.items()}
-    try:
+    def write() -> None:
+        images, labels = generate_toy_shapes(num_per_class, resolution, seed)
+        per_class = encode_prompts(family, load_text_encoders(family, encoders), captions, max_length=max_text_length)
         write_latent_dataset(
             root, images.numpy(), labels.numpy(), num_classes=len(TOY_CLASS_NAMES), class_names=TOY_CLASS_NAMES,
             source=f"built-in toy_shapes_text (data/toy_text.py): toy_shapes {num_per_class} per class, "
                    f"{resolution}x{resolution}, seed {seed}; captions '{caption}' encoded by {family} encoders at "
                    f"{encoders}",
-            dtype="float16", extra_meta={"builtin": params, "captions": captions}, extras=extras,
-            conditioning_meta={"text": {"family": family, "encoders": str(encoders), "max_length": int(max_text_length)}})
-    except LatentDatasetExistsError:
-        if not (root / "meta.json").is_file():
-            raise
-        return check_existing()
-    return root
+            dtype="float16", extra_meta={"builtin": params, "captions": captions},
+            extras={key: np.ascontiguousarray(value[labels.numpy()]) for key, value in per_class.items()},
+            conditioning_meta={"text": {"family": family, "encoders": str(encoders),
+                                        "max_length": int(max_text_length)}})
+
+    return ensure_builtin(root, params, write)
