@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup train test sample benchmark ablation example clean
+.PHONY: setup train test sample benchmark ablation ablation-seeds study example clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,28 @@ ABLATION_DIR ?= outputs/ablation/toy_ratio
 ablation: $(STAMP)
 	$(BIN)/python train.py -m experiment=toy_ratio_ablation hydra.sweep.dir=$(ABLATION_DIR) $(ARGS)
 	$(BIN)/python scripts/ablation_report.py $(ABLATION_DIR) --out docs/ablation --readme docs/ablations.md
+
+# Error bars for that result: each ratio at its equal-time step count over seeds 0, 1, 2 (~70 min on a 2-core CPU;
+# the published figures: OMP_NUM_THREADS=1 make ablation-seeds),
+# then the seed-grouped report (mean, spread, which differences exceed the noise) into docs/ablation/seeds/.
+SEEDS_DIR ?= outputs/ablation/toy_ratio_seeds
+SEEDS_RATIOS := 0:858 0.25:1004 0.5:1242 0.75:1444
+ablation-seeds: $(STAMP)
+	for rs in $(SEEDS_RATIOS); do \
+	  $(BIN)/python train.py -m experiment=toy_ratio_seeds routing.routes.0.selection_ratio=$${rs%%:*} \
+	    train.max_steps=$${rs##*:} hydra.sweep.dir=$(SEEDS_DIR)/ratio_$${rs%%:*} $(ARGS) || exit 1; done
+	$(BIN)/python scripts/ablation_report.py $(SEEDS_DIR) --out docs/ablation/seeds --readme docs/ablations.md --marker seeds
+
+# The research-modes study of docs/research.md: dense, TREAD, TREAD + dense fine-tuning, REPA + TREAD and the
+# SPRINT-style mode at equal training time (2 min each, as step counts) and at equal steps (FID at the dense
+# run's 342 steps), seeds 0, 1, 2 (~45 min on a 2-core CPU; the published figures: OMP_NUM_THREADS=1 make study),
+# then the report into docs/research/.
+STUDY_DIR ?= outputs/study
+STUDY_MODES := dense tread tread_ft repa sprint
+study: $(STAMP)
+	for m in $(STUDY_MODES); do \
+	  $(BIN)/python train.py -m experiment=study_$$m hydra.sweep.dir=$(STUDY_DIR)/$$m $(ARGS) || exit 1; done
+	$(BIN)/python scripts/ablation_report.py $(STUDY_DIR) --out docs/research --readme docs/research.md --marker study --at-step 342
 
 # The practitioner's loop of docs/families.md ("Worked example"), offline on a CPU: text data -> LoKr over an
 # int8-quantized tiny FLUX with routing -> captioned validation grids -> sample.py from prompts -> the exported

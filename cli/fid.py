@@ -142,7 +142,8 @@ def run_bench(cfg: DictConfig, extractor, state) -> list[dict[str, Any]]:
     rows = []
     for ckpt in expand_checkpoints(cfg.checkpoints):
         settings = bench_settings(ckpt, use_ema=cfg.use_ema, seeds=seeds, num_steps=cfg.num_steps,
-                                  features=extractor.name, reference=reference.path, metrics=metrics, guidance=guidance)
+                                  features=extractor.name, reference=reference.path, metrics=metrics, guidance=guidance,
+                                  class_labels=cfg.class_labels)
         if cfg.skip_existing and settings_key(settings) in done:
             if state.is_main_process:
                 print(f"{ckpt}: already benchmarked with these settings in {out_dir}; skipped (skip_existing=false "
@@ -152,7 +153,7 @@ def run_bench(cfg: DictConfig, extractor, state) -> list[dict[str, Any]]:
             ckpt, extractor=extractor, reference=reference, metrics=metrics, seeds=seeds, out_dir=out_dir,
             device=state.device, batch_size=cfg.sample_batch_size, num_steps=cfg.num_steps, use_ema=cfg.use_ema,
             decode_kwargs=decode_options(cfg), keep_npz=cfg.keep_npz, metric_kwargs=metric_kwargs(cfg),
-            guidance=guidance)
+            guidance=guidance, class_labels=cfg.class_labels)
         if state.is_main_process:
             append_row(out_dir, row)
             print_metrics(f"{row['label']} ({len(seeds)} images, {extractor.name}, "

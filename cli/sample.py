@@ -71,7 +71,7 @@ def sample_by_seed(cfg: Any, net, diffusion, meta: dict, config: Any, seeds: lis
     images, labels = [], []
     for _, y, x in generate(net, diffusion, seeds, model_shape(meta), int(meta["num_classes"]), net_device(net),
                             batch_size=cfg.batch_size, classes=classes, num_steps=cfg.num_steps, cond_fn=cond_fn,
-                            guidance=guidance, stats=stats):
+                            guidance=guidance, stats=stats, class_labels=cfg.class_labels):
         images.append(decode_to_uint8(x, meta, **decode).cpu())
         labels.append(y.cpu())
     return torch.cat(images), torch.cat(labels), cond_fn

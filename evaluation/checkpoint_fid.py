@@ -111,10 +111,11 @@ def read_rows(out_dir: Path) -> list[dict[str, Any]]:
 
 SETTINGS = ("checkpoint", "use_ema", "num_samples", "seeds", "cfg_scale", "num_steps", "features", "reference",
             "metrics", "route_ratio", "tread_scale", "tread_weak_ratio", "guidance_interval",
-            "route_spans")  # what makes two rows the same measurement (skip_existing)
+            "route_spans", "path_drop", "cfg_rule", "tread_uncond", "class_labels")  # the same measurement (skip_existing)
 # Rows written before a setting existed were measured with its default.
 SETTING_DEFAULTS = {"route_ratio": None, "tread_scale": 1.0, "tread_weak_ratio": None, "guidance_interval": None,
-                    "route_spans": None}
+                    "route_spans": None, "path_drop": False, "cfg_rule": "any", "tread_uncond": False,
+                    "class_labels": "cycle"}
 
 
 def seed_text(seeds: Sequence[int]) -> str:
@@ -126,12 +127,13 @@ def seed_text(seeds: Sequence[int]) -> str:
 
 
 def bench_settings(ckpt: Path, *, use_ema: bool, seeds: Sequence[int], num_steps: Optional[int], features: str,
-                   reference: Any, metrics: Sequence[str], guidance: Guidance) -> dict[str, Any]:
+                   reference: Any, metrics: Sequence[str], guidance: Guidance,
+                   class_labels: str = "cycle") -> dict[str, Any]:
     """The SETTINGS columns of a row (num_steps as given: null means the checkpoint's own), with the guidance
-    settings (CFG, inference routing, TREAD guidance)."""
+    settings (CFG, inference routing, TREAD guidance) and how class labels were drawn."""
     return {"checkpoint": str(ckpt), "use_ema": use_ema, "num_samples": len(seeds), "seeds": seed_text(seeds),
             "num_steps": num_steps, "features": features, "reference": str(reference),
-            "metrics": ",".join(metrics), **guidance.describe()}
+            "metrics": ",".join(metrics), **guidance.describe(), "class_labels": class_labels}
 
 
 def settings_key(row: dict[str, Any]) -> tuple:
@@ -171,7 +173,7 @@ def load_checked(ckpt: Path, use_ema: bool, guidance: Guidance, reference, decod
 def sample_and_score(net, diffusion, meta: dict, positions: list[int], seeds: Sequence[int], *,
                      acc: FeatureAccumulator, batch_size: int, num_steps: Optional[int], guidance: Guidance,
                      decode_kwargs: dict, buf: Optional[np.ndarray], label: str, cond_fn: Any,
-                     device: torch.device) -> tuple[torch.Tensor, dict]:
+                     device: torch.device, class_labels: str = "cycle") -> tuple[torch.Tensor, dict]:
     """Sample this process's seeds (their positions in `seeds`), decode them, add their features to `acc` and
     their images to the shared buffer `buf`; returns (labels by position, -1 where another rank has them;
     the forward passes counted per branch)."""
@@ -181,7 +183,7 @@ def sample_and_score(net, diffusion, meta: dict, positions: list[int], seeds: Se
     done, stats = 0, {}
     for batch_seeds, y, x in generate(net, diffusion, my_seeds, model_shape(meta), int(meta["num_classes"]),
                                       device, batch_size=batch_size, num_steps=num_steps, cond_fn=cond_fn,
-                                      guidance=guidance, stats=stats):
+                                      guidance=guidance, stats=stats, class_labels=class_labels):
         images = decode_to_uint8(x, meta, **decode_kwargs)                       # (B, H, W, 3) uint8
         pos = positions[done:done + len(batch_seeds)]
         acc.add(images.permute(0, 3, 1, 2), pos)
@@ -197,7 +199,7 @@ def sample_and_score(net, diffusion, meta: dict, positions: list[int], seeds: Se
 def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[str], seeds: Sequence[int],
                          out_dir: Path, device: torch.device, batch_size: int, num_steps: Optional[int],
                          use_ema: bool, decode_kwargs: dict, keep_npz: bool, metric_kwargs: dict,
-                         guidance: Guidance) -> dict[str, Any]:
+                         guidance: Guidance, class_labels: str = "cycle") -> dict[str, Any]:
     """Sample `seeds` from one checkpoint on this process's share, score against `reference` (an
     evaluation.reference.Reference), return the table row (on every rank). Call it on every rank. The row
     records the guidance with the sampled forward passes and GFLOPs per image."""
@@ -217,7 +219,7 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
     cond_fn = text_conditioning(net, meta, config)  # text-conditioned checkpoints: the training data's text
     labels, stats = sample_and_score(net, diffusion, meta, positions, seeds, acc=acc, batch_size=batch_size,
                                      num_steps=num_steps, guidance=guidance, decode_kwargs=decode_kwargs, buf=buf,
-                                     label=label, cond_fn=cond_fn, device=device)
+                                     label=label, cond_fn=cond_fn, device=device, class_labels=class_labels)
     sample_sec = time.time() - start
     if buf is not None:
         buf.flush()
@@ -230,7 +232,8 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
         del arr
         os.remove(buf_path)
     settings = bench_settings(ckpt, use_ema=use_ema, seeds=seeds, num_steps=num_steps, features=extractor.name,
-                              reference=getattr(reference, "path", None), metrics=metrics, guidance=guidance)
+                              reference=getattr(reference, "path", None), metrics=metrics, guidance=guidance,
+                              class_labels=class_labels)
     # Every rank samples with the same settings: this rank's counts per image stand for all.
     cost = sampling_cost(net, guidance, stats, len(positions), cond_fn, int(seeds[0])) if positions else {}
     return {**settings, "label": label, "step": step_of(ckpt), "model": config.get("model", {}).get("arch"),

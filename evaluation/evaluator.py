@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from data import check_decodable, decode_to_uint8
+from evaluation.fdd import FDD, FddScorer, without_fdd
 from evaluation.features import build_feature_extractor
 from evaluation.images import save_image_grid
 from evaluation.metrics import FeatureAccumulator, compute_metrics
@@ -41,6 +42,7 @@ class Evaluator:
         self.device = accelerator.device
         self.decode = decode_options(eval_cfg)
         self.metrics = tuple(eval_cfg.metrics)
+        self.main_metrics = without_fdd(self.metrics)        # fdd has its own network (evaluation/fdd.py)
         self.guidance = Guidance.from_settings(eval_cfg)
         self.validation = ValidationPrompts(eval_cfg, model_cfg or {}, model, dataset, self.device) \
             if eval_cfg.get("validation_prompts") else None
@@ -63,24 +65,33 @@ class Evaluator:
             with accelerator.main_process_first():  # the first process builds and caches it
                 reference_for_dataset(dataset, self.extractor, self.ref_path,
                                       max_images=eval_cfg.get("reference_max_images"), decode_kwargs=self.decode)
-        self.reference = load_reference_full(self.ref_path, self.extractor, need=self.metrics)
+        self.reference = load_reference_full(self.ref_path, self.extractor, need=self.main_metrics or ("fid",))
+        self.fdd = FddScorer(eval_cfg.get("dinov2_weights"), dataset, cache_dir, accelerator, self.decode,
+                             eval_cfg.get("reference_max_images")) if FDD in self.metrics else None
 
     def __call__(self, net, diffusion, step: int, samples_dir: Optional[Path]) -> dict[str, Any]:
         start = time.time()
         acc, cfg = self.accelerator, self.cfg
-        seeds = list(range(cfg.num_samples))[acc.process_index::acc.num_processes]
+        offset = int(cfg.get("seed_offset") or 0)     # the paper code's FID-5K: seeds 100000..104999
+        seeds = list(range(offset, offset + cfg.num_samples))[acc.process_index::acc.num_processes]
         shape = list(self.dataset.shape)
-        feats = FeatureAccumulator(self.extractor, self.metrics, device=self.device)  # a rank may get no seeds
+        feats = FeatureAccumulator(self.extractor, self.main_metrics or ("fid",), device=self.device)  # a rank
+        fdd = self.fdd.accumulator() if self.fdd is not None else None                             # may get none
         grid_n = min(cfg.grid_size, cfg.num_samples)
         grid: dict[int, torch.Tensor] = {}
         for batch, _, x in generate(net, diffusion, seeds, shape, self.dataset.num_classes, self.device,
                                     batch_size=cfg.batch_size, num_steps=cfg.num_steps, guidance=self.guidance,
-                                    cond_fn=text_conditioning_for_seeds(self.dataset, net)):
+                                    cond_fn=text_conditioning_for_seeds(self.dataset, net),
+                                    class_labels=cfg.get("class_labels") or "cycle"):
             images = decode_to_uint8(x, self.dataset.meta, **self.decode)            # (B, H, W, 3) uint8
             feats.add(images.permute(0, 3, 1, 2), batch)                             # indexed by seed
-            grid.update({s: img.cpu() for s, img in zip(batch, images) if s < grid_n})
+            if fdd is not None:
+                fdd.add(images.permute(0, 3, 1, 2), batch)
+            grid.update({s - offset: img.cpu() for s, img in zip(batch, images) if s - offset < grid_n})
         feats.gather()
-        scores = compute_metrics(feats, self.reference, self.metrics)
+        scores = compute_metrics(feats, self.reference, self.main_metrics) if self.main_metrics else {}
+        if fdd is not None:
+            scores[FDD] = self.fdd.score(fdd)
         grid_images = self._gather_grid(grid, grid_n, self.image_shape)
         extra = {}
         # A few images, outside the metrics; every process samples them (a sharded EMA needs all ranks).

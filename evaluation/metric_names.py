@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Union
 
-METRICS = ("fid", "sfid", "is", "precision", "recall", "kid")
+METRICS = ("fid", "sfid", "is", "precision", "recall", "kid", "fdd")   # fdd: DINOv2 features (evaluation/fdd.py)
 ROW_METRICS = ("precision", "recall", "kid")  # need the pool feature rows of samples and reference images
 
 

@@ -14,11 +14,12 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+from evaluation.seed_groups import Group, comparison_table, comparisons, fid_at, group_table, seed_groups
 from utils.errors import UserError
 
-COLUMNS = ["run", "status", "overrides", "selection_ratio", "routes", "tokens_fraction", "final_step", "final_fid",
+COLUMNS = ["run", "status", "overrides", "selection_ratio", "routes", "phases", "tokens_fraction", "final_step", "final_fid",
            "best_fid", "steps_per_sec", "images_per_sec", "train_flops_per_step", "train_flops_total", "train_sec",
            "wall_sec", "stop_reason", "error"]
 # The compact table --readme writes (label, key in the row).
@@ -72,10 +73,27 @@ def row(run: dict[str, Any]) -> dict[str, Any]:
     routes = "; ".join(f"{r['selection_ratio']:g} @ {r['start_layer_idx']}..{r['end_layer_idx']}"
                        for r in s.get("routes") or []) or ("dense" if "routes" in s else "")
     out = {"run": run["run"], "status": s.get("status", "unknown"), "overrides": " ".join(s.get("overrides") or []),
-           "selection_ratio": selection_ratio(s), "routes": routes, "error": s.get("error", "")}
+           "selection_ratio": selection_ratio(s), "routes": routes, "error": s.get("error", ""),
+           "phases": phases(s)}
     for key in COLUMNS:
         out.setdefault(key, s.get(key))
     return out
+
+
+def phases(summary: dict[str, Any]) -> str:
+    """A routing schedule's phases, e.g. '0-419: 0.5 @ 2..8; 420-: none (dense)' ('' without a schedule)."""
+    return "; ".join(f"{p['start_step']}-{'' if p.get('end_step') is None else p['end_step'] - 1}: {p['routes']}"
+                     for p in summary.get("schedule") or [])
+
+
+def flops_at(summary: dict[str, Any], step: int) -> float:
+    """Training FLOPs spent by `step`: per phase of a routing schedule (each phase at its starting FLOPs per step,
+    so a ramp is approximated), else train_flops_per_step x step."""
+    schedule = summary.get("schedule")
+    if not schedule:
+        return (summary.get("train_flops_per_step") or math.nan) * step
+    return sum(p["train_flops_per_step"] * max(0, min(step, math.inf if p.get("end_step") is None else p["end_step"])
+                                                - p["start_step"]) for p in schedule)
 
 
 def fmt(value: Any) -> str:
@@ -89,14 +107,40 @@ def fmt(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")[:160]
 
 
-def write_tables(rows: list[dict[str, Any]], out: Path) -> tuple[Path, Path]:
-    """report.csv (every column) and report.md (without the errors, which follow the table) in `out`."""
+def add_fid_at(rows: list[dict[str, Any]], runs: list[dict[str, Any]], steps: list[int]) -> list[str]:
+    """Add each run's FID at evaluation step S (--at-step) as column fid_at_S ("no evaluation at step S" when the
+    run was not evaluated there); returns the new column names."""
+    for r, run in zip(rows, runs):
+        for step in steps:
+            value = fid_at(run, step)
+            r[f"fid_at_{step}"] = value if value is not None else f"no evaluation at step {step}"
+    return [f"fid_at_{step}" for step in steps]
+
+
+def group_section(runs: list[dict[str, Any]], steps: list[int]) -> tuple[list[Group], list[str]]:
+    """The seed groups of the completed runs and, when some setting has several seeds, the Markdown of their
+    statistics and of every pairwise comparison (evaluation/seed_groups.py)."""
+    groups = seed_groups(runs)
+    if not any(len(g.runs) > 1 for g in groups):
+        return groups, []
+    metrics = ["final_fid"] + [f"fid@{step}" for step in steps]
+    pairs = [c for m in metrics for c in comparisons(groups, m)]
+    return groups, [*group_table(groups, metrics), "", "Differences between settings (mean of B minus mean of A; "
+                    "Welch's t-test, two-sided 95%: a difference exceeds the seed noise when |t| is above the "
+                    "critical value):", "", *comparison_table(pairs)]
+
+
+def write_tables(rows: list[dict[str, Any]], out: Path, extra: Optional[list[str]] = None,
+                 groups_md: Optional[list[str]] = None) -> tuple[Path, Path]:
+    """report.csv (every column) and report.md (without the errors, which follow the table) in `out`; `extra`
+    columns (--at-step) and the seed groups' section are added when given."""
     out.mkdir(parents=True, exist_ok=True)
+    columns = COLUMNS + list(extra or [])
     with open(out / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
-        writer.writerows([{k: r.get(k) for k in COLUMNS} for r in rows])
-    shown = [c for c in COLUMNS if c != "error"]
+        writer.writerows([{k: r.get(k) for k in columns} for r in rows])
+    shown = [c for c in columns if c != "error" and (c != "phases" or any(r.get("phases") for r in rows))]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     for r in rows:
         lines.append("| " + " | ".join(fmt(r.get(c)) for c in shown) + " |")
@@ -104,6 +148,8 @@ def write_tables(rows: list[dict[str, Any]], out: Path) -> tuple[Path, Path]:
     if failed:
         lines += ["", "Runs that did not complete:", ""]
         lines += [f"- `{r['run']}` ({r['status']}): {fmt(r['error'])}" for r in failed]
+    if groups_md:
+        lines += ["", "## Seeds", "", *groups_md]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md", out / "report.csv"
 
@@ -113,8 +159,10 @@ def evals(run: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in run["records"] if r.get("type") == "eval" and r.get("fid") is not None]
 
 
-def write_plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
-    """fid_vs_ratio.png, fid_vs_time.png, fid_vs_flops.png and loss.png of the completed runs (those with data)."""
+def write_plots(runs: list[dict[str, Any]], out: Path, groups: Sequence[Group] = ()) -> list[Path]:
+    """fid_vs_ratio.png (when each selection ratio is one run), fid_vs_time.png, fid_vs_flops.png and loss.png of
+    the completed runs (those with data). With seed `groups`, the runs of one setting share a colour and a legend
+    entry."""
     # Lazy: matplotlib is a heavy optional dependency, needed only for the plots (--no-plots skips them).
     import matplotlib
     matplotlib.use("Agg")
@@ -122,8 +170,7 @@ def write_plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
 
     done = [r for r in runs if r["summary"].get("status") == "completed"]
     paths = []
-    shared = frozenset.intersection(*(frozenset(r["summary"].get("overrides") or []) for r in done)) \
-        if len(done) > 1 else frozenset()
+    styles = _styles(done, groups)
 
     def save(fig, name):
         fig.tight_layout()
@@ -133,7 +180,7 @@ def write_plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
 
     points = sorted((selection_ratio(r["summary"]), r["summary"].get("final_fid"), r["summary"].get("best_fid"))
                     for r in done if selection_ratio(r["summary"]) is not None and r["summary"].get("final_fid") is not None)
-    if points:
+    if points and len({p[0] for p in points}) == len(points):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label="final FID")
         ax.plot([p[0] for p in points], [p[2] for p in points], "s--", label="best FID")
@@ -144,31 +191,80 @@ def write_plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     for name, xlabel, xs in (("fid_vs_time.png", "training time (s, evaluations excluded)",
                               lambda run, e: _elapsed(run, e)),
                              ("fid_vs_flops.png", "training FLOPs (theoretical)",
-                              lambda run, e: (run["summary"].get("train_flops_per_step") or math.nan) * e["step"])):
+                              lambda run, e: flops_at(run["summary"], e["step"]))):
         curves = [(r, evals(r)) for r in done if evals(r)]
-        if not curves:
-            continue
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for run, es in curves:
-            ax.plot([xs(run, e) for e in es], [e["fid"] for e in es], "o-", label=_label(run, shared))
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("FID")
-        if name == "fid_vs_flops.png":
-            ax.set_xscale("log")
-        ax.legend(fontsize=7)
-        save(fig, name)
+        if curves:
+            fig, ax = _curves(plt, [(r, [xs(r, e) for e in es], [e["fid"] for e in es]) for r, es in curves],
+                              styles, "o-", xlabel, "FID")
+            if name == "fid_vs_flops.png":
+                ax.set_xscale("log")
+            save(fig, name)
     losses = [(r, [x for x in r["records"] if x.get("type") == "train"]) for r in done]
-    losses = [(r, xs) for r, xs in losses if xs]
+    # The diffusion term: a REPA run's `loss` also holds its (negative) alignment term.
+    losses = [(r, [x["step"] for x in xs], [x.get("diffusion_loss", x["loss"]) for x in xs]) for r, xs in losses if xs]
     if losses:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for run, xs in losses:
-            ax.plot([x["step"] for x in xs], [x["loss"] for x in xs], label=_label(run, shared))
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
+        fig, ax = _curves(plt, losses, styles, "-", "step", "training loss (diffusion term)")
         ax.set_yscale("log")
-        ax.legend(fontsize=7)
         save(fig, "loss.png")
     return paths
+
+
+def _styles(done: list[dict[str, Any]], groups: Sequence[Group]) -> dict[str, tuple[Optional[str], Optional[str]]]:
+    """Each run's (colour, legend label): by seed group when some setting has several seeds (one colour and one
+    legend entry per setting), else one per run labelled by the overrides that tell the runs apart."""
+    if any(len(g.runs) > 1 for g in groups):
+        return {r["run"]: (f"C{i % 10}", g.label if k == 0 else None)
+                for i, g in enumerate(groups) for k, r in enumerate(g.runs)}
+    shared = frozenset.intersection(*(frozenset(r["summary"].get("overrides") or []) for r in done)) \
+        if len(done) > 1 else frozenset()
+    return {r["run"]: (None, _label(r, shared)) for r in done}
+
+
+def _curves(plt, curves: list[tuple[dict[str, Any], list[float], list[float]]], styles: dict, fmt: str,
+            xlabel: str, ylabel: str):
+    """One figure of per-run curves (run, xs, ys) in their styles."""
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for run, xs, ys in curves:
+        color, label = styles.get(run["run"], (None, run["run"]))
+        ax.plot(xs, ys, fmt, color=color, label=label, alpha=0.8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    return fig, ax
+
+
+def write_group_plot(groups: list[Group], steps: list[int], out: Path) -> Optional[Path]:
+    """fid_by_setting.png: each setting's FID (final, and at each --at-step step) as mean ± std over its seeds,
+    with every seed's value; against the selection ratio when the settings differ only by it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [("final_fid", "final FID")] + [(f"fid@{step}", f"FID at step {step}") for step in steps]
+    ratios = [selection_ratio(g.runs[0]["summary"]) for g in groups]
+    by_ratio = None not in ratios and len(set(ratios)) == len(groups) and all("ratio" in g.label for g in groups)
+    xs = ratios if by_ratio else list(range(len(groups)))
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(groups)), 3.8))
+    for k, (metric, name) in enumerate(metrics):
+        shift = (k - (len(metrics) - 1) / 2) * (0.012 if by_ratio else 0.15)
+        for i, g in enumerate(groups):
+            v = g.values(metric)
+            if not v:
+                continue
+            x = xs[i] + shift
+            ax.errorbar([x], [g.mean(metric)], yerr=[g.std(metric) or 0.0], fmt="os"[k % 2], color=f"C{k}",
+                        capsize=4, label=name if i == 0 else None)
+            ax.plot([x] * len(v), v, ".", color=f"C{k}", alpha=0.5)
+    if by_ratio:
+        ax.set_xlabel("selection ratio (fraction of tokens dropped)")
+    else:
+        ax.set_xticks(xs, [g.label for g in groups], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("FID (mean ± std over seeds; dots: seeds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "fid_by_setting.png", dpi=120)
+    plt.close(fig)
+    return out / "fid_by_setting.png"
 
 
 def _elapsed(run: dict[str, Any], e: dict[str, Any]) -> float:
@@ -185,14 +281,24 @@ def _label(run: dict[str, Any], shared: frozenset = frozenset()) -> str:
     return " ".join(o for o in run["summary"].get("overrides") or [] if o not in shared) or run["run"]
 
 
-def update_readme(readme: Path, rows: list[dict[str, Any]], plots: list[Path], command: str) -> None:
-    """Replace the block between README_START and README_END in `readme` with the compact table of the
-    completed runs (sorted by selection ratio), the plots (as links relative to the README) and `command`."""
+def markers(name: Optional[str] = None) -> tuple[str, str]:
+    """The block's marker lines: README_START/README_END, or for --marker NAME 'ablation-report:NAME:start/end'."""
+    if not name:
+        return README_START, README_END
+    return f"<!-- ablation-report:{name}:start -->", f"<!-- ablation-report:{name}:end -->"
+
+
+def update_readme(readme: Path, rows: list[dict[str, Any]], plots: list[Path], command: str,
+                  marker: Optional[str] = None, groups_md: Optional[list[str]] = None) -> None:
+    """Replace the block between the marker lines (markers(marker)) in `readme` with the compact table of the
+    completed runs (sorted by selection ratio) or, with seeds, the groups' statistics and comparisons
+    (`groups_md`), the plots (as links relative to the README) and `command`. The rest is left byte-identical."""
+    start, end = markers(marker)
     text = readme.read_text() if readme.is_file() else ""
     lines_in = text.splitlines(keepends=True)
-    marks = [i for i, line in enumerate(lines_in) if line.strip() in (README_START, README_END)]
-    if [lines_in[i].strip() for i in marks] != [README_START, README_END]:
-        raise ReportError(f"--readme '{readme}' needs one '{README_START}' line and one '{README_END}' line after "
+    marks = [i for i, line in enumerate(lines_in) if line.strip() in (start, end)]
+    if [lines_in[i].strip() for i in marks] != [start, end]:
+        raise ReportError(f"--readme '{readme}' needs one '{start}' line and one '{end}' line after "
                           f"it (each on a line of its own) around the block to fill; found {len(marks)} marker "
                           f"line(s).")
     done = sorted((r for r in rows if r["status"] == "completed"),
@@ -203,6 +309,8 @@ def update_readme(readme: Path, rows: list[dict[str, Any]], plots: list[Path], c
         cells = [fmt(r.get(key)) if key != "tokens_fraction" or r.get(key) is None else f"{100 * r[key]:.1f}%"
                  for _, key in README_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
+    if groups_md:
+        lines = lines[:2] + groups_md
     failed = [r for r in rows if r["status"] != "completed"]
     if failed:
         lines += ["", "Runs that did not complete: " + "; ".join(f"`{r['run']}` ({fmt(r['error'])})" for r in failed)]

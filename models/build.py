@@ -12,9 +12,11 @@ import torch.nn as nn
 
 from models.dit import build_dit
 from models.families import build_family
+from models.sprint import build_sprint
 from utils.targets import build_target
 
-BUILDERS = {"models.build_dit": build_dit, "models.families.build_family": build_family}
+BUILDERS = {"models.build_dit": build_dit, "models.build_sprint": build_sprint,
+            "models.families.build_family": build_family}
 
 
 def build_model(cfg: Mapping[str, Any]) -> nn.Module:

@@ -15,6 +15,7 @@ from timm.layers import Mlp, PatchEmbed
 from timm.models.vision_transformer import Attention
 
 from models.errors import ModelConfigError
+from models.repa import RepaHead
 from routing import RoutedBackbone, RoutePlan, RoutingController, run_blocks, tokens_per_block
 from routing.masks import token_keep_mask
 
@@ -139,6 +140,8 @@ class DiT(RoutedBackbone):
         num_classes: int = 1000,       # class count; index num_classes is the null class
         routing: Optional[Mapping[str, Any]] = None,  # `routing` config group ({enabled, routes, selection})
         gradient_checkpointing: bool = False,  # recompute blocks in backward (less memory, ~1/3 more compute)
+        repa: Optional[Mapping[str, Any]] = None,  # model.repa: {block, encoder_dim, projector_dim, ...} (REPA head)
+        init: str = "adaln_zero",      # adaln_zero (DiT's) | paper (CompVis/tread's: Xavier after the zeroing)
     ):
         super().__init__()
         if input_size % patch_size:
@@ -152,6 +155,9 @@ class DiT(RoutedBackbone):
         self.num_classes = num_classes
         self.depth = depth
         self.gradient_checkpointing = bool(gradient_checkpointing)
+        if init not in INITS:
+            raise ModelConfigError(f"model.init={init!r} is unknown; allowed: {', '.join(INITS)}.")
+        self.init = init
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
         self.t_embedder = TimestepEmbedder(hidden_size)
@@ -163,6 +169,7 @@ class DiT(RoutedBackbone):
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
 
+        self.repa_block, self.repa_head = repa_head(repa, hidden_size, depth)
         # Routes are validated here, against this depth, before any training work starts.
         self.routing = RoutingController.from_config(routing, depth)
         self.initialize_weights()
@@ -194,6 +201,16 @@ class DiT(RoutedBackbone):
         io = 2 * N * D * (self.patch_size ** 2 * self.in_channels) * 2
         return float(block + io)
 
+    def repa_flops(self, routes=None) -> float:
+        """Forward FLOPs per sample of the REPA head (training only) on the tokens its block computes, given routes
+        (the frozen encoder's own forward is not counted)."""
+        if self.repa_head is None:
+            return 0.0
+        n = tokens_per_block(routes if routes is not None else self.routing.routes, self.depth,
+                             self.num_tokens)[self.repa_block]
+        return float(sum(2 * n * m.in_features * m.out_features for m in self.repa_head.modules()
+                         if isinstance(m, nn.Linear)))
+
     def initialize_weights(self) -> None:
         def _basic_init(module: nn.Module) -> None:
             if isinstance(module, nn.Linear):
@@ -216,6 +233,12 @@ class DiT(RoutedBackbone):
         nn.init.constant_(self.final_layer.adaLN_modulation[-1].bias, 0)
         nn.init.constant_(self.final_layer.linear.weight, 0)
         nn.init.constant_(self.final_layer.linear.bias, 0)
+        if self.init == "paper":
+            # CompVis/tread's DiT zeroes adaLN and the final layer in the blocks' constructors, then applies
+            # Xavier-uniform to every Linear: as released, adaLN-Zero is undone (weights Xavier, biases zero).
+            for module in [*(b.adaLN_modulation[-1] for b in self.blocks), self.final_layer.adaLN_modulation[-1],
+                           self.final_layer.linear]:
+                _basic_init(module)
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, p*p*C) -> (B, C, H, W)."""
@@ -232,15 +255,41 @@ class DiT(RoutedBackbone):
         x = self.x_embedder(x) + self.pos_embed                                   # (B, N, D)
         c = self.t_embedder(noise_level) + self.y_embedder(labels)                # (B, D)
         blocks = [lambda h, blk=blk: blk(h, c) for blk in self.blocks]
+        tap = {"block": self.repa_block} if self.repa_head is not None and self.training else None
         x = run_blocks(blocks, x, plan, self.routing.router, force_keep,          # (B, N, D)
-                       checkpoint=self.gradient_checkpointing and self.training)
-        x = self.final_layer(x, c)                                                # (B, N, p*p*C)
-        return self.unpatchify(x)                                                 # (B, C, H, W)
+                       checkpoint=self.gradient_checkpointing and self.training, tap=tap)
+        x = self.unpatchify(self.final_layer(x, c))                               # (B, C, H, W)
+        if tap is None:
+            return x
+        return x, self.repa_head(tap["tokens"]), tap["ids"]                      # REPA: projected tokens, ids
+
+
+def repa_head(repa: Optional[Mapping[str, Any]], hidden_size: int, depth: int) -> tuple[Optional[int], Optional[nn.Module]]:
+    """(block index, RepaHead) of model.repa (None, None without it); the block may count from the end."""
+    if not repa:
+        return None, None
+    block = check_repa_block(repa.get("block"), depth)
+    dim = repa.get("encoder_dim")
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise ModelConfigError(f"model.repa.encoder_dim={dim!r} must be a positive integer (the encoder's feature "
+                               f"width; null is filled in from the encoder when training starts).")
+    return block, RepaHead(hidden_size, dim, int(repa.get("projector_dim") or 2048))
+
+
+def check_repa_block(block: Any, depth: int) -> int:
+    """model.repa.block as a block index in 0..depth-1 (it may count from the end); the schema checks it too,
+    before the REPA encoder is built."""
+    if isinstance(block, bool) or not isinstance(block, int) or not -depth <= block < depth:
+        raise ModelConfigError(f"model.repa.block={block!r} must be a block index in {-depth}..{depth - 1} for a "
+                               f"model of depth {depth} (REPA aligns the tokens after that block).")
+    return block % depth
 
 
 #################################################################################
 #                                   Registry                                    #
 #################################################################################
+
+INITS = ("adaln_zero", "paper")   # model.init
 
 # name -> (depth, hidden_size, num_heads); patch size comes from the "/p" suffix.
 DIT_SIZES = {
@@ -264,10 +313,11 @@ def parse_arch(arch: str) -> tuple[int, int, int, int]:
 
 
 def build_dit(arch: str, input_size: int, in_channels: int, num_classes: int,
-              routing: Optional[Mapping[str, Any]] = None, **overrides: Any) -> DiT:
-    """Build a named DiT size, e.g. `DiT-XL/2`; `overrides` replace any DiT argument."""
+              routing: Optional[Mapping[str, Any]] = None, cls: type = DiT, **overrides: Any) -> DiT:
+    """Build a named DiT size, e.g. `DiT-XL/2`; `overrides` replace any DiT argument (or are `cls`'s own: a
+    DiT subclass such as models.sprint.SprintDiT)."""
     depth, hidden, heads, patch = parse_arch(arch)
     kwargs = dict(input_size=input_size, patch_size=patch, in_channels=in_channels, hidden_size=hidden,
                   depth=depth, num_heads=heads, num_classes=num_classes, routing=routing)
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
-    return DiT(**kwargs)
+    return cls(**kwargs)

@@ -48,7 +48,7 @@ class Geometry:
 
 
 def is_dit(cfg: Any) -> bool:
-    return cfg.model.get("_target_") == "models.build_dit"
+    return cfg.model.get("_target_") in ("models.build_dit", "models.build_sprint")
 
 
 def usual_data_name(cfg: Any) -> Optional[str]:

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from routing.router import TokenRouter, gather_tokens, keep_count, scatter_tokens
+from routing.schedule import RouteSchedule, schedule_from_config
 from routing.spec import Route, RouteConfigError, resolve_routes, routing_from_config, tokens_processed_fraction
 
 
@@ -37,14 +38,20 @@ class RoutePlan:
 
 
 class RoutingController:
-    """Holds a model's validated routes, its router and the inference-time override."""
+    """Holds a model's validated routes, its routing schedule, its router and the inference-time override.
+
+    `routes` are the configured routes (routing.routes): their spans are what inference routing and TREAD
+    guidance use. Training steps route `training_routes`: the configured routes, or with a schedule
+    (routing.schedule) the current phase's, set by `set_step` at the start of every training step."""
 
     def __init__(self, routes: Sequence[Route], depth: int, router: Optional[TokenRouter] = None,
-                 fp32_after_route: bool = False):
+                 fp32_after_route: bool = False, schedule: Optional[RouteSchedule] = None):
         self.routes = list(routes)    # validated at build time, non-negative indices
         self.depth = depth            # number of routable blocks
         self.router = router or TokenRouter()
         self.fp32_after_route = bool(fp32_after_route)  # the paper code's fp32 block after each route
+        self.schedule = schedule
+        self.training_routes = list(routes) if schedule is None else schedule.routes_at(0)
         self._override: Optional[list[Route]] = None
 
     @classmethod
@@ -56,7 +63,21 @@ class RoutingController:
         if not isinstance(flag, bool):
             raise RouteConfigError(f"routing.fp32_after_route={flag!r} must be true or false.")
         router = TokenRouter(seed=int(routing.get("seed") or 0), **dict(routing.get("selection") or {}))
-        return cls(routing_from_config(routing, depth), depth, router, fp32_after_route=flag)
+        routes = routing_from_config(routing, depth)
+        if routing.get("schedule") and not routing.get("enabled", False):
+            raise RouteConfigError("routing.schedule is set but routing is disabled (routing.enabled=false, e.g. "
+                                   "routing=none or model=dit); pick a routing preset, e.g. routing=paper.")
+        schedule = schedule_from_config(routing.get("schedule"), routes, depth)
+        return cls(routes, depth, router, fp32_after_route=flag, schedule=schedule)
+
+    def set_step(self, step: int) -> None:
+        """Route training step `step` as the schedule says (no-op without a schedule)."""
+        if self.schedule is not None:
+            self.training_routes = self.schedule.routes_at(step)
+
+    def routes_at(self, step: int) -> list[Route]:
+        """The routes training step `step` takes."""
+        return self.schedule.routes_at(step) if self.schedule is not None else list(self.routes)
 
     def plan(self, batch: int, num_tokens: int, device: torch.device, training: bool,
              force_keep: Optional[torch.Tensor] = None) -> RoutePlan:
@@ -78,11 +99,11 @@ class RoutingController:
         return bool(self.routes)
 
     def active_routes(self, training: bool) -> list[Route]:
-        """Routes for this forward: the override if set, else the routes in grad-enabled training."""
+        """Routes for this forward: the override if set, else the training routes in grad-enabled training."""
         if self._override is not None:
             return self._override
         if training and torch.is_grad_enabled():
-            return self.routes
+            return self.training_routes
         return []
 
     @contextlib.contextmanager
@@ -125,13 +146,18 @@ class RoutedBackbone(nn.Module):
 
     routing: RoutingController
     last_route_plan: Optional[RoutePlan] = None   # the plan of the last forward (routes, keep counts)
+    aligned: Optional[tuple] = None               # REPA: (projected tokens, their ids or None) of the last forward
 
     def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
                 force_keep: Optional[torch.Tensor] = None, **cond: Any) -> torch.Tensor:
         plan = self.routing.plan(x.shape[0], self.num_tokens, x.device, self.training, force_keep)
         self.last_route_plan = plan
         routed = self.__dict__.get("_compiled_routed_forward") or self.routed_forward
-        return routed(x, noise_level, labels, plan, force_keep, **cond)
+        out = routed(x, noise_level, labels, plan, force_keep, **cond)
+        if isinstance(out, tuple):    # (output, projected tokens, ids): a training forward with a REPA head
+            out, *aligned = out
+            self.aligned = tuple(aligned)
+        return out
 
     def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
                        force_keep: Optional[torch.Tensor] = None, **cond: Any) -> torch.Tensor:
@@ -167,7 +193,8 @@ class RoutedBackbone(nn.Module):
 
 def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, plan: RoutePlan, router: TokenRouter,
                force_keep: Optional[torch.Tensor] = None, *, context: Any = None,
-               per_token: Optional[Mapping[str, torch.Tensor]] = None, checkpoint: bool = False) -> Any:
+               per_token: Optional[Mapping[str, torch.Tensor]] = None, checkpoint: bool = False,
+               tap: Optional[dict] = None) -> Any:
     """Run `blocks` over routable tokens x (B, N, D), routing a subset past each route of `plan`.
 
     Two calling conventions, one routing semantics:
@@ -183,6 +210,8 @@ def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, plan: Rout
     marks tokens that are never dropped. `checkpoint` recomputes each block in backward (activation
     checkpointing); selection happens outside the checkpointed call, so recomputation sees the same tokens.
     Blocks in `plan.fp32_blocks` run outside autocast on float32 inputs (RoutingController.fp32_blocks).
+    `tap` = {"block": i} receives the tokens block i computed, tap["tokens"] (B, K or N, D), and inside a route
+    the kept tokens' positions tap["ids"] (B, K), else None (REPA aligns them, models/repa.py).
     """
     plain = context is None and per_token is None
     full_tokens = dict(per_token or {})
@@ -204,6 +233,8 @@ def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, plan: Rout
             else:
                 args = (x, context, tokens) if not fp32 else (_f32(x), _f32(context), _f32(tokens))
                 x, context = _call(block, checkpoint, *args)
+        if tap is not None and i == tap["block"]:
+            tap["tokens"], tap["ids"] = x, ids_keep
         if route is not None and i == route.end_layer_idx:
             x = scatter_tokens(x_start, x, ids_keep)                                    # (B, N, D)
             tokens = full_tokens

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from models.flops import forward_flops_with_routes
-from sampling.guidance import Guidance, backbone
+from routing import resolve_routes
+from sampling.guidance import PATH_DROP, Guidance, backbone
 
 
 def sampling_flops_per_image(model: Any, guidance: Guidance, stats: dict, num_images: int,
@@ -14,9 +15,17 @@ def sampling_flops_per_image(model: Any, guidance: Guidance, stats: dict, num_im
     forward at that ratio) / images."""
     if not num_images:
         return 0.0
-    total = sum(n * forward_flops_with_routes(model, guidance.routes(model, ratio), cond)
-                for ratio, n in stats.items())
+    total = sum(n * branch_flops(model, guidance, ratio, cond) for ratio, n in stats.items())
     return total / num_images
+
+
+def branch_flops(model: Any, guidance: Guidance, ratio: Any, cond: Optional[dict]) -> float:
+    """Forward FLOPs of one pass of a branch: at a ratio (None: dense), or path-dropped (PATH_DROP: SPRINT's
+    unconditional branch, its deep span skipped, at the main branch's routes)."""
+    if ratio == PATH_DROP:
+        specs = guidance.routes(model, guidance.route_ratio)
+        return float(model.forward_flops(resolve_routes(specs, model.depth) if specs else [], path_dropped=True))
+    return forward_flops_with_routes(model, guidance.routes(model, ratio), cond)
 
 
 def sampling_cost(net: Any, guidance: Guidance, stats: dict, num_images: int,
@@ -31,4 +40,5 @@ def sampling_cost(net: Any, guidance: Guidance, stats: dict, num_images: int,
     flops = sampling_flops_per_image(model, guidance, stats, num_images, cond)
     passes = sum(stats.values()) / num_images if num_images else 0.0
     return {"forward_passes_per_image": passes, "sample_gflops_per_image": flops / 1e9,
-            "passes_by_ratio": {("dense" if r is None else f"{r:g}"): n / max(num_images, 1) for r, n in stats.items()}}
+            "passes_by_ratio": {("dense" if r is None else r if r == PATH_DROP else f"{r:g}"): n / max(num_images, 1)
+                                for r, n in stats.items()}}

@@ -37,9 +37,16 @@ def parse_seeds(seeds: Any, num_samples: int) -> list[int]:
     return [int(s) for s in seeds]
 
 
+CLASS_LABELS = ("cycle", "random")    # class_labels: seed i gets class i mod K | its own generator draws it
+
+
 def batch_labels(seeds: Sequence[int], start: int, num_classes: int, classes: Optional[Sequence[int]],
-                 device: torch.device) -> torch.Tensor:
-    """Labels of the batch seeds[start:start + len]: class_for_seed, or `classes` cycled over positions."""
+                 device: torch.device, gen: Optional[StackedRandomGenerator] = None) -> torch.Tensor:
+    """Labels of the batch seeds[start:start + len]: `classes` cycled over positions; else, given the samples'
+    generators `gen` (class_labels=random), each sample's class drawn from its own generator after its noise (the
+    paper code's and EDM's generate.py order); else class_for_seed."""
+    if classes is None and gen is not None:
+        return gen.randint(0, num_classes, size=[len(seeds)], device=device)
     if classes is None:
         labels = [class_for_seed(s, num_classes) for s in seeds]
     else:
@@ -51,12 +58,14 @@ def batch_labels(seeds: Sequence[int], start: int, num_classes: int, classes: Op
 def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_classes: int, device: torch.device,
              *, batch_size: int, classes: Optional[Sequence[int]] = None, num_steps: Optional[int] = None,
              cond_fn: Optional[CondFn] = None, guidance: Optional[Guidance] = None, stats: Optional[dict] = None,
-             uncond_fn: Optional[CondFn] = None) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+             uncond_fn: Optional[CondFn] = None, class_labels: str = "cycle"
+             ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """Yield (seeds, labels, latents) batches. `classes` defaults to class_for_seed; `cond_fn(seeds)` gives
     per-sample conditioning (text embeddings) for text-conditioned models; `uncond_fn(seeds)`, that of CFG's
     unconditional branch (negative prompts; None: the null label). `guidance` (CFG, inference routing, TREAD
     guidance; default none) draws each sample's routed tokens from a generator seeded by its seed; `stats`
-    counts forward passes per branch (sampling/cost.py)."""
+    counts forward passes per branch (sampling/cost.py); `class_labels` (cycle | random) picks the labels when
+    `classes` is not given (batch_labels)."""
     net.eval()
     seeds = list(seeds)
     guidance = guidance if guidance is not None else Guidance()
@@ -64,10 +73,10 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
     for i in range(0, len(seeds), batch_size):
         batch = seeds[i:i + batch_size]
         gen = StackedRandomGenerator(device, batch)
-        labels = batch_labels(batch, i, num_classes, classes, device)
         noise = gen.randn([len(batch), *shape], device=device)
+        labels = batch_labels(batch, i, num_classes, classes, device, gen if class_labels == "random" else None)
         cond = {k: v.to(device) for k, v in cond_fn(batch).items()} if cond_fn is not None else None
-        if uncond_fn is not None and guidance.cfg_scale != 1.0:   # rides along; guidance.split_uncond takes it
+        if uncond_fn is not None and guidance.guides:   # rides along; guidance.split_uncond takes it
             cond = {**(cond or {}), UNCOND: {k: v.to(device) for k, v in uncond_fn(batch).items()}}
         with per_sample_routing(net, batch, device, guidance):
             x = diffusion.sample(denoise, noise, labels, num_steps=num_steps, randn_like=gen.randn_like, cond=cond)

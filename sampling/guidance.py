@@ -46,6 +46,9 @@ class Guidance:
     tread_weak_ratio: float = 0.5             # selection ratio of the weak branch (> the main branch's)
     interval: Optional[tuple[float, float]] = None           # noise levels where guidance applies
     route_spans: Optional[tuple[tuple[int, int], ...]] = None  # spans for inference routing (None: checkpoint's)
+    path_drop: bool = False                   # SPRINT: CFG's unconditional branch skips the deep span
+    cfg_rule: str = "any"                     # any: CFG for every scale != 1 | above_one: the paper code's rule
+    tread_uncond: bool = False                # TREAD guidance's branches with the null label (the paper code's)
 
     @classmethod
     def from_settings(cls, cfg: Any) -> "Guidance":
@@ -61,12 +64,14 @@ class Guidance:
         return cls(cfg_scale=number("cfg_scale", 1.0), route_ratio=number("route_ratio", None),
                    tread_scale=number("tread_scale", 1.0), tread_weak_ratio=number("tread_weak_ratio", 0.5),
                    interval=None if interval is None else (float(interval[0]), float(interval[1])),
-                   route_spans=None if spans is None else tuple((int(a), int(b)) for a, b in spans))
+                   route_spans=None if spans is None else tuple((int(a), int(b)) for a, b in spans),
+                   path_drop=bool(cfg.get("path_drop", False)), cfg_rule=str(cfg.get("cfg_rule", "any")),
+                   tread_uncond=bool(cfg.get("tread_uncond", False)))
 
     @property
     def is_plain(self) -> bool:
         """No guidance and no routing: the model's own conditional prediction."""
-        return self.cfg_scale == 1.0 and not self.routes_at_inference
+        return not self.guides and not self.routes_at_inference
 
     @property
     def routes_at_inference(self) -> bool:
@@ -88,6 +93,13 @@ class Guidance:
 
     def check(self, model: Any) -> None:
         """Resolve every branch's routes against the model now, so bad spans fail before sampling."""
+        if self.tread_uncond and self.cfg_scale != 1.0:
+            raise GuidanceError(f"tread_uncond=true (the paper code's unconditional TREAD guidance) replaces "
+                                f"classifier-free guidance; it needs cfg_scale=1 (got {self.cfg_scale}): set the "
+                                f"guidance weight with tread_scale.")
+        if self.path_drop and not hasattr(model, "span"):
+            raise GuidanceError(f"path_drop=true needs a SPRINT model (model=sprint: a deep span to skip); this "
+                                f"checkpoint's backbone is {type(model).__name__}. Allowed here: path_drop=false.")
         prefix = "route_spans" if self.route_spans is not None else "the checkpoint's routes"
         for ratio in self.ratios():
             specs = self.routes(model, ratio)
@@ -108,7 +120,17 @@ class Guidance:
         return {"cfg_scale": self.cfg_scale, "route_ratio": self.route_ratio, "tread_scale": self.tread_scale,
                 "tread_weak_ratio": self.tread_weak_ratio if self.tread_scale != 1.0 else None,
                 "guidance_interval": list(self.interval) if self.interval else None,
-                "route_spans": [list(s) for s in self.route_spans] if self.route_spans else None}
+                "route_spans": [list(s) for s in self.route_spans] if self.route_spans else None,
+                "path_drop": self.path_drop, "cfg_rule": self.cfg_rule, "tread_uncond": self.tread_uncond}
+
+    @property
+    def guides(self) -> bool:
+        """Whether classifier-free guidance applies at this scale: any scale != 1, or with cfg_rule=above_one (the
+        paper code's rectified-flow sampler) only scales above 1 and 0 (the unconditional prediction; 0 < s < 1
+        then samples the plain conditional prediction)."""
+        if self.cfg_rule == "above_one":
+            return self.cfg_scale > 1.0 or self.cfg_scale == 0.0
+        return self.cfg_scale != 1.0
 
 
 def backbone(net: Any) -> Any:
@@ -128,6 +150,7 @@ def routed(model: Any, specs: Optional[list[dict]]) -> Iterator[None]:
 
 
 UNCOND = "uncond"   # key, inside the per-sample conditioning, of the unconditional branch's own conditioning
+PATH_DROP = "path_drop"   # the stats key of path-dropped passes (SPRINT path-drop guidance; sampling/cost.py)
 
 
 def _joined(first: dict, second: dict) -> dict:
@@ -166,7 +189,9 @@ def guided_denoiser(net: Any, guidance: Guidance, null_label: int,
 
     def denoise(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
         inside = interval is None or interval[0] <= float(noise.reshape(-1)[0]) <= interval[1]
-        use_cfg, use_tread = inside and cfg_scale != 1.0, inside and w != 1.0
+        use_cfg, use_tread = inside and guidance.guides, inside and w != 1.0
+        if use_tread and guidance.tread_uncond:   # the paper code's TREAD guidance: both branches unconditional
+            labels = torch.full_like(labels, null_label)
         cond, uncond_cond = split_uncond(cond)
         with routed(model, strong):
             if use_cfg:   # one batched call: [conditional, unconditional]
@@ -174,12 +199,16 @@ def guided_denoiser(net: Any, guidance: Guidance, null_label: int,
                     uncond_labels, uncond_cond = torch.full_like(labels, null_label), cond
                 else:                     # the unconditional branch's own conditioning (negative prompts)
                     uncond_labels = labels
+                drop = {"path_drop": torch.arange(2 * x.shape[0], device=x.device) >= x.shape[0]} \
+                    if guidance.path_drop else {}   # SPRINT path-drop guidance: the unconditional rows skip the span
                 out = net(torch.cat([x, x]), torch.cat([noise, noise]), torch.cat([labels, uncond_labels]),
-                          **_joined(cond, uncond_cond))
+                          **drop, **_joined(cond, uncond_cond))
                 cond_out, uncond = out.chunk(2)
             else:
                 cond_out = net(x, noise, labels, **cond)
-        count(guidance.route_ratio, x.shape[0] * (2 if use_cfg else 1))
+        count(guidance.route_ratio, x.shape[0] * (1 if guidance.path_drop or not use_cfg else 2))
+        if use_cfg and guidance.path_drop:
+            count(PATH_DROP, x.shape[0])
         if use_tread:
             with routed(model, weak):
                 weak_out = net(x, noise, labels, **cond)

@@ -6,7 +6,7 @@ from typing import Any, Literal, Optional
 from pydantic import model_validator
 
 from diffusion.rf import DynamicShift, RectifiedFlow
-from models.dit import DIT_ARCHS
+from models.dit import DIT_ARCHS, check_repa_block, parse_arch
 from models.families import FAMILIES
 from models.lora import ADAPTER_TYPES, LORA_KEYS, check_type_keys
 from models.quantize import QUANTIZE_MODES, check_quantize
@@ -30,6 +30,16 @@ class RouteSpec(Section):
     end_layer_idx: int = key("a block index (negative counts from the end; inclusive)")
 
 
+class Phase(Section):
+    """one phase of routing.schedule"""
+
+    start_step: int = key("an integer >= 0 (the phase's first training step; the first phase starts at 0)", ge=0)
+    selection_ratio: Optional[Any] = key("null (routing.routes as configured), a ratio in [0, 1) over routing.routes' "
+                                         "spans, or [from, to]: a linear ramp until the next phase", default=None)
+    routes: Optional[list[RouteSpec]] = key("null or a list of {selection_ratio, start_layer_idx, end_layer_idx} "
+                                            "([] trains dense)", default=None)
+
+
 class Routing(Section):
     """the routing group (configs/routing/*.yaml); routes are checked against the model's depth when it is built"""
 
@@ -39,6 +49,8 @@ class Routing(Section):
     fp32_after_route: Flag
     selection: Selection = key("a mapping {mode, importance_weight}")
     routes: list[RouteSpec] = key("a list of {selection_ratio, start_layer_idx, end_layer_idx}")
+    schedule: Optional[list[Phase]] = key("null or a list of phases {start_step, selection_ratio | routes} "
+                                          "(docs/routes.md, 'Routing schedules')", default=None)
 
 
 class Lora(Section):
@@ -76,6 +88,19 @@ class Lora(Section):
 assert set(Lora.model_fields) == set(LORA_KEYS)
 
 
+class Repa(Section):
+    """model.repa (configs/repa/*.yaml)"""
+
+    weight: PositiveNumber
+    block: int = key("a block index of the model (negative counts from the end)")
+    encoder: Literal["toy", "dinov2"] = key(one_of(("toy", "dinov2")))
+    encoder_weights: Optional[str] = key("null (toy) or a local transformers Dinov2Model folder (dinov2)",
+                                         default=None)
+    encoder_dim: Optional[int] = key("null (read from the encoder) or the encoder's feature width", ge=1,
+                                     default=None)
+    projector_dim: int = key("a positive integer (hidden width of the projection MLP)", ge=1, default=2048)
+
+
 class Backbone(Section):
     """what every model config has: the data's latent size and classes, gradient checkpointing, routing"""
 
@@ -87,16 +112,39 @@ class Backbone(Section):
     routing: Routing = key("the routing group")
 
 
-class DiTModel(Backbone):
-    """model=dit|tread"""
+class Sprint(Section):
+    """model.sprint (model=sprint)"""
 
-    target: Literal["models.build_dit"] = key("models.build_dit", alias="_target_")
+    start: int = key("a block index: the deep span's first block (dense blocks come before it)")
+    end: int = key("a block index: the deep span's last block, inclusive (dense blocks come after it)")
+    path_drop_prob: Number = key("a number in [0, 1): per-sample probability, in training, of dropping the whole "
+                                 "deep path (path-drop guidance learns from it)", ge=0, lt=1, default=0.1)
+
+
+class DiTModel(Backbone):
+    """model=dit|tread|sprint"""
+
+    target: Literal["models.build_dit", "models.build_sprint"] = key("models.build_dit or models.build_sprint",
+                                                                     alias="_target_")
+    sprint: Optional[Sprint] = key("{start, end, path_drop_prob} (model=sprint only)", default=None)
+    init: Literal["adaln_zero", "paper"] = key("adaln_zero (DiT's adaLN-Zero) or paper (CompVis/tread's code: "
+                                               "Xavier-uniform over the zeroed adaLN and final layers)",
+                                               default="adaln_zero")
     arch: Literal[tuple(DIT_ARCHS)] = key(one_of(DIT_ARCHS))
+    repa: Optional[Repa] = key("null or {weight, block, encoder, encoder_weights, encoder_dim, projector_dim} "
+                               "(repa=toy|dinov2)", default=None)
     # DiT arguments a research run may override (+model.depth=6, ...)
     depth: Optional[int] = key("an integer >= 1", ge=1, default=None)
     hidden_size: Optional[int] = key("an integer >= 1", ge=1, default=None)
     num_heads: Optional[int] = key("an integer >= 1", ge=1, default=None)
     mlp_ratio: Optional[Number] = key("a number > 0", gt=0, default=None)
+
+    @model_validator(mode="after")
+    def check_repa_block(self) -> "DiTModel":
+        """REPA's block lies in the model (checked here, before the encoder is built or trained)."""
+        if self.repa is not None:
+            check_repa_block(self.repa.block, self.depth or parse_arch(self.arch)[0])
+        return self
 
 
 FAMILY_ONLY = {"guidance": "flux", "kontext": "flux", "use_t5": "sd3", "frames": "wan", "expand_timesteps": "wan",
@@ -130,10 +178,16 @@ class FamilyModel(Backbone):
     expand_timesteps: Optional[bool] = key("true or false (Wan)", default=None)
     vae_scale_factor: Optional[int] = key("a positive integer (PixArt)", ge=1, default=None)
 
+    repa: Optional[Any] = key("null (REPA, repa=toy|dinov2, is for DiT models: model=dit|tread|sprint)",
+                              default=None)
+
     @model_validator(mode="after")
     def check_quantize(self) -> "FamilyModel":
-        """A quantized base trains through adapters only (models/quantize.py says it, once)."""
+        """A quantized base trains through adapters only (models/quantize.py says it, once); REPA is DiT's."""
         check_quantize(self.quantize, self.lora)
+        if self.repa is not None:
+            raise ValueError(f"model.repa is set (repa=...) but model.family={self.family}; REPA alignment is "
+                             f"implemented for DiT models (model=dit|tread|sprint); allowed here: repa=null.")
         return self
 
     def check_family_keys(self) -> None:
@@ -142,7 +196,7 @@ class FamilyModel(Backbone):
                 raise ConfigError(f"model.{name} is a {family} key; model.family={self.family} does not take it.")
 
 
-MODELS = {"models.build_dit": DiTModel, "models.families.build_family": FamilyModel}
+MODELS = {"models.build_dit": DiTModel, "models.build_sprint": DiTModel, "models.families.build_family": FamilyModel}
 
 
 class EDMConfig(Section):

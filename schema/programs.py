@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from omegaconf import DictConfig
 from pydantic import Field
 
+from evaluation.metric_names import METRICS
 from schema.base import SEED_LIMIT, ConfigError, Flag, PositiveInt, check, key, show
 from schema.sampling import (NEGATIVE_PROMPT, PROMPTS, TEXT_ENCODERS, DecodeSettings, MetricSettings, Prompt,
                              SamplingSettings, check_guidance)
@@ -106,6 +107,9 @@ def check_fid(cfg: Union[DictConfig, dict]) -> FidConfig:
         raise ConfigError(f"mode={mode} is not valid: use mode=ref (build a reference), mode=calc (metrics of images "
                           f"against a reference) or mode=bench (sample and score checkpoints)")
     s = check(FidConfig, tree, "")
+    if "fdd" in s.metrics:
+        raise ConfigError(f"metrics={list(s.metrics)}: fdd is computed by in-training evaluation (eval.metrics) and "
+                          f"not yet by fid.py; allowed here: {[m for m in METRICS if m != 'fdd']}.")
     check_guidance(s, "")
     check_seeds(s.seeds)
     check_device(s.device)

@@ -34,6 +34,15 @@ class SamplingSettings(Section):
     tread_weak_ratio: Number = key("a selection ratio in (0, 1) for the weak TREAD-guidance branch", gt=0, lt=1)
     guidance_interval: Optional[list[Number]] = key(
         "null or [lo, hi], two noise levels (EDM sigma, rectified-flow t) with 0 <= lo < hi", min_length=2, max_length=2)
+    path_drop: bool = key("true or false (SPRINT models, model=sprint: CFG's unconditional branch skips the deep "
+                          "span, path-drop guidance)", default=False)
+    cfg_rule: Literal["any", "above_one"] = key("any (CFG for every cfg_scale != 1) or above_one (the paper code: "
+                                                "only scales > 1, and 0 = unconditional)", default="any")
+    tread_uncond: bool = key("true or false (the paper code's TREAD guidance: both routed branches with the null "
+                             "label; needs cfg_scale=1)", default=False)
+    class_labels: Literal["cycle", "random"] = key("cycle (seed i gets class i mod K) or random (each seed's class "
+                                                   "drawn from its own generator after its noise, as the paper "
+                                                   "code)", default="cycle")
 
 
 class DecodeSettings(Section):
@@ -50,6 +59,8 @@ class MetricSettings(Section):
     features: Literal[FEATURE_NAMES] = key(one_of(FEATURE_NAMES))
     inception_weights: Optional[str] = key("null or a local Inception weights file (torch-fidelity format)")
     metrics: list[Literal[METRICS]] = key(f"a non-empty list of {one_of(METRICS)}", min_length=1)
+    dinov2_weights: Optional[str] = key("null or a local transformers Dinov2Model folder (the fdd metric; e.g. "
+                                        "facebook/dinov2-large saved with save_pretrained)", default=None)
 
 
 def check_guidance(s: SamplingSettings, prefix: str) -> None:
@@ -60,6 +71,17 @@ def check_guidance(s: SamplingSettings, prefix: str) -> None:
     if s.guidance_interval is not None and not 0.0 <= s.guidance_interval[0] < s.guidance_interval[1]:
         raise ConfigError(f"{prefix}guidance_interval={list(s.guidance_interval)} is not allowed; allowed: "
                           f"[lo, hi] with 0 <= lo < hi.")
+    if s.tread_uncond and s.cfg_scale != 1.0:
+        raise ConfigError(f"{prefix}tread_uncond=true (the paper code's unconditional TREAD guidance) replaces "
+                          f"classifier-free guidance; allowed with it: {prefix}cfg_scale=1 (got {s.cfg_scale}); set "
+                          f"the guidance weight with {prefix}tread_scale.")
+    if s.path_drop and s.cfg_scale == 1.0:
+        raise ConfigError(f"{prefix}path_drop=true needs classifier-free guidance ({prefix}cfg_scale != 1, got "
+                          f"{s.cfg_scale}): path drop replaces CFG's unconditional branch.")
+    if isinstance(s, MetricSettings) and "fdd" in s.metrics and not s.dinov2_weights:
+        raise ConfigError(f"{prefix}metrics={list(s.metrics)} asks for fdd (Fréchet distance on DINOv2 features), "
+                          f"which needs {prefix}dinov2_weights=<a local Dinov2Model folder> (nothing is downloaded: "
+                          f"save facebook/dinov2-large with transformers' save_pretrained on a machine with network).")
     if isinstance(s, MetricSettings) and len(set(s.metrics)) != len(s.metrics):
         raise ConfigError(f"{prefix}metrics={list(s.metrics)} repeats a metric; allowed: each of {list(METRICS)} once.")
 

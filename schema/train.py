@@ -110,6 +110,8 @@ class Eval(SamplingSettings, DecodeSettings, MetricSettings):
         f"null or {PROMPTS}: sampled at every evaluation into a captioned grid (not counted in the metrics)",
         min_length=1)
     validation_per_prompt: int = key("a positive integer (images per validation prompt: seeds 0..n-1)", ge=1)
+    seed_offset: int = key("an integer >= 0: samples use seeds seed_offset..seed_offset+num_samples-1 (the paper "
+                           "code's FID-5K: 100000)", ge=0, default=0)
     negative_prompt: str = key(NEGATIVE_PROMPT)
 
 

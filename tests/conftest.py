@@ -5,7 +5,10 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import Dinov2Config, Dinov2Model
 
+from evaluation.encoders import DINO_SIZE
 from schema import compose
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +37,18 @@ def shared_cache(tmp_path_factory) -> Path:
     if "dir" not in _CACHE:
         _CACHE["dir"] = Path(os.environ.get("TREAD_TEST_CACHE") or tmp_path_factory.mktemp("cache"))
     return _CACHE["dir"]
+
+
+@pytest.fixture(scope="session")
+def dino_dir(tmp_path_factory) -> Path:
+    """A tiny random transformers Dinov2Model (width 32) saved as a local weights folder: REPA's and FDD's DINOv2
+    without a download."""
+    torch.manual_seed(0)
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                          patch_size=14, image_size=DINO_SIZE)
+    path = tmp_path_factory.mktemp("dinov2")
+    Dinov2Model(config).eval().save_pretrained(path)
+    return path
 
 
 @pytest.fixture

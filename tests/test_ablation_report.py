@@ -92,3 +92,70 @@ def test_readme_block_is_regenerated_in_place(sweep, tmp_path):
     readme.write_text("no markers\n")
     with pytest.raises(report.ReportError, match="needs one '<!-- ablation-report:start -->' line"):
         report.main([str(sweep), "--no-plots", "--readme", str(readme)])
+
+
+def seeded_sweep(root: Path, fids: dict, steps=(100, 200)) -> Path:
+    """Runs of several settings x seeds from separate multiruns: root/ratio_R/<seed>/, FID at each step."""
+    for ratio, per_seed in fids.items():
+        for seed, values in enumerate(per_seed):
+            d = root / f"ratio_{ratio}" / str(seed)
+            d.mkdir(parents=True)
+            summary = {"status": "completed", "overrides": [f"train.seed={seed}", "experiment=x",
+                                                            f"routing.routes.0.selection_ratio={ratio}"],
+                       "routes": [], "final_step": steps[-1], "final_fid": values[-1], "best_fid": min(values),
+                       "train_sec": 60.0, "tokens_fraction": 1.0, "train_flops_per_step": 1e9}
+            (d / "summary.json").write_text(json.dumps(summary))
+            recs = [{"type": "eval", "step": s, "fid": f} for s, f in zip(steps, values)]
+            (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    return root
+
+
+def test_seed_groups_statistics_and_verdicts(tmp_path):
+    import statistics
+
+    from evaluation.seed_groups import comparisons, seed_groups, welch
+    from evaluation.sweep_report import load_runs
+    clear = {0: [[30, 20.0], [31, 20.5], [29, 19.8]], 0.5: [[25, 15.0], [24, 15.4], [26, 14.9]],
+             0.75: [[25, 19.0], [24, 21.5], [26, 20.1]]}
+    root = seeded_sweep(tmp_path / "s", clear)
+    resumed = root / "ratio_0.5" / "2" / "summary.json"               # a resumed run is the same setting
+    summary = json.loads(resumed.read_text())
+    resumed.write_text(json.dumps({**summary, "overrides": summary["overrides"][::-1] + ["resume=auto"]}))
+    groups = seed_groups(load_runs(root))
+    assert [g.label for g in groups] == ["ratio 0", "ratio 0.5", "ratio 0.75"]
+    assert groups[1].mean("final_fid") == pytest.approx(statistics.fmean([15.0, 15.4, 14.9]))
+    assert groups[1].std("final_fid") == pytest.approx(statistics.stdev([15.0, 15.4, 14.9]))
+    assert groups[0].values("fid@100") == [30, 31, 29]
+    verdicts = {(c["a"], c["b"]): c["verdict"] for c in comparisons(groups, "final_fid")}
+    assert verdicts[("ratio 0", "ratio 0.5")] == "exceeds noise"     # -5 with spreads of ~0.3
+    assert verdicts[("ratio 0", "ratio 0.75")] == "within noise"     # overlapping
+    w = welch([1.0, 2.0, 3.0], [2.0, 3.0, 4.0, 5.0])                  # textbook Welch: t, df
+    assert w["t"] == pytest.approx(1.5 / ((1 / 3 + 5 / 12) ** 0.5)) and w["df"] == pytest.approx(0.75 ** 2 / ((1 / 3) ** 2 / 2 + (5 / 12) ** 2 / 3))
+    assert welch([1.0], [2.0, 3.0])["verdict"] == "n/a"
+
+
+def test_at_step_and_named_marker_blocks(tmp_path):
+    root = seeded_sweep(tmp_path / "s", {0: [[30, 20.0], [31, 20.5]], 0.5: [[25, 15.0], [24, 15.4]]})
+    (root / "ratio_0.5" / "0" / "metrics.jsonl").write_text(json.dumps({"type": "eval", "step": 200, "fid": 15.0}))
+    readme = tmp_path / "page.md"
+    before = "# Page\n<!-- ablation-report:start -->\nold default\n<!-- ablation-report:end -->\ntext\n"
+    block = "<!-- ablation-report:seeds:start -->\nold\n<!-- ablation-report:seeds:end -->\ntail\n"
+    readme.write_text(before + block)
+    out = ablation_report.main([str(root), "--at-step", "100", "--readme", str(readme), "--marker", "seeds",
+                                "--no-plots"])
+    rows = {r["run"]: r for r in out["rows"]}
+    assert rows["ratio_0/1"]["fid_at_100"] == 31 and rows["ratio_0.5/0"]["fid_at_100"] == "no evaluation at step 100"
+    text = readme.read_text()
+    assert text.startswith(before) and text.endswith("<!-- ablation-report:seeds:end -->\ntail\n")
+    assert "FID at step 100" in text and "ratio 0.5" in text and ("within noise" in text or "exceeds noise" in text)
+    with pytest.raises(Exception, match="ablation-report:other:start"):
+        ablation_report.main([str(root), "--readme", str(readme), "--marker", "other", "--no-plots"])
+
+
+def test_phases_and_flops_of_a_schedule():
+    from evaluation.sweep_report import flops_at, phases
+    summary = {"schedule": [{"start_step": 0, "end_step": 10, "routes": "0.5 @ 2..8", "train_flops_per_step": 2.0},
+                            {"start_step": 10, "end_step": None, "routes": "none (dense)", "train_flops_per_step": 3.0}]}
+    assert phases(summary) == "0-9: 0.5 @ 2..8; 10-: none (dense)"
+    assert flops_at(summary, 5) == 10.0 and flops_at(summary, 14) == 20.0 + 12.0
+    assert flops_at({"train_flops_per_step": 2.0}, 7) == 14.0 and phases({}) == ""

@@ -149,6 +149,11 @@ def announce(run: Run, resume_from: Optional[Path], use_mask: bool, changes: dic
                f"data: {dataset.root} ({len(dataset)} samples) | world size {acc.num_processes}, global batch "
                f"{cfg.train.batch_size} ({micro_batch_size(cfg.train, acc.num_processes)} per micro-batch) | "
                f"{acc.device}, mixed precision {cfg.train.mixed_precision}{compiled}\nrun dir: {run.run_dir}")
+    phases = run.summary.data.get("schedule")
+    if phases:
+        tqdm.write("routing schedule: " + "; ".join(
+            f"steps {p['start_step']}-{'' if p['end_step'] is None else p['end_step'] - 1}: {p['routes']}"
+            for p in phases))
     if resume_from is not None:
         tqdm.write(f"Resumed from {resume_from} at step {run.state.step}.")
         if changes:
@@ -175,7 +180,7 @@ def loop_steps(run: Run, step_fn: TrainStep, stop: StopRequest, bar: tqdm) -> No
     """A step, then whatever is due (log record, evaluation, checkpoint), until max_steps, the time budget or a
     stop signal (then a checkpoint right away)."""
     cfg, state, acc = run.cfg, run.state, run.parts.accelerator
-    window = LogWindow(acc.device)
+    window = LogWindow(acc.device, run.parts.repa.weight if run.parts.repa is not None else 0.0)
     batches = iter(state.loader)
     run.parts.net.train()
     while state.step < cfg.train.max_steps and not run.out_of_time:
@@ -228,8 +233,10 @@ def due(every: int, step: int, anyway: bool) -> bool:
 class LogWindow:
     """Training records average over the steps since the previous record: loss, throughput, token share."""
 
-    def __init__(self, device: torch.device):
-        self.sums = torch.zeros(2, device=device)    # (loss sum, count) over the steps whose loss was finite
+    def __init__(self, device: torch.device, repa_weight: float = 0.0):
+        self.repa_weight = repa_weight               # model.repa.weight: loss = diffusion loss + weight x REPA term
+        self.sums = torch.zeros(3, device=device)    # (loss, count, REPA term) summed over steps with a finite loss
+        self.repa = False                            # whether the steps report a REPA term (model.repa)
         self.run_start = time.time()
         self.restart()
 
@@ -243,7 +250,10 @@ class LogWindow:
 
     def add(self, stats: StepStats) -> None:
         finite = 1.0 - stats.nonfinite
-        self.sums += torch.stack([torch.where(finite > 0, stats.loss, 0.0), finite])   # on the device: no sync
+        repa = stats.repa_loss if stats.repa_loss is not None else torch.zeros_like(stats.loss)
+        self.repa = stats.repa_loss is not None
+        self.sums += torch.stack([torch.where(finite > 0, stats.loss, 0.0), finite,      # on the device: no sync
+                                  torch.where(finite > 0, repa, 0.0)])
         self.steps += 1
         self.tokens += stats.tokens_fraction
         self.data_sec += stats.data_sec
@@ -252,12 +262,15 @@ class LogWindow:
         """The record of this window (one host sync: the loss mean over processes and finite steps; None when
         every step was skipped); starts the next window."""
         elapsed = time.time() - self.start
-        loss_sum, count = accelerator.reduce(self.sums, reduction="sum").tolist()
+        loss_sum, count, repa_sum = accelerator.reduce(self.sums, reduction="sum").tolist()
         mean_loss = loss_sum / count if count else None
         record = {"type": "train", "step": state.step, "loss": mean_loss, "lr": lr,
                   "steps_per_sec": self.steps / elapsed, "images_per_sec": self.steps * batch_size / elapsed,
                   "tokens_fraction": self.tokens / self.steps, "data_wait_frac": self.data_sec / elapsed,
                   "elapsed_sec": time.time() - self.run_start, "train_sec": state.train_sec}
+        if self.repa:   # the alignment term inside `loss` (loss = diffusion loss + model.repa.weight x repa_loss)
+            record["repa_loss"] = repa_sum / count if count else None
+            record["diffusion_loss"] = mean_loss - self.repa_weight * record["repa_loss"] if count else None
         self.restart()
         return record
 

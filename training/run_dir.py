@@ -26,7 +26,9 @@ from utils.io import atomic_write_text
 from utils.lock import RunDirLock, RunDirLocked
 
 # Model keys a resume may change: they do not change the weights' shapes or meaning.
-MUTABLE_MODEL_KEYS = ("model.routing", "model.gradient_checkpointing")
+# Keys a resume may change: routes (e.g. a dense fine-tuning phase), memory settings, and the initialisation
+# (weights come from the checkpoint), plus REPA's loss weight.
+MUTABLE_MODEL_KEYS = ("model.routing", "model.gradient_checkpointing", "model.init", "model.repa.weight")
 
 
 class ResumeError(UserError):

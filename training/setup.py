@@ -7,7 +7,7 @@ import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,7 @@ from models import build_model
 from models.quantize import frozen_base
 from schema import ConfigError
 from training.fsdp import check_parallel, shard_backbone
+from training.repa import Repa, build_repa
 from utils.targets import build_target
 
 OPTIMIZERS = {"torch.optim.AdamW": torch.optim.AdamW}
@@ -37,6 +38,7 @@ class TrainingParts:
     optimizer: torch.optim.Optimizer
     compiled: bool
     sharded: bool = False   # train.parallel=fsdp: backbone and EMA are sharded per block (training/fsdp.py)
+    repa: Optional[Repa] = None   # model.repa: the frozen encoder and weight of the alignment loss
 
     def prepare(self) -> None:
         """Hand net and optimizer to accelerate (device placement, DDP); after a resume has loaded them. A
@@ -67,6 +69,7 @@ def build_parts(cfg: Any, accelerator: Accelerator) -> TrainingParts:
     initialisation on every process (seeded by train.seed)."""
     check_shared_base(cfg)
     check_parallel(cfg, accelerator.num_processes, accelerator.device.type == "cuda")
+    repa = build_repa(cfg, accelerator.device)              # the encoder first: it sizes the REPA head
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     diffusion = build_diffusion(cfg.diffusion)
@@ -78,7 +81,7 @@ def build_parts(cfg: Any, accelerator: Accelerator) -> TrainingParts:
     # LoRA (model.lora) freezes the base weights: only parameters that require grad are optimised.
     optimizer = build_target(cfg.optimizer, OPTIMIZERS, "optimizer")(params=[p for p in net.parameters()
                                                                              if p.requires_grad])
-    return TrainingParts(accelerator, model, diffusion, net, ema, optimizer, compiled, sharded)
+    return TrainingParts(accelerator, model, diffusion, net, ema, optimizer, compiled, sharded, repa)
 
 
 def check_shared_base(cfg: Any) -> None:

@@ -60,6 +60,7 @@ class StepStats:
     data_sec: float               # time spent waiting for batches
     lr: float
     nonfinite: torch.Tensor       # 1.0 when the loss or gradient norm was NaN/inf and the update was skipped
+    repa_loss: Optional[torch.Tensor] = None   # model.repa: the alignment term (mean negative cosine), detached
 
 
 class TrainStep:
@@ -73,7 +74,9 @@ class TrainStep:
     def __call__(self, batches: Iterator, step: int) -> StepStats:
         p, s = self.parts, self.s
         lr = set_lr(p.optimizer, s.lr, s.lr_warmup_steps, step)
+        p.model.routing.set_step(step)                     # routing.schedule: this step's phase
         loss_sum = torch.zeros((), device=p.accelerator.device)
+        repa_sum = torch.zeros((), device=p.accelerator.device) if p.repa is not None else None
         tokens, data_sec = 0.0, 0.0
         for micro in range(s.grad_accum_steps):
             start = time.perf_counter()
@@ -81,11 +84,13 @@ class TrainStep:
             data_sec += time.perf_counter() - start   # the time the step waited for data (0 when prefetch keeps up)
             loss = self.micro_step(batch, sync=micro == s.grad_accum_steps - 1)
             loss_sum += loss.detach() / s.grad_accum_steps
+            if repa_sum is not None:
+                repa_sum += p.repa.last / s.grad_accum_steps
             tokens += p.model.processed_fraction() / s.grad_accum_steps
         bad = nonfinite_flag(loss_sum, self.grad_norm())
         self.optimizer_step(bad)
         ema_update(p.ema, p.accelerator.unwrap_model(p.net), ema_decay_at(step, s.ema_decay, s.ema_warmup), skip=bad)
-        return StepStats(loss_sum, tokens, data_sec, lr, bad)
+        return StepStats(loss_sum, tokens, data_sec, lr, bad, repa_sum)
 
     def grad_norm(self) -> torch.Tensor:
         """The total gradient norm (clipped to train.grad_clip when set), on the device; with sharded gradients
@@ -122,6 +127,8 @@ class TrainStep:
         with p.accelerator.no_sync(p.net) if not sync else contextlib.nullcontext():
             with p.accelerator.autocast():
                 loss = reduce_loss(p.diffusion.loss(p.net, x, y, **kwargs), mask)
+                if p.repa is not None:                  # REPA: align the model's tokens with the encoder's
+                    loss = loss + p.repa.weight * p.repa.loss(p.model, x, s.data_meta)
             p.accelerator.backward(loss / s.grad_accum_steps)
         return loss
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from data import COND_KEYS, has_model_conditioning
-from models.flops import model_forward_flops, train_step_flops
+from models.flops import forward_flops_with_routes, train_step_flops
 from routing import tokens_processed_fraction
 from utils.io import atomic_write_json
 
@@ -28,15 +28,46 @@ class RunSummary:
 
     def __init__(self, run_dir: Path, overrides: Optional[list[str]], cfg: Any, model: Any, dataset, start_step: int):
         routes = model.routing.routes
-        self.flops_per_step = train_step_flops(model_forward_flops(model, sample_conditioning(model, dataset)),
-                                               cfg.train.batch_size)
+        self.model, self.batch = model, cfg.train.batch_size
+        self.cond = sample_conditioning(model, dataset)
+        self._flops: dict[tuple, float] = {}
+        self.flops_per_step = self.step_flops(model.routing.routes_at(start_step))
         self.data: dict[str, Any] = {
             "status": "running", "run_dir": str(run_dir), "overrides": list(overrides or []),
             "model": str(cfg.model.arch), "routes": [r.__dict__ for r in routes], "start_step": start_step,
-            "tokens_fraction": tokens_processed_fraction(routes, model.depth, model.num_tokens),
-            "train_flops_per_step": self.flops_per_step}
+            "tokens_fraction": self.tokens_fraction(model.routing.routes_at(start_step)),
+            "train_flops_per_step": self.flops_per_step, "schedule": self.phases()}
         self.run_dir, self.start = Path(run_dir), time.time()
         self.tokens_sum = 0.0     # measured token share, summed over steps
+
+    def tokens_fraction(self, routes) -> float:
+        return tokens_processed_fraction(routes, self.model.depth, self.model.num_tokens)
+
+    def step_flops(self, routes) -> float:
+        """Theoretical FLOPs of a training step that takes `routes` (counted once per distinct route list)."""
+        key = tuple(routes)
+        if key not in self._flops:
+            forward = forward_flops_with_routes(self.model, [r.__dict__ for r in routes], self.cond)
+            forward += getattr(self.model, "repa_flops", lambda _: 0.0)(list(routes))   # REPA head (DiT)
+            self._flops[key] = train_step_flops(forward, self.batch)
+        return self._flops[key]
+
+    def phases(self) -> Optional[list[dict[str, Any]]]:
+        """The routing schedule's phases with their routes, token share and FLOPs per step (at each phase's
+        start); None without a schedule."""
+        schedule = self.model.routing.schedule
+        if schedule is None:
+            return None
+        return [{"start_step": p.start_step, "end_step": p.end_step, "routes": p.describe(),
+                 "tokens_fraction": self.tokens_fraction(p.routes), "train_flops_per_step": self.step_flops(p.routes)}
+                for p in schedule.phases]
+
+    def flops_between(self, start: int, end: int) -> float:
+        """Training FLOPs of steps [start, end): per step under a schedule (phases, ramps), else constant."""
+        routing = self.model.routing
+        if routing.schedule is None:
+            return self.flops_per_step * (end - start)
+        return sum(self.step_flops(routing.routes_at(s)) for s in range(start, end))
 
     def add_fid(self, step: int, fid: float) -> None:
         self.data.setdefault("fid", []).append((step, fid))
@@ -54,7 +85,7 @@ class RunSummary:
             "nonfinite_skips": nonfinite_skips,
             "time_budget_min": cfg.train.time_budget_min, "train_sec_total": train_sec_total, "train_sec": train_sec,
             "steps_per_sec": per_sec(steps_run), "images_per_sec": per_sec(steps_run * cfg.train.batch_size),
-            "train_flops_total": self.flops_per_step * steps_run,
+            "train_flops_total": self.flops_between(0, step),
             "tokens_fraction_measured": self.tokens_sum / steps_run if steps_run else None})
         fids = [f for _, f in self.data.get("fid", [])]
         self.data.update({"final_fid": fids[-1] if fids else None, "best_fid": min(fids) if fids else None})

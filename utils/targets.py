@@ -43,7 +43,7 @@ def build_target(node: Mapping[str, Any], allowed: Mapping[str, Callable[..., An
 # (models/build.py, diffusion/build.py and training/setup.py hold the callables; tests/test_checkpoints.py
 # checks that the names agree.)
 PROJECT_TARGETS = {
-    "model": ("models.build_dit", "models.families.build_family"),
+    "model": ("models.build_dit", "models.build_sprint", "models.families.build_family"),
     "diffusion": ("diffusion.EDM", "diffusion.RectifiedFlow"),
     "optimizer": ("torch.optim.AdamW",),
 }
