@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup train test sample benchmark ablation ablation-seeds study example clean
+.PHONY: setup train test sample benchmark ablation ablation-seeds study precision example clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,14 @@ study: $(STAMP)
 	for m in $(STUDY_MODES); do \
 	  $(BIN)/python train.py -m experiment=study_$$m hydra.sweep.dir=$(STUDY_DIR)/$$m $(ARGS) || exit 1; done
 	$(BIN)/python scripts/ablation_report.py $(STUDY_DIR) --out docs/research --readme docs/research.md --marker study --at-step 342
+
+# bf16 autocast against fp32 on the default run (docs/benchmarks.md, "bf16 on the CPU"): experiment=toy at seeds 0, 1, 2
+# in each precision (~50 min on a 2-core CPU with native bf16), then the seed-grouped report into docs/precision/.
+PRECISION_DIR ?= outputs/precision
+precision: $(STAMP)
+	$(BIN)/python train.py -m experiment=toy train.mixed_precision=no,bf16 train.seed=0,1,2 \
+	  hydra.sweep.dir=$(PRECISION_DIR) $(ARGS)
+	$(BIN)/python scripts/ablation_report.py $(PRECISION_DIR) --out docs/precision --readme docs/benchmarks.md --marker precision
 
 # The practitioner's loop of docs/families.md ("Worked example"), offline on a CPU: text data -> LoKr over an
 # int8-quantized tiny FLUX with routing -> captioned validation grids -> sample.py from prompts -> the exported

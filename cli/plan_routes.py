@@ -325,7 +325,7 @@ def settings_of(a: argparse.Namespace, c: Configs, found: dict, timing: dict) ->
             "min_start": a.min_start, "max_end": a.max_end, "min_blocks": a.min_blocks, "max_ratio": a.max_ratio,
             "measure": a.measure, "steps": a.steps, "warmup": a.warmup,
             "rounds": len(split_steps(a.steps, a.rounds)), "device": str(dev), "device_name": device_name(dev),
-            "threads": torch.get_num_threads(), "precision": a.precision or precision_name(cfg.train),
+            "threads": torch.get_num_threads(), "precision": a.precision or precision_name(cfg.train, dev),
             "compile": bool(a.compile), "torch": torch.__version__,
             "gradient_checkpointing": bool(cfg.model.get("gradient_checkpointing", False)),
             "fused_adamw": bool(cfg.optimizer.get("fused", True)), "show": a.show,

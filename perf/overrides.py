@@ -9,6 +9,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from schema import compose
+from training.setup import mixed_precision
 from utils.errors import UserError
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -59,6 +60,8 @@ def run_overrides(precision: Optional[str] = None, device: str = "auto", compile
     return ov
 
 
-def precision_name(train_cfg: Any) -> str:
-    """fp32 for mixed_precision=no, else its value (bf16, fp16)."""
-    return "fp32" if train_cfg.mixed_precision == "no" else str(train_cfg.mixed_precision)
+def precision_name(train_cfg: Any, device: torch.device) -> str:
+    """The step's precision on `device`: fp32 for mixed_precision=no, else bf16 or fp16 (auto resolved as training
+    resolves it)."""
+    value = mixed_precision(train_cfg.mixed_precision, device)[0]
+    return "fp32" if value == "no" else value

@@ -13,7 +13,7 @@ from schema.sampling import (NEGATIVE_PROMPT, PROMPTS, DecodeSettings, MetricSet
                              check_guidance)
 from schema.tree import container, pick
 
-MIXED_PRECISION = ("no", "bf16", "fp16")
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 WANDB_MODES = ("disabled", "offline", "online")
 NONFINITE = ("skip", "stop")
@@ -40,14 +40,16 @@ class Train(Section):
     grad_accum_steps: int = key("a positive integer (micro-batches per optimizer step)", ge=1)
     seed: int = key("an integer in [0, 2**32) (run seed: init, noise, label dropout, data order)", ge=0,
                     lt=SEED_LIMIT)
-    mixed_precision: Literal[MIXED_PRECISION] = key(one_of(MIXED_PRECISION))
+    mixed_precision: Literal[MIXED_PRECISION] = key(one_of(MIXED_PRECISION) + " (auto: bf16 where the device "
+                                                    "multiplies bf16 natively, else no)")
+    tf32: Flag = key("true (fp32 matmuls and convolutions on CUDA in TensorFloat-32) or false (full fp32)")
     grad_clip: Optional[Number] = key("null (no clipping) or a max gradient norm > 0", gt=0)
     label_dropout: Number = key("a probability in [0, 1)", ge=0, lt=1)
     lr_warmup_steps: int = key("an integer >= 0 (linear warm-up steps; 0: none)", ge=0)
     log_every_steps: int = key("a positive integer", ge=1)
     num_workers: int = key("an integer >= 0 (DataLoader workers per process)", ge=0)
     cpu: Flag
-    compile: Union[Literal["auto"], bool] = key("auto (on with CUDA), true or false")
+    compile: Union[Literal["auto"], bool] = key("auto (on with CUDA, or on CPU with a C++ compiler), true or false")
     compile_backend: str = key("a torch.compile backend, e.g. inductor or aot_eager")
     compile_mode: Optional[Literal[COMPILE_MODES]] = key(f"null or {one_of(COMPILE_MODES)}")
     masked_loss: Union[Literal["auto"], bool] = key("auto (use the data's loss masks when it has them), true "

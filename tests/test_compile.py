@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from conftest import compose_cfg
 from schema import ConfigError
 from training.loop import train
 
@@ -75,3 +77,18 @@ def test_bad_compile_settings_are_named(override, needle, tiny_cfg, tmp_path):
     with pytest.raises(ConfigError, match=needle):
         train(tiny_cfg(*COMMON, "train.compile=true", override) if "compile=" not in override.split(".")[1][:8]
               else tiny_cfg(*COMMON, override), tmp_path / "r")
+
+
+def test_auto_compiles_with_cuda_and_on_a_cpu_that_can_build_kernels(monkeypatch):
+    from training import setup
+    assert setup.compile_by_default(torch.device("cuda"))
+    monkeypatch.setattr(setup.shutil, "which", lambda name: "/usr/bin/g++" if name == "g++" else None)
+    assert setup.compile_by_default(torch.device("cpu"))
+    monkeypatch.setattr(setup.shutil, "which", lambda name: None)     # no C++ compiler: inductor cannot build
+    assert not setup.compile_by_default(torch.device("cpu"))
+
+
+def test_short_cpu_runs_stay_eager_by_default():
+    assert compose_cfg("train", []).train.compile is False             # experiment=toy (make train)
+    assert compose_cfg("train", ["debug=tiny"]).train.compile is False
+    assert compose_cfg("train", ["experiment=imagenet256_dit_b2"]).train.compile == "auto"

@@ -27,7 +27,7 @@ from training.preempt import StopRequest, requeue_after, stop_on_signals
 from training.run_dir import (check_changes, config_changes, describe_changes, lock_run_dir, read_resume,
                               resume_plan, shared_run_dir, trim_metrics)
 from training.run_log import RunLog
-from training.setup import (TrainingParts, build_parts, ensure_dirs, make_accelerator, make_loader,
+from training.setup import (TrainingParts, build_parts, ensure_dirs, make_accelerator, make_loader, mixed_precision,
                             micro_batch_size, open_dataset, seed_streams, uses_loss_mask)
 from training.state import TrainingState
 from training.step import StepSettings, StepStats, TrainStep
@@ -71,6 +71,7 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Optional[list[str]], accel
     step = TrainStep(parts, StepSettings.from_config(cfg, use_mask, dataset.meta, parts.model.routing.enabled))
     summary = RunSummary(run_dir, overrides, cfg, parts.model, dataset, state.step)
     summary.data["config_changes"] = changes
+    summary.data["mixed_precision"] = parts.accelerator.mixed_precision   # train.mixed_precision=auto resolved
     run = Run(cfg, run_dir, parts, dataset, state, evaluator, summary)
     announce(run, resume_from, use_mask, changes)
     try:
@@ -144,11 +145,13 @@ def announce(run: Run, resume_from: Optional[Path], use_mask: bool, changes: dic
                        for r in model.routing.routes) or "none (dense)"
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
     compiled = f", torch.compile ({cfg.train.compile_backend})" if run.parts.compiled else ""
+    precision_why = mixed_precision(cfg.train.mixed_precision, acc.device)[1]
     tqdm.write(f"{cfg.model.arch} ({n_params:.2f}M params, {model.num_tokens} tokens, depth {model.depth}); routes: "
                f"{routes}; tokens processed {100 * run.summary.data['tokens_fraction']:.1f}%\n"
                f"data: {dataset.root} ({len(dataset)} samples) | world size {acc.num_processes}, global batch "
                f"{cfg.train.batch_size} ({micro_batch_size(cfg.train, acc.num_processes)} per micro-batch) | "
-               f"{acc.device}, mixed precision {cfg.train.mixed_precision}{compiled}\nrun dir: {run.run_dir}")
+               f"{acc.device}, mixed precision {acc.mixed_precision} ({precision_why}){compiled}\n"
+               f"run dir: {run.run_dir}")
     phases = run.summary.data.get("schedule")
     if phases:
         tqdm.write("routing schedule: " + "; ".join(

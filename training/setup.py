@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -51,10 +52,42 @@ class TrainingParts:
 
 
 def make_accelerator(train_cfg: Any) -> Accelerator:
-    """A fresh Accelerator for this run. AcceleratorState is a process-wide singleton; it is cleared (keeping
-    the process group) so train() can run again in one process with other settings (tests, sweeps)."""
+    """A fresh Accelerator for this run, with train.mixed_precision resolved for its device (auto: mixed_precision)
+    and CUDA's fp32 matmuls set by train.tf32. AcceleratorState is a process-wide singleton; it is cleared
+    (keeping the process group) so train() can run again in one process with other settings (tests, sweeps)."""
     AcceleratorState._reset_state()
-    return Accelerator(mixed_precision=train_cfg.mixed_precision, cpu=train_cfg.cpu or cpu_process_group())
+    cpu = train_cfg.cpu or cpu_process_group()
+    device = torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")
+    set_tf32(train_cfg.tf32, device)
+    return Accelerator(mixed_precision=mixed_precision(train_cfg.mixed_precision, device)[0], cpu=cpu)
+
+
+def mixed_precision(setting: str, device: torch.device) -> tuple[str, str]:
+    """(accelerate's mixed_precision, why) for train.mixed_precision on `device`. auto is bf16 autocast where the
+    device multiplies bf16 natively (CUDA from Ampere on; a CPU with AVX512-BF16 or AMX, where a bf16 matmul runs
+    2-2.5x faster than fp32: docs/benchmarks.md), else fp32 ("no"); no, bf16 and fp16 are taken as given."""
+    if setting != "auto":
+        return setting, "train.mixed_precision"
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bf16", "auto: this GPU computes in bf16 natively"
+    if device.type == "cpu" and native_cpu_bf16():
+        return "bf16", "auto: this CPU has native bf16 matmuls (AVX512-BF16 or AMX); train.mixed_precision=no for fp32"
+    return "no", f"auto: this {device.type.upper()} has no native bf16 matmuls"
+
+
+def native_cpu_bf16() -> bool:
+    """This CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles) through oneDNN."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return torch.backends.mkldnn.is_available() and any(check is not None and check() for check in checks)
+
+
+def set_tf32(enabled: bool, device: torch.device) -> None:
+    """train.tf32: fp32 matmuls and convolutions on CUDA in TensorFloat-32 (as the paper code's train.py sets), or in
+    full fp32 (false). Process-wide flags; CPU runs leave them alone."""
+    if device.type == "cuda":
+        precision = "tf32" if enabled else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
 
 
 def cpu_process_group(env: Mapping[str, str] = os.environ) -> bool:
@@ -103,14 +136,23 @@ def maybe_shard(train_cfg: Any, model: nn.Module, ema_model: nn.Module) -> bool:
 
 
 def maybe_compile(train_cfg: Any, model: nn.Module, device: torch.device) -> bool:
-    """torch.compile the backbone's routed forward in place (train.compile: auto = only with CUDA). Parameter
+    """torch.compile the backbone's routed forward in place (train.compile: auto = compile_by_default). Parameter
     names and checkpoints are unchanged. The router draws outside the compiled graph and keep counts are
     static per route, so one graph per route shape compiles in the first step and nothing after."""
     setting = train_cfg.compile
-    if not (setting is True or (setting == "auto" and device.type == "cuda")):
+    if not (setting is True or (setting == "auto" and compile_by_default(device))):
         return False
     model.compile(backend=train_cfg.compile_backend, mode=train_cfg.compile_mode)
     return True
+
+
+def compile_by_default(device: torch.device) -> bool:
+    """train.compile=auto: on with CUDA, and on a CPU where inductor can build its kernels (a C++ compiler on
+    PATH): there a compiled step of DiT-S/2 or B/2 takes about 0.8x the eager one (docs/benchmarks.md). Short
+    CPU runs, whose ~40 s compilation the steps do not pay back, set train.compile=false (experiment=toy)."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++"))
 
 
 def micro_batch_size(train_cfg: Any, world_size: int) -> int:
