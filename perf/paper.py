@@ -72,6 +72,7 @@ def _paper_on_path(paper_dir: Path) -> Iterator[None]:
     spec = importlib.machinery.ModuleSpec("utils", None, is_package=True)
     spec.submodule_search_locations = [str(paper_dir / "utils")]
     sys.modules["utils"] = importlib.util.module_from_spec(spec)
+    sys.modules["utils"].__file__ = str(paper_dir / "utils")   # inspect.getmodule (torch.compile) needs a file
     sys.path.insert(0, str(paper_dir))
     try:
         yield
