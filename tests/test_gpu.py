@@ -53,3 +53,15 @@ def test_compiled_bf16_steps_have_one_graph_and_do_not_recompile():
         step(batches, i + 1)
     assert dict(counters["stats"]) == first
     torch._dynamo.reset()
+
+
+def test_a_cuda_run_gets_tf32_matmuls_and_auto_precision():
+    """train.tf32 and train.mixed_precision=auto on the GPU: TF32 fp32 matmuls, bf16 autocast where it is native."""
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    try:
+        accelerator = make_accelerator(compose(["debug=tiny", "train.mixed_precision=auto"]).train)
+        assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "tf32"
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        assert accelerator.mixed_precision == ("bf16" if native else "no")
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before

@@ -15,6 +15,7 @@ SUMMARY_KEYS = {
     "tokens_fraction": float, "train_flops_per_step": float, "final_step": int, "wall_sec": float,
     "train_sec": float, "steps_per_sec": float, "images_per_sec": float, "train_flops_total": float,
     "tokens_fraction_measured": float, "final_fid": (float, type(None)), "best_fid": (float, type(None)),
+    "mixed_precision": str, "compiled": bool,
 }
 
 

@@ -72,6 +72,7 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Optional[list[str]], accel
     summary = RunSummary(run_dir, overrides, cfg, parts.model, dataset, state.step)
     summary.data["config_changes"] = changes
     summary.data["mixed_precision"] = parts.accelerator.mixed_precision   # train.mixed_precision=auto resolved
+    summary.data["compiled"] = parts.compiled                             # train.compile=auto resolved
     run = Run(cfg, run_dir, parts, dataset, state, evaluator, summary)
     announce(run, resume_from, use_mask, changes)
     try:

@@ -148,8 +148,9 @@ def maybe_compile(train_cfg: Any, model: nn.Module, device: torch.device) -> boo
 
 def compile_by_default(device: torch.device) -> bool:
     """train.compile=auto: on with CUDA, and on a CPU where inductor can build its kernels (a C++ compiler on
-    PATH): there a compiled step of DiT-S/2 or B/2 takes about 0.8x the eager one (docs/benchmarks.md). Short
-    CPU runs, whose ~40 s compilation the steps do not pay back, set train.compile=false (experiment=toy)."""
+    PATH): there a compiled DiT-S/2 step is never slower than the eager one and up to 0.8-0.9x of it (bf16 routed,
+    whose casts it fuses; docs/benchmarks.md). Short CPU runs, whose ~40 s compilation the steps do not pay back,
+    set train.compile=false (experiment=toy, debug=tiny)."""
     if device.type == "cuda":
         return True
     return device.type == "cpu" and any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++"))
