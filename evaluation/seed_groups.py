@@ -3,8 +3,9 @@ reported as mean ± sample std over its seeds, and every pair of groups is compa
 report says which differences exceed the seed noise (|t| above the two-sided 95% Student-t critical value for
 Welch's degrees of freedom) and which do not.
 
-A run's metrics: its final FID (summary.json) and, for --at-step S, its FID at evaluation step S (metrics.jsonl),
-which compares runs that trained for equal time at equal steps.
+A run's metrics: its final FID (summary.json), its final training loss (the mean logged loss over the last tenth of
+its steps, metrics.jsonl) and, for --at-step S, its FID at evaluation step S (metrics.jsonl), which compares runs
+that trained for equal time at equal steps.
 """
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ def group_key(summary: dict[str, Any]) -> tuple[str, ...]:
     return tuple(sorted(o for o in summary.get("overrides") or [] if not NOT_SETTING.match(o)))
 
 
+def final_loss(run: dict[str, Any]) -> Optional[float]:
+    """The mean of the training losses logged over the last tenth of the run's steps (at least the last record):
+    the end of its loss curve, less noisy than one logging window."""
+    train = [r for r in run["records"] if r.get("type") == "train" and r.get("loss") is not None]
+    if not train:
+        return None
+    last = train[-1]["step"]
+    tail = [float(r["loss"]) for r in train if r["step"] > 0.9 * last] or [float(train[-1]["loss"])]
+    return statistics.fmean(tail)
+
+
 def fid_at(run: dict[str, Any], step: int) -> Optional[float]:
     """The run's FID at evaluation step `step` (None when it was not evaluated there)."""
     found = [r["fid"] for r in run["records"] if r.get("type") == "eval" and r.get("step") == step
@@ -41,9 +53,11 @@ class Group:
     runs: list[dict[str, Any]] = field(default_factory=list)
 
     def values(self, metric: str) -> list[float]:
-        """The runs' `metric`: "final_fid" (or any summary key) or "fid@S"."""
+        """The runs' `metric`: "final_fid" (or any summary key), "fid@S" or "final_loss" (final_loss())."""
         if metric.startswith("fid@"):
             got = [fid_at(r, int(metric[4:])) for r in self.runs]
+        elif metric == "final_loss":
+            got = [final_loss(r) for r in self.runs]
         else:
             got = [r["summary"].get(metric) for r in self.runs]
         return [float(v) for v in got if v is not None]
@@ -111,6 +125,11 @@ def _num(x: Optional[float], digits: str = ".2f") -> str:
     return "-" if x is None else format(x, digits)
 
 
+def _digits(metric: str) -> str:
+    """Decimals a metric is printed with: losses (~0.1) need four, FIDs two."""
+    return ".4f" if metric == "final_loss" else ".2f"
+
+
 def metric_name(metric: str) -> str:
     return f"FID at step {metric[4:]}" if metric.startswith("fid@") else metric.replace("_", " ").replace("fid", "FID")
 
@@ -124,7 +143,9 @@ def group_table(groups: Sequence[Group], metrics: Sequence[str]) -> list[str]:
         cells = [g.label, str(len(g.runs))]
         for m in metrics:
             v = g.values(m)
-            cells.append(f"{_num(g.mean(m))} ± {_num(g.std(m))} [{_num(min(v))}..{_num(max(v))}]" if v else "-")
+            d = _digits(m)
+            cells.append(f"{_num(g.mean(m), d)} ± {_num(g.std(m), d)} [{_num(min(v), d)}..{_num(max(v), d)}]"
+                         if v else "-")
         tokens = g.mean("tokens_fraction_measured") or g.mean("tokens_fraction")
         cells += [_num(g.mean("final_step"), ".0f"), _num(g.mean("train_sec"), ".0f"),
                   "-" if tokens is None else f"{100 * tokens:.1f}%"]
@@ -138,6 +159,7 @@ def comparison_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         t = "-" if r["t"] is None else f"{r['t']:.2f} ({r['crit']:.2f}, df {r['df']:.1f})"
-        lines.append(f"| {metric_name(r['metric'])} | {r['a']} | {r['b']} | {_num(r['diff'], '+.2f')} | "
-                     f"{_num(r['se'])} | {t} | {r['verdict']} |")
+        d = _digits(r["metric"])
+        lines.append(f"| {metric_name(r['metric'])} | {r['a']} | {r['b']} | {_num(r['diff'], '+' + d)} | "
+                     f"{_num(r['se'], d)} | {t} | {r['verdict']} |")
     return lines

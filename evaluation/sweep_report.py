@@ -123,7 +123,7 @@ def group_section(runs: list[dict[str, Any]], steps: list[int]) -> tuple[list[Gr
     groups = seed_groups(runs)
     if not any(len(g.runs) > 1 for g in groups):
         return groups, []
-    metrics = ["final_fid"] + [f"fid@{step}" for step in steps]
+    metrics = ["final_fid"] + [f"fid@{step}" for step in steps] + ["final_loss"]
     pairs = [c for m in metrics for c in comparisons(groups, m)]
     return groups, [*group_table(groups, metrics), "", "Differences between settings (mean of B minus mean of A; "
                     "Welch's t-test, two-sided 95%: a difference exceeds the seed noise when |t| is above the "

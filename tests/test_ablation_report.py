@@ -134,6 +134,26 @@ def test_seed_groups_statistics_and_verdicts(tmp_path):
     assert welch([1.0], [2.0, 3.0])["verdict"] == "n/a"
 
 
+def test_final_loss_is_the_mean_over_the_last_tenth_and_is_compared_over_seeds(tmp_path):
+    from evaluation.seed_groups import final_loss, seed_groups
+    from evaluation.sweep_report import group_section, load_runs
+    root = seeded_sweep(tmp_path / "s", {0: [[30, 20.0], [31, 20.5]], 0.5: [[25, 15.0], [24, 15.4]]})
+    for ratio, base in ((0, 0.20), (0.5, 0.10)):
+        for seed in (0, 1):
+            losses = [{"type": "train", "step": s, "loss": base + seed * 0.001 + (0.5 if s <= 180 else 0.0)}
+                      for s in range(10, 201, 10)]                      # steps 190, 200: the last tenth of 200
+            with (root / f"ratio_{ratio}" / str(seed) / "metrics.jsonl").open("a") as f:
+                f.write("\n".join(json.dumps(r) for r in losses) + "\n")
+    runs = load_runs(root)
+    assert final_loss({"records": [{"type": "train", "step": 5, "loss": 0.3}]}) == 0.3
+    assert final_loss({"records": []}) is None
+    groups = seed_groups(runs)
+    assert groups[0].values("final_loss") == pytest.approx([0.200, 0.201])
+    md = "\n".join(group_section(runs, [])[1])
+    assert "final loss (mean ± std [min..max])" in md and "0.2005 ± 0.0007 [0.2000..0.2010]" in md
+    assert "| final loss | ratio 0 | ratio 0.5 | -0.1000 | 0.0007 |" in md and "exceeds noise" in md
+
+
 def test_at_step_and_named_marker_blocks(tmp_path):
     root = seeded_sweep(tmp_path / "s", {0: [[30, 20.0], [31, 20.5]], 0.5: [[25, 15.0], [24, 15.4]]})
     (root / "ratio_0.5" / "0" / "metrics.jsonl").write_text(json.dumps({"type": "eval", "step": 200, "fid": 15.0}))
