@@ -58,8 +58,9 @@ study: $(STAMP)
 	  $(BIN)/python train.py -m experiment=study_$$m hydra.sweep.dir=$(STUDY_DIR)/$$m $(ARGS) || exit 1; done
 	$(BIN)/python scripts/ablation_report.py $(STUDY_DIR) --out docs/research --readme docs/research.md --marker study --at-step 342
 
-# bf16 autocast against fp32 on the default run (docs/benchmarks.md, "bf16 on the CPU"): experiment=toy at seeds 0, 1, 2
-# in each precision (~50 min on a 2-core CPU with native bf16), then the seed-grouped report into docs/precision/.
+# bf16 autocast against fp32 on the default run (docs/benchmarks.md, "Precision per device"): experiment=toy at seeds
+# 0, 1, 2 in each precision (~60 min on a 2-core CPU with native bf16; the published figures: OMP_NUM_THREADS=1, the
+# two precisions as two multiruns side by side), then the seed-grouped report into docs/precision/.
 PRECISION_DIR ?= outputs/precision
 precision: $(STAMP)
 	$(BIN)/python train.py -m experiment=toy train.mixed_precision=no,bf16 train.seed=0,1,2 \
