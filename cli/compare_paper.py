@@ -66,6 +66,16 @@ def parse_size(text: str) -> tuple[str, int, int]:
         raise CompareError(f"--sizes {text!r} is not ARCH:RESOLUTION:BATCH; allowed e.g. DiT-S/2:16:32") from None
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag checked before the paper code is imported or a model built."""
+    for size in args.sizes:
+        parse_size(size)
+    for flag, low in (("steps", 1), ("warmup", 0), ("rounds", 1), ("threads", 1)):
+        value = getattr(args, flag)
+        if value is not None and value < low:
+            raise CompareError(f"--{flag} {value} is not allowed; allowed: an integer >= {low}")
+
+
 def our_overrides(arch: str, resolution: int, batch: int, dense: bool, bf16: bool, compile: str) -> list[str]:
     """The training config of our side: train.yaml's own defaults (no experiment: the paper's lr 1e-4, EMA 0.9999,
     label dropout 0.1, no clipping; train.compile auto), with the model, geometry, batch, route and precision
@@ -143,34 +153,35 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         vs = (f"{r['vs_paper_fp32_dense']:.2f}x / {r['vs_paper_fp32_routed']:.2f}x" if "vs_paper_fp32_dense" in r
               else "-")
-        lines.append(f"| {r['size']} | {r['precision']} | {r['compile']} | {r['paper_dense_ms']:.0f} ms | {r['ours_dense_ms']:.0f} ms | "
-                     f"{r['paper_routed_ms']:.0f} ms | {r['ours_routed_ms']:.0f} ms | {r['ratio_dense']:.2f}x / "
-                     f"{r['ratio_routed']:.2f}x | {r['paper_speedup']:.2f}x / {r['ours_speedup']:.2f}x | {vs} |")
+        lines.append(f"| {r['size']} | {r['precision']} | {r['compile']} | {r['paper_dense_ms']:.0f} ms | "
+                     f"{r['ours_dense_ms']:.0f} ms | {r['paper_routed_ms']:.0f} ms | {r['ours_routed_ms']:.0f} ms | "
+                     f"{r['ratio_dense']:.2f}x / {r['ratio_routed']:.2f}x | {r['paper_speedup']:.2f}x / "
+                     f"{r['ours_speedup']:.2f}x | {vs} |")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> dict:
+    check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     paper = import_paper(Path(args.paper_dir))
-    sizes = [s for s in args.sizes if parse_size(s)]
-    allow_compiled_configs(4 * len(sizes) * len(args.precisions) * (1 + len(args.compile)))
-    rows, times = [], {}
-    for size in sizes:
+    allow_compiled_configs(4 * len(args.sizes) * len(args.precisions) * (1 + len(args.compile)))
+    rows, times, device = [], {}, torch.device("cpu")
+    for size in args.sizes:
         group = build_group(paper, size, args.precisions, args.compile)
-        meas = time_interleaved([b for _, b in group], args.steps, args.warmup, args.rounds,
-                                MemoryMeter(group[0][1].device))
+        device = group[0][1].device                       # ours: the accelerator's; the paper's runs on our batch
+        meas = time_interleaved([b for _, b in group], args.steps, args.warmup, args.rounds, MemoryMeter(device))
         for (key, _), m in zip(group, meas):
             times[(key["size"], key["precision"], key["side"], key["dense"], key["compile"])] = m["times"]
         rows += summarise(size, args.precisions, args.compile, times)
         del group
-    out = {"device": device_name(torch.device("cpu")), "threads": torch.get_num_threads(), "rows": rows,
+    out = {"device": device_name(device), "threads": torch.get_num_threads(), "rows": rows,
            "settings": {k: v for k, v in vars(args).items() if k != "json"},
            "step_ms_all": {"|".join(map(str, k)): [1e3 * t for t in v] for k, v in times.items()}}
     print(f"{out['device']}, {out['threads']} threads; median of {args.steps} steps per config after {args.warmup} "
           f"warm-up steps, {args.rounds} interleaved rounds")
     print(markdown(rows))
-    out["defaults"] = defaults_line(rows, torch.device("cpu"))
+    out["defaults"] = defaults_line(rows, device)
     if out["defaults"]:
         print(out["defaults"])
     if args.json:

@@ -45,7 +45,8 @@ def check_paper_dir(paper_dir: Path) -> None:
     missing = [f for f in PAPER_FILES if not (paper_dir / f).is_file()]
     if missing:
         raise PaperCodeError(f"PAPER_DIR '{paper_dir}' is not a checkout of CompVis/tread: missing "
-                             f"{', '.join(missing)}; allowed: the folder of `git clone https://github.com/CompVis/tread`")
+                             f"{', '.join(missing)}; allowed: the folder of "
+                             f"`git clone https://github.com/CompVis/tread`")
 
 
 def _stand_in_deepspeed() -> list[str]:
@@ -63,18 +64,25 @@ def _stand_in_deepspeed() -> list[str]:
     return names
 
 
+def _paper_utils(paper_dir: Path) -> types.ModuleType:
+    """The paper's utils package. Its folder has no __init__.py: a namespace package loses to any regular `utils`
+    on sys.path (ours, when the project root is there), so it is made by hand and its submodules resolve inside
+    PAPER_DIR/utils; inspect.getmodule (which torch.compile calls) needs it to have a __file__."""
+    spec = importlib.machinery.ModuleSpec("utils", None, is_package=True)
+    spec.submodule_search_locations = [str(paper_dir / "utils")]
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = str(paper_dir / "utils")
+    return module
+
+
 @contextlib.contextmanager
 def _paper_on_path(paper_dir: Path) -> Iterator[None]:
     ours = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "utils" or k.startswith("utils.")}
-    stand_ins = _stand_in_deepspeed()
-    # Its utils/ has no __init__.py: a namespace package loses to any regular `utils` on sys.path (ours, when the
-    # project root is there), so it is registered by hand and its submodules resolve inside PAPER_DIR/utils.
-    spec = importlib.machinery.ModuleSpec("utils", None, is_package=True)
-    spec.submodule_search_locations = [str(paper_dir / "utils")]
-    sys.modules["utils"] = importlib.util.module_from_spec(spec)
-    sys.modules["utils"].__file__ = str(paper_dir / "utils")   # inspect.getmodule (torch.compile) needs a file
+    stand_ins: list[str] = []
     sys.path.insert(0, str(paper_dir))
     try:
+        stand_ins = _stand_in_deepspeed()
+        sys.modules["utils"] = _paper_utils(paper_dir)
         yield
     finally:
         sys.path.remove(str(paper_dir))

@@ -104,6 +104,20 @@ def test_a_folder_that_is_not_the_paper_code_is_one_error(tmp_path, paper_dir):
         import_paper(paper_dir)
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--sizes", "DiT-S/2:16"], "--sizes 'DiT-S/2:16' is not ARCH:RESOLUTION:BATCH"),
+    (["--steps", "0"], "--steps 0 is not allowed; allowed: an integer >= 1"),
+    (["--warmup", "-1"], "--warmup -1 is not allowed; allowed: an integer >= 0"),
+    (["--rounds", "0"], "--rounds 0 is not allowed; allowed: an integer >= 1"),
+])
+def test_bad_flags_are_one_error_before_the_paper_code_is_imported(flags, needle, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:                     # a missing PAPER_DIR would be reported later
+        main([str(tmp_path / "nowhere"), *flags])
+    message = str(exit_info.value.code)
+    assert message == f"error: {needle}" or (message.startswith("error: ") and needle in message)
+    assert "\n" not in message and "PAPER_DIR" not in message
+
+
 def test_both_steps_are_timed_interleaved_and_reported(paper_dir, tmp_path, capsys, monkeypatch):
     from cli import compare_paper
     from training import setup
