@@ -1,4 +1,4 @@
-"""ADM-style evaluation: build references, score images, benchmark checkpoints (cli/fid.py).
+"""ADM-style evaluation: build references, score images, benchmark checkpoints (tread/cli/fid.py).
 
     # reference statistics (mu/sigma, mu_s/sigma_s and 10K reference images arr_0) from images or a dataset
     python fid.py mode=ref source=<image folder | samples .npz | latent dataset dir> out=ref.npz
@@ -15,12 +15,12 @@ See configs/fid.yaml for every key.
 import hydra
 from omegaconf import DictConfig
 
-import cli.fid
-from cli.errors import hydra_errors
+import tread.cli.fid
+from tread.cli.errors import hydra_errors
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="fid")
 def main(cfg: DictConfig) -> None:
-    cli.fid.main(cfg)
+    tread.cli.fid.main(cfg)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,13 @@
 import hydra
 from omegaconf import DictConfig
 
-import cli.sample
-from cli.errors import hydra_errors
+import tread.cli.sample
+from tread.cli.errors import hydra_errors
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
 def main(cfg: DictConfig) -> None:
-    cli.sample.main(cfg)
+    tread.cli.sample.main(cfg)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,13 @@
 import hydra
 from omegaconf import DictConfig
 
-import cli.train
-from cli.errors import hydra_errors
+import tread.cli.train
+from tread.cli.errors import hydra_errors
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    cli.train.main(cfg)
+    tread.cli.train.main(cfg)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Encode an image folder with a VAE into a latent dataset (cli/precompute.py; `--help` lists every flag).
+"""Encode an image folder with a VAE into a latent dataset (tread/cli/precompute.py; `--help` lists every flag).
 
     python scripts/precompute_latents.py --images /data/imagenet/train --out /data/in256_sdvae
     accelerate launch --num_processes 8 scripts/precompute_latents.py --images /data/imagenet/train \\
@@ -6,7 +6,7 @@
 """
 import sys
 
-from cli.precompute import cli
+from tread.cli.precompute import cli
 
 if __name__ == "__main__":
     sys.exit(cli())

@@ -41,8 +41,8 @@ from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 # program -> the module it imports its work from (imported once by the server; the script itself is run anew)
-PROGRAMS = {"train.py": "cli.train", "sample.py": "cli.sample", "fid.py": "cli.fid",
-            "scripts/precompute_latents.py": "cli.precompute"}
+PROGRAMS = {"train.py": "tread.cli.train", "sample.py": "tread.cli.sample", "fid.py": "tread.cli.fid",
+            "scripts/precompute_latents.py": "tread.cli.precompute"}
 
 
 # ----------------------------------------------------------------------------- the server (its own process)
@@ -99,7 +99,7 @@ def _kill(pid: int) -> int:
 def _warm_up() -> None:
     """Compose each program's config once (no torch compute): Hydra's plugin discovery and the override
     grammar are then loaded in every child (about half of a case's time otherwise)."""
-    from schema import compose
+    from tread.schema import compose
 
     for name in ("train", "sample", "fid"):
         compose([], name)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import Dinov2Config, Dinov2Model
 
-from evaluation.encoders import DINO_SIZE
-from schema import compose
+from tread.evaluation.encoders import DINO_SIZE
+from tread.schema import compose
 
 REPO = Path(__file__).resolve().parents[1]
 # Tests never download: diffusers/huggingface_hub fail at once instead of probing the network

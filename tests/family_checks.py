@@ -13,9 +13,9 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
-import routing.controller as controller
-from models.families import FamilyConfigError, build_family
-from routing import RouteConfigError
+import tread.routing.controller as controller
+from tread.models.families import FamilyConfigError, build_family
+from tread.routing import RouteConfigError
 
 ROUTES = [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]
 PAPER_ROUTE = [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training import checkpoint, step  # noqa: E402
+from tread.training import checkpoint, step  # noqa: E402
 
 
 def die() -> None:

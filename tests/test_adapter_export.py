@@ -1,9 +1,9 @@
-"""The adapter export (models/lora_export.py, training/checkpoint.py::export_adapter): every adapter type comes
-out as an exact plain LoRA that diffusers pipelines load with `pipe.load_lora_weights`, and the loaded pipeline
+"""The adapter export (tread/models/lora_export.py, tread/training/checkpoint.py::export_adapter): every adapter type
+comes out as an exact plain LoRA that diffusers pipelines load with `pipe.load_lora_weights`, and the loaded pipeline
 transformer computes what our model with the adapter computes.
 
 Tiny FLUX and SD3 pipelines are built offline from configs with random weights (text encoders from
-data/text.py::save_tiny_text_encoders, a one-level VAE, the flow-matching scheduler)."""
+tread/data/text.py::save_tiny_text_encoders, a one-level VAE, the flow-matching scheduler)."""
 from __future__ import annotations
 
 import json
@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from data.text import load_text_encoders
-from data.tiny_text import save_tiny_text_encoders
+from tread.data.text import load_text_encoders
+from tread.data.tiny_text import save_tiny_text_encoders
 from family_checks import inputs, make
-from models.lora import apply_lora
-from models.lora_export import METADATA_KEY, diffusers_lora, lora_factors
-from training.checkpoint import DIFFUSERS_LORA_FILE, PEFT_ADAPTER_FILE, export_adapter
+from tread.models.lora import apply_lora
+from tread.models.lora_export import METADATA_KEY, diffusers_lora, lora_factors
+from tread.training.checkpoint import DIFFUSERS_LORA_FILE, PEFT_ADAPTER_FILE, export_adapter
 
 TARGETS = {"flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "proj_mlp", "proj_out"],
            "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "ff.net.2", "proj_out"]}

@@ -1,5 +1,5 @@
-"""The benchmark (cli/benchmark.py, perf/benchmark.py): FLOPs arithmetic (models/flops.py), flags as config
-overrides, output schema, the --family path, compile counts, and that it times the training loop's own step."""
+"""The benchmark (tread/cli/benchmark.py, tread/perf/benchmark.py): FLOPs arithmetic (tread/models/flops.py), flags as
+config overrides, output schema, the --family path, compile counts, and that it times the training loop's own step."""
 from __future__ import annotations
 
 import json
@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch._dynamo
 
-import cli.benchmark as bench
-from models import build_dit
-from models.flops import as_routes, dit_forward_flops, dit_train_flops, train_step_flops
-from perf.benchmark import StepBench, split_steps
-from perf.peaks import device_peak_flops, fraction_of_bound
-from schema import compose
-from training.loop import train
-from training.run_log import read_metrics
-from training.setup import make_loader, open_dataset
-from utils.checkpoints import list_checkpoints, load_model_file
+import tread.cli.benchmark as bench
+from tread.models import build_dit
+from tread.models.flops import as_routes, dit_forward_flops, dit_train_flops, train_step_flops
+from tread.perf.benchmark import StepBench, split_steps
+from tread.perf.peaks import device_peak_flops, fraction_of_bound
+from tread.schema import compose
+from tread.training.loop import train
+from tread.training.run_log import read_metrics
+from tread.training.setup import make_loader, open_dataset
+from tread.utils.checkpoints import list_checkpoints, load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]

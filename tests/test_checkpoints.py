@@ -12,20 +12,20 @@ import numpy as np
 import pytest
 import torch
 
-from diffusion.build import OBJECTIVES
-from models.build import BUILDERS
-from sampling import load_for_inference
-from training import checkpoint as ckpt_mod
-from training.checkpoint import CheckpointWriteError, clean_run_dir, finalize, tmp_dir
-from training.guard import NonFiniteError
-from training.legacy import convert
-from training.loop import train
-from training.run_dir import trim_metrics
-from training.run_log import read_metrics
-from training.setup import OPTIMIZERS
-from utils.checkpoints import CheckpointError, find_checkpoint, list_checkpoints, load_model_file
-from utils.targets import PROJECT_TARGETS, TargetError
-from utils.tensorfile import StateFileError, load_state, save_state
+from tread.diffusion.build import OBJECTIVES
+from tread.models.build import BUILDERS
+from tread.sampling import load_for_inference
+from tread.training import checkpoint as ckpt_mod
+from tread.training.checkpoint import CheckpointWriteError, clean_run_dir, finalize, tmp_dir
+from tread.training.guard import NonFiniteError
+from tread.training.legacy import convert
+from tread.training.loop import train
+from tread.training.run_dir import trim_metrics
+from tread.training.run_log import read_metrics
+from tread.training.setup import OPTIMIZERS
+from tread.utils.checkpoints import CheckpointError, find_checkpoint, list_checkpoints, load_model_file
+from tread.utils.targets import PROJECT_TARGETS, TargetError
+from tread.utils.tensorfile import StateFileError, load_state, save_state
 
 QUIET = ["eval.every_steps=0", "eval.at_end=false"]
 
@@ -94,6 +94,23 @@ def test_foreign_target_in_a_checkpoint_is_refused(trained, tmp_path):
     with pytest.raises(TargetError, match="model._target_='pathlib.Path.write_text' is not one of the project's"):
         load_for_inference(run)
     assert not victim.exists()
+
+
+def test_checkpoints_from_before_the_tread_package_load_and_resume(trained, tmp_path, tiny_cfg):
+    """Checkpoints written when the packages were top-level name their builders without the `tread.` prefix
+    (models.build_dit, diffusion.EDM): they load for sampling and resume with no spurious config change."""
+    run = copy_run(trained, tmp_path)
+    for step_dir in list_checkpoints(run):
+        meta = json.loads((step_dir / "checkpoint.json").read_text())
+        for section in ("model", "diffusion"):
+            meta["config"][section]["_target_"] = meta["config"][section]["_target_"].removeprefix("tread.")
+        (step_dir / "checkpoint.json").write_text(json.dumps(meta))
+    assert json.loads((list_checkpoints(run)[-1] / "checkpoint.json").read_text())["config"]["model"]["_target_"] \
+        == "models.build_dit"
+    net, diffusion, _, config = load_for_inference(run)
+    assert config.model._target_ == "tread.models.build_dit" and type(diffusion).__name__ == "EDM"
+    summary = train(tiny_cfg(*QUIET, "train.max_steps=6", "resume=auto", "checkpoint.keep_last=null"), run)
+    assert summary["start_step"] == 4 and summary["config_changes"] == {"train.max_steps": [4, 6]}
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(trained, tmp_path, tiny_cfg, capsys):
@@ -270,7 +287,7 @@ def test_pickle_payload_is_never_run(trained, tmp_path):
 
 
 def test_the_converter_reads_nothing_without_trust(trained, tmp_path, capsys):
-    from cli.convert_checkpoint import main as convert_cli
+    from tread.cli.convert_checkpoint import main as convert_cli
 
     run = copy_run(trained, tmp_path)
     old = run / "checkpoints" / "step_0000008"

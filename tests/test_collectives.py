@@ -1,6 +1,6 @@
 """utils.collectives: two real gloo ranks on localhost; one stops itself (SIGSTOP), dies (SIGKILL), raises or
 dawdles before an all_reduce, and the other must end within seconds with one line naming it. Also
-utils.distributed.rank_zero_call."""
+tread.utils.distributed.rank_zero_call."""
 from __future__ import annotations
 
 import os
@@ -13,8 +13,8 @@ import time
 import pytest
 from conftest import REPO
 
-from utils.collectives import CollectiveTimeout, heartbeat_period, is_comm_error, roll_call_sec, timeout_delta
-from utils.errors import UserError
+from tread.utils.collectives import CollectiveTimeout, heartbeat_period, is_comm_error, roll_call_sec, timeout_delta
+from tread.utils.errors import UserError
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ DEADLINE_SEC = 30             # start-up (torch import) included
 RANK = r"""
 import logging, os, signal, sys, time
 import torch, torch.distributed as dist
-from utils.collectives import CollectiveTimeout, watch_collectives
+from tread.utils.collectives import CollectiveTimeout, watch_collectives
 logging.basicConfig(level=logging.WARNING, format="log: %(message)s", stream=sys.stdout)
 rank, port, action, victim = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 torch.set_num_threads(1)
@@ -48,8 +48,8 @@ try:
                 time.sleep(float(sys.argv[6]))
         dist.all_reduce(t)
         if action == "none":                  # rank_zero_call: rank 0's value, or its user error, everywhere
-            from utils.distributed import rank_zero_call
-            from utils.errors import UserError
+            from tread.utils.distributed import rank_zero_call
+            from tread.utils.errors import UserError
             def refuse():
                 assert rank == 0
                 raise UserError("refused on rank 0")

@@ -1,5 +1,5 @@
-"""scripts/compare_paper.py (cli/compare_paper.py, perf/paper.py) against a stand-in PAPER_DIR written here: the
-paper code itself is never vendored (its licence forbids copying), so these files only have its layout and its
+"""scripts/compare_paper.py (tread/cli/compare_paper.py, tread/perf/paper.py) against a stand-in PAPER_DIR written
+here: the paper code itself is never vendored (its licence forbids copying), so these files only have its layout and its
 interfaces (top-level `dit`, `edm`, `routing_module`, a `utils` folder without `__init__.py` whose name clashes
 with our package, a deepspeed import).
 """
@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 
-from cli.compare_paper import main, our_overrides
+from tread.cli.compare_paper import main, our_overrides
 from conftest import compose_cfg
-from perf.paper import PaperCodeError, import_paper
+from tread.perf.paper import PaperCodeError, import_paper
 
 STAND_IN = {
     "routing_module.py": "CALLS = []\n",
@@ -86,10 +86,10 @@ def paper_dir(tmp_path):
 
 
 def test_the_paper_code_imports_beside_ours_and_ours_comes_back(paper_dir):
-    ours = sys.modules["utils"]
+    ours = sys.modules["tread.utils"]
     inspect.getmodule(inspect.currentframe())                           # inspect's module-to-file map knows ours
     paper = import_paper(paper_dir)
-    assert sys.modules["utils"] is ours                                 # our utils package is back in place
+    assert sys.modules["tread.utils"] is ours                           # our utils package is untouched
     assert "deepspeed" not in sys.modules                               # the stand-in was only for its import
     assert paper.train_helper.__file__.startswith(str(paper_dir))
 
@@ -119,8 +119,8 @@ def test_bad_flags_are_one_error_before_the_paper_code_is_imported(flags, needle
 
 
 def test_both_steps_are_timed_interleaved_and_reported(paper_dir, tmp_path, capsys, monkeypatch):
-    from cli import compare_paper
-    from training import setup
+    from tread.cli import compare_paper
+    from tread.training import setup
     monkeypatch.setattr(setup, "compile_by_default", lambda device: False)   # auto stays eager: a quick test
     monkeypatch.setattr(compare_paper, "mixed_precision", lambda setting, device: ("bf16", "auto: native bf16"))
     out = main([str(paper_dir), "--sizes", "DiT-T/4:8:2", "--precisions", "fp32", "bf16", "--steps", "2",

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import compose_cfg
-from schema import ConfigError
-from training.loop import train
+from tread.schema import ConfigError
+from tread.training.loop import train
 
 COMMON = ["eval.every_steps=0", "eval.at_end=false", "train.max_steps=6", "train.log_every_steps=1",
           "checkpoint.every_steps=0"]
@@ -40,9 +40,9 @@ def test_one_graph_without_breaks_and_no_recompiles(family):
     compiles into one graph with no graph breaks, and later steps compile nothing new."""
     import torch._dynamo
     from torch._dynamo.utils import counters
-    from diffusion import RectifiedFlow
-    from models import build_dit
-    from models.families import build_family
+    from tread.diffusion import RectifiedFlow
+    from tread.models import build_dit
+    from tread.models.families import build_family
     routing = {"enabled": True, "routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]}
     torch.manual_seed(0)
     model = build_dit("DiT-T/4", 16, 3, 10, routing=routing) if family == "dit" else \
@@ -80,7 +80,7 @@ def test_bad_compile_settings_are_named(override, needle, tiny_cfg, tmp_path):
 
 
 def test_auto_compiles_with_cuda_and_on_a_cpu_that_can_build_kernels(monkeypatch):
-    from training import setup
+    from tread.training import setup
     assert setup.compile_by_default(torch.device("cuda"))
     monkeypatch.setattr(setup.shutil, "which", lambda name: "/usr/bin/g++" if name == "g++" else None)
     assert setup.compile_by_default(torch.device("cpu"))

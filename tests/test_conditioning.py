@@ -1,8 +1,8 @@
 """Optional per-sample conditioning (text / pooled embeddings, attention masks) and loss masks in the latent
-dataset format; the token-grid helpers; the toy_masked data; text encoding per model family (data/text.py).
+dataset format; the token-grid helpers; the toy_masked data; text encoding per model family (tread/data/text.py).
 
 Text encoders are tiny random transformers models with word-level tokenizers that the tests write
-themselves (data.text.save_tiny_text_encoders); nothing touches the network.
+themselves (tread.data.text.save_tiny_text_encoders); nothing touches the network.
 """
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-import data
-import routing
-from data import (TEXT_FAMILIES, LatentDataset, LatentDatasetError, LatentDatasetWriter, LatentLoader, TextEncoderError,
-                  build_dataset, encode_prompts, ensure_toy_dataset, generate_toy_shapes, load_text_encoders,
-                  read_meta, save_tiny_text_encoders, write_latent_dataset)
-from data.text import FAMILIES, read_captions_file, resolve_text_encoder_paths
-from routing import resize_loss_mask, token_keep_mask
-from schema import compose
+from tread import data
+from tread import routing
+from tread.data import (TEXT_FAMILIES, LatentDataset, LatentDatasetError, LatentDatasetWriter, LatentLoader,
+                        TextEncoderError, build_dataset, encode_prompts, ensure_toy_dataset, generate_toy_shapes,
+                        load_text_encoders, read_meta, save_tiny_text_encoders, write_latent_dataset)
+from tread.data.text import FAMILIES, read_captions_file, resolve_text_encoder_paths
+from tread.routing import resize_loss_mask, token_keep_mask
+from tread.schema import compose
 
 N, L, D, P, HM = 10, 6, 5, 3, 8
 

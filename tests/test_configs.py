@@ -6,12 +6,12 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import compose_cfg
-from diffusion.build import build_diffusion
-from models import build_model
-from routing import RouteConfigError
-from schema import CONFIG_DIR, check_train
-from training.setup import OPTIMIZERS
-from utils.targets import build_target
+from tread.diffusion.build import build_diffusion
+from tread.models import build_model
+from tread.routing import RouteConfigError
+from tread.schema import CONFIG_DIR, check_train
+from tread.training.setup import OPTIMIZERS
+from tread.utils.targets import build_target
 
 # Selectable options per group; files starting with "_" are bases other options build on.
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml") if not p.stem.startswith("_"))
@@ -23,7 +23,7 @@ REQUIRED = {"data": ["data.path=/data/x"], "eval": ["eval.reference=/data/ref.np
 
 def test_default_is_tread_with_paper_route_on_builtin_data():
     cfg = compose_cfg()
-    assert cfg.model._target_ == "models.build_dit" and cfg.routing.enabled
+    assert cfg.model._target_ == "tread.models.build_dit" and cfg.routing.enabled
     assert cfg.data.builtin == "toy_shapes"
     assert OmegaConf.to_container(cfg.routing.routes) == [
         {"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]

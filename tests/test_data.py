@@ -10,8 +10,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import data
-from data import (TOY_CLASS_NAMES, LatentDataset, LatentDatasetError, LatentDatasetExistsError, LatentLoader,
+from tread import data
+from tread.data import (TOY_CLASS_NAMES, LatentDataset, LatentDatasetError, LatentDatasetExistsError, LatentLoader,
                   ShardedBatchSampler, build_dataset, decode_to_uint8, ensure_toy_dataset, generate_toy_shapes,
                   read_meta, write_latent_dataset)
 

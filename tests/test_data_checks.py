@@ -17,12 +17,12 @@ import pytest
 import torch
 from PIL import Image
 
-import cli.precompute as pl
-import data.precompute
+import tread.cli.precompute as pl
+import tread.data.precompute
 import test_precompute
 from conftest import REPO
-from data import LatentDataset, WebDatasetLatents, write_latent_dataset
-from data.images import ImageFolderError, unreadable_images
+from tread.data import LatentDataset, WebDatasetLatents, write_latent_dataset
+from tread.data.images import ImageFolderError, unreadable_images
 
 RES = 16
 
@@ -127,14 +127,14 @@ def test_non_image_files_are_skipped_with_one_note(tmp_path, vae_dir, capsys):
 def test_non_finite_vae_output_names_the_image(tmp_path, corrupt_folder, vae_dir, monkeypatch):
     for name in ("a/cut.jpg", "b/garbage.png"):
         (corrupt_folder / name).unlink()
-    real = data.precompute.encode
+    real = tread.data.precompute.encode
 
     def nan_for_the_second_image(vae, images, **kw):  # images in order: a/ok.png, b/ok.jpg (one batch)
         out = real(vae, images, **kw)
         out[1, 0, 0, 0] = float("nan")
         return out
 
-    monkeypatch.setattr(data.precompute, "encode", nan_for_the_second_image)
+    monkeypatch.setattr(tread.data.precompute, "encode", nan_for_the_second_image)
     with pytest.raises(pl.PrecomputeError, match=r"the VAE '.*tiny-vae' gave non-finite latents \(NaN/inf\) for 1 "
                                                  r"image\(s\): .*imgs/b/ok\.jpg \(check the VAE weights"):
         pl.main(argv(corrupt_folder, tmp_path / "ds", vae_dir))

@@ -1,4 +1,4 @@
-"""scripts/diffusers_pipeline.py (cli/diffusers_pipeline.py): a run's exported adapter in diffusers' FluxPipeline,
+"""scripts/diffusers_pipeline.py (tread/cli/diffusers_pipeline.py): a run's exported adapter in diffusers' FluxPipeline,
 as the worked example (`make example`) uses it: a LoKr run over an int8 base on the built-in text data, then the
 pipeline's transformer and its own sampling loop against ours."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from cli.diffusers_pipeline import main, run
-from data.tiny_text import save_tiny_text_encoders
-from training.loop import train
+from tread.cli.diffusers_pipeline import main, run
+from tread.data.tiny_text import save_tiny_text_encoders
+from tread.training.loop import train
 
 LOKR = "model.lora={type: lokr, rank: 4, alpha: 4, target_modules: [to_q, to_k, to_v, to_out.0, proj_mlp, proj_out]}"
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from diffusion import EDM, EDMPrecond, RectifiedFlow, StackedRandomGenerator
-from sampling import classifier_free_guidance
+from tread.diffusion import EDM, EDMPrecond, RectifiedFlow, StackedRandomGenerator
+from tread.sampling import classifier_free_guidance
 
 
 class Recorder(nn.Module):

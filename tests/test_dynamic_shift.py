@@ -11,10 +11,10 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from conftest import TINY, compose_cfg
-from diffusion.build import build_diffusion
-from diffusion.rf import DynamicShift, RectifiedFlow, ShiftConfigError, shift_t
-from models import build_model
-from schema import ConfigError, check_train
+from tread.diffusion.build import build_diffusion
+from tread.diffusion.rf import DynamicShift, RectifiedFlow, ShiftConfigError, shift_t
+from tread.models import build_model
+from tread.schema import ConfigError, check_train
 
 FLUX1 = dict(base_shift=0.5, max_shift=1.15, base_seq_len=256, max_seq_len=4096, patch_size=2)
 
@@ -99,7 +99,7 @@ def test_flux_config_uses_flux1_dynamic_shift_and_dit_default_is_unchanged():
     assert flux.shift_for((1, 16, 128, 128)) == pytest.approx(math.exp(1.15))                      # 1024 px
     assert build_diffusion(compose_cfg("train", TINY + ["model=sd3"]).diffusion).dynamic_shift is None
     default = compose_cfg("train", [])
-    assert default.diffusion._target_ == "diffusion.EDM" and "dynamic_shift" not in default.diffusion
+    assert default.diffusion._target_ == "tread.diffusion.EDM" and "dynamic_shift" not in default.diffusion
     static = compose_cfg("train", TINY + ["model=flux", "diffusion.dynamic_shift=null", "diffusion.shift=3"])
     check_train(static)
     assert build_diffusion(static.diffusion).shift_for((1, 16, 16, 16)) == 3.0

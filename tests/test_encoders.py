@@ -1,4 +1,4 @@
-"""REPA's frozen patch encoders (evaluation/encoders.py): DINOv2 from a local folder (conftest.dino_dir, a tiny
+"""REPA's frozen patch encoders (tread/evaluation/encoders.py): DINOv2 from a local folder (conftest.dino_dir, a tiny
 random model), the toy encoder, and the errors for missing weights."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from transformers import Dinov2Model
 
-from evaluation.encoders import (DINO_SIZE, IMAGENET_MEAN, IMAGENET_STD, REPA_TOY_SEED, EncoderError,
+from tread.evaluation.encoders import (DINO_SIZE, IMAGENET_MEAN, IMAGENET_STD, REPA_TOY_SEED, EncoderError,
                                  build_patch_encoder)
-from evaluation.toy_classifier import DEFAULT_SEED
+from tread.evaluation.toy_classifier import DEFAULT_SEED
 
 
 def images(n=2, side=32, seed=0):

@@ -10,19 +10,19 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from evaluation import features as feat_mod
-from evaluation.features import (InceptionFeatures, ToyClassifierFeatures, build_feature_extractor, extract_features,
-                                 save_random_inception_weights)
-from evaluation.frechet import FeatureStats, frechet_distance
-from evaluation.images import load_images, make_grid, save_image_grid, save_npz, save_png_folder
-from evaluation.reference import (compute_stats, load_reference, load_reference_full, reference_for_dataset,
+from tread.evaluation import features as feat_mod
+from tread.evaluation.features import (InceptionFeatures, ToyClassifierFeatures, build_feature_extractor,
+                                       extract_features, save_random_inception_weights)
+from tread.evaluation.frechet import FeatureStats, frechet_distance
+from tread.evaluation.images import load_images, make_grid, save_image_grid, save_npz, save_png_folder
+from tread.evaluation.reference import (compute_stats, load_reference, load_reference_full, reference_for_dataset,
                                   save_reference)
-from evaluation.toy_classifier import (ToyClassifier, cache_path, load_or_train_toy_classifier,
+from tread.evaluation.toy_classifier import (ToyClassifier, cache_path, load_or_train_toy_classifier,
                                        save_toy_classifier, train_toy_classifier)
 
 from conftest import blob_images
-from schema import compose
-from utils.tensorfile import load_state, save_state
+from tread.schema import compose
+from tread.utils.tensorfile import load_state, save_state
 
 
 def random_gaussian_stats(rng, d, n=None):
@@ -124,8 +124,8 @@ def test_feature_stats_streaming_and_merge_match_numpy():
 def _metrics_on_this_rank(rank, world, images):
     """FeatureAccumulator and ReferenceBuilder over this rank's share (rank 1 of 2 adds nothing for the
     builder, to check that an empty rank still joins), gathered; returns what every rank must agree on."""
-    from evaluation.metrics import FeatureAccumulator
-    from evaluation.reference import ReferenceBuilder
+    from tread.evaluation.metrics import FeatureAccumulator
+    from tread.evaluation.reference import ReferenceBuilder
 
     torch.manual_seed(0)
     ext = PixelFeatures().eval().requires_grad_(False)
@@ -198,7 +198,7 @@ def test_npz_round_trip_and_bad_npz(tmp_path):
 
 
 def test_npz_streaming_reader(tmp_path):
-    from evaluation.images import iter_npz_batches, npz_array_info
+    from tread.evaluation.images import iter_npz_batches, npz_array_info
 
     images = blob_images(7, 8)
     for save in (np.savez, np.savez_compressed):
@@ -283,7 +283,7 @@ class Latents(torch.utils.data.Dataset):
 
 
 def test_reference_for_dataset_decodes_and_caches(tmp_path, monkeypatch):
-    import data
+    from tread import data
 
     calls = []
 
@@ -323,7 +323,7 @@ def test_reference_for_dataset_decodes_and_caches(tmp_path, monkeypatch):
 def test_reference_for_dataset_uses_the_posterior_mean_of_moments(tmp_path, monkeypatch):
     """'moments' data (mean, logvar) is decoded from data.draw_latents(mode="mean") = latent_scale * mean:
     no sampling noise, whatever the variance."""
-    import data
+    from tread import data
 
     def decode(latents, meta, **kwargs):  # model-space pixels in [-1, 1] -> uint8 NHWC
         return ((latents + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
@@ -397,14 +397,14 @@ def test_unknown_features_name():
 
 
 def fid_cfg(**kw):
-    """configs/fid.yaml composed without the command line, as cli.fid.run() takes it."""
+    """configs/fid.yaml composed without the command line, as tread.cli.fid.run() takes it."""
     return OmegaConf.merge(compose([], "fid"), {"cache_dir": "unused", **kw})
 
 
 @pytest.mark.slow  # ~11 s: 299px Inception on CPU and a 2048x2048 sqrtm
 @pytest.mark.filterwarnings("ignore:Matrix is singular")  # 6 images, 2048-d: rank-deficient covariances
 def test_fid_inception_end_to_end(tmp_path, random_inception_weights):
-    import cli.fid as fid
+    import tread.cli.fid as fid
 
     save_png_folder(blob_images(6, 48, seed=1), tmp_path / "ref_imgs")
     save_npz(blob_images(6, 48, seed=2), tmp_path / "samples.npz")
@@ -419,7 +419,7 @@ def test_fid_inception_end_to_end(tmp_path, random_inception_weights):
 
 
 def test_fid_validates_before_work(tmp_path):
-    import cli.fid as fid
+    import tread.cli.fid as fid
 
     (tmp_path / "r.npz").touch()
     with pytest.raises(FileNotFoundError, match="images="):
@@ -440,12 +440,12 @@ SMALL_BUDGET = dict(num_per_class=60, epochs=3)  # ~1-2 s; the default budget is
 
 @pytest.fixture(scope="module")
 def small_toy_classifier():
-    pytest.importorskip("data.toy")
+    pytest.importorskip("tread.data.toy")
     return train_toy_classifier(**SMALL_BUDGET)
 
 
 def toy_images(num_per_class, seed, with_labels=False):
-    from data.toy import generate_toy_shapes
+    from tread.data.toy import generate_toy_shapes
 
     x, y = generate_toy_shapes(num_per_class, 32, seed)
     x = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
@@ -463,7 +463,7 @@ def test_toy_classifier_accuracy_and_determinism(small_toy_classifier):
 
 @pytest.mark.filterwarnings("ignore:Matrix is singular")  # constant images: zero covariance
 def test_toy_classifier_fid_separates_real_from_broken(small_toy_classifier):
-    from evaluation.features import ToyClassifierFeatures
+    from tread.evaluation.features import ToyClassifierFeatures
 
     ext = ToyClassifierFeatures(small_toy_classifier[0]).eval()
     real_a, (real_b, labels_b) = toy_images(30, seed=101), toy_images(30, seed=202, with_labels=True)
@@ -504,7 +504,7 @@ def test_toy_classifier_forward_all(small_toy_classifier, tmp_path):
 
 
 def test_toy_classifier_cache_round_trip(tmp_path, monkeypatch):
-    import evaluation.toy_classifier as tc
+    import tread.evaluation.toy_classifier as tc
 
     calls = []
 
@@ -527,9 +527,9 @@ def test_toy_classifier_cache_round_trip(tmp_path, monkeypatch):
 
 
 def test_fid_ref_from_latent_dataset_then_calc(tmp_path):
-    import cli.fid as fid
+    import tread.cli.fid as fid
 
-    toy = pytest.importorskip("data.toy")
+    toy = pytest.importorskip("tread.data.toy")
     torch.manual_seed(0)
     save_toy_classifier(ToyClassifier().eval(), cache_path(tmp_path / "cache"), {"accuracy": None})
     root = toy.ensure_toy_dataset(tmp_path / "toy", num_per_class=8)

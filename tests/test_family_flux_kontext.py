@@ -15,14 +15,14 @@ import pytest
 import torch
 from diffusers import FluxKontextPipeline
 
-import cli.precompute as pl
+import tread.cli.precompute as pl
 import family_checks as fc
-from data import LatentDataset, read_meta, write_latent_dataset
-from data.precompute_plan import PrecomputeError
-from data.vae import encode, load_vae
-from diffusion import RectifiedFlow
-from models.families import FamilyConfigError
-from sampling.prompts import PromptError, check_text_model
+from tread.data import LatentDataset, read_meta, write_latent_dataset
+from tread.data.precompute_plan import PrecomputeError
+from tread.data.vae import encode, load_vae
+from tread.diffusion import RectifiedFlow
+from tread.models.families import FamilyConfigError
+from tread.sampling.prompts import PromptError, check_text_model
 from test_families import CROSS
 from test_precompute import crops, offline, random_image, run, vae_dir  # noqa: F401 (fixtures)
 
@@ -184,7 +184,7 @@ def test_kontext_errors_name_what_is_missing():
 def test_kontext_key_is_checked_by_the_schema():
     """model=flux_kontext sets model.kontext=true; the key is FLUX-only and a boolean."""
     from conftest import compose_cfg
-    from schema import ConfigError, check_train
+    from tread.schema import ConfigError, check_train
     assert compose_cfg("train", ["model=flux_kontext"]).model.kontext is True
     assert compose_cfg("train", ["model=flux"]).model.kontext is False
     check_train(compose_cfg("train", ["model=flux_kontext"]))
@@ -210,7 +210,7 @@ def test_writer_reader_round_trip_of_references(tmp_path):
     _, _, extras = ds.__getitems__([3, 1])
     torch.testing.assert_close(extras["reference"], torch.from_numpy(ref[[3, 1]] * 0.5).float())
     torch.testing.assert_close(ds[2][2]["reference"], torch.from_numpy(ref[2] * 0.5).float())
-    from data import LatentDatasetError
+    from tread.data import LatentDatasetError
     with pytest.raises(LatentDatasetError, match=r"extras\['reference'\].*shape \(5, 4, 8, 8\)"):
         write_latent_dataset(tmp_path / "bad", lat, np.zeros(5, np.int64), num_classes=1,
                              extras={"reference": ref[:, :, :4]}, extra_meta={"latent_kind": "moments"})
@@ -267,10 +267,10 @@ def test_kontext_trains_evaluates_and_samples_with_the_references(tiny_cfg, tmp_
     """(g) train.py model=flux_kontext: the data's references reach the model in every training step, in the
     in-training evaluation (both CFG branches: label dropout never drops the reference) and in sample.py
     (seed i conditions on item i mod N's reference); data without references is one clear error."""
-    from cli.sample import run as sample_run
+    from tread.cli.sample import run as sample_run
     from conftest import compose_cfg
-    from models.families.flux import FluxFamily
-    from training.loop import train
+    from tread.models.families.flux import FluxFamily
+    from tread.training.loop import train
 
     data = _edit_dataset(tmp_path / "edit")
     seen = []

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from sampling import load_for_inference
-from utils.checkpoints import load_model_file
-from training.loop import train
+from tread.sampling import load_for_inference
+from tread.utils.checkpoints import load_model_file
+from tread.training.loop import train
 
 FAMILY_TINY = ["eval.every_steps=0", "eval.at_end=false", "train.batch_size=16", "optimizer.lr=1e-3"]
 LORA = "model.lora={rank:8,alpha:8,target_modules:[to_q,to_k,to_v,to_out.0,proj_mlp,proj_out]}"
@@ -35,7 +35,7 @@ def test_lora_trains_adapters_only_and_saves_them_alone(tiny_cfg, tmp_path):
     run = tmp_path / "lora"
     cfg = tiny_cfg("model=flux", LORA, "checkpoint.adapter_only=true", "train.max_steps=30",
                    "train.log_every_steps=10", *FAMILY_TINY)
-    from models import build_model
+    from tread.models import build_model
     torch.manual_seed(cfg.train.seed)
     model0 = build_model(cfg.model)
     base0 = {k: v.clone() for k, v in model0.state_dict().items() if "lora_" not in k and "conditioner" not in k}
@@ -54,15 +54,15 @@ def test_lora_trains_adapters_only_and_saves_them_alone(tiny_cfg, tmp_path):
 
 
 def test_adapter_only_without_lora_is_refused(tiny_cfg, tmp_path):
-    from schema import ConfigError
+    from tread.schema import ConfigError
     with pytest.raises(ConfigError, match="adapter_only"):
         train(tiny_cfg("model=flux", "checkpoint.adapter_only=true", *FAMILY_TINY), tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
 def test_bad_lora_config_names_the_key(tiny_cfg, tmp_path):
-    from models.lora import LoraConfigError
-    from schema import ConfigError
+    from tread.models.lora import LoraConfigError
+    from tread.schema import ConfigError
     with pytest.raises(LoraConfigError, match=r"model.lora.target_modules \['nope'\]"):   # against the model
         train(tiny_cfg("model=flux", "model.lora={rank:4,target_modules:[nope]}", *FAMILY_TINY), tmp_path / "x")
     with pytest.raises(ConfigError, match="model.lora.rank=0 is not allowed"):            # the schema
@@ -80,7 +80,7 @@ def test_resume_is_exact_for_a_family(tiny_cfg, tmp_path):
 @pytest.mark.parametrize("family", ["flux", "sd3", "wan", "auraflow", "pixart"])
 def test_pretrained_weights_load_unchanged(family, tmp_path):
     """model.pretrained loads a diffusers folder with from_pretrained; names and values are diffusers' own."""
-    from models.families import build_family, family_module
+    from tread.models.families import build_family, family_module
     try:
         family_module(family)
     except ImportError:
@@ -101,7 +101,7 @@ def test_pretrained_weights_load_unchanged(family, tmp_path):
 
 
 def test_missing_pretrained_weights_say_how_to_get_them(tmp_path):
-    from models.families import build_family
+    from tread.models.families import build_family
     with pytest.raises(FileNotFoundError, match="does not exist"):
         build_family("flux", input_size=8, in_channels=4, num_classes=3, pretrained=str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="hf download black-forest-labs/FLUX.1-dev"):
@@ -125,7 +125,7 @@ def test_masked_loss_force_keeps_masked_tokens(model, tiny_cfg, tmp_path):
 
 
 def test_masked_loss_weights_only_covered_cells():
-    from training.step import reduce_loss
+    from tread.training.step import reduce_loss
     loss = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
     mask = torch.zeros(2, 1, 8, 8)
     mask[:, :, :4, :4] = 1.0                                   # the top-left latent cells 0..1 x 0..1
@@ -135,7 +135,7 @@ def test_masked_loss_weights_only_covered_cells():
 
 
 def test_masked_loss_true_without_masks_is_refused(tiny_cfg, tmp_path):
-    from schema import ConfigError
+    from tread.schema import ConfigError
     with pytest.raises(ConfigError, match="train.masked_loss=true"):
         train(tiny_cfg("model=flux", "train.masked_loss=true", *FAMILY_TINY), tmp_path / "x")
 
@@ -143,7 +143,7 @@ def test_masked_loss_true_without_masks_is_refused(tiny_cfg, tmp_path):
 def _text_dataset(path, n=48, L=6, D=32, P=32, seed=0):
     """A tiny text-conditioned dataset: 3x8x8 'images' whose colour follows the first text embedding."""
     import numpy as np
-    from data import write_latent_dataset
+    from tread.data import write_latent_dataset
     rng = np.random.default_rng(seed)
     text = rng.standard_normal((n, L, D)).astype(np.float32)
     colour = np.tanh(text[:, 0, :3])                                            # what the text "says"
@@ -161,7 +161,7 @@ def test_text_conditioned_data_trains_evaluates_and_samples(tiny_cfg, tmp_path, 
     """Text embeddings from the data reach the model in training, in-training evaluation and sample.py."""
     data = _text_dataset(tmp_path / "text_ds")
     seen = []
-    from models.families.base import RoutedFamily
+    from tread.models.families.base import RoutedFamily
     real = RoutedFamily.conditioning
 
     def spy(self, labels, cond):
@@ -176,7 +176,7 @@ def test_text_conditioned_data_trains_evaluates_and_samples(tiny_cfg, tmp_path, 
     train(cfg, run)
     assert seen and all(s is not None and s[1:] == (6, 32) for s in seen), seen[:5]
     seen.clear()
-    from cli.sample import run as sample_run
+    from tread.cli.sample import run as sample_run
     from conftest import compose_cfg
     sample_run(compose_cfg("sample", [f"checkpoint={run}", "num_samples=4", "num_steps=2", "batch_size=4",
                                       f"out_dir={tmp_path / 'samples'}"]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.families import FamilyConfigError
+from tread.models.families import FamilyConfigError
 import family_checks as fc
 from test_families import SPAN, VIDEO
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from conftest import REPO, TINY
-from training.preempt import EXIT_PREEMPTED
-from training.run_log import read_metrics
-from utils.checkpoints import list_checkpoints, load_model_file
+from tread.training.preempt import EXIT_PREEMPTED
+from tread.training.run_log import read_metrics
+from tread.utils.checkpoints import list_checkpoints, load_model_file
 
 pytestmark = pytest.mark.slow
 STEPS = 12

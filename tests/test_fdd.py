@@ -1,6 +1,6 @@
-"""FDD (Fréchet distance on DINOv2 features, evaluation/fdd.py): a tiny random Dinov2Model (conftest.dino_dir) stands in for
-the real weights (nothing is downloaded). FDD equals an independent computation, vanishes for a set against
-itself, grows with a shift, reports beside FID in training, and its missing weights are clear errors."""
+"""FDD (Fréchet distance on DINOv2 features, tread/evaluation/fdd.py): a tiny random Dinov2Model (conftest.dino_dir)
+stands in for the real weights (nothing is downloaded). FDD equals an independent computation, vanishes for a set
+against itself, grows with a shift, reports beside FID in training, and its missing weights are clear errors."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from transformers import Dinov2Model
 
 from conftest import compose_cfg
-from evaluation.encoders import DINO_SIZE, IMAGENET_MEAN, IMAGENET_STD, EncoderError, build_dino_features
-from evaluation.frechet import frechet_distance
-from evaluation.metrics import FeatureAccumulator, compute_metrics
-from evaluation.reference import ReferenceBuilder, load_reference_full
-from schema import ConfigError, check_fid, check_train
-from training.loop import train
-from training.run_log import read_metrics
+from tread.evaluation.encoders import DINO_SIZE, IMAGENET_MEAN, IMAGENET_STD, EncoderError, build_dino_features
+from tread.evaluation.frechet import frechet_distance
+from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
+from tread.evaluation.reference import ReferenceBuilder, load_reference_full
+from tread.schema import ConfigError, check_fid, check_train
+from tread.training.loop import train
+from tread.training.run_log import read_metrics
 
 
 def images(n, seed, shift=0):

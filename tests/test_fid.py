@@ -13,13 +13,13 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY, blob_images, compose_cfg, shared_cache
-from evaluation.images import save_npz, save_png_folder
+from tread.evaluation.images import save_npz, save_png_folder
 
 ALL = ["fid", "sfid", "is", "precision", "recall", "kid"]
 
 
 def fid_cfg(**kw):
-    """configs/fid.yaml composed without the command line, as cli.fid.run() takes it."""
+    """configs/fid.yaml composed without the command line, as tread.cli.fid.run() takes it."""
     return OmegaConf.merge(compose_cfg("fid"), {"device": "cpu", **kw})
 
 
@@ -32,13 +32,13 @@ def run_fid_cli(cache: Path, *overrides: str, launcher: list[str] | None = None,
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory):
     """A tiny built-in-data run with checkpoints at steps 2 and 4, and a reference built from its dataset."""
-    from training.loop import train
+    from tread.training.loop import train
 
     cache = shared_cache(tmp_path_factory)
     root = tmp_path_factory.mktemp("bench")
     cfg = compose_cfg("train", TINY + [f"paths.cache_dir={cache}", "eval.every_steps=0", "eval.at_end=false"])
     train(cfg, root / "run")
-    import cli.fid as fid
+    import tread.cli.fid as fid
 
     ref = root / "ref.npz"
     fid.run(fid_cfg(mode="ref", source=cfg.data.path, out=str(ref), cache_dir=str(cache), store_images=200))
@@ -63,8 +63,8 @@ def test_ref_from_latent_dataset_stores_stats_and_images(toy_run):
 
 
 def test_calc_on_the_datasets_own_images_scores_well(toy_run, tmp_path):
-    import cli.fid as fid
-    from data.toy import generate_toy_shapes
+    import tread.cli.fid as fid
+    from tread.data.toy import generate_toy_shapes
 
     x, _ = generate_toy_shapes(20, 16, seed=7)  # new images of the training distribution (the data is seed 0)
     save_npz(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1), tmp_path / "real.npz")
@@ -98,7 +98,7 @@ def test_cli_ref_from_png_folder_and_calc(toy_run, tmp_path):
 
 
 def test_bench_two_checkpoints_table_npz_and_skip(toy_run, tmp_path):
-    import cli.fid as fid
+    import tread.cli.fid as fid
 
     out = tmp_path / "bench"
     rows = fid.run(bench_cfg(toy_run, out))
@@ -112,8 +112,8 @@ def test_bench_two_checkpoints_table_npz_and_skip(toy_run, tmp_path):
         assert list(npz["arr_1"]) == [i % 10 for i in range(24)]
     assert not list(out.rglob(".arr_0.npy"))  # the shared buffer is removed
     # The same images as sample.py's for the same seeds (per-seed generators).
-    from sampling import generate, load_for_inference
-    from data import decode_to_uint8
+    from tread.sampling import generate, load_for_inference
+    from tread.data import decode_to_uint8
 
     net, diffusion, meta, _ = load_for_inference(toy_run["run"] / "checkpoints" / "step_0000002")
     _, _, x = next(generate(net, diffusion, [5, 6], meta["shape"], 10, torch.device("cpu"), batch_size=2,
@@ -132,7 +132,7 @@ def test_bench_two_checkpoints_table_npz_and_skip(toy_run, tmp_path):
 def test_bench_with_inference_routing_and_tread_guidance(toy_run, tmp_path):
     """Guidance settings are table columns (skip_existing tells them apart) and every row reports the sampled
     forward passes and GFLOPs per image."""
-    import cli.fid as fid
+    import tread.cli.fid as fid
 
     out = tmp_path / "bench"
     ckpt = str(toy_run["run"] / "checkpoints" / "step_0000004")
@@ -176,9 +176,9 @@ def test_bench_two_processes_equal_one(toy_run, tmp_path):
 
 
 def test_errors_before_any_work(toy_run, tmp_path):
-    import cli.fid as fid
-    from evaluation.checkpoint_fid import BenchError
-    from schema import ConfigError
+    import tread.cli.fid as fid
+    from tread.evaluation.checkpoint_fid import BenchError
+    from tread.schema import ConfigError
 
     def fails(exc, match, **kw):
         with pytest.raises(exc, match=match):
@@ -204,9 +204,9 @@ def test_errors_before_any_work(toy_run, tmp_path):
 
 
 def test_missing_inception_weights_offline_says_how_to_provide_them(toy_run, tmp_path, monkeypatch):
-    import cli.fid as fid
-    import evaluation.features as feats
-    from evaluation.checkpoint_fid import BenchError
+    import tread.cli.fid as fid
+    import tread.evaluation.features as feats
+    from tread.evaluation.checkpoint_fid import BenchError
 
     def offline(*args, **kwargs):
         raise OSError("network is unreachable")

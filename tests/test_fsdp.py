@@ -1,4 +1,4 @@
-"""train.parallel=fsdp (training/fsdp.py): config checks before work, and 2-process CPU (gloo) runs that match
+"""train.parallel=fsdp (tread/training/fsdp.py): config checks before work, and 2-process CPU (gloo) runs that match
 DDP, with checkpoints a single-process run resumes from."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import REPO, TINY
-from schema import ConfigError, check_train
-from training.fsdp import check_parallel
-from training.loop import train
+from tread.schema import ConfigError, check_train
+from tread.training.fsdp import check_parallel
+from tread.training.loop import train
 
 QUIET = ["eval.every_steps=0", "eval.at_end=false"]
 LORA = "model.lora={rank: 4, target_modules: [to_q, to_k, to_v, to_out.0]}"

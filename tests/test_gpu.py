@@ -1,5 +1,5 @@
 """CUDA-only checks of the training step (skipped without a GPU; run them where one is lent:
-`pytest -m gpu`). They run the one training step (training/step.py) that train.py and the benchmark run.
+`pytest -m gpu`). They run the one training step (tread/training/step.py) that train.py and the benchmark run.
 Their CPU counterparts: tests/test_compile.py, tests/test_benchmark.py."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from schema import check_train, compose
-from training.setup import build_parts, make_accelerator, seed_streams
-from training.step import StepSettings, TrainStep
+from tread.schema import check_train, compose
+from tread.training.setup import build_parts, make_accelerator, seed_streams
+from tread.training.step import StepSettings, TrainStep
 
 pytestmark = pytest.mark.gpu
 

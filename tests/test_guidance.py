@@ -1,4 +1,4 @@
-"""Sampling-time routing and TREAD guidance (sampling/guidance.py): algebra, training-router semantics,
+"""Sampling-time routing and TREAD guidance (tread/sampling/guidance.py): algebra, training-router semantics,
 per-seed determinism, sampled FLOPs, and the errors sample.py / fid.py give for bad settings."""
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from diffusion import EDM
-from sampling import generate, sampling_flops_per_image
-from sampling.guidance import Guidance, GuidanceError, guided_denoiser
-from schema import ConfigError, compose
-from schema.sampling import check_sampling
-from models import build_dit
-from routing import RoutingController, routing_from_config
+from tread.diffusion import EDM
+from tread.sampling import generate, sampling_flops_per_image
+from tread.sampling.guidance import Guidance, GuidanceError, guided_denoiser
+from tread.schema import ConfigError, compose
+from tread.schema.sampling import check_sampling
+from tread.models import build_dit
+from tread.routing import RoutingController, routing_from_config
 
 PAPER = {"enabled": True, "routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]}
 
@@ -155,8 +155,8 @@ def test_sampled_flops_per_image_count_every_branch():
 
 def test_family_sampled_flops_are_counted_per_branch():
     """Diffusers families have no analytic count: each branch's forward is counted (FlopCounterMode)."""
-    from models.flops import forward_flops_with_routes
-    from models.families import build_family
+    from tread.models.flops import forward_flops_with_routes
+    from tread.models.families import build_family
 
     torch.manual_seed(0)
     model = build_family("flux", preset="tiny", in_channels=3, input_size=16, num_classes=10, routing=PAPER)
@@ -199,7 +199,7 @@ def test_spans_are_checked_against_the_model():
 @pytest.mark.slow
 def test_sample_cli_routes_guides_and_reports_flops(tiny_cfg, tmp_path, cache_dir):
     from test_train import run_cli
-    from training.loop import train
+    from tread.training.loop import train
 
     run = tmp_path / "run"
     train(tiny_cfg("eval.every_steps=0", "eval.at_end=false", "train.max_steps=2"), run)

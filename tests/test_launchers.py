@@ -11,8 +11,8 @@ import time
 
 import pytest
 from conftest import REPO, TINY
-from schema import compose
-from training.slurm import export_slurm_env, first_host, master_port, slurm_dist_env, tasks_per_node
+from tread.schema import compose
+from tread.training.slurm import export_slurm_env, first_host, master_port, slurm_dist_env, tasks_per_node
 
 SLURM_TARGET = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
 JOBLIB_TARGET = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"

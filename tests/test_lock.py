@@ -1,4 +1,4 @@
-"""utils.lock.RunDirLock: real processes racing for a run dir, stale locks (killed holders, reused pids,
+"""tread.utils.lock.RunDirLock: real processes racing for a run dir, stale locks (killed holders, reused pids,
 same SLURM job), foreign hosts, release of our own lock only, unreadable lock files."""
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import time
 import pytest
 from conftest import REPO
 
-from utils.errors import UserError
-from utils.lock import LOCK_NAME, RunDirLock, RunDirLocked, own_record, process_start_ticks
+from tread.utils.errors import UserError
+from tread.utils.lock import LOCK_NAME, RunDirLock, RunDirLocked, own_record, process_start_ticks
 
 # A process that waits until wall-clock time argv[2], then tries to lock run dir argv[1]: prints one JSON
 # line, {"won": pid} or {"error": message}; a winner holds the lock until its stdin closes.
 RACER = r"""
 import json, os, sys, time
-from utils.lock import RunDirLock, RunDirLocked
+from tread.utils.lock import RunDirLock, RunDirLocked
 if sys.argv[3] == "excl":                       # a filesystem without hard links
     def no_link(*args, **kw):
         raise PermissionError(1, "Operation not permitted")
@@ -41,7 +41,7 @@ lock.release()
 # Takes the lock on argv[1], says so, then sleeps (the test kills it).
 HOLDER = r"""
 import sys, time
-from utils.lock import RunDirLock
+from tread.utils.lock import RunDirLock
 RunDirLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(120)
@@ -215,7 +215,7 @@ def test_a_second_lock_in_this_process_is_refused_a_leftover_one_taken_over(tmp_
 @pytest.mark.parametrize("content", [b"{not json", b"", b"[1, 2]", b'{"pid": 0, "host": "h"}',
                                      b'{"pid": 99999999999, "host": "h"}', b'{"pid": 7}', b"\xff\xfe"])
 def test_an_unreadable_lock_is_refused_naming_the_file(tmp_path, content, monkeypatch):
-    monkeypatch.setattr("utils.lock._PARTIAL_RETRY_SEC", 0.0)
+    monkeypatch.setattr("tread.utils.lock._PARTIAL_RETRY_SEC", 0.0)
     (tmp_path / LOCK_NAME).write_bytes(content)
     with pytest.raises(RunDirLocked) as err:
         RunDirLock(tmp_path).acquire()

@@ -1,4 +1,4 @@
-"""model.lora.type = lora | lokr | loha (models/lora.py): LoKr and LoHa train in the loop with the base frozen,
+"""model.lora.type = lora | lokr | loha (tread/models/lora.py): LoKr and LoHa train in the loop with the base frozen,
 their adapter-only checkpoints round-trip and resume exactly, and keys of another type or bad values are
 refused with one error naming the key."""
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from family_checks import make
-from models import build_model
-from models.lora import LoraConfigError, apply_lora, is_adapter_param
-from sampling import load_for_inference
-from schema import ConfigError
-from training.checkpoint import DIFFUSERS_LORA_FILE, PEFT_ADAPTER_FILE
-from training.loop import train
-from utils.checkpoints import load_model_file
+from tread.models import build_model
+from tread.models.lora import LoraConfigError, apply_lora, is_adapter_param
+from tread.sampling import load_for_inference
+from tread.schema import ConfigError
+from tread.training.checkpoint import DIFFUSERS_LORA_FILE, PEFT_ADAPTER_FILE
+from tread.training.loop import train
+from tread.utils.checkpoints import load_model_file
 
 FAMILY_TINY = ["eval.every_steps=0", "eval.at_end=false", "train.batch_size=16", "optimizer.lr=1e-2"]
 TARGETS = "target_modules:[to_q,to_k,to_v,to_out.0,proj_mlp,proj_out]"
@@ -90,7 +90,7 @@ def test_bad_keys_are_refused_before_work(override, needle, tiny_cfg, tmp_path):
      r"model.lora.type=lokr cannot adapt model.lora.target_modules=\['norm_out.norm'\]"),
 ])
 def test_apply_lora_names_the_bad_key(cfg, needle):
-    """Callers without the schema (tests, notebooks) get the same kind of error from models/lora.py."""
+    """Callers without the schema (tests, notebooks) get the same kind of error from tread/models/lora.py."""
     model = make("flux")
     with pytest.raises(LoraConfigError, match=needle):
         apply_lora(model.transformer, {"target_modules": ["to_q"], **cfg})

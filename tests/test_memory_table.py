@@ -1,13 +1,13 @@
-"""perf/memory.py's memory-per-GPU estimate: counts against real built models, the formula on a hand case."""
+"""tread/perf/memory.py's memory-per-GPU estimate: counts against real built models, the formula on a hand case."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cli.memory_table import main
-from models.dit import build_dit
-from models.families import build_family
-from perf.memory import ParamCounts, build_on_meta, count_params, markdown_table, memory_per_gpu, memory_rows
+from tread.cli.memory_table import main
+from tread.models.dit import build_dit
+from tread.models.families import build_family
+from tread.perf.memory import ParamCounts, build_on_meta, count_params, markdown_table, memory_per_gpu, memory_rows
 
 
 def test_counts_match_a_real_model_and_its_meta_build():

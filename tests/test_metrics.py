@@ -11,11 +11,11 @@ import scipy.linalg
 import torch
 import torch.nn as nn
 
-from evaluation.features import build_feature_extractor, save_random_inception_weights
-from evaluation.images import save_npz, save_png_folder
-from evaluation.metrics import (METRICS, FeatureAccumulator, compute_metrics, inception_score, kid,
+from tread.evaluation.features import build_feature_extractor, save_random_inception_weights
+from tread.evaluation.images import save_npz, save_png_folder
+from tread.evaluation.metrics import (METRICS, FeatureAccumulator, compute_metrics, inception_score, kid,
                                 manifold_radii, precision_recall)
-from evaluation.reference import Reference, ReferenceBuilder, build_reference, load_reference_full
+from tread.evaluation.reference import Reference, ReferenceBuilder, build_reference, load_reference_full
 
 
 def scipy_fid(x, mu2, sigma2):
@@ -403,7 +403,7 @@ def test_reference_builder_streams_keeps_subset_and_matches_one_pass(lookup, tmp
     for i in np.random.default_rng(12).permutation(40).reshape(8, 5):   # any order, any batching
         builder.add(nhwc[i].numpy() if i[0] % 2 else nhwc[i], i)
     out = builder.all_reduce().save(tmp_path / "r.npz", source="unit")
-    from evaluation.reference import subset_indices
+    from tread.evaluation.reference import subset_indices
 
     with np.load(out) as data:
         kept = subset_indices(40, 10, seed=3)
@@ -419,7 +419,7 @@ def test_build_reference_from_npz_and_folder_subsets(lookup, tmp_path):
     ext = lookup[0]
     nhwc = LookupExtractor.images(range(30)).permute(0, 2, 3, 1).numpy()
     np.savez_compressed(tmp_path / "src.npz", arr_0=nhwc)                  # streamed from the zip member
-    from evaluation.reference import subset_indices
+    from tread.evaluation.reference import subset_indices
 
     chosen = subset_indices(30, 11)
     out = build_reference(tmp_path / "a.npz", ext, tmp_path / "src.npz", max_images=11, store_images=4,

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from models import DIT_ARCHS, build_dit
+from tread.models import DIT_ARCHS, build_dit
 
 
 @pytest.mark.parametrize("arch,expected_m", [("DiT-S/2", 33.0), ("DiT-B/2", 130.0), ("DiT-L/2", 458.0), ("DiT-XL/2", 675.0)])

@@ -10,11 +10,11 @@ import torch
 import torch.nn as nn
 
 from conftest import compose_cfg
-from diffusion.build import build_diffusion
-from models.dit import build_dit
-from routing import Route, RoutingController
-from sampling.generate import generate
-from sampling.guidance import Guidance, GuidanceError, guided_denoiser
+from tread.diffusion.build import build_diffusion
+from tread.models.dit import build_dit
+from tread.routing import Route, RoutingController
+from tread.sampling.generate import generate
+from tread.sampling.guidance import Guidance, GuidanceError, guided_denoiser
 
 ZEROED = ["final_layer.linear.weight", "final_layer.adaLN_modulation.1.weight"] + \
          [f"blocks.{i}.adaLN_modulation.1.weight" for i in range(12)]
@@ -59,8 +59,8 @@ def test_random_class_labels_are_the_paper_codes_draw():
 
 
 def test_the_evaluator_uses_the_seed_offset_and_class_labels(tiny_cfg, tmp_path, monkeypatch):
-    import evaluation.evaluator as evaluator
-    from training.loop import train
+    import tread.evaluation.evaluator as evaluator
+    from tread.training.loop import train
     seen = {}
     real = evaluator.generate
 
@@ -116,7 +116,7 @@ def test_the_presets_set_every_switch_and_our_defaults_stay():
     assert (paper.model.init, paper.routing.fp32_after_route, paper.eval.seed_offset, paper.eval.num_samples,
             paper.eval.class_labels, paper.eval.num_steps, paper.eval.cfg_scale, paper.eval.cfg_rule,
             paper.eval.tread_uncond) == ("paper", True, 100000, 5000, "random", 40, 1.0, "above_one", True)
-    assert paper.diffusion._target_ == "diffusion.EDM" and paper.optimizer.lr == ours.optimizer.lr
-    assert rf.diffusion._target_ == "diffusion.RectifiedFlow" and rf.diffusion.t_scale == 1.0
+    assert paper.diffusion._target_ == "tread.diffusion.EDM" and paper.optimizer.lr == ours.optimizer.lr
+    assert rf.diffusion._target_ == "tread.diffusion.RectifiedFlow" and rf.diffusion.t_scale == 1.0
     assert build_diffusion(rf.diffusion).precondition(nn.Identity()).t_scale == 1.0   # the raw t in [0, 1]
     assert compose_cfg("train", ["diffusion=rf"]).diffusion.t_scale == 1000.0

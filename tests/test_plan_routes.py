@@ -1,5 +1,5 @@
-"""The route planner (cli/plan_routes.py, perf/plan.py): FLOPs by hand, candidates and flags, the geometry it
-plans for, target filtering, the recommendation rule on injected timings with progress, a CLI smoke run with
+"""The route planner (tread/cli/plan_routes.py, tread/perf/plan.py): FLOPs by hand, candidates and flags, the geometry
+it plans for, target filtering, the recommendation rule on injected timings with progress, a CLI smoke run with
 real timing of the training step, a pilot on the tiny toy data, one-line input errors."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from cli.plan_routes import main, parse_args
-from models import build_model
-from models.flops import model_forward_flops
-from perf.plan import RULE, evaluate_candidates, generate_candidates, ratio_grid, rule_key
-from routing.spec import Route
-from schema import compose
+from tread.cli.plan_routes import main, parse_args
+from tread.models import build_model
+from tread.models.flops import model_forward_flops
+from tread.perf.plan import RULE, evaluate_candidates, generate_candidates, ratio_grid, rule_key
+from tread.routing.spec import Route
+from tread.schema import compose
 from conftest import TINY, compose_cfg
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import compose_cfg
-from schema import ConfigError, check_train
-from training import setup
-from training.loop import train
+from tread.schema import ConfigError, check_train
+from tread.training import setup
+from tread.training.loop import train
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

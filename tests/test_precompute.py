@@ -1,4 +1,4 @@
-"""scripts/precompute_latents.py, data/images.py (image folders, ADM center crop) and the streaming writer.
+"""scripts/precompute_latents.py, tread/data/images.py (image folders, ADM center crop) and the streaming writer.
 
 A tiny random AutoencoderKL (downsampling 2) and a few generated images of different sizes and aspect
 ratios; resolution 16, so a whole run takes about a second. Nothing touches the network.
@@ -15,11 +15,11 @@ import pytest
 import torch
 from PIL import Image
 
-import cli.precompute as pl
-from data import LatentDataset, LatentDatasetError, LatentDatasetExistsError, read_meta
-from data.images import ImageFolderError, center_crop_arr, list_image_folder
-from data.vae import clear_vae_cache, encode, load_vae
-from data.writer import LatentDatasetWriter
+import tread.cli.precompute as pl
+from tread.data import LatentDataset, LatentDatasetError, LatentDatasetExistsError, read_meta
+from tread.data.images import ImageFolderError, center_crop_arr, list_image_folder
+from tread.data.vae import clear_vae_cache, encode, load_vae
+from tread.data.writer import LatentDatasetWriter
 
 REPO = Path(__file__).resolve().parents[1]
 RES = 16
@@ -115,7 +115,7 @@ def test_class_folders_to_dataset_with_flips(tmp_path, class_folder, vae_dir):
     np.testing.assert_allclose(stored[6:], want_flip.astype(np.float16), rtol=1e-3, atol=1e-3)
     assert np.abs(stored[:6] - stored[6:]).max() > 1e-2  # flipped images give other latents
     # The dataset decodes (start-up check of training / sampling) through the VAE named in meta.json.
-    from data import check_decodable, decode_to_uint8, draw_latents
+    from tread.data import check_decodable, decode_to_uint8, draw_latents
 
     check_decodable(meta)
     assert decode_to_uint8(draw_latents(ds.__getitems__([0, 7])[0], meta), meta).shape == (2, RES, RES, 3)
@@ -224,7 +224,7 @@ def test_shards_done_out_of_order_by_two_processes_merge_in_image_order(tmp_path
 
 
 def test_reference_statistics(tmp_path, class_folder, vae_dir):
-    from evaluation.toy_classifier import ToyClassifier, cache_path, save_toy_classifier
+    from tread.evaluation.toy_classifier import ToyClassifier, cache_path, save_toy_classifier
 
     cache = tmp_path / "cache"
     torch.manual_seed(0)  # an untrained toy classifier at 16 px: the feature network is not what is tested here
@@ -376,8 +376,8 @@ CAPTIONS = "file_name,caption\na_cat/x.png,a cat, sitting on a mat\nc_eel/e.png,
 
 @pytest.fixture(scope="module")
 def text_dirs(tmp_path_factory):
-    """Tiny random text encoders (data.text.save_tiny_text_encoders) as pipeline folders, per family."""
-    from data.tiny_text import save_tiny_text_encoders
+    """Tiny random text encoders (tread.data.text.save_tiny_text_encoders) as pipeline folders, per family."""
+    from tread.data.tiny_text import save_tiny_text_encoders
 
     root = tmp_path_factory.mktemp("text")
     return {f: save_tiny_text_encoders(f, root / f) for f in ("pixart", "flux")}
@@ -398,7 +398,7 @@ def write_masks(images_root, masks_root, skip=()):
 
 
 def test_captions_text_embeddings_and_loss_masks_end_to_end(tmp_path, class_folder, vae_dir, text_dirs):
-    from data.text import encode_prompts, load_text_encoders
+    from tread.data.text import encode_prompts, load_text_encoders
 
     captions = tmp_path / "captions.csv"
     captions.write_text(CAPTIONS)

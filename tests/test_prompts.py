@@ -1,7 +1,7 @@
-"""Prompts in (sampling/prompts.py): sample.py prompts / prompts_file, the negative prompt under CFG
-(sampling/guidance.py's per-sample unconditional conditioning), and the in-training validation prompts'
-captioned grid (evaluation/validation.py). Text encoders are tiny random ones written offline
-(data.text.save_tiny_text_encoders); models are tiny presets trained a couple of steps on data=toy_text."""
+"""Prompts in (tread/sampling/prompts.py): sample.py prompts / prompts_file, the negative prompt under CFG
+(tread/sampling/guidance.py's per-sample unconditional conditioning), and the in-training validation prompts'
+captioned grid (tread/evaluation/validation.py). Text encoders are tiny random ones written offline
+(tread.data.text.save_tiny_text_encoders); models are tiny presets trained a couple of steps on data=toy_text."""
 from __future__ import annotations
 
 import json
@@ -11,18 +11,18 @@ import pytest
 import torch
 from PIL import Image
 
-from cli.sample import run as sample_run
+from tread.cli.sample import run as sample_run
 from conftest import TINY, compose_cfg, shared_cache
-from data import encode_prompts, load_text_encoders, save_tiny_text_encoders
-from diffusion.build import build_diffusion
-from evaluation.images import make_captioned_grid
-from models import build_model
-from models.families.base import RoutedFamily
-from sampling.generate import generate
-from sampling.guidance import UNCOND, Guidance, guided_denoiser
-from sampling.prompts import PromptError, encode_for_model, generate_for_prompts, read_prompts_file
-from schema import ConfigError, check_sample, check_train
-from training.loop import train
+from tread.data import encode_prompts, load_text_encoders, save_tiny_text_encoders
+from tread.diffusion.build import build_diffusion
+from tread.evaluation.images import make_captioned_grid
+from tread.models import build_model
+from tread.models.families.base import RoutedFamily
+from tread.sampling.generate import generate
+from tread.sampling.guidance import UNCOND, Guidance, guided_denoiser
+from tread.sampling.prompts import PromptError, encode_for_model, generate_for_prompts, read_prompts_file
+from tread.schema import ConfigError, check_sample, check_train
+from tread.training.loop import train
 
 PROMPTS = ["a red disc", "a blue square on a long caption that wraps"]
 NEGATIVE = "a green ring"

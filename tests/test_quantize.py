@@ -1,4 +1,4 @@
-"""model.quantize = int8 | int4 | nf4 (models/quantize.py): a quantized frozen base under peft adapters trains
+"""model.quantize = int8 | int4 | nf4 (tread/models/quantize.py): a quantized frozen base under peft adapters trains
 with routing active, never changes, equals dense at selection ratio 0, is shared by the EMA, is left out of
 checkpoints (which resume exactly), and bad settings are refused with one error naming the key."""
 from __future__ import annotations
@@ -11,16 +11,16 @@ import torch
 import torch.nn as nn
 
 from family_checks import fixed_selection, inputs, make
-from models import build_model
-from models.families import build_family
-from models.lora import is_adapter_param
-from models.quantize import (QUANTIZE_MODES, QuantizeConfigError, frozen_base, quantize_mode, stored_bytes,
+from tread.models import build_model
+from tread.models.families import build_family
+from tread.models.lora import is_adapter_param
+from tread.models.quantize import (QUANTIZE_MODES, QuantizeConfigError, frozen_base, quantize_mode, stored_bytes,
                              weight_bytes)
-from schema import ConfigError
-from training.ema import ema_update
-from training.loop import train
-from training.setup import build_parts, check_shared_base, make_accelerator
-from utils.checkpoints import load_model_file
+from tread.schema import ConfigError
+from tread.training.ema import ema_update
+from tread.training.loop import train
+from tread.training.setup import build_parts, check_shared_base, make_accelerator
+from tread.utils.checkpoints import load_model_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

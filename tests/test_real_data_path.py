@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-import cli.precompute
+import tread.cli.precompute
 from conftest import TINY, compose_cfg, shared_cache
 
 RES = 32  # image side; the tiny VAE downsamples by 2 -> 4x16x16 latents
@@ -20,10 +20,10 @@ RES = 32  # image side; the tiny VAE downsamples by 2 -> 4x16x16 latents
 def test_images_to_latents_to_training_to_benchmark(tmp_path_factory):
     from diffusers import AutoencoderKL
 
-    from data import LatentDataset
-    from data.toy import generate_toy_shapes
-    from training.loop import train
-    from training.run_log import read_metrics
+    from tread.data import LatentDataset
+    from tread.data.toy import generate_toy_shapes
+    from tread.training.loop import train
+    from tread.training.run_log import read_metrics
 
     cache = shared_cache(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("realpath")
@@ -41,7 +41,7 @@ def test_images_to_latents_to_training_to_benchmark(tmp_path_factory):
         Image.fromarray(np.concatenate([img, img[:, :8]], axis=1)).save(folder / f"{i:03d}.png")  # 48x56
 
     out, ref = tmp / "latents", tmp / "ref.npz"
-    cli.precompute.main(["--images", str(tmp / "images"), "--out", str(out), "--vae", str(vae_dir),
+    tread.cli.precompute.main(["--images", str(tmp / "images"), "--out", str(out), "--vae", str(vae_dir),
                             "--resolution", str(RES), "--flip", "--batch-size", "8", "--shard-size", "16",
                             "--device", "cpu", "--ref-out", str(ref), "--ref-features", "toy_classifier",
                             "--cache-dir", str(cache)])
@@ -64,7 +64,7 @@ def test_images_to_latents_to_training_to_benchmark(tmp_path_factory):
     assert grid.size[0] > 10 * RES  # decoded RES x RES images, one column per class
 
     # sample.py decodes with the VAE named in the checkpoint's data metadata (here overridden explicitly).
-    import cli.sample as sample
+    import tread.cli.sample as sample
 
     sample_cfg = compose_cfg("sample", [f"checkpoint={run}", "num_samples=6", "num_steps=2", "device=cpu",
                                         f"out_dir={tmp / 'samples'}", f"vae={vae_dir}", "vae_dtype=bfloat16"])
@@ -73,7 +73,7 @@ def test_images_to_latents_to_training_to_benchmark(tmp_path_factory):
         assert s["arr_0"].shape == (6, RES, RES, 3)
 
     # fid.py benchmarks the checkpoint against the precomputed reference.
-    import cli.fid as fid
+    import tread.cli.fid as fid
 
     fid_cfg = compose_cfg("fid", ["mode=bench", f"checkpoints={run}", f"ref={ref}", f"cache_dir={cache}",
                                   "num_samples=12", "num_steps=2", "sample_batch_size=6", "device=cpu",

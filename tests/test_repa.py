@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from models.dit import build_dit
-from models.errors import ModelConfigError
-from models.repa import alignment_loss, patch_targets
-from routing import TokenRouter
-from schema import ConfigError
-from training.loop import train
-from training.run_log import read_metrics
+from tread.models.dit import build_dit
+from tread.models.errors import ModelConfigError
+from tread.models.repa import alignment_loss, patch_targets
+from tread.routing import TokenRouter
+from tread.schema import ConfigError
+from tread.training.loop import train
+from tread.training.run_log import read_metrics
 
 ROUTE = {"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": 8}
 QUIET = ["eval.every_steps=0", "eval.at_end=false", "checkpoint.every_steps=0", "train.log_every_steps=1"]
@@ -99,7 +99,7 @@ def test_bad_head_settings_are_clear_errors(repa, match):
 
 
 def test_repa_on_a_family_model_is_refused(tiny_cfg):
-    from schema import check_train
+    from tread.schema import check_train
     with pytest.raises(ConfigError, match="REPA alignment is implemented for DiT models"):
         check_train(tiny_cfg("model=flux", "repa=toy"))
 

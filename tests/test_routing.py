@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from models import build_dit
-from routing import (
+from tread.models import build_dit
+from tread.routing import (
     NO_ROUTES_MESSAGE, Route, RouteConfigError, TokenRouter, gather_tokens, resolve_routes, routing_from_config,
     scatter_tokens, tokens_processed_fraction,
 )
@@ -260,8 +260,8 @@ def _fp32_routing(flag):
 @pytest.mark.parametrize("family", ["dit", "flux", "sd3", "wan", "auraflow", "pixart"])
 def test_fp32_block_after_route_runs_outside_autocast(family):
     """routing.fp32_after_route: the block after a route's end computes in float32 under bf16 autocast."""
-    from models import build_dit
-    from models.families import build_family
+    from tread.models import build_dit
+    from tread.models.families import build_family
     dtypes = {}
     for flag in (False, True):
         torch.manual_seed(0)
@@ -284,6 +284,6 @@ def test_fp32_block_after_route_runs_outside_autocast(family):
 
 
 def test_fp32_after_route_must_be_a_bool():
-    from routing import RouteConfigError, RoutingController
+    from tread.routing import RouteConfigError, RoutingController
     with pytest.raises(RouteConfigError, match="routing.fp32_after_route='yes'"):
         RoutingController.from_config({**_fp32_routing(True), "fp32_after_route": "yes"}, 12)

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from models.dit import build_dit
-from routing import Route, RouteConfigError, RoutingController
-from training.loop import train
-from training.run_log import read_metrics
+from tread.models.dit import build_dit
+from tread.routing import Route, RouteConfigError, RoutingController
+from tread.training.loop import train
+from tread.training.run_log import read_metrics
 
 ROUTING = {"enabled": True, "routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]}
 QUIET = ["eval.every_steps=0", "eval.at_end=false", "checkpoint.every_steps=0", "train.log_every_steps=1"]

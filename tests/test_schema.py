@@ -7,7 +7,7 @@ import os
 import pytest
 
 from conftest import compose_cfg
-from schema import ConfigError, check_fid, check_sample, check_train, check_train_files
+from tread.schema import ConfigError, check_fid, check_sample, check_train, check_train_files
 from test_train import run_cli
 
 BAD_TRAIN = [
@@ -150,8 +150,8 @@ def test_good_seeds_pass(seeds):
     ("train.seed=[1", "bad override 'train.seed=[1'"),
 ])
 def test_hydra_errors_become_one_line(override, needle, monkeypatch):
-    """cli.errors.hydra_errors: Hydra's own composition errors as one `error:` line, HYDRA_FULL_ERROR restored."""
-    from cli.errors import hydra_errors
+    """tread.cli.errors.hydra_errors: Hydra's own composition errors as one `error:` line, HYDRA_FULL_ERROR restored."""
+    from tread.cli.errors import hydra_errors
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as exit_:

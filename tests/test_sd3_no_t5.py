@@ -10,13 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
-import cli.precompute as pl
+import tread.cli.precompute as pl
 from conftest import TINY, compose_cfg
-from data import LatentDataset
-from data.text import SD3_T5_WIDTH, TextEncoderError, encode_prompts, load_text_encoders
-from data.tiny_text import save_tiny_text_encoders
-from models import build_model
-from schema import ConfigError, check_train
+from tread.data import LatentDataset
+from tread.data.text import SD3_T5_WIDTH, TextEncoderError, encode_prompts, load_text_encoders
+from tread.data.tiny_text import save_tiny_text_encoders
+from tread.models import build_model
+from tread.schema import ConfigError, check_train
 from test_precompute import vae_dir  # noqa: F401 (fixture)
 
 PROMPTS = ["a photo of a red disc", "", "dog with zebra stripes"]

@@ -1,4 +1,4 @@
-"""SPRINT-style sparse-dense residual fusion (models/sprint.py) and path-drop guidance: shapes, gradients reach
+"""SPRINT-style sparse-dense residual fusion (tread/models/sprint.py) and path-drop guidance: shapes, gradients reach
 every parameter, ratio 0 equals the fused dense forward, routes other than the span are refused, the path-dropped
 prediction skips the deep blocks and equals the mask-token forward, the guidance algebra, training path drop,
 FLOPs, and a tiny training run with a dense fine-tuning phase."""
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.sprint import SprintDiT, build_sprint
-from routing import RouteConfigError
-from sampling.guidance import PATH_DROP, Guidance, GuidanceError, guided_denoiser
-from training.loop import train
-from training.run_log import read_metrics
+from tread.models.sprint import SprintDiT, build_sprint
+from tread.routing import RouteConfigError
+from tread.sampling.guidance import PATH_DROP, Guidance, GuidanceError, guided_denoiser
+from tread.training.loop import train
+from tread.training.run_log import read_metrics
 
 SPAN = {"start": 2, "end": -3}
 
@@ -135,7 +135,7 @@ def test_path_drop_guidance_algebra_and_cost():
 
 
 def test_path_drop_needs_a_sprint_model():
-    from models.dit import build_dit
+    from tread.models.dit import build_dit
     with pytest.raises(GuidanceError, match="path_drop=true needs a SPRINT model"):
         Guidance(cfg_scale=2.0, path_drop=True).check(build_dit("DiT-T/2", 16, 3, 10))
 

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from cli import ablation_report
+from tread.cli import ablation_report
 from conftest import TINY
 from test_train import run_cli
-from training.loop import train
+from tread.training.loop import train
 
 SUMMARY_KEYS = {
     "status": str, "run_dir": str, "overrides": list, "model": str, "routes": list, "start_step": int,
@@ -33,8 +33,8 @@ def test_summary_schema_and_values(tiny_cfg, tmp_path):
     assert summary["status"] == "completed" and summary["overrides"] == ["routing=paper"]
     assert summary["final_fid"] == summary["fid"][-1][1] and summary["best_fid"] == min(f for _, f in summary["fid"])
     # DiT-T/4 at 16 tokens, paper route 2..8 of 12 (8 of 16 tokens kept): FLOPs from the model's own count.
-    from models import build_dit
-    from routing import routing_from_config
+    from tread.models import build_dit
+    from tread.routing import routing_from_config
     m = build_dit("DiT-T/4", 16, 3, 10)
     routes = routing_from_config({"enabled": True, "routes": [{"selection_ratio": 0.5, "start_layer_idx": 2,
                                                                "end_layer_idx": -4}]}, 12)
@@ -96,7 +96,7 @@ def test_time_budget_stops_training_and_resume_keeps_the_count(tiny_cfg, tmp_pat
 
 @pytest.mark.parametrize("value", [0, -1, "soon", True])
 def test_bad_time_budget_is_refused(tiny_cfg, tmp_path, value):
-    from schema import ConfigError
+    from tread.schema import ConfigError
     with pytest.raises(ConfigError, match="train.time_budget_min"):
         train(tiny_cfg(f"train.time_budget_min={value}"), tmp_path / "run")
     assert not (tmp_path / "run").exists()

@@ -1,15 +1,15 @@
-"""The built-in text-conditioned data (data=toy_text, data/toy_text.py) and the text-width check of families."""
+"""The built-in text-conditioned data (data=toy_text, tread/data/toy_text.py) and the text-width check of families."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from data import LatentDataset, LatentDatasetError, encode_prompts, load_text_encoders, save_tiny_text_encoders
-from data.toy import TOY_CLASS_NAMES, generate_toy_shapes
-from data.toy_text import class_captions, ensure_toy_text_dataset
-from models.families import FamilyConfigError
-from training.loop import train
+from tread.data import LatentDataset, LatentDatasetError, encode_prompts, load_text_encoders, save_tiny_text_encoders
+from tread.data.toy import TOY_CLASS_NAMES, generate_toy_shapes
+from tread.data.toy_text import class_captions, ensure_toy_text_dataset
+from tread.models.families import FamilyConfigError
+from tread.training.loop import train
 
 
 @pytest.fixture(scope="module")

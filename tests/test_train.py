@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from training.loop import train
-from training.run_log import read_metrics
+from tread.training.loop import train
+from tread.training.run_log import read_metrics
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -138,7 +138,7 @@ def test_rectified_flow_trains_and_evaluates(tiny_cfg, tmp_path):
 
 
 def test_undecodable_data_fails_before_training_unless_eval_is_off(tiny_cfg, tmp_path):
-    from data import LatentDatasetError, write_latent_dataset
+    from tread.data import LatentDatasetError, write_latent_dataset
 
     rng = np.random.default_rng(0)
     path = write_latent_dataset(tmp_path / "vae_latents", rng.standard_normal((32, 4, 8, 8)).astype(np.float32),
@@ -177,7 +177,7 @@ def test_accumulation_and_bf16_train(tiny_cfg, tmp_path, extra):
 
 
 def test_batch_not_divisible_is_a_clear_error(tiny_cfg, tmp_path):
-    from schema import ConfigError
+    from tread.schema import ConfigError
 
     with pytest.raises(ConfigError, match=r"train.batch_size=8 .* train.grad_accum_steps \(3\)"):
         train(tiny_cfg("train.grad_accum_steps=3"), tmp_path / "r")

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-import data.vae as vae_mod
-from data import LatentDataset, LatentDatasetError, check_decodable, decode_to_uint8, draw_latents, \
+import tread.data.vae as vae_mod
+from tread.data import LatentDataset, LatentDatasetError, check_decodable, decode_to_uint8, draw_latents, \
     write_latent_dataset
-from data.vae import clear_vae_cache, decode_raw_to_uint8, encode, load_vae
+from tread.data.vae import clear_vae_cache, decode_raw_to_uint8, encode, load_vae
 
 
 def make_tiny_vae(path, **overrides):

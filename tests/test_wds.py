@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-import data.wds
-import data.wds_index
+import tread.data.wds
+import tread.data.wds_index
 from conftest import TINY, compose_cfg
-from data import (LatentDatasetError, LatentLoader, WebDatasetLatents, build_dataset, draw_latents)
-from data.meta import validate_meta
-from data.wds import expand_braces
+from tread.data import (LatentDatasetError, LatentLoader, WebDatasetLatents, build_dataset, draw_latents)
+from tread.data.meta import validate_meta
+from tread.data.wds import expand_braces
 
 SHARD = "latent_imagenet_512_train-{:04d}.tar"  # the name MaskDiT's lmdb2wds.py gives (512 hard-coded)
 
@@ -169,13 +169,13 @@ def test_sample_kind_shards_are_scaled_like_latent_dataset(tmp_path):
 
 def count_scans(monkeypatch):
     calls = []
-    real = data.wds_index.scan_shard
+    real = tread.data.wds_index.scan_shard
 
     def spy(path):
         calls.append(path.name)
         return real(path)
 
-    monkeypatch.setattr(data.wds_index, "scan_shard", spy)
+    monkeypatch.setattr(tread.data.wds_index, "scan_shard", spy)
     return calls
 
 
@@ -236,7 +236,7 @@ def test_pickles_without_open_files(shards, tmp_path):
 
 def test_open_files_are_capped(shards, tmp_path, monkeypatch):
     root, x, _ = shards
-    monkeypatch.setattr(data.wds, "MAX_OPEN_SHARDS", 1)
+    monkeypatch.setattr(tread.data.wds, "MAX_OPEN_SHARDS", 1)
     ds = open_ds(root, tmp_path)
     assert torch.equal(ds.__getitems__([0, 6, 1, 5])[0], torch.from_numpy(x[[0, 6, 1, 5]]))
     assert len(ds._fds) == 1
@@ -389,7 +389,7 @@ def test_build_dataset_format_errors(shards, tmp_path):
 
 
 def test_train_fails_fast_on_missing_shards(tmp_path):
-    from training.loop import train
+    from tread.training.loop import train
 
     cfg = wds_cfg(tmp_path, f"data.path={tmp_path / 'nonexistent'}", f"paths.output_dir={tmp_path}")
     with pytest.raises(LatentDatasetError, match=r"'.*nonexistent' does not exist"):
@@ -397,8 +397,8 @@ def test_train_fails_fast_on_missing_shards(tmp_path):
 
 
 def test_tiny_training_run_on_shards(tmp_path):
-    from training.loop import train
-    from training.run_log import read_metrics
+    from tread.training.loop import train
+    from tread.training.run_log import read_metrics
 
     root = tmp_path / "wds"
     root.mkdir()

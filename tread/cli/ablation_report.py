@@ -1,0 +1,65 @@
+"""Tables and plots of a route sweep: one row per run, FID against selection ratio, time and FLOPs.
+
+    python train.py -m routing.routes.0.selection_ratio=0,0.25,0.5,0.75     # writes outputs/multirun/<date>/<job>/
+    python scripts/ablation_report.py outputs/multirun/<date>               # -> <sweep>/report/
+
+Reads every run directory under SWEEP_DIR (any depth) that holds a summary.json (written by train.py, also
+for failed jobs) and its metrics.jsonl. Writes report.md and report.csv (one row per run, failed runs
+included with their error) and, with matplotlib, fid_vs_ratio.png, fid_vs_time.png, fid_vs_flops.png (one
+curve per run from its evaluations; FLOPs = train_flops_per_step x step) and loss.png.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from tread.evaluation.sweep_report import (README_END, README_START, ReportError, add_fid_at, group_section, load_runs,
+                                           row, update_readme, write_group_plot, write_plots, write_tables)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line: SWEEP_DIR, --out, --no-plots, --readme, --marker and --at-step."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep_dir", help="a multirun sweep folder (or a single run directory)")
+    p.add_argument("--out", default=None, help="output folder (default: SWEEP_DIR/report)")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.add_argument("--readme", default=None, help=f"also write a compact table and the plots into this Markdown "
+                   f"file, between the lines {README_START} and {README_END}")
+    p.add_argument("--marker", default=None, metavar="NAME", help="with --readme: fill the block between "
+                   "<!-- ablation-report:NAME:start --> and <!-- ablation-report:NAME:end --> instead (several "
+                   "report blocks in one file)")
+    p.add_argument("--at-step", type=int, action="append", default=[], metavar="S",
+                   help="also report each run's FID at evaluation step S and, over seeds, its statistics "
+                        "(repeatable; e.g. the equal-steps point of runs trained for equal time)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Report on a sweep: tables, plots and optionally the README block; prints the Markdown table and what
+    was written. A sweep that cannot be reported on raises ReportError (the script prints it as `error: ...`)."""
+    args = parse_args(argv)
+    sweep = Path(args.sweep_dir).expanduser()
+    runs = load_runs(sweep)
+    if not runs:
+        raise ReportError(f"no runs under '{sweep}': no summary.json was found. Point at the sweep folder that "
+                          f"train.py -m wrote (hydra.sweep.dir, e.g. outputs/multirun/<date>_<time>).")
+    rows = [row(r) for r in runs]
+    extra = add_fid_at(rows, runs, args.at_step)
+    groups, groups_md = group_section(runs, args.at_step)
+    out = Path(args.out) if args.out else sweep / "report"
+    md, csv_path = write_tables(rows, out, extra, groups_md)
+    finished = [r for r in rows if r["status"] == "completed"]
+    plots = [] if args.no_plots or not finished else write_plots(runs, out, groups)
+    if groups_md and not args.no_plots:
+        plots.append(write_group_plot(groups, args.at_step, out))
+    print(md.read_text())
+    if not finished:
+        print(f"No finished runs under '{sweep}' ({len(rows)} run(s): "
+              f"{', '.join(sorted({r['status'] for r in rows}))}); nothing to plot.", file=sys.stderr)
+    if args.readme:
+        command = "python scripts/ablation_report.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        update_readme(Path(args.readme), rows, plots, command, args.marker, groups_md)
+    print(f"wrote {md}, {csv_path}" + "".join(f", {p}" for p in plots) + (f", {args.readme}" if args.readme else ""))
+    return {"rows": rows, "markdown": str(md), "csv": str(csv_path), "plots": [str(p) for p in plots]}

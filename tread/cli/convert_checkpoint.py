@@ -1,0 +1,47 @@
+"""Convert checkpoints of earlier versions (pickle files: model.pt, train_state.pt, rng_rank*.pt) to the
+safetensors format that train.py, sample.py and fid.py read.
+
+    python scripts/convert_checkpoint.py RUN_DIR_OR_STEP_DIR --trust [--remove-pickles]
+
+What --trust means: a pickle file can name code that runs when it is loaded. This converter loads with
+torch's restricted unpickler (tensors, plain containers, numbers and numpy arrays only) and refuses a file
+that names anything else, so nothing in the file is run. But the converted weights and config become a
+checkpoint you train and sample from: convert only files whose source you trust. Without --trust nothing
+is read.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional, Sequence
+
+from tread.cli.errors import user_errors
+from tread.training.legacy import convert, legacy_dirs
+from tread.utils.errors import UserError
+
+
+class ConvertError(UserError):
+    """A converter call without the flag that says the files are trusted."""
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="a run directory (all its old checkpoints) or a checkpoints/step_XXXXXXX directory")
+    p.add_argument("--trust", action="store_true", help="you know where these files come from (see above)")
+    p.add_argument("--remove-pickles", action="store_true", help="delete the old .pt files after converting")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[Path]:
+    args = parse_args(argv)
+    with user_errors():
+        dirs = legacy_dirs(Path(args.path))
+        if not args.trust:
+            raise ConvertError(f"--trust is missing: '{args.path}' holds {len(dirs)} old checkpoint(s) in the pickle "
+                               f"format. Pickles can name code to run; the converter reads them with torch's "
+                               f"restricted unpickler, but the result is a checkpoint you will train and sample from. "
+                               f"Add --trust if you know where these files come from.")
+        done = [convert(d, args.remove_pickles) for d in dirs]
+    for d in done:
+        print(f"converted {d}")
+    return done

@@ -1,0 +1,74 @@
+"""How every program reports a bad input: one `error: ...` line on stderr and exit status 1, no traceback."""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Iterator
+
+from tread.utils.errors import USER_ERRORS
+
+
+@contextlib.contextmanager
+def user_errors(*extra: type[BaseException]) -> Iterator[None]:
+    """Turn user errors (tread.utils.errors.USER_ERRORS, plus `extra`) raised inside the block into
+    `error: <message>`."""
+    try:
+        yield
+    except (*USER_ERRORS, *extra) as err:
+        sys.exit(f"error: {err}")
+
+
+@contextlib.contextmanager
+def hydra_errors() -> Iterator[None]:
+    """Hydra's own input errors, met while it composes the config before the program's code runs (an unknown
+    key without +, an unknown group option such as model=nosuch, bad override syntax, an ambiguous a,b value),
+    as one `error: <message>` line too. Wrap the @hydra.main function's call in a program's __main__ block:
+
+        if __name__ == "__main__":
+            with hydra_errors():
+                main()
+
+    Hydra prints these errors itself, over several lines, unless HYDRA_FULL_ERROR is set; inside the block it
+    is set, so that they reach here. Any other exception goes on as a traceback; a user who set
+    HYDRA_FULL_ERROR gets Hydra's errors as tracebacks too."""
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    wanted = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except (ConfigCompositionException, OverrideParseException) as err:
+        if wanted:
+            raise
+        sys.exit(f"error: {hydra_message(err)}")
+    finally:
+        if wanted is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = wanted
+
+
+def hydra_message(err: BaseException) -> str:
+    """A Hydra composition or override error in one line: its sentences, a list of available options joined
+    by commas, the OmegaConf cause's first line; no search path or documentation link."""
+    from hydra.errors import OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    parts: list[str] = []
+    for line in str(err).split("Config search path:")[0].splitlines():
+        text = line.strip()
+        if not text or text.startswith("See https://"):
+            continue
+        if line.startswith("\t") and parts and parts[-1].endswith((":", ",")):
+            parts[-1] += f" {text},"
+            continue
+        parts.append(text)
+    parts = [p.rstrip(",") for p in parts] or [type(err).__name__]
+    cause = err.__cause__
+    if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
+        parts[0] = f"{parts[0].rstrip('.')} ({str(cause).strip().splitlines()[0]})."
+    override = getattr(err, "override", None)
+    if isinstance(err, OverrideParseException) and override and override not in parts[0]:
+        parts.insert(0, f"bad override '{override}':")
+    return " ".join(p if p.endswith((".", ":", "?", "!")) else p + "." for p in parts)

@@ -1,0 +1,82 @@
+"""Latent datasets (on-disk format with optional text conditioning and loss masks, built-in toy data), text
+encoders for text-to-image families (data.text), and deterministic, resumable loading."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+from .decode import check_decodable, decode_to_uint8
+from .images import ImageFolderError, center_crop_arr, list_image_folder
+from .loader import LatentLoader, ShardedBatchSampler
+from .meta import (COND_KEYS, EXTRA_KEYS, LatentDatasetError, LatentDatasetExistsError, draw_latents,
+                   has_model_conditioning, latent_kind, model_shape, read_meta, shift_factor)
+from .reader import LatentDataset
+from .text import TEXT_FAMILIES, TextEncoderError, encode_prompts, load_text_encoders
+from .tiny_text import save_tiny_text_encoders
+from .toy import TOY_CLASS_NAMES, ensure_toy_dataset, generate_toy_shapes
+from .toy_text import ensure_toy_text_dataset
+from .wds import WebDatasetLatents
+from .writer import LatentDatasetWriter, write_latent_dataset
+
+BUILTINS = {"toy_shapes": ensure_toy_dataset,   # data.builtin name -> builder(path, **data.builtin_args)
+            "toy_shapes_text": ensure_toy_text_dataset}
+FORMATS = ("latents", "wds")  # data.format: our directory format | WebDataset tar shards (TREAD/MaskDiT latents)
+
+__all__ = ["BUILTINS", "FORMATS", "LatentDataset", "LatentDatasetError", "LatentDatasetExistsError", "LatentLoader",
+           "ShardedBatchSampler", "TOY_CLASS_NAMES", "build_dataset", "check_decodable", "decode_to_uint8", "draw_latents",
+           "ensure_toy_dataset", "latent_kind", "model_shape", "LatentDatasetWriter", "shift_factor",
+           "ImageFolderError", "center_crop_arr", "list_image_folder",
+           "generate_toy_shapes", "read_meta", "write_latent_dataset", "WebDatasetLatents",
+           "COND_KEYS", "EXTRA_KEYS", "has_model_conditioning",
+           "TEXT_FAMILIES", "TextEncoderError", "encode_prompts", "load_text_encoders", "save_tiny_text_encoders"]
+
+
+def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, WebDatasetLatents]:
+    """The dataset `data_cfg` (the data: config group) describes, building a built-in one first if needed.
+
+    data.format picks the reader: "latents" (default; a directory with meta.json, latents.npy, labels.npy,
+    optionally per-sample text embeddings / loss masks: see tread/data/meta.py)
+    or "wds" (WebDataset tar shards of VAE latents, as the TREAD/MaskDiT code writes them: WebDatasetLatents).
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
+    fmt = data_cfg.get("format") or "latents"
+    if fmt not in FORMATS:
+        raise LatentDatasetError(f"unknown data.format={fmt!r}; allowed: {list(FORMATS)} ('latents': a directory "
+                                 f"with meta.json, latents.npy, labels.npy; 'wds': WebDataset .tar shards)")
+    try:
+        path = data_cfg.get("path")
+    except MissingMandatoryValue:  # path: ??? in the config
+        path = None
+    if not path:
+        if fmt == "wds":
+            raise LatentDatasetError("data.path is not set: pass data.path=/path/to/shards (a directory of .tar "
+                                     "shards, one .tar, or a quoted brace pattern such as "
+                                     "'data.path=\"/data/imagenet-{000000..000127}.tar\"').")
+        raise LatentDatasetError("data.path is not set: pass data.path=/path/to/dataset (a directory with "
+                                 "meta.json, latents.npy, labels.npy), or use the built-in data (data=toy).")
+    if fmt == "wds":
+        if data_cfg.get("builtin") is not None:
+            raise LatentDatasetError(f"data.builtin={data_cfg.get('builtin')!r} cannot be used with data.format=wds "
+                                     f"(built-in data uses the 'latents' format); set data.builtin=null")
+        if OmegaConf.is_config(path):
+            path = OmegaConf.to_container(path, resolve=True)
+        shards = path if isinstance(path, str) else [str(p) for p in path]
+        num_classes = data_cfg.get("num_classes")
+        return WebDatasetLatents(
+            shards, num_classes=1000 if num_classes is None else num_classes,
+            latent_scale=data_cfg.get("latent_scale", 0.18215), latent_kind=data_cfg.get("latent_kind", "moments"),
+            vae=data_cfg.get("vae", "stabilityai/sd-vae-ft-ema"), index_dir=data_cfg.get("index_dir"),
+            expected_channels=data_cfg.get("channels"), expected_resolution=data_cfg.get("resolution"),
+            expected_num_classes=num_classes)
+    path = Path(str(path)).expanduser().absolute()
+    builtin = data_cfg.get("builtin")
+    if builtin is not None:
+        if builtin not in BUILTINS:
+            raise LatentDatasetError(f"unknown data.builtin={builtin!r}; allowed: {sorted(BUILTINS)} or null "
+                                     f"(use the dataset at data.path as is)")
+        path = BUILTINS[builtin](path, **dict(data_cfg.get("builtin_args") or {}))   # where the builder put it
+    return LatentDataset(path, expected_channels=data_cfg.get("channels"),
+                         expected_resolution=data_cfg.get("resolution"),
+                         expected_num_classes=data_cfg.get("num_classes"))

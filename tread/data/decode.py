@@ -1,0 +1,83 @@
+"""Decoding model-space latents to uint8 pixels as a dataset's meta describes it (identity data directly, VAE data
+with the VAE named in meta.json or a local override), and the start-up check that this will work."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+from .meta import DECODE_TYPES, LatentDatasetError, latent_kind, model_shape, shift_factor
+from .vae import decode_raw_to_uint8, load_vae, vae_dtype as check_dtype
+
+
+def _vae_location(decode: Mapping[str, Any], vae: Optional[str]) -> tuple[str, Optional[str]]:
+    """(VAE name/path, subfolder) to load: meta's, or the `vae` override. An override directory that holds
+    the VAE itself (config.json at its top) ignores meta's subfolder; a copy of a whole model repo keeps it."""
+    subfolder = decode.get("subfolder") or None
+    if vae is None:
+        return decode["vae"], subfolder
+    if subfolder and (Path(vae).expanduser() / "config.json").is_file():
+        subfolder = None
+    return str(vae), subfolder
+
+
+def _load_decoder(meta: Mapping[str, Any], vae: Optional[str], vae_dtype: str, device: Any):
+    decode = meta["decode"]
+    name, subfolder = _vae_location(decode, vae)
+    try:
+        return load_vae(name, subfolder=subfolder, device=device, dtype=vae_dtype)
+    except LatentDatasetError as err:
+        raise LatentDatasetError(f"data meta decode.type='vae', vae={decode.get('vae')!r}"
+                                 f"{'' if vae is None else f' (overridden by vae={vae!r})'}: {err} Training needs "
+                                 f"the VAE only for in-training evaluation: without it, turn that off with "
+                                 f"eval.every_steps=0 eval.at_end=false.") from None
+
+
+def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any], *, vae: Optional[str] = None,
+                    vae_dtype: str = "float32", batch_size: int = 32) -> torch.Tensor:
+    """Model-space latents (B, C, H, W) -> uint8 images (B, H', W', 3) on the latents' device, per meta["decode"].
+
+    identity: pixels = latents / latent_scale in [-1, 1]. vae: raw = latents / latent_scale + shift_factor
+    (decode.shift_factor, default 0) is decoded by the VAE named in decode.vae (or the local directory `vae`,
+    e.g. on an offline machine) in `vae_dtype`, `batch_size` latents at a time; its [-1, 1] output is
+    rounded to uint8 exactly as identity pixels are. The VAE is loaded once per process (tread.data.vae.load_vae).
+    """
+    decode = meta.get("decode") or {"type": "identity"}
+    if decode.get("type") == "vae":
+        model = _load_decoder(meta, vae, vae_dtype, latents.device)
+        raw = latents.float() / float(meta.get("latent_scale", 1.0)) + shift_factor(meta)
+        return decode_raw_to_uint8(model, raw, batch_size=batch_size)
+    if decode.get("type") != "identity":
+        raise LatentDatasetError(f"meta decode.type={decode.get('type')!r} is unknown; allowed: {list(DECODE_TYPES)}")
+    if latents.ndim != 4 or latents.shape[1] not in (1, 3):
+        raise LatentDatasetError(f"identity decoding needs (B, C, H, W) latents with C = 1 or 3 (pixels), got shape "
+                                 f"{list(latents.shape)}; data with other channel counts needs a decoder "
+                                 f"(meta decode.type='vae')")
+    x = latents.float() / float(meta.get("latent_scale", 1.0))
+    images = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)  # [-1, 1] -> [0, 255]
+    return images.expand(-1, -1, -1, 3).contiguous() if images.shape[-1] == 1 else images.contiguous()
+
+
+def check_decodable(meta: Mapping[str, Any], *, vae: Optional[str] = None, vae_dtype: str = "float32",
+                    batch_size: int = 32, device: Any = "cpu") -> None:
+    """Raise LatentDatasetError now if samples of this data cannot be turned into pixels
+    (so evaluation and sampling fail at start-up, not after hours of training).
+
+    VAE data: loads the VAE (cached, so the later decode_to_uint8 on the same `device` reuses it) and checks
+    that its latent channels match the data. Same keyword arguments as decode_to_uint8, plus `device`.
+    """
+    decode = meta.get("decode") or {"type": "identity"}
+    if decode.get("type") != "vae":
+        decode_to_uint8(torch.zeros(1, *model_shape(meta)), meta)
+        return
+    check_dtype(vae_dtype)
+    if batch_size < 1:
+        raise LatentDatasetError(f"VAE decode batch size is {batch_size}; it must be >= 1")
+    model = _load_decoder(meta, vae, vae_dtype, device)
+    c = model_shape(meta)[0]
+    if model.config.latent_channels != c:
+        name, _ = _vae_location(decode, vae)
+        raise LatentDatasetError(f"the data has {c}-channel latents (meta.json shape {meta['shape']}, latent_kind "
+                                 f"{latent_kind(meta)!r}) but the VAE '{name}' takes {model.config.latent_channels} "
+                                 f"channels: the data was encoded with another VAE")

@@ -1,0 +1,277 @@
+"""The on-disk latent dataset format (a directory with meta.json, latents.npy and labels.npy): the meta.json
+schema and its checks, and the latent kinds ("sample" | "moments") with the draw that turns items into latents.
+
+    meta.json    {"format": "tread-latents", "version": 1, "shape": [C, H, W], "dtype": "float16"|"float32",
+                  "num_samples": N, "num_classes": K, "latent_scale": s, "decode": {"type": "identity"} or
+                  {"type": "vae", "vae": "<hub id or path>", "subfolder": null|"vae", "scaling_factor": s,
+                   "shift_factor": null|f}, "source": "...", "class_names": [...] | null,
+                  "files": {"latents": "latents.npy", "labels": "labels.npy"},
+                  "latent_kind": "sample" | "moments"   (optional, default "sample"), ...extra keys}
+    latents.npy  (N, C, H, W) of `dtype`; model-space latents are stored values * latent_scale.
+                 latent_kind "moments": (N, 2C, H, W) VAE posterior moments (mean, logvar) in raw VAE
+                 units; every read draws one latent, mean + exp(logvar / 2) * eps, then shifts and scales it.
+    labels.npy   (N,) int64 in [0, K)
+
+VAE data: model space = (raw VAE latent - shift_factor) * latent_scale, so "sample" data stores
+raw - shift_factor (shift_factor is null/0 for SD-VAE); decode.scaling_factor records the VAE config's
+value (normally equal to latent_scale; decoding uses latent_scale). scripts/precompute_latents.py writes
+such datasets from image folders, with extra keys "image_resolution", "flip", "num_source_images".
+
+Optional per-sample conditioning and loss masks (text-to-image families, masked-loss training): each file
+is listed in meta.json "files" under its key and described by a meta key; the file and its description
+come together (one without the other is an error). Data without them is class-conditional as above.
+
+    files.text_embeds    text_embeds.npy    (N, L, D) float16|float32: sequence text embeddings, model-ready
+                                            (as the family's pipeline produces them: tread/data/text.py)
+    files.text_mask      text_mask.npy      (N, L) bool: their attention mask (True = real token)
+    files.pooled_embeds  pooled_embeds.npy  (N, P) float16|float32: pooled text embeddings
+    files.loss_mask      loss_mask.npy      (N, Hm, Wm) uint8: coverage 0..255 (255 = fully inside) at any
+                                            resolution (image or latent); read as float (uint8 / 255)
+    files.reference_latents  reference_latents.npy  (N, C, H, W) of `dtype`, C, H, W the model-space shape
+                                            (model_shape: C halved for moments data): per sample the latents of
+                                            its reference image (FLUX Kontext edit pairs, model.kontext), always
+                                            stored like "sample" latents (the VAE posterior mean - shift_factor,
+                                            as FluxKontextPipeline encodes its image: sample_mode "argmax") and
+                                            read * latent_scale, whatever latent_kind the targets have. Its
+                                            shape follows from meta "shape", so it has no describing meta key.
+    meta "conditioning"  {"text": {"seq_len": L, "dim": D, "mask": true|false, ...free keys, e.g. "family",
+                          "encoders", "max_length"}, "pooled": {"dim": P, ...}}   (each part optional)
+    meta "loss_mask"     {"shape": [Hm, Wm]}
+
+LatentDataset items are (x, y) without such files and (x, y, extras) with them: extras is a dict with the
+keys present among "text" float32 (L, D), "text_mask" bool (L,), "pooled" float32 (P,), "loss_mask" float32
+(1, Hm, Wm) in [0, 1], "reference" float32 (C, H, W) model-space latents (batched by __getitems__: a leading B).
+COND_KEYS are the extras a model takes as per-sample conditioning (cond=...; training, sampling and FLOPs
+counting pass exactly these on); the loss mask is the training step's. routing.token_keep_mask /
+routing.resize_loss_mask bring a loss mask to the token grid / latent resolution.
+
+Writing: tread/data/writer.py; reading: tread/data/reader.py; decoding to pixels: tread/data/decode.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from tread.utils.errors import UserError
+
+FORMAT, VERSION = "tread-latents", 1
+DTYPES = ("float16", "float32")
+DECODE_TYPES = ("identity", "vae")
+LATENT_KINDS = ("sample", "moments")
+DEFAULT_FILES = {"latents": "latents.npy", "labels": "labels.npy"}
+# Optional per-sample files: meta "files" key -> default file name.
+EXTRA_FILES = {"text_embeds": "text_embeds.npy", "text_mask": "text_mask.npy", "pooled_embeds": "pooled_embeds.npy",
+               "loss_mask": "loss_mask.npy", "reference_latents": "reference_latents.npy"}
+# Keys of an extras dict (writer input, reader output), in this order, and the files holding them.
+EXTRA_KEYS = ("text", "text_mask", "pooled", "loss_mask", "reference")
+EXTRA_FILE_OF = {"text": "text_embeds", "text_mask": "text_mask", "pooled": "pooled_embeds",
+                 "loss_mask": "loss_mask", "reference": "reference_latents"}
+# The extras that are the model's per-sample conditioning (cond=...): text embeddings, Kontext reference latents.
+COND_KEYS = ("text", "text_mask", "pooled", "reference")
+# Top-level meta.json keys and the JSON types they must have (checked in detail in read_meta).
+META_TYPES: dict[str, tuple[type, ...]] = {
+    "format": (str,), "version": (int,), "shape": (list,), "dtype": (str,), "num_samples": (int,),
+    "num_classes": (int,), "latent_scale": (int, float), "decode": (dict,), "source": (str,),
+    "class_names": (list, type(None)), "files": (dict,),
+}
+REBUILD = "Rebuild the dataset (e.g. with data.write_latent_dataset)."
+FIX_META = "Fix meta.json or rebuild the dataset (e.g. with data.write_latent_dataset)."
+PathLike = Union[str, os.PathLike]
+
+
+class LatentDatasetError(UserError):
+    """A latent dataset (or its description) is missing, malformed or does not fit the model."""
+
+
+class LatentDatasetExistsError(LatentDatasetError):
+    """write_latent_dataset's target directory already exists (possibly written concurrently)."""
+
+
+# ----------------------------------------------------------------------------- metadata
+
+def _is_type(value: Any, types: tuple[type, ...]) -> bool:
+    # bool is an int subclass, but true/false is never a valid count or scale.
+    return isinstance(value, types) and not isinstance(value, bool)
+
+
+def _number(v: Any) -> bool:
+    return _is_type(v, (int, float)) and math.isfinite(v)
+
+
+# Optional keys of a {"type": "vae", ...} decode object: (key, check, what is allowed).
+DECODE_VAE_KEYS = (
+    ("subfolder", lambda v: v is None or (isinstance(v, str) and bool(v)),
+     "null or a non-empty string (the VAE's folder inside a model repo, e.g. 'vae')"),
+    ("scaling_factor", lambda v: v is None or (_number(v) and v > 0),
+     "null or a finite number > 0 (the VAE config's scaling_factor, e.g. 0.18215)"),
+    ("shift_factor", lambda v: v is None or _number(v),
+     "null or a finite number (the VAE config's shift_factor; null/absent means 0)"),
+)
+
+
+def validate_meta(meta: Any, where: str, advice: str = FIX_META) -> dict:
+    """Check every meta key and value; errors start with `where` (the meta.json path) and end with `advice`."""
+    def fail(key: str, expected: str) -> LatentDatasetError:
+        return LatentDatasetError(f"{where}: key '{key}' is {meta.get(key)!r} but must be {expected}. {advice}")
+
+    if not isinstance(meta, dict):
+        raise LatentDatasetError(f"{where}: expected a JSON object, got {type(meta).__name__}. {advice}")
+    if meta.get("format") != FORMAT:
+        raise fail("format", f"'{FORMAT}' (is this a tread latent dataset?)")
+    missing = [k for k in META_TYPES if k not in meta]
+    if missing:
+        raise LatentDatasetError(f"{where}: missing key(s) {missing}; a v{VERSION} dataset needs all of "
+                                 f"{list(META_TYPES)}. {advice}")
+    for key, types in META_TYPES.items():
+        if not _is_type(meta[key], types):
+            raise fail(key, "of JSON type " + " or ".join("null" if t is type(None) else t.__name__ for t in types))
+    if meta["version"] != VERSION:
+        raise fail("version", f"{VERSION} (the only version this code reads)")
+    shape = meta["shape"]
+    if len(shape) != 3 or not all(_is_type(s, (int,)) and s > 0 for s in shape):
+        raise fail("shape", "[C, H, W] with three positive integers")
+    if meta["dtype"] not in DTYPES:
+        raise fail("dtype", f"one of {list(DTYPES)}")
+    if meta["num_samples"] < 1:
+        raise fail("num_samples", "a positive integer")
+    if meta["num_classes"] < 1:
+        raise fail("num_classes", "a positive integer")
+    if not (math.isfinite(meta["latent_scale"]) and meta["latent_scale"] > 0):
+        raise fail("latent_scale", "a finite number > 0 (1.0 for identity)")
+    decode = meta["decode"]
+    if decode.get("type") not in DECODE_TYPES:
+        raise fail("decode", f"an object with 'type' in {list(DECODE_TYPES)}")
+    if decode["type"] == "vae":
+        if not isinstance(decode.get("vae"), str) or not decode["vae"]:
+            raise fail("decode", "{'type': 'vae', 'vae': '<hub id or path>'} (the VAE name is missing)")
+        for key, ok, expected in DECODE_VAE_KEYS:
+            if key in decode and not ok(decode[key]):
+                raise LatentDatasetError(f"{where}: key 'decode.{key}' is {decode[key]!r} but must be {expected}. "
+                                         f"{advice}")
+    names = meta["class_names"]
+    if names is not None and (len(names) != meta["num_classes"] or not all(isinstance(n, str) for n in names)):
+        raise fail("class_names", f"null or a list of {meta['num_classes']} strings (one per class)")
+    kind = meta.get("latent_kind", "sample")
+    if kind not in LATENT_KINDS:
+        raise fail("latent_kind", f"one of {list(LATENT_KINDS)} (absent means 'sample')")
+    if kind == "moments" and shape[0] % 2:
+        raise fail("shape", "[2C, H, W] with an even channel count for latent_kind 'moments' (mean and logvar)")
+    files = meta["files"]
+    if not set(DEFAULT_FILES) <= set(files) <= set(DEFAULT_FILES) | set(EXTRA_FILES) or \
+            not all(isinstance(f, str) and f for f in files.values()):
+        raise fail("files", f"an object with file names for {sorted(DEFAULT_FILES)} and optionally any of "
+                            f"{sorted(EXTRA_FILES)}")
+    _validate_conditioning(meta, where, advice)
+    return meta
+
+
+def _pos_int(v: Any) -> bool:
+    return _is_type(v, (int,)) and v > 0
+
+
+def _validate_conditioning(meta: dict, where: str, advice: str) -> None:
+    """The optional "conditioning" / "loss_mask" meta keys, and that they agree with the optional files."""
+    def bad(key: str, value: Any, expected: str) -> LatentDatasetError:
+        return LatentDatasetError(f"{where}: key '{key}' is {value!r} but must be {expected}. {advice}")
+
+    cond = meta.get("conditioning")
+    if cond is None:
+        cond = {}
+    elif not isinstance(cond, dict):
+        raise bad("conditioning", cond, "an object {'text': {...}, 'pooled': {...}} or absent")
+    text, pooled, lm = cond.get("text"), cond.get("pooled"), meta.get("loss_mask")
+    if text is not None:
+        if not isinstance(text, dict) or not (_pos_int(text.get("seq_len")) and _pos_int(text.get("dim"))):
+            raise bad("conditioning.text", text, "an object with positive integers 'seq_len' (L) and 'dim' (D) "
+                                                 "(the shape of each sample's text embeddings) and 'mask': true|false")
+        if not isinstance(text.get("mask", False), bool):
+            raise bad("conditioning.text.mask", text["mask"], "true or false (whether text_mask.npy exists)")
+    if pooled is not None and (not isinstance(pooled, dict) or not _pos_int(pooled.get("dim"))):
+        raise bad("conditioning.pooled", pooled, "an object with a positive integer 'dim' (P, the pooled "
+                                                 "embedding size)")
+    if lm is not None:
+        shape = lm.get("shape") if isinstance(lm, dict) else None
+        if not (isinstance(shape, list) and len(shape) == 2 and all(_pos_int(v) for v in shape)):
+            raise bad("loss_mask", lm, "an object {'shape': [Hm, Wm]} with two positive integers (the mask "
+                                       "resolution)")
+    files = meta["files"]
+    for key, described, what in (("text_embeds", text is not None, "conditioning.text"),
+                                 ("text_mask", bool(text and text.get("mask")), "conditioning.text.mask=true"),
+                                 ("pooled_embeds", pooled is not None, "conditioning.pooled"),
+                                 ("loss_mask", lm is not None, "loss_mask")):
+        if (key in files) != described:
+            have, lack = (f"files.{key}", what) if key in files else (what, f"files.{key}")
+            raise LatentDatasetError(f"{where}: meta has {have} but no {lack}; an optional file and its "
+                                     f"description go together (both or neither). {advice}")
+
+
+def has_model_conditioning(conditioning: Mapping[str, Any]) -> bool:
+    """Whether a reader's `conditioning` ({"text": ..., "reference": ..., ...}) holds per-sample conditioning
+    the model takes (COND_KEYS: text embeddings or reference latents), so it is passed on as cond=...."""
+    return conditioning.get("text") is not None or conditioning.get("reference") is not None
+
+
+def read_meta(path: PathLike) -> dict:
+    """Read and validate `path`/meta.json; errors name the path, the key and the bad value."""
+    root = Path(path).expanduser().absolute()
+    if not root.is_dir():
+        what = "is a file, not a directory" if root.exists() else "not found"
+        raise LatentDatasetError(
+            f"Latent dataset {what} at '{root}': expected a directory with meta.json, latents.npy, labels.npy. "
+            f"Set data.path=... to such a directory, write one with data.write_latent_dataset(), "
+            f"or use the built-in data (data=toy).")
+    meta_path = root / "meta.json"
+    if not meta_path.is_file():
+        raise LatentDatasetError(f"Latent dataset at '{root}' has no meta.json (expected '{meta_path}'). "
+                                 f"The directory is not a latent dataset or was not written completely. {REBUILD}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise LatentDatasetError(f"{meta_path}: invalid JSON ({err}). {FIX_META}") from None
+    return validate_meta(meta, str(meta_path))
+
+
+# ----------------------------------------------------------------------------- latent kinds
+
+def latent_kind(meta: Mapping[str, Any]) -> str:
+    """"sample" (stored values are latents) or "moments" (stored (mean, logvar) of the VAE posterior)."""
+    return meta.get("latent_kind", "sample")
+
+
+def shift_factor(meta: Mapping[str, Any]) -> float:
+    """The VAE's shift_factor (decode.shift_factor; 0 when absent/null or not VAE data)."""
+    decode = meta.get("decode") or {}
+    return float(decode.get("shift_factor") or 0.0) if decode.get("type") == "vae" else 0.0
+
+
+def model_shape(meta: Mapping[str, Any]) -> tuple[int, int, int]:
+    """Shape (C, H, W) of the latents the model sees: the stored shape, halved in C for moments."""
+    c, h, w = meta["shape"]
+    return (c // 2, h, w) if latent_kind(meta) == "moments" else (c, h, w)
+
+
+def draw_latents(x: torch.Tensor, meta: Mapping[str, Any], mode: str = "sample",
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Dataset items -> model-space latents (B, C, H, W).
+
+    "sample" data is returned as is (already scaled). "moments" data (B, 2C, H, W) = (mean, logvar) in raw
+    VAE units gives latent_scale * (mean + exp(logvar / 2) * eps - shift) with eps ~ N(0, I) from `generator`
+    (the device's global RNG if None; shift = decode.shift_factor, 0 for SD-VAE); mode="mean" returns
+    latent_scale * (mean - shift) (no noise, e.g. for references).
+    """
+    if mode not in ("sample", "mean"):
+        raise ValueError(f"draw_latents mode={mode!r}; allowed: 'sample', 'mean'")
+    if latent_kind(meta) != "moments":
+        return x
+    if x.ndim != 4 or x.shape[1] % 2:
+        raise LatentDatasetError(f"moments data needs (B, 2C, H, W) items, got shape {list(x.shape)}")
+    mean, logvar = x.float().chunk(2, dim=1)
+    if mode == "sample":
+        std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))  # the clamp diffusers' DiagonalGaussianDistribution uses
+        mean = mean + std * torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+    return (mean - shift_factor(meta)) * float(meta["latent_scale"])

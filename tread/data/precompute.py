@@ -1,0 +1,273 @@
+"""Encoding for precomputing latents (tread/cli/precompute.py, scripts/precompute_latents.py): images (and their loss
+masks) read and center-cropped in batches, encoded by the VAE (and captions by the text encoders) one shard at a
+time into the parts folder (tread/data/precompute_plan.py), and the finished shards merged, in image order, into one
+latent dataset."""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from PIL import Image
+
+from tread.utils.io import atomic_write
+
+from .images import center_crop_arr, load_image, short_list
+from .meta import EXTRA_KEYS
+from .precompute_plan import Plan, PrecomputeError, read_shard, settings_text, text_encoder_paths
+from .text import default_max_length, encode_prompts, family_slots
+from .vae import encode
+from .writer import LatentDatasetWriter
+
+
+@dataclass
+class TextEncoder:
+    """Captions -> encode_prompts arrays with the loaded family encoders."""
+    family: str
+    encoders: Any
+    max_length: Optional[int]
+    device: Any
+    dtype: Any
+
+    def __call__(self, captions: list[str]) -> dict[str, np.ndarray]:
+        return encode_prompts(self.family, self.encoders, captions, max_length=self.max_length, device=self.device,
+                              dtype=self.dtype)
+
+
+@dataclass
+class Encoder:
+    """Images -> the values --kind stores (the VAE's posterior moments, or one seeded draw); captions: `text`."""
+    vae: Any
+    kind: str
+    seed: int
+    shift: float
+    text: Optional[TextEncoder] = None
+
+    def __call__(self, images: np.ndarray, sample_indices: np.ndarray) -> np.ndarray:
+        """uint8 (B, H, W, 3) -> stored values: raw (mean, logvar) for moments; raw draw - shift for sample.
+
+        Draws use one numpy generator per dataset sample (seeded by [--seed, sample index]), so they do not
+        depend on batching, device or the number of processes."""
+        moments = encode(self.vae, images, kind="moments")
+        if self.kind == "moments":
+            return moments.cpu().numpy()
+        mean, logvar = moments.chunk(2, dim=1)
+        eps = np.stack([np.random.default_rng([self.seed, int(i)]).standard_normal(mean.shape[1:], np.float32)
+                        for i in sample_indices])
+        eps = torch.from_numpy(eps).to(mean.device)
+        return (mean + torch.exp(0.5 * logvar) * eps - self.shift).cpu().numpy()
+
+    def reference(self, images: np.ndarray) -> np.ndarray:
+        """uint8 (B, H, W, 3) reference images -> stored reference latents: the posterior mean - shift, as
+        FluxKontextPipeline encodes its image (sample_mode "argmax"), whatever --kind the targets use."""
+        mean, _ = encode(self.vae, images, kind="moments").chunk(2, dim=1)
+        return (mean - self.shift).cpu().numpy()
+
+
+def load_image_and_mask(image_path: Path, mask_path: Path, resolution: int) -> tuple[np.ndarray, np.ndarray]:
+    """An image and its loss mask, both center-cropped alike: uint8 (R, R, 3) and (R, R) (grayscale, 255 = in)."""
+    image = load_image(image_path, resolution)
+    try:
+        with Image.open(image_path) as im:
+            size = im.size
+        with Image.open(mask_path) as m:
+            m.load()
+            if m.size != size:
+                raise PrecomputeError(f"loss mask '{mask_path}' is {m.size[0]}x{m.size[1]} but its image "
+                                      f"'{image_path}' is {size[0]}x{size[1]}; a mask must have its image's size")
+            # The RGB copy of the gray mask goes through the very same ADM crop; every channel equals the gray one.
+            mask = center_crop_arr(m.convert("L"), resolution)[..., 0]
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise PrecomputeError(f"cannot read loss mask '{mask_path}': {err}") from None
+    return image, np.ascontiguousarray(mask)
+
+
+def iter_images(plan: Plan, start: int, stop: int, batch_size: int, pool: Optional[ThreadPoolExecutor],
+                masks: bool = False):
+    """(global indices, uint8 (B, R, R, 3)) batches of center-cropped images [start, stop), in order; with
+    masks=True (global indices, images, uint8 (B, R, R) loss masks). With a thread pool the next batches are
+    read while the caller encodes the current one."""
+    res = plan.args.resolution
+    load = (lambda i: load_image_and_mask(plan.paths[i], plan.mask_paths[i], res)) if masks else \
+        (lambda i: load_image(plan.paths[i], res))
+
+    def batch(idx, items):
+        if not masks:
+            return idx, np.stack(items)
+        return idx, np.stack([im for im, _ in items]), np.stack([m for _, m in items])
+
+    batches = iter([np.arange(b, min(stop, b + batch_size)) for b in range(start, stop, batch_size)])
+    if pool is None:
+        for idx in batches:
+            yield batch(idx, [load(i) for i in idx])
+        return
+    submit = lambda idx: (idx, [pool.submit(load, i) for i in idx])  # noqa: E731
+    pending = deque(submit(idx) for idx in islice(batches, 2))
+    while pending:
+        idx, futures = pending.popleft()
+        following = next(batches, None)
+        if following is not None:
+            pending.append(submit(following))
+        yield batch(idx, [f.result() for f in futures])
+
+
+def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[ThreadPoolExecutor], progress=None) -> None:
+    """Encode one shard's images and write <parts>/shard_XXXXX.npz atomically."""
+    start, stop = plan.shard_range(shard)
+    lat, flipped, masks, text, refs = _encode_images(plan, start, stop, encoder, pool, progress)
+    store = np.dtype(plan.settings["dtype"])
+    f16 = " (float16 overflows above 65504: try --dtype float32)" if store == np.float16 else ""
+    vae_advice = " (try --vae-dtype float32)" if plan.settings["vae_dtype"] != "float32" else ""
+    arrays = {"latents": np.concatenate(lat)}
+    if flipped:
+        arrays["flipped"] = np.concatenate(flipped)
+    arrays.update({key: np.concatenate(values) for key, values in refs.items()})   # reference[, flipped_reference]
+    for key, value in arrays.items():
+        ref = "reference" in key
+        arrays[key] = _cast_stored(value, store, plan, start, "reference latents" if ref else "latents",
+                                   "the references of " if ref else "", f16 + vae_advice)
+    if masks:
+        arrays["loss_mask"] = np.concatenate(masks).astype(np.uint8)
+    for key, values in text.items():  # text (B, L, D), [text_mask (B, L) bool], [pooled (B, P)]
+        value = np.concatenate(values)
+        if key != "text_mask":
+            text_advice = (" (try --text-encoder-dtype float32)"
+                           if plan.settings["text"]["encoder_dtype"] != "float32" else "")
+            value = _cast_stored(value, store, plan, start, f"{key} embeddings", "the captions of ", f16 + text_advice)
+        arrays[key] = value
+    arrays.update(labels=plan.labels[start:stop].astype(np.int64), indices=np.arange(start, stop, dtype=np.int64),
+                  settings=np.array(settings_text(plan.settings)))
+    atomic_write(plan.shard_file(shard), lambda f: np.savez(f, **arrays), fsync=True)
+
+
+def _encode_images(plan: Plan, start: int, stop: int, encoder: Encoder, pool: Optional[ThreadPoolExecutor],
+                   progress=None) -> tuple[list, list, list, dict[str, list], dict[str, list]]:
+    """Images [start, stop) encoded batch by batch: (latents, latents of the flipped copies, loss masks,
+    {text key: arrays}, {"reference", "flipped_reference": reference latents}), each a list of per-batch
+    arrays (empty lists / dicts where not stored)."""
+    n, with_masks = plan.num_images, plan.mask_paths is not None
+    lat, flipped, masks, text, refs = [], [], [], {}, {}
+    for idx, images, *mask in iter_images(plan, start, stop, plan.args.batch_size, pool, masks=with_masks):
+        lat.append(_finite(encoder(images, idx), plan, idx, ""))
+        if plan.settings["flip"]:
+            flipped.append(_finite(encoder(np.ascontiguousarray(images[:, :, ::-1]), idx + n), plan, idx, "flipped "))
+        if with_masks:
+            masks.append(mask[0])
+        if plan.reference_paths is not None:
+            for key, value in _encode_references(plan, idx, encoder, pool).items():
+                refs.setdefault(key, []).append(value)
+        if encoder.text is not None:  # once per image: flipped copies reuse it
+            for key, value in encoder.text([plan.captions[i] for i in idx]).items():
+                text.setdefault(key, []).append(value)
+        if progress is not None:
+            progress.update(len(idx))
+    return lat, flipped, masks, text, refs
+
+
+def _encode_references(plan: Plan, idx: np.ndarray, encoder: Encoder, pool: Optional[ThreadPoolExecutor]
+                       ) -> dict[str, np.ndarray]:
+    """The reference images of images `idx`, center-cropped like them and encoded (Encoder.reference):
+    {"reference": (B, C, h, w)} and, with --flip, "flipped_reference" (the mirrored references)."""
+    load = lambda i: load_image(plan.reference_paths[i], plan.args.resolution)  # noqa: E731
+    images = np.stack(list(pool.map(load, idx)) if pool is not None else [load(i) for i in idx])
+    out = {"reference": _finite(encoder.reference(images), plan, idx, "reference ", plan.reference_paths)}
+    if plan.settings["flip"]:
+        mirrored = encoder.reference(np.ascontiguousarray(images[:, :, ::-1]))
+        out["flipped_reference"] = _finite(mirrored, plan, idx, "flipped reference ", plan.reference_paths)
+    return out
+
+
+def _finite(values: np.ndarray, plan: Plan, idx: np.ndarray, which: str,
+            paths: Optional[list[Path]] = None) -> np.ndarray:
+    """The VAE's values for images `idx` (--kind's moments or draws) of `paths` (default: the images),
+    refused when any is NaN/inf."""
+    bad = np.flatnonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1))
+    if len(bad):
+        files = short_list([str((paths or plan.paths)[int(idx[i])]) for i in bad], 3)
+        advice = " (try --vae-dtype float32)" if plan.settings["vae_dtype"] != "float32" else \
+            " (check the VAE weights, or leave those images out)"
+        raise PrecomputeError(f"the VAE '{plan.settings['vae']}' gave non-finite latents (NaN/inf) for {len(bad)} "
+                              f"{which}image(s): {files}{advice}")
+    return values
+
+
+def _cast_stored(value: np.ndarray, store: np.dtype, plan: Plan, start: int, what: str, whose: str,
+                 advice: str) -> np.ndarray:
+    """`value` (one row per image of the shard from `start`) cast to the storage dtype; NaN/inf (float16
+    overflow included) is an error naming the first images."""
+    with np.errstate(over="ignore"):
+        out = value.astype(store)
+    bad = np.flatnonzero(~np.isfinite(out).reshape(len(value), -1).all(axis=1))
+    if len(bad):
+        files = [str(plan.paths[start + i]) for i in bad[:3]]
+        raise PrecomputeError(f"non-finite {what} (NaN/inf) after casting to {store} for {whose}{len(bad)} image(s), "
+                              f"e.g. {files}" + advice)
+    return out
+
+
+def merge_shards(plan: Plan, meta: dict) -> Path:
+    """Stream every shard, in image order, into the final dataset (LatentDatasetWriter: atomic, memory-mapped)."""
+    missing = [s for s in range(plan.num_shards) if not plan.shard_file(s).is_file()]
+    if missing:
+        raise PrecomputeError(f"shard(s) {missing[:10]} are missing from '{plan.parts}' after all processes finished; "
+                              f"rerun the same command to encode them")
+    n, flip = plan.num_images, plan.settings["flip"]
+    first = read_shard(plan, 0)
+    keys = [k for k in EXTRA_KEYS if k in first]
+    shapes = {k: first[k].shape[1:] for k in keys}
+    with LatentDatasetWriter(plan.out, shape=first["latents"].shape[1:], num_samples=n * (2 if flip else 1),
+                             num_classes=plan.num_classes, class_names=plan.class_names,
+                             dtype=plan.settings["dtype"], text_shape=shapes.get("text"),
+                             text_mask="text_mask" in shapes, pooled_dim=shapes["pooled"][0] if "pooled" in shapes
+                             else None, loss_mask_shape=shapes.get("loss_mask"),
+                             reference_latents="reference" in shapes, **meta) as writer:
+        for shard in range(plan.num_shards):
+            z = first if shard == 0 else read_shard(plan, shard)
+            start, _ = plan.shard_range(shard)
+            extras = {k: z[k] for k in keys}
+            writer.write(start, z["latents"], z["labels"], extras or None)
+            if flip:  # the mirror image keeps its caption; its mask and reference are mirrored too
+                if "loss_mask" in extras:
+                    extras["loss_mask"] = extras["loss_mask"][:, :, ::-1]
+                if "reference" in extras:
+                    extras["reference"] = z["flipped_reference"]
+                writer.write(n + start, z["flipped"], z["labels"], extras or None)
+            first = None
+    return plan.out
+
+
+def dataset_meta(plan: Plan, vae) -> dict:
+    """LatentDatasetWriter keyword arguments describing the VAE, the images and the settings."""
+    scale = float(vae.config.scaling_factor)
+    shift = getattr(vae.config, "shift_factor", None)
+    s = plan.settings
+    source = (f"scripts/precompute_latents.py: {s['num_images']} images from {plan.root}"
+              f"{' (+ horizontal flips)' if s['flip'] else ''} at {s['resolution']}px, VAE {s['vae']}")
+    meta = {"latent_scale": scale, "source": source,
+            "decode": {"type": "vae", "vae": s["vae"], "subfolder": s["vae_subfolder"], "scaling_factor": scale,
+                       "shift_factor": None if shift is None else float(shift)},
+            "extra_meta": {"latent_kind": s["kind"], "image_resolution": s["resolution"], "flip": s["flip"],
+                           "num_source_images": s["num_images"], "encode_vae_dtype": s["vae_dtype"], "seed": s["seed"],
+                           "labels_file": None if plan.args.labels is None
+                           else str(Path(plan.args.labels).expanduser().absolute()),
+                           "images_sha256": s["images_sha256"]}}
+    if "text" in s:
+        t, args = s["text"], plan.args
+        length = t["max_length"] or default_max_length(t["family"], text_encoder_paths(args))
+        meta["conditioning_meta"] = {"text": {
+            "family": t["family"], "encoders": [t["encoders"][slot.model]
+                                                for slot in family_slots(t["family"], t.get("t5", True))],
+            "max_length": length, "encoder_dtype": t["encoder_dtype"], **({} if t.get("t5", True) else {"t5": False})}}
+        meta["extra_meta"].update(
+            captions_file=None if args.captions is None else str(Path(args.captions).expanduser().absolute()),
+            caption_from_class=args.caption_from_class, captions_sha256=t["captions_sha256"])
+    if "loss_masks" in s:
+        meta["extra_meta"]["loss_masks_dir"] = s["loss_masks"]["dir"]
+    if "reference_images" in s:
+        meta["extra_meta"]["reference_images_dir"] = s["reference_images"]["dir"]
+    return meta

@@ -1,0 +1,249 @@
+"""Reading latent datasets (the format of tread/data/meta.py): LatentMeta, what every reader derives from a meta dict,
+and LatentDataset, the memory-mapped reader. Latents are memory-mapped, so random access never loads the whole
+array into RAM.
+
+Both readers (LatentDataset, tread.data.wds.WebDatasetLatents) report a latent holding NaN/inf with `warn_non_finite`:
+one warning per bad sample (file and index), the batch returned unchanged, since training skips an optimizer
+step whose loss is non-finite. The check costs one np.isfinite pass over each batch."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .meta import (DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, REBUILD, LatentDatasetError, PathLike, latent_kind, model_shape,
+                   read_meta)
+
+
+def _open_npy(file: Path, key: str) -> np.ndarray:
+    """Memory-map one .npy file; missing or unreadable files raise LatentDatasetError naming it."""
+    if not file.is_file():
+        raise LatentDatasetError(f"missing {key} file '{file}' (meta.json files.{key}='{file.name}'): the "
+                                 f"dataset is incomplete. {REBUILD}")
+    try:
+        return np.load(file, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise LatentDatasetError(f"cannot read {key} file '{file}' as a .npy array ({err}): it is corrupt or "
+                                 f"truncated. {REBUILD}") from None
+
+
+def warn_non_finite(batch: np.ndarray, indices: np.ndarray, reported: set[int], where: Callable[[int], str]) -> None:
+    """Warn once per sample (its index in `indices`, not yet in `reported`) whose row of `batch` holds NaN/inf,
+    naming where(index): its file and index. Only a batch that is not all finite is looked at row by row."""
+    if np.isfinite(batch).all():
+        return
+    rows = ~np.isfinite(batch.reshape(len(batch), -1)).all(axis=1)
+    for i in sorted({int(k) for k in indices[rows]} - reported):
+        reported.add(i)
+        warnings.warn(f"non-finite latent (NaN/inf) in {where(i)}: returned as stored (training skips a step whose "
+                      f"loss is non-finite); re-encode that sample or rebuild the dataset", stacklevel=2)
+
+
+class LatentMeta:
+    """What every dataset reader derives from its meta dict (`self._meta`, our meta.json format) and
+    `self.root`: shapes, counts, and the checks against what the model expects."""
+
+    _meta: dict
+    root: Path
+    _FIX = "Point data.path at matching data, or change the data/model config to match it."
+
+    def _shape_source(self) -> str:
+        """Where the shape comes from, for error messages."""
+        return f"meta.json shape {list(model_shape(self._meta))}"
+
+    def _check_expected(self, channels: Optional[int], resolution: Optional[int],
+                        num_classes: Optional[int]) -> None:
+        c, h, w = model_shape(self._meta)
+        head, src, fix = f"data at '{self.root}'", self._shape_source(), self._FIX
+        if channels is not None and c != channels:
+            raise LatentDatasetError(f"{head} has {c} channels ({src}) but the model expects in_channels={channels} "
+                                     f"(data.channels). {fix}")
+        if resolution is not None and (h, w) != (resolution, resolution):
+            raise LatentDatasetError(f"{head} is {h}x{w} ({src}) but the model expects input_size={resolution} "
+                                     f"(data.resolution). {fix}")
+        if num_classes is not None and self._meta["num_classes"] != num_classes:
+            raise LatentDatasetError(f"{head} has {self._meta['num_classes']} classes (num_classes) but the model "
+                                     f"expects num_classes={num_classes} (data.num_classes). {fix}")
+
+    @property
+    def meta(self) -> dict:
+        """The validated meta (meta.json format; `shape` is the stored shape)."""
+        return self._meta
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Model-space latent shape (C, H, W) (for moments data: half the stored channels)."""
+        return model_shape(self._meta)
+
+    @property
+    def channels(self) -> int:
+        """Model-space latent channels C."""
+        return self.shape[0]
+
+    @property
+    def latent_kind(self) -> str:
+        """"sample" (items are model-space latents) or "moments" (items are raw (mean, logvar): see draw_latents)."""
+        return latent_kind(self._meta)
+
+    @property
+    def resolution(self) -> int:
+        """Latent side H (= W); non-square data has no single resolution."""
+        _, h, w = self._meta["shape"]
+        if h != w:
+            raise LatentDatasetError(f"data at '{self.root}' is {h}x{w}: not square, so it has no single "
+                                     f"resolution (the models take square latents)")
+        return h
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes K (labels lie in [0, K))."""
+        return self._meta["num_classes"]
+
+    @property
+    def latent_scale(self) -> float:
+        """Stored (or drawn) values are multiplied by this to give model-space latents."""
+        return float(self._meta["latent_scale"])
+
+    @property
+    def conditioning(self) -> dict[str, Any]:
+        """The optional per-sample data: {"text": (L, D) or None, "text_mask": bool, "pooled": P or None,
+        "loss_mask": (Hm, Wm) or None} (from meta "conditioning" and "loss_mask"), and "reference": (C, H, W), the
+        model-space latent shape, only for data with files.reference_latents (FLUX Kontext edit pairs; absent
+        otherwise, so read it with .get)."""
+        cond = self._meta.get("conditioning") or {}
+        text, pooled, lm = cond.get("text"), cond.get("pooled"), self._meta.get("loss_mask")
+        out = {"text": None if text is None else (text["seq_len"], text["dim"]),
+               "text_mask": bool(text is not None and text.get("mask", False)),
+               "pooled": None if pooled is None else pooled["dim"],
+               "loss_mask": None if lm is None else tuple(lm["shape"])}
+        if "reference_latents" in self._meta["files"]:
+            out["reference"] = model_shape(self._meta)
+        return out
+
+    @property
+    def has_extras(self) -> bool:
+        """True when items carry an extras dict (text / pooled embeddings, loss masks, references) after (x, y)."""
+        c = self.conditioning
+        return any(c.get(k) is not None for k in ("text", "pooled", "loss_mask", "reference"))
+
+    def __len__(self) -> int:
+        return self._meta["num_samples"]
+
+
+class LatentDataset(LatentMeta, torch.utils.data.Dataset):
+    """Memory-mapped latent dataset; items are (float32 latent (C, H, W) * latent_scale, int64 label), or
+    (latent, label, extras) when the dataset has per-sample conditioning / loss masks (has_extras; see the
+    module doc)."""
+
+    def __init__(self, path: PathLike, expected_channels: Optional[int] = None,
+                 expected_resolution: Optional[int] = None, expected_num_classes: Optional[int] = None):
+        self.root = Path(path).expanduser().absolute()
+        self._meta = read_meta(self.root)
+        self._latents: Optional[np.ndarray] = None
+        self._labels: Optional[np.ndarray] = None
+        self._extras: Optional[dict[str, np.ndarray]] = None
+        self._reported: set[int] = set()  # samples already warned about (warn_non_finite)
+        self._validate_files()
+        self._check_expected(expected_channels, expected_resolution, expected_num_classes)
+
+    def _open(self) -> tuple[np.ndarray, np.ndarray]:
+        """Open the memmaps on first use in each process (they are dropped when pickled to workers)."""
+        if self._latents is None:
+            files = self._meta["files"]
+            self._latents = _open_npy(self.root / files["latents"], "latents")
+            self._labels = _open_npy(self.root / files["labels"], "labels")
+            self._extras = {key: _open_npy(self.root / files[EXTRA_FILE_OF[key]], EXTRA_FILE_OF[key])
+                            for key in EXTRA_KEYS if EXTRA_FILE_OF[key] in files}
+        return self._latents, self._labels
+
+    def __getstate__(self) -> dict:
+        # Pickle only the path and meta: a worker re-maps the files instead of receiving a copy of them.
+        return {**self.__dict__, "_latents": None, "_labels": None, "_extras": None}
+
+    def _validate_files(self) -> None:
+        latents, labels = self._open()
+        m, files = self._meta, self._meta["files"]
+        lat_file, lab_file = self.root / files["latents"], self.root / files["labels"]
+        want = (m["num_samples"], *m["shape"])
+        if latents.shape != want or latents.dtype != np.dtype(m["dtype"]):
+            raise LatentDatasetError(
+                f"'{lat_file}' holds a {latents.dtype} array of shape {list(latents.shape)} but meta.json says "
+                f"{m['dtype']} of shape {list(want)} (num_samples + shape). {REBUILD}")
+        if labels.shape != (m["num_samples"],) or not np.issubdtype(labels.dtype, np.integer):
+            raise LatentDatasetError(
+                f"'{lab_file}' holds a {labels.dtype} array of shape {list(labels.shape)} but must be int64 of "
+                f"shape [{m['num_samples']}] (meta.json num_samples). {REBUILD}")
+        lo, hi = int(labels.min()), int(labels.max())
+        if lo < 0 or hi >= m["num_classes"]:
+            raise LatentDatasetError(f"'{lab_file}' has labels in [{lo}, {hi}] but meta.json num_classes="
+                                     f"{m['num_classes']} allows only [0, {m['num_classes'] - 1}]. {REBUILD}")
+        c, n = self.conditioning, m["num_samples"]
+        expected = {"text": ((n, *(c["text"] or ())), DTYPES, "num_samples, conditioning.text seq_len and dim"),
+                    "text_mask": ((n, (c["text"] or (0,))[0]), ("bool",), "num_samples, conditioning.text seq_len"),
+                    "pooled": ((n, c["pooled"]), DTYPES, "num_samples, conditioning.pooled dim"),
+                    "loss_mask": ((n, *(c["loss_mask"] or ())), ("uint8",), "num_samples, loss_mask.shape"),
+                    "reference": ((n, *(c.get("reference") or ())), (m["dtype"],),
+                                  "num_samples, dtype and the model-space shape")}
+        for key, array in (self._extras or {}).items():
+            shape, dtypes, source = expected[key]
+            if array.shape != shape or array.dtype.name not in dtypes:
+                raise LatentDatasetError(
+                    f"'{self.root / files[EXTRA_FILE_OF[key]]}' (files.{EXTRA_FILE_OF[key]}) holds a {array.dtype} "
+                    f"array of shape {list(array.shape)} but must be {' or '.join(dtypes)} of shape {list(shape)} "
+                    f"(meta.json {source}). {REBUILD}")
+
+    def _scale(self) -> float:
+        # Moments stay in raw VAE units (logvar must not be scaled); draw_latents scales the drawn latent.
+        return 1.0 if self.latent_kind == "moments" else self.latent_scale
+
+    def _where(self, index: int) -> str:
+        return f"'{self.root / self._meta['files']['latents']}' index {index}"
+
+    def __getitem__(self, index: int) -> Union[tuple[torch.Tensor, torch.Tensor],
+                                               tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+        latents, labels = self._open()
+        arr = np.array(latents[index], dtype=np.float32)  # (C, H, W), copied off the memmap
+        warn_non_finite(arr[None], np.array([int(index) % len(self)]), self._reported, self._where)
+        x, y = torch.from_numpy(arr) * self._scale(), torch.tensor(int(labels[index]), dtype=torch.int64)
+        if not self._extras:
+            return x, y
+        return x, y, {key: _extra_tensor(key, np.array(array[index])[None], self.latent_scale)[0]
+                      for key, array in self._extras.items()}
+
+    def __getitems__(self, indices: Sequence[int]) -> Union[tuple[torch.Tensor, torch.Tensor],
+                                                            tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+        """Batched fetch, (x (B, C, H, W) float32, y (B,) int64), with one fancy-indexed read of each memmap;
+        with extras (x, y, {"text": (B, L, D) float32, "text_mask": (B, L) bool, "pooled": (B, P) float32,
+        "loss_mask": (B, 1, Hm, Wm) float32 in [0, 1], "reference": (B, C, H, W) float32}), the keys the dataset
+        has, in request order."""
+        latents, labels = self._open()
+        idx = np.asarray(indices, dtype=np.int64)
+        order = np.argsort(idx, kind="stable")  # ascending reads are mostly sequential on disk
+        x, y = np.empty((len(idx), *latents.shape[1:]), np.float32), np.empty(len(idx), np.int64)
+        x[order], y[order] = latents[idx[order]], labels[idx[order]]  # read sorted, write back in request order
+        warn_non_finite(x, idx % len(self), self._reported, self._where)
+        x, y = torch.from_numpy(x) * self._scale(), torch.from_numpy(y)
+        if not self._extras:
+            return x, y
+        extras = {}
+        for key, array in self._extras.items():
+            out = np.empty((len(idx), *array.shape[1:]), array.dtype)
+            out[order] = array[idx[order]]
+            extras[key] = _extra_tensor(key, out, self.latent_scale)
+        return x, y, extras
+
+
+def _extra_tensor(key: str, batch: np.ndarray, latent_scale: float) -> torch.Tensor:
+    """A batch read from an extras file -> its tensor: float32 embeddings, bool mask, (B, 1, Hm, Wm) float
+    loss mask in [0, 1] (uint8 / 255), float32 model-space reference latents (stored values * latent_scale)."""
+    t = torch.from_numpy(batch)
+    if key == "reference":
+        return t.float() * latent_scale
+    if key == "text_mask":
+        return t
+    if key == "loss_mask":
+        return t.unsqueeze(1).float().div_(255.0)
+    return t.float()

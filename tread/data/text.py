@@ -1,0 +1,464 @@
+"""Text conditioning: load a model family's text encoders from local folders and encode prompts the way that
+family's diffusers (0.42) pipeline does, into the arrays a latent dataset stores (tread/data/meta.py:
+text_embeds.npy, text_mask.npy, pooled_embeds.npy). Families (encoders by diffusers pipeline subfolder):
+
+    flux      text_encoder: CLIP-L (CLIPTextModel); text_encoder_2: T5 (T5EncoderModel)
+              text   (B, 512, D): T5 last hidden state (no attention mask passed to T5)
+              pooled (B, P): CLIP pooler_output
+    sd3       text_encoder, text_encoder_2: CLIP-L, CLIP-G (CLIPTextModelWithProjection); text_encoder_3: T5
+              text   (B, 77 + 256, D): [CLIP-L ; CLIP-G] penultimate hidden states (77 tokens) joined on the
+                     feature axis and zero-padded to the T5 width D, then the T5 output on the sequence axis
+              pooled (B, P): [CLIP-L ; CLIP-G] text_embeds (projections)
+              without T5 (t5=False: text_encoder_3=None in the pipeline): the T5 part is zeros, 256 x D with D
+                     the transformer's joint_attention_dim (here: the pipeline folder's transformer/config.json,
+                     else text_encoder_3/config.json's d_model, else SD3's 4096); T5 is neither needed nor loaded
+    wan       text_encoder: UMT5 (UMT5EncoderModel)
+              text (B, 512, D): last hidden state (mask passed), padding positions zeroed; prompts are
+                   whitespace/HTML-cleaned as the pipeline does; text_mask (B, 512)
+    auraflow  text_encoder: UMT5 (or T5)
+              text (B, 256, D): last hidden state (mask passed) times the mask; text_mask (B, 256)
+    pixart    text_encoder: T5 (T5EncoderModel)
+              text (B, 120, D): last hidden state (mask passed); 300 tokens for PixArt-Sigma (detected from
+                   the folder's model_index.json); text_mask (B, L)
+
+Every tokenizer pads to max_length and truncates; CLIP tokenizers use their model_max_length (77). "mask" is
+the tokenizer's attention mask (True = real token), stored for the families whose pipelines compute one.
+PixArt's optional caption cleaning (clean_caption, which needs bs4/ftfy) is not applied: prompts are used
+as given. Weights are never downloaded: pass a local diffusers pipeline folder (text_encoder*/ and
+tokenizer*/ subfolders), e.g. fetched with
+    hf download black-forest-labs/FLUX.1-dev --include 'text_encoder*/*' 'tokenizer*/*' --local-dir DIR
+or per-encoder folders. tread/data/tiny_text.py writes tiny random encoders (tests, offline trials).
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from tread.utils.errors import UserError
+
+from .images import read_name_value_file
+
+TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart")
+PathLike = Union[str, os.PathLike]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
+CLIP_DEFAULT_LENGTH = 77
+SD3_T5_WIDTH = 4096   # joint_attention_dim of every SD3 / SD3.5 transformer (T5-XXL's width)
+
+
+class TextEncoderError(UserError):
+    """A text encoder cannot be found / loaded, or prompts cannot be encoded; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class EncoderSlot:
+    """One text encoder of a family: its pipeline subfolders and what it is."""
+    model: str        # subfolder of the model in a diffusers pipeline folder, e.g. "text_encoder_2"
+    tokenizer: str    # subfolder of its tokenizer, e.g. "tokenizer_2"
+    kind: str         # "clip" (CLIPTextModel) | "clip_proj" (CLIPTextModelWithProjection) | "t5" (T5/UMT5 encoder)
+    what: str         # for messages
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    slots: tuple[EncoderSlot, ...]
+    max_length: int   # default sequence length of the T5-type encoder (the pipeline's max_sequence_length)
+    mask: bool        # whether encode_prompts returns "text_mask"
+    pooled: bool      # whether encode_prompts returns "pooled"
+    repo: str         # a hub repo with these encoders (for the download advice)
+    pipeline: str     # diffusers pipeline class (model_index.json of save_tiny_text_encoders)
+
+
+_CLIP_L = EncoderSlot("text_encoder", "tokenizer", "clip", "CLIP-L (CLIPTextModel)")
+FAMILIES: dict[str, FamilySpec] = {
+    "flux": FamilySpec((_CLIP_L, EncoderSlot("text_encoder_2", "tokenizer_2", "t5", "T5 (T5EncoderModel)")),
+                       512, mask=False, pooled=True, repo="black-forest-labs/FLUX.1-dev", pipeline="FluxPipeline"),
+    "sd3": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "clip_proj", "CLIP-L (CLIPTextModelWithProjection)"),
+                       EncoderSlot("text_encoder_2", "tokenizer_2", "clip_proj",
+                                   "CLIP-G (CLIPTextModelWithProjection)"),
+                       EncoderSlot("text_encoder_3", "tokenizer_3", "t5", "T5 (T5EncoderModel)")),
+                      256, mask=False, pooled=True, repo="stabilityai/stable-diffusion-3-medium-diffusers",
+                      pipeline="StableDiffusion3Pipeline"),
+    "wan": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "UMT5 (UMT5EncoderModel)"),), 512, mask=True,
+                      pooled=False, repo="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", pipeline="WanPipeline"),
+    "auraflow": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "UMT5 (UMT5EncoderModel)"),), 256,
+                           mask=True, pooled=False, repo="fal/AuraFlow", pipeline="AuraFlowPipeline"),
+    "pixart": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "T5 (T5EncoderModel)"),), 120, mask=True,
+                         pooled=False, repo="PixArt-alpha/PixArt-XL-2-512x512", pipeline="PixArtAlphaPipeline"),
+}
+PIXART_SIGMA_LENGTH = 300
+
+
+def family_spec(family: str) -> FamilySpec:
+    if family not in FAMILIES:
+        raise TextEncoderError(f"text family {family!r} is unknown; allowed: {', '.join(TEXT_FAMILIES)}")
+    return FAMILIES[family]
+
+
+def family_slots(family: str, t5: bool = True) -> tuple[EncoderSlot, ...]:
+    """`family`'s encoders; t5=False (SD3 only: its pipeline runs without text_encoder_3) leaves T5 out."""
+    slots = family_spec(family).slots
+    if t5:
+        return slots
+    if family != "sd3":
+        raise TextEncoderError(f"t5=False (no T5 encoder) is for sd3 only; {family}'s text embeddings are its T5's "
+                               f"output. Allowed: t5=True for {family}.")
+    return tuple(s for s in slots if s.kind != "t5")
+
+
+def encoder_keys(family: str) -> tuple[str, ...]:
+    """The path keys load_text_encoders accepts for `family`: "pipeline" and each model/tokenizer subfolder."""
+    return ("pipeline",) + tuple(k for s in family_spec(family).slots for k in (s.model, s.tokenizer))
+
+
+@dataclass
+class TextEncoders:
+    """A family's loaded encoders: models and tokenizers by pipeline subfolder name (e.g. "text_encoder_2",
+    "tokenizer_2"), where they came from, and the default sequence length for these weights (None: the
+    family's)."""
+    family: str
+    models: dict[str, Any]
+    tokenizers: dict[str, Any]
+    paths: dict[str, str] = field(default_factory=dict)
+    max_length: Optional[int] = None
+    t5: bool = True                   # False: SD3 loaded without T5 (its part of the embeddings is zeros)
+    t5_width: Optional[int] = None    # without T5: the width of those zeros (None: SD3_T5_WIDTH)
+
+
+# ----------------------------------------------------------------------------- locating and loading
+
+def _advice(family: str, slot: EncoderSlot) -> str:
+    return (f"Text encoders are read from local folders only (nothing is downloaded). Fetch them with "
+            f"`hf download {FAMILIES[family].repo} --include 'text_encoder*/*' 'tokenizer*/*' --local-dir DIR` and "
+            f"pass DIR (a diffusers pipeline folder; --text-encoders DIR), or give this encoder's own folder "
+            f"({slot.model}=PATH, and {slot.tokenizer}=PATH if its tokenizer lives elsewhere).")
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in TOKENIZER_FILES)
+
+
+def resolve_text_encoder_paths(family: str, paths: Union[PathLike, Mapping[str, PathLike]], *,
+                               t5: bool = True) -> dict[str, Path]:
+    """{model or tokenizer subfolder name: local folder} for every encoder of `family`, without loading anything.
+
+    `paths` is a diffusers pipeline folder, or a dict with "pipeline" (that folder) and/or explicit folders
+    per model / tokenizer key (encoder_keys(family)). An explicit model folder holds config.json (or is a
+    pipeline-like folder with the subfolder inside); its tokenizer is taken from the explicit tokenizer key,
+    else that pipeline-like folder, else the pipeline folder, else the model folder itself. Missing files
+    raise TextEncoderError naming the family, the encoder, the path tried and how to get the files. t5=False
+    (sd3): T5's folders are not looked for.
+    """
+    spec = family_spec(family)
+    slots = family_slots(family, t5)
+    given = {"pipeline": paths} if isinstance(paths, (str, os.PathLike)) else dict(paths or {})
+    unknown = sorted(set(given) - set(encoder_keys(family)))
+    if unknown:
+        raise TextEncoderError(f"{family} text encoder paths have unknown key(s) {unknown}; allowed: "
+                               f"{list(encoder_keys(family))}")
+    unused = sorted(k for s in set(spec.slots) - set(slots) for k in (s.model, s.tokenizer) if given.get(k))
+    if unused:
+        raise TextEncoderError(f"{family} text encoder paths {unused} are given with t5=False (no T5); allowed: "
+                               f"leave them out, or encode with T5.")
+    given = {k: Path(v).expanduser().absolute() for k, v in given.items() if v is not None and str(v)}
+    pipe = given.get("pipeline")
+    if pipe is not None and not pipe.is_dir():
+        slot = spec.slots[0]
+        raise TextEncoderError(f"{family} text encoders: the pipeline folder '{pipe}' does not exist. "
+                               f"{_advice(family, slot)}")
+    out: dict[str, Path] = {}
+    for slot in slots:
+        explicit, own_pipe = given.get(slot.model), None
+        if explicit is not None and not (explicit / "config.json").is_file() and \
+                (explicit / slot.model / "config.json").is_file():
+            own_pipe, explicit = explicit, explicit / slot.model  # a pipeline-like folder given for this encoder
+        model = explicit if explicit is not None else (pipe / slot.model if pipe is not None else None)
+        if model is None:
+            raise TextEncoderError(f"{family} text encoder '{slot.model}' ({slot.what}): no path given (neither a "
+                                   f"pipeline folder nor {slot.model}=PATH). {_advice(family, slot)}")
+        if not (model / "config.json").is_file():
+            why = "no such folder" if not model.exists() else "no config.json there"
+            raise TextEncoderError(f"{family} text encoder '{slot.model}' ({slot.what}): no model at '{model}' "
+                                   f"({why}). {_advice(family, slot)}")
+        candidates = [given[slot.tokenizer]] if slot.tokenizer in given else \
+            [c / slot.tokenizer for c in (own_pipe, pipe) if c is not None] + [model]
+        tokenizer = next((c for c in candidates if _has_tokenizer(c)), None)
+        if tokenizer is None:
+            tried = " or ".join(f"'{c}'" for c in candidates)
+            raise TextEncoderError(f"{family} tokenizer '{slot.tokenizer}' of text encoder '{slot.model}' "
+                                   f"({slot.what}): no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tried}. "
+                                   f"{_advice(family, slot)}")
+        out[slot.model], out[slot.tokenizer] = model, tokenizer
+    return out
+
+
+def _model_class(family: str, slot: EncoderSlot, folder: Path):
+    import transformers
+
+    if slot.kind == "clip":
+        return transformers.CLIPTextModel
+    if slot.kind == "clip_proj":
+        return transformers.CLIPTextModelWithProjection
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as err:
+        raise TextEncoderError(f"{family} text encoder '{slot.model}': cannot read '{folder / 'config.json'}' "
+                               f"({err})") from None
+    classes = {"t5": transformers.T5EncoderModel, "umt5": transformers.UMT5EncoderModel}
+    if model_type not in classes:
+        raise TextEncoderError(f"{family} text encoder '{slot.model}' at '{folder}' is a {model_type!r} model; "
+                               f"expected {slot.what} (config.json model_type 't5' or 'umt5')")
+    return classes[model_type]
+
+
+def load_text_encoders(family: str, paths: Union[PathLike, Mapping[str, PathLike]], device: Any = "cpu",
+                       dtype: torch.dtype = torch.float32, *, t5: bool = True) -> TextEncoders:
+    """Load `family`'s text encoders (transformers CLIPTextModel / CLIPTextModelWithProjection /
+    T5EncoderModel / UMT5EncoderModel + AutoTokenizer) from local folders (see resolve_text_encoder_paths),
+    on `device` in `dtype`, in eval mode without gradients. Never downloads: missing files raise
+    TextEncoderError saying how to provide them. t5=False (sd3 only): T5 is not loaded (nor needed); its part
+    of the embeddings will be zeros (encode_prompts)."""
+    from transformers import AutoTokenizer
+
+    spec = family_spec(family)
+    found = resolve_text_encoder_paths(family, paths, t5=t5)
+    models, tokenizers = {}, {}
+    for slot in family_slots(family, t5):
+        folder, tok_folder = found[slot.model], found[slot.tokenizer]
+        cls = _model_class(family, slot, folder)
+        try:
+            model = cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as err:
+            raise TextEncoderError(f"{family} text encoder '{slot.model}' ({slot.what}): cannot load it from "
+                                   f"'{folder}' ({err}). {_advice(family, slot)}") from None
+        models[slot.model] = model.to(device).eval().requires_grad_(False)
+        try:
+            tokenizers[slot.tokenizer] = AutoTokenizer.from_pretrained(tok_folder, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise TextEncoderError(f"{family} tokenizer '{slot.tokenizer}': cannot load it from '{tok_folder}' "
+                                   f"({err}). {_advice(family, slot)}") from None
+    length = default_max_length(family, paths)
+    return TextEncoders(family, models, tokenizers, {k: str(v) for k, v in found.items()},
+                        None if length == spec.max_length else length, t5=t5,
+                        t5_width=None if t5 else sd3_t5_width(paths))
+
+
+def sd3_t5_width(paths: Union[PathLike, Mapping[str, PathLike], None]) -> Optional[int]:
+    """The width of SD3's zeros in place of T5, as the pipeline takes it (its transformer's joint_attention_dim),
+    read from the pipeline folder's config files only: transformer/config.json, else text_encoder_3/config.json
+    (T5's d_model, when the folder has it); None when neither is there (encode_prompts then uses SD3_T5_WIDTH)."""
+    pipe = paths if isinstance(paths, (str, os.PathLike)) else (paths or {}).get("pipeline")
+    if not pipe:
+        return None
+    for sub, name in (("transformer", "joint_attention_dim"), ("text_encoder_3", "d_model")):
+        try:
+            value = json.loads((Path(pipe).expanduser() / sub / "config.json").read_text()).get(name)
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def default_max_length(family: str, paths: Union[PathLike, Mapping[str, PathLike], None] = None) -> int:
+    """The sequence length `family`'s pipeline uses by default (FAMILIES[family].max_length); for PixArt, 300
+    when the pipeline folder's model_index.json names a PixArt-Sigma pipeline (120 for Alpha)."""
+    spec = family_spec(family)
+    if family != "pixart" or not paths:
+        return spec.max_length
+    pipe = paths if isinstance(paths, (str, os.PathLike)) else paths.get("pipeline")
+    index = Path(pipe).expanduser() / "model_index.json" if pipe else None
+    try:
+        if index is not None and "Sigma" in str(json.loads(index.read_text()).get("_class_name", "")):
+            return PIXART_SIGMA_LENGTH
+    except (OSError, json.JSONDecodeError, AttributeError):
+        pass
+    return spec.max_length
+
+
+# ----------------------------------------------------------------------------- encoding
+
+def _wan_clean(text: str) -> str:
+    """Wan's prompt cleaning: fix mojibake (ftfy, if installed), undo (double) HTML escaping, collapse
+    whitespace."""
+    try:
+        import ftfy
+        text = ftfy.fix_text(text)
+    except ImportError:
+        pass
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _tokenize(tokenizer, prompts: list[str], length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    out = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+    return out["input_ids"].to(device), out["attention_mask"].to(device)
+
+
+def _clip_length(tokenizer, model) -> int:
+    """The CLIP pipelines' sequence length: the tokenizer's model_max_length (77), within the model's positions."""
+    length = getattr(tokenizer, "model_max_length", None)
+    if not isinstance(length, int) or length <= 0 or length > 100_000:  # unset: transformers' huge sentinel
+        length = CLIP_DEFAULT_LENGTH
+    return min(length, int(model.config.max_position_embeddings))
+
+
+def _as_encoders(family: str, encoders: Union[TextEncoders, Mapping[str, Any]], t5: Optional[bool]
+                 ) -> tuple[TextEncoders, bool]:
+    """(the encoders as TextEncoders, whether T5 runs): t5 None follows the encoders (loaded with or without
+    T5; a dict: with); t5=True with encoders loaded without T5 is an error."""
+    if isinstance(encoders, TextEncoders):
+        if encoders.family != family:
+            raise TextEncoderError(f"encoders were loaded for family {encoders.family!r}, not {family!r}")
+        enc = encoders
+    elif isinstance(encoders, Mapping):
+        spec = family_spec(family)
+        models = {s.model: encoders[s.model] for s in spec.slots if s.model in encoders}
+        toks = {s.tokenizer: encoders[s.tokenizer] for s in spec.slots if s.tokenizer in encoders}
+        enc = TextEncoders(family, models, toks)
+    else:
+        raise TextEncoderError(f"encoders must be a TextEncoders (load_text_encoders) or a dict of models and "
+                               f"tokenizers by pipeline subfolder name, got {type(encoders).__name__}")
+    use_t5 = enc.t5 if t5 is None else bool(t5)
+    if use_t5 and not enc.t5:
+        raise TextEncoderError(f"t5=True, but these {family} encoders were loaded without T5 "
+                               f"(load_text_encoders(..., t5=False)); allowed: t5=False or None with them.")
+    missing = [k for s in family_slots(family, use_t5) for k, d in ((s.model, enc.models),
+                                                                    (s.tokenizer, enc.tokenizers)) if k not in d]
+    if missing:
+        raise TextEncoderError(f"{family} text encoding needs {missing} (model / tokenizer by pipeline subfolder "
+                               f"name); got {sorted(enc.models) + sorted(enc.tokenizers)}")
+    return enc, use_t5
+
+
+def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]], prompts: Union[str, Sequence[str]],
+                   *, max_length: Optional[int] = None, device: Any = "cpu",
+                   dtype: Optional[torch.dtype] = torch.float32, t5: Optional[bool] = None) -> dict[str, np.ndarray]:
+    """Encode `prompts` as `family`'s pipeline does (see the module doc): {"text": float32 (B, L, D),
+    "text_mask": bool (B, L) (wan, auraflow, pixart), "pooled": float32 (B, P) (flux, sd3)} as numpy arrays.
+
+    `encoders`: load_text_encoders' result, or a dict {pipeline subfolder name: model or tokenizer}.
+    max_length: the T5-type sequence length (default: the family's; 300 for PixArt-Sigma weights). The
+    models run on `device` in `dtype`, without gradients; models elsewhere are moved (in place: load them
+    there with load_text_encoders to avoid it; dtype None keeps theirs). t5 (sd3 only for False): False
+    encodes without T5 (its part is zeros, as StableDiffusion3Pipeline with text_encoder_3=None); None: as the
+    encoders were loaded (load_text_encoders(..., t5=...); a dict: with T5).
+    """
+    spec = family_spec(family)
+    enc, use_t5 = _as_encoders(family, encoders, t5)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    bad = [p for p in prompts if not isinstance(p, str)]
+    if not prompts or bad:
+        raise TextEncoderError(f"prompts must be a non-empty list of strings, got "
+                               f"{'an empty list' if not prompts else f'{type(bad[0]).__name__} {bad[0]!r}'}")
+    length = max_length if max_length is not None else (enc.max_length or spec.max_length)
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise TextEncoderError(f"max_length={length!r} must be a positive integer (tokens)")
+    device = torch.device(device)
+    models = {}
+    for key, model in enc.models.items():
+        if key not in {s.model for s in family_slots(family, use_t5)}:
+            continue
+        if model.device != device:
+            model = model.to(device)
+        if dtype is not None and model.dtype != dtype:  # only then: a cast would undo T5's fp32-kept layers
+            model = model.to(dtype=dtype)
+        models[key] = model
+    with torch.inference_mode():
+        if family == "flux":
+            out = _encode_flux(models, enc.tokenizers, prompts, length, device)
+        elif family == "sd3":
+            out = _encode_sd3(models, enc.tokenizers, prompts, length, device, _zeros_width(enc, use_t5))
+        else:  # one T5-type encoder that sees the attention mask: wan, auraflow, pixart
+            out = _encode_masked_t5(family, models, enc.tokenizers, prompts, length, device)
+    arrays = {k: v.detach().cpu().numpy() if v.dtype == torch.bool else v.detach().float().cpu().numpy()
+              for k, v in out.items()}
+    return {k: arrays[k] for k in ("text", "text_mask", "pooled") if k in arrays}
+
+
+def _encode_flux(models: dict, tok: dict, prompts: list[str], length: int, device: torch.device
+                 ) -> dict[str, torch.Tensor]:
+    """FLUX: the CLIP pooler output and the T5 last hidden state."""
+    out: dict[str, torch.Tensor] = {}
+    clip, t5 = models["text_encoder"], models["text_encoder_2"]
+    ids, _ = _tokenize(tok["tokenizer"], prompts, _clip_length(tok["tokenizer"], clip), device)
+    out["pooled"] = clip(ids, output_hidden_states=False).pooler_output
+    ids, _ = _tokenize(tok["tokenizer_2"], prompts, length, device)
+    out["text"] = t5(ids)[0]  # FLUX passes no attention mask to T5
+    return out
+
+
+def _zeros_width(enc: TextEncoders, use_t5: bool) -> Optional[int]:
+    """SD3 without T5: the width of the zeros standing in for T5 (None: T5 runs)."""
+    if use_t5:
+        return None
+    t5 = enc.models.get("text_encoder_3")
+    return enc.t5_width or (int(t5.config.d_model) if t5 is not None else SD3_T5_WIDTH)
+
+
+def _encode_sd3(models: dict, tok: dict, prompts: list[str], length: int, device: torch.device,
+                zeros_width: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """SD3: both CLIPs' penultimate hidden states (zero-padded to the T5 width) before the T5 output, and both
+    CLIPs' projections as the pooled embedding. zeros_width: no T5; its output is zeros (B, length, width)."""
+    out: dict[str, torch.Tensor] = {}
+    hidden, pooled = [], []
+    for model_key, tok_key in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+        model = models[model_key]
+        ids, _ = _tokenize(tok[tok_key], prompts, _clip_length(tok[tok_key], model), device)
+        result = model(ids, output_hidden_states=True)
+        hidden.append(result.hidden_states[-2].float())  # penultimate layer (clip_skip=None)
+        pooled.append(result.text_embeds.float())
+    if hidden[0].shape[1] != hidden[1].shape[1]:
+        raise TextEncoderError(f"sd3: the CLIP tokenizers give {hidden[0].shape[1]} and {hidden[1].shape[1]} "
+                               f"tokens; both must use the same length (77)")
+    if zeros_width is not None:   # StableDiffusion3Pipeline with text_encoder_3=None
+        t5 = torch.zeros((len(prompts), length, zeros_width), device=device)
+    else:
+        ids, _ = _tokenize(tok["tokenizer_3"], prompts, length, device)
+        t5 = models["text_encoder_3"](ids)[0].float()  # no attention mask, as the SD3 pipeline
+    clip = torch.cat(hidden, dim=-1)
+    if clip.shape[-1] > t5.shape[-1]:
+        raise TextEncoderError(f"sd3: the CLIP hidden states are {clip.shape[-1]} wide together, more than "
+                               f"the T5 width {t5.shape[-1]} they are zero-padded to")
+    clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+    out["text"] = torch.cat([clip, t5], dim=1)
+    out["pooled"] = torch.cat(pooled, dim=-1)
+    return out
+
+
+def _encode_masked_t5(family: str, models: dict, tok: dict, prompts: list[str], length: int, device: torch.device
+                      ) -> dict[str, torch.Tensor]:
+    """wan, auraflow, pixart: one T5-type encoder that sees the attention mask; the mask is returned too."""
+    if family == "wan":
+        prompts = [_wan_clean(p) for p in prompts]
+    ids, mask = _tokenize(tok["tokenizer"], prompts, length, device)
+    hidden = models["text_encoder"](input_ids=ids, attention_mask=mask)[0]
+    if family in ("wan", "auraflow"):  # padding positions zeroed (Wan keeps the first seq_len rows)
+        hidden = hidden * mask[..., None].to(hidden.dtype)
+    return {"text": hidden, "text_mask": mask.bool()}
+
+
+# ----------------------------------------------------------------------------- captions files
+
+def _json_caption(name: str, caption: Any) -> str:
+    if not isinstance(caption, str):
+        raise ValueError(f"the caption of '{name}' is {caption!r}; captions must be strings")
+    return caption
+
+
+def read_captions_file(path: PathLike) -> dict[str, str]:
+    """{file name (relative to the image folder, posix): caption} from a JSON object {"file": "caption"} or a
+    CSV/TSV file of `file name,caption` lines (tab-separated when the line has a tab; the caption is the rest of
+    the line, so it may contain commas, and may be quoted as in CSV). Blank lines, `#` comments and a
+    `file_name,caption` header are skipped."""
+    return read_name_value_file(path, what="caption", error_cls=TextEncoderError, split="first",
+                                header=(("file_name", "filename", "file", "path", "image"),
+                                        ("caption", "text", "prompt")),
+                                json_value=_json_caption, json_example='{"file name": "caption"}', say_where=True)

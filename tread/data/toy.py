@@ -1,0 +1,170 @@
+"""The built-in offline dataset "toy_shapes": 10 classes of coloured shapes on a dark background.
+
+Images are RGB in [-1, 1] stored as identity-decoded "latents" (3 x R x R, latent_scale 1.0), so a tiny
+diffusion model can be trained and its samples judged by eye without downloads or a VAE. Every class
+differs in both shape and colour; per-sample jitter in position, size, colour and background makes each
+class a distribution rather than a single image.
+
+With loss_masks=True (data=toy_masked) the dataset also stores loss_mask.npy: each image's shape coverage
+(the anti-aliased alpha the image was drawn with) as uint8 0..255 at image resolution, for masked-loss
+training. The images themselves are the same as without masks.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Union
+
+import numpy as np
+import torch
+
+from .meta import LatentDatasetError, LatentDatasetExistsError, read_meta
+from .writer import write_latent_dataset
+
+TOY_CLASS_NAMES = ["red disc", "green square", "blue triangle", "yellow ring", "magenta plus",
+                   "cyan horizontal stripes", "orange vertical stripes", "white checkerboard", "purple diamond",
+                   "lime X"]
+# Base RGB colours in [0, 1], one per class (jittered per sample).
+_COLOURS = np.array([[0.92, 0.15, 0.12], [0.15, 0.80, 0.20], [0.20, 0.35, 1.00], [0.95, 0.85, 0.10],
+                     [0.92, 0.20, 0.85], [0.10, 0.85, 0.90], [1.00, 0.55, 0.05], [0.92, 0.92, 0.92],
+                     [0.55, 0.22, 0.85], [0.60, 0.95, 0.15]], dtype=np.float32)
+
+
+def _bands(t: np.ndarray, period: np.ndarray) -> np.ndarray:
+    """Signed distance to bands of width period / 2 (negative inside), one band centred on t = 0."""
+    return (np.abs((t / period + 0.5) % 1.0 - 0.5) - 0.25) * period
+
+
+def _box(x: np.ndarray, y: np.ndarray, half: np.ndarray) -> np.ndarray:
+    return np.maximum(np.abs(x), np.abs(y)) - half
+
+
+def _bars(a: np.ndarray, b: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """A plus sign in the (a, b) frame: union of two bars of half-length r and half-width 0.27 r."""
+    w = 0.27 * r
+    return np.minimum(np.maximum(np.abs(a) - w, np.abs(b) - r), np.maximum(np.abs(b) - w, np.abs(a) - r))
+
+
+def _cover(d: np.ndarray, px: float) -> np.ndarray:
+    """Anti-aliased coverage of a signed distance: ramps linearly across one pixel around the edge."""
+    return np.clip(0.5 - d / px, 0, 1)
+
+
+def _checker(x: np.ndarray, y: np.ndarray, r: np.ndarray, px: float) -> np.ndarray:
+    """5x5 checkerboard coverage: box coverage times a soft XNOR of per-axis band coverages."""
+    # The outer cell edges coincide with the box edge; sampling the pattern at least a pixel inside the
+    # box keeps the (invisible) next ring of cells from bleeding in as grey seams along the edge.
+    lim = r - px
+    cx, cy = (_cover(_bands(np.clip(t, -lim, lim), 0.8 * r), px) for t in (x, y))
+    return _cover(_box(x, y, r), px) * (cx * cy + (1 - cx) * (1 - cy))
+
+
+def _sdf(f: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    return lambda x, y, r, px: _cover(f(x, y, r), px)
+
+
+# Coverage in [0, 1] of each class's shape, from x, y relative to its centre, its size r and the pixel size
+# px: broadcastable (m, R, R) / (m, 1, 1) arrays in image units. Most are signed distances (negative
+# inside). Every shape fits in a radius of about 1.2 r; stripe and checker periods scale with r, so the
+# pattern ends cleanly at the box edges.
+_S3 = np.sqrt(3) / 2
+_SHAPES: list[Callable[..., np.ndarray]] = [
+    _sdf(lambda x, y, r: np.hypot(x, y) - r),                                                # disc
+    _sdf(lambda x, y, r: _box(x, y, 0.8 * r)),                                               # square
+    _sdf(lambda x, y, r: np.maximum(np.maximum(y, _S3 * x - 0.5 * y), -_S3 * x - 0.5 * y) - 0.58 * r),  # triangle
+    _sdf(lambda x, y, r: np.abs(np.hypot(x, y) - 0.75 * r) - 0.22 * r),                      # ring
+    _sdf(lambda x, y, r: _bars(x, y, r)),                                                    # plus
+    _sdf(lambda x, y, r: np.maximum(_box(x, y, 0.85 * r), _bands(y, 0.68 * r))),             # 3 horizontal stripes
+    _sdf(lambda x, y, r: np.maximum(_box(x, y, 0.85 * r), _bands(x, 0.68 * r))),             # 3 vertical stripes
+    _checker,                                                                                # checkerboard
+    _sdf(lambda x, y, r: (np.abs(x) + np.abs(y) - 1.15 * r) / np.sqrt(2)),                   # diamond
+    _sdf(lambda x, y, r: _bars((x + y) / np.sqrt(2), (x - y) / np.sqrt(2), 1.1 * r)),        # X
+]
+
+
+def generate_toy_shapes(num_per_class: int = 1000, resolution: int = 32, seed: int = 0,
+                        loss_masks: bool = False) -> Union[tuple[torch.Tensor, torch.Tensor],
+                                                           tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Deterministic toy_shapes: images float32 (N, 3, R, R) in [-1, 1], labels int64 (N,); N = 10 * num_per_class.
+
+    Classes are interleaved (labels 0, 1, ..., 9, 0, 1, ...), so any prefix is class-balanced. With
+    loss_masks=True also returns each shape's coverage, uint8 (N, R, R) in 0..255 (255 = fully inside);
+    the images and labels do not depend on it.
+    """
+    rng = np.random.default_rng(seed)
+    n, k, R = num_per_class * len(_SHAPES), len(_SHAPES), resolution
+    labels = np.tile(np.arange(k), num_per_class)
+    # Per-sample jitter, drawn for all samples at once (in a fixed order, for determinism).
+    centre = rng.uniform(-0.18, 0.18, (n, 2, 1, 1)).astype(np.float32)
+    size = rng.uniform(0.5, 0.66, (n, 1, 1)).astype(np.float32)
+    colour = np.clip(_COLOURS[labels] + rng.uniform(-0.08, 0.08, (n, 3)), 0, 1).astype(np.float32)
+    background = (rng.uniform(0.04, 0.16, (n, 1)) + rng.uniform(-0.03, 0.03, (n, 3))).clip(0, 1).astype(np.float32)
+
+    coords = ((np.arange(R, dtype=np.float32) + 0.5) / R * 2 - 1)  # pixel centres in [-1, 1]
+    x = coords[None, None, :] - centre[:, 0]  # (n, 1, R): x runs along width
+    y = coords[None, :, None] - centre[:, 1]  # (n, R, 1): y runs down the image
+    images = np.empty((n, 3, R, R), np.float32)
+    masks = np.empty((n, R, R), np.uint8) if loss_masks else None
+    for c, shape in enumerate(_SHAPES):
+        idx = np.flatnonzero(labels == c)
+        alpha = shape(x[idx], y[idx], size[idx], 2 / R)[:, None]  # (m, 1, R, R); a pixel is 2 / R wide
+        bg, fg = background[idx, :, None, None], colour[idx, :, None, None]
+        images[idx] = bg + (fg - bg) * alpha
+        if masks is not None:
+            masks[idx] = np.rint(np.clip(alpha[:, 0], 0, 1) * 255).astype(np.uint8)
+    out = torch.from_numpy(images * 2 - 1), torch.from_numpy(labels.astype(np.int64))
+    return out if masks is None else (*out, torch.from_numpy(masks))
+
+
+def ensure_toy_dataset(path: Union[str, os.PathLike], num_per_class: int = 1000, resolution: int = 32,
+                       seed: int = 0, loss_masks: bool = False) -> Path:
+    """Return `path`, first generating the toy_shapes dataset there unless it already holds these parameters.
+
+    loss_masks=True also stores loss_mask.npy (each shape's coverage, uint8 at image resolution) and records
+    "loss_masks": true in meta builtin; without it the dataset is exactly the plain toy_shapes data.
+    """
+    root = Path(path).expanduser().absolute()
+    if not isinstance(loss_masks, (bool, np.bool_)):
+        raise LatentDatasetError(f"data.builtin_args.loss_masks={loss_masks!r} must be true or false")
+    params = {"name": "toy_shapes", "num_per_class": int(num_per_class), "resolution": int(resolution),
+              "seed": int(seed)}
+    if loss_masks:  # absent when false: the default dataset's meta.json stays as it always was
+        params["loss_masks"] = True
+
+    def write() -> None:
+        generated = generate_toy_shapes(num_per_class, resolution, seed,
+                                        **({"loss_masks": True} if loss_masks else {}))
+        images, labels = generated[:2]
+        write_latent_dataset(
+            root, images.numpy(), labels.numpy(), num_classes=len(TOY_CLASS_NAMES), class_names=TOY_CLASS_NAMES,
+            source=f"built-in toy_shapes generator (tread/data/toy.py): {num_per_class} per class x "
+                   f"{len(TOY_CLASS_NAMES)} classes, {resolution}x{resolution} RGB in [-1, 1], seed {seed}"
+                   + (", with shape-coverage loss masks" if loss_masks else ""),
+            dtype="float16", extra_meta={"builtin": params},
+            extras={"loss_mask": generated[2].numpy()} if loss_masks else None)
+
+    return ensure_builtin(root, params, write)
+
+
+def ensure_builtin(root: Path, params: dict, write: Callable[[], None]) -> Path:
+    """`root`, first calling write() (which writes a dataset whose meta.json builtin is `params` atomically at
+    root) unless root already holds one; a dataset there with other parameters is an error. Concurrent
+    processes may race: the loser uses the winner's (identical) dataset."""
+    def check_existing() -> Path:
+        found = read_meta(root).get("builtin")
+        if found != params:
+            raise LatentDatasetError(
+                f"'{root}' already holds a dataset with meta.json builtin={found}, but {params['name']} with "
+                f"{params} was requested (data.builtin_args). Delete the directory to regenerate it, or point "
+                f"data.path at a directory for these parameters.")
+        return root
+
+    if (root / "meta.json").is_file():
+        return check_existing()
+    try:
+        write()
+    except LatentDatasetExistsError:
+        if not (root / "meta.json").is_file():  # not a concurrent writer's dataset: something else is there
+            raise
+        return check_existing()  # another process finished first: use its (identical) dataset
+    return root

@@ -1,0 +1,353 @@
+"""Random access to WebDataset latent shards (the TREAD / MaskDiT ImageNet latents) as a map-style dataset.
+
+The layout, as the public code writes and reads it:
+
+* Anima-Lab/MaskDiT `lmdb2wds.py` converts its latent LMDB to shards with `webdataset.ShardWriter`
+  (pattern `latent_imagenet_512_{split}-%04d.tar`, at most 10010 samples per shard). Each sample has the
+  key `f"{i:07d}"` and two members: `<key>.latent`, the *pickled* float32 numpy array (C, H, W), and
+  `<key>.cls`, the integer class label, which webdataset writes as ASCII decimal text ("207").
+  The arrays are VAE posterior moments: `extract_latent.py` stores `encode_moments` output, i.e.
+  (mean, logvar) stacked on the channel axis, 8 x 32 x 32 for ImageNet-256 (8 x 64 x 64 for 512).
+  The "512" in the shard names is hard-coded, so ImageNet-256 shards are named the same way; ImageNet-256
+  (1,281,167 samples) gives 128 shards, `latent_imagenet_512_train-{0000..0127}.tar`.
+* Anima-Lab/MaskDiT `train_wds.py` reads them back with `pickle.loads(item['latent'])` and
+  `int(item['cls'].decode('utf-8'))`, and `utils.sample` draws one latent per step:
+  mean, logvar = moments.chunk(2, dim=1); logvar clamped to [-30, 20];
+  0.18215 * (mean + exp(logvar / 2) * eps). That is `data.draw_latents` on our side.
+* CompVis/tread (the paper repo): its config points at `imagenet256_latents_wds` (issue #13); in issue #5
+  the authors say they use MaskDiT's autoencoder, and in issues #5 and #13 users build the shards from
+  MaskDiT's ImageNet-256 latent LMDB with MaskDiT's `lmdb2wds.py`, getting (8, 32, 32) samples (moments)
+  even with `--num_channels 4`. The project's REFERENCE.md (the paper repo's data description) names the members
+  `latent.npy` (webdataset's `.npy` encoding: np.save bytes) and `cls`. The paper repo's train.py itself
+  was not available to check.
+
+So both latent encodings are accepted: `<key>.latent.npy` (np.save format, read with allow_pickle=False)
+and `<key>.latent` (a pickled ndarray, read with an unpickler that only allows numpy's array
+reconstruction, so a shard cannot run code). Labels are `<key>.cls`, decimal text.
+Any other member (`.jpg`, `.json`, ...) is ignored; a sample (group of members sharing a key) with neither
+a latent nor a label is skipped. Keys are split like webdataset does: the key is the member name up to
+the first "." of its base name, the extension is the rest; consecutive members with the same key form one
+sample.
+
+Why `tarfile` and not the `webdataset` package: webdataset streams shards (an IterableDataset with a
+shuffle buffer), so it cannot fetch sample i, and a run resumed from a checkpoint does not see exactly
+the batches an uninterrupted run would have seen. Our training loop needs a map-style dataset for
+`LatentLoader` (a pure function of seed/epoch/rank gives the batch order, and resume is exact). Uncompressed
+tar members are contiguous byte ranges, so one pass over the tar headers gives every sample's (shard,
+byte offset, size) and a read is a positional read of those bytes.
+
+The index (tread/data/wds_index.py; per sample: shard, offset and size of the latent member, label, key) is built
+once by scanning the tar headers (plus the tiny label members and the .npy headers), and cached as
+`<index_dir>/<hash>.npz`, where the hash covers every shard's absolute path, size and mtime: the next run
+starts at once, and a changed, added or removed shard gives a new hash (a rescan). Validation at indexing
+time: every sample has a latent and a label, labels are integers, every `.latent.npy` header (all samples,
+~128 bytes each) has the same shape and dtype and a member size that matches it; for pickled `.latent`
+members only the first sample of each shard is unpickled and checked. Every read checks shape and dtype
+again, so a bad sample fails with an error naming its shard and member, never silently.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import math
+import os
+import re
+from collections import OrderedDict
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .meta import DTYPES, FORMAT, LATENT_KINDS, VERSION, LatentDatasetError, model_shape, validate_meta
+from .reader import LatentMeta, warn_non_finite
+from .wds_index import build_index, decode_latent, pread
+
+MAX_OPEN_SHARDS = 256                    # file descriptors kept open per process (least recently used closed)
+PathSpec = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+
+
+# ----------------------------------------------------------------------------- shard lists
+
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"^(\d+)\.\.(\d+)$")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Expand `{000..127}` (zero-padded to the wider bound) and `{a,b,c}` groups, left to right.
+
+    Nested or unbalanced braces and descending or non-numeric ranges raise LatentDatasetError.
+    """
+    def bad(why: str) -> LatentDatasetError:
+        return LatentDatasetError(
+            f"bad brace pattern {pattern!r}: {why}. Allowed: numeric ranges like "
+            f"'/data/shards/imagenet-{{000000..000127}}.tar' and lists like '{{a,b}}' (no nesting)")
+
+    match = _BRACE.search(pattern)
+    if match is None:
+        if "{" in pattern or "}" in pattern:
+            raise bad("unbalanced or nested braces")
+        return [pattern]
+    body = match.group(1)
+    rng = _RANGE.match(body)
+    if rng:
+        lo, hi = rng.groups()
+        if int(lo) > int(hi):
+            raise bad(f"range {{{body}}} is descending")
+        width = max(len(lo), len(hi)) if (lo.startswith("0") or hi.startswith("0")) else 0
+        options = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    elif "," in body:
+        options = body.split(",")
+    else:
+        raise bad(f"{{{body}}} is neither a range 'A..B' of non-negative integers nor a comma list")
+    head, tail = pattern[:match.start()], pattern[match.end():]
+    if "{" in head or "}" in head:
+        raise bad("unbalanced or nested braces")
+    rest = expand_braces(tail)
+    return [head + opt + r for opt in options for r in rest]
+
+
+def _is_glob(s: str) -> bool:
+    return any(c in s for c in "*?[")
+
+
+def resolve_shards(path: PathSpec) -> list[Path]:
+    """Shard spec -> sorted absolute .tar paths.
+
+    `path` is a directory (its *.tar files), a .tar file, a brace pattern ('x-{000..127}.tar'), a glob
+    ('x-*.tar'), or a list of any of these. Missing shards, duplicates and empty results raise
+    LatentDatasetError.
+    """
+    specs = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    if not specs:
+        raise LatentDatasetError("no WebDataset shards given: data.path is an empty list")
+    found: list[Path] = []
+    for spec in specs:
+        spec = os.path.expanduser(os.fspath(spec))
+        p = Path(spec)
+        if "{" in spec or "}" in spec or _is_glob(spec):
+            names = expand_braces(spec)
+            files: list[Path] = []
+            missing = []
+            for name in names:
+                if _is_glob(name):
+                    files += [Path(m) for m in sorted(glob.glob(name)) if os.path.isfile(m)]
+                elif Path(name).is_file():
+                    files.append(Path(name))
+                else:
+                    missing.append(name)
+            if missing:
+                shown = ", ".join(repr(m) for m in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3
+                                                                   else "")
+                raise LatentDatasetError(f"WebDataset pattern {spec!r}: {len(missing)} of its {len(names)} shard(s) "
+                                         f"do not exist: {shown}. Fix data.path (the pattern or the range).")
+            if not files:
+                raise LatentDatasetError(f"no WebDataset shards match {spec!r}. Set data.path to a directory of .tar "
+                                         f"shards, a .tar file or a pattern like "
+                                         f"'/data/imagenet-{{000000..000127}}.tar'.")
+            found += files
+        elif p.is_dir():
+            files = sorted(f for f in p.iterdir() if f.suffix == ".tar" and f.is_file())
+            if not files:
+                others = sorted({f.suffix for f in p.iterdir() if f.is_file()} - {""})
+                hint = (f" (it has {', '.join(others)} files; compressed shards cannot be read randomly: "
+                        f"decompress them to .tar)" if any(s in (".gz", ".tgz", ".zst", ".xz", ".bz2") for s in others)
+                        else "")
+                raise LatentDatasetError(f"no WebDataset shards (*.tar) in directory '{p.absolute()}'{hint}. Set "
+                                         f"data.path to a directory of .tar shards, a .tar file or a brace pattern.")
+            found += files
+        elif p.is_file():
+            found.append(p)
+        else:
+            raise LatentDatasetError(f"WebDataset shards not found: '{p.absolute()}' does not exist. Set data.path "
+                                     f"to a directory of .tar shards, a .tar file or a pattern like "
+                                     f"'/data/imagenet-{{000000..000127}}.tar'.")
+    shards = sorted(Path(os.path.abspath(f)) for f in found)
+    dupes = sorted(str(s) for s, n in collections.Counter(shards).items() if n > 1)
+    if dupes:
+        raise LatentDatasetError(f"WebDataset shard(s) listed more than once by data.path: {dupes[:3]}")
+    return shards
+
+
+# ----------------------------------------------------------------------------- dataset
+
+class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
+    """WebDataset tar shards of latents, random access; the same interface as `data.LatentDataset`.
+
+    Items are (float32 (C, H, W), int64 label): raw VAE moments (mean, logvar; 2C channels) for
+    latent_kind "moments" (the training loop's draw_latents samples and scales them), stored values *
+    latent_scale for "sample". `meta` is a dict in the tread-latents meta format (validate_meta) describing
+    the shards: shape is the stored shape, files holds the member-name patterns ("*.latent.npy", "*.cls").
+    """
+
+    def __init__(self, path: PathSpec, *, num_classes: int = 1000, latent_scale: float = 0.18215,
+                 latent_kind: str = "moments", vae: str = "stabilityai/sd-vae-ft-ema",
+                 index_dir: Optional[Union[str, os.PathLike]] = None, expected_channels: Optional[int] = None,
+                 expected_resolution: Optional[int] = None, expected_num_classes: Optional[int] = None):
+        self._fds: OrderedDict[int, int] = OrderedDict()  # shard -> open file descriptor (this process's)
+        self._reported: set[int] = set()                   # samples already warned about (warn_non_finite)
+        self._pid: Optional[int] = None                    # the process that opened them
+        if latent_kind not in LATENT_KINDS:
+            raise LatentDatasetError(f"data.latent_kind={latent_kind!r}; allowed: {list(LATENT_KINDS)} ('moments': "
+                                     f"the shards hold VAE (mean, logvar); 'sample': plain latents)")
+        if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
+            raise LatentDatasetError(f"data.num_classes={num_classes!r} must be a positive integer (labels lie in "
+                                     f"[0, num_classes))")
+        if isinstance(latent_scale, bool) or not isinstance(latent_scale, (int, float)) or \
+                not (math.isfinite(latent_scale) and latent_scale > 0):
+            raise LatentDatasetError(f"data.latent_scale={latent_scale!r} must be a finite number > 0 (0.18215 for "
+                                     f"the SD VAE)")
+        if not isinstance(vae, str) or not vae:
+            raise LatentDatasetError(f"data.vae={vae!r} must name the VAE that decodes these latents (a hub id or a "
+                                     f"path, e.g. 'stabilityai/sd-vae-ft-ema')")
+        self.shards = resolve_shards(path)
+        path_spec = (os.fspath(path) if isinstance(path, (str, os.PathLike))
+                     else json.dumps([os.fspath(p) for p in path]))
+        if isinstance(path, (str, os.PathLike)) and Path(os.path.expanduser(path_spec)).exists():
+            self.root = Path(os.path.abspath(os.path.expanduser(path_spec)))  # the directory or the .tar
+        else:
+            self.root = Path(os.path.commonpath([str(s.parent) for s in self.shards]))
+        index, self.index_file = build_index(self.shards, index_dir)
+        self._counts = index["counts"]
+        self._shard = np.repeat(np.arange(len(self.shards), dtype=np.int32), self._counts)
+        self._keys, self._offsets, self._sizes = index["keys"], index["offsets"], index["sizes"]
+        self._labels = index["labels"]
+        self._ext = str(index["ext"])
+        shape, dtype = [int(s) for s in index["shape"]], str(index["dtype"])
+        first = f"'{self._key(0)}.{self._ext}' in shard '{self.shards[0]}'"
+        if len(shape) != 3 or min(shape) < 1:
+            raise LatentDatasetError(f"latent member {first} has shape {shape}; expected (C, H, W) with C, H, W > 0")
+        if dtype not in DTYPES:
+            raise LatentDatasetError(f"latent member {first} is {dtype}; allowed dtypes: {list(DTYPES)}")
+        if latent_kind == "moments" and shape[0] % 2:
+            raise LatentDatasetError(
+                f"latent member {first} has shape {shape}: {shape[0]} channels, but latent_kind 'moments' needs an "
+                f"even count (mean and logvar stacked). Use data.latent_kind=sample for plain latents.")
+        self._dtype = np.dtype(dtype)
+        self._meta = validate_meta({
+            "format": FORMAT, "version": VERSION, "shape": shape, "dtype": dtype,
+            "num_samples": int(len(self._labels)), "num_classes": int(num_classes), "latent_scale": float(latent_scale),
+            "decode": {"type": "vae", "vae": vae, "scaling_factor": float(latent_scale)},
+            "source": path_spec, "class_names": None, "latent_kind": latent_kind,
+            "files": {"latents": f"*.{self._ext}", "labels": "*.cls"},
+        }, f"WebDataset shards {path_spec!r}", "Fix the data.* settings.")
+        self._check_labels()
+        self._check_expected(expected_channels, expected_resolution, expected_num_classes)
+
+    # -- validation
+
+    def _key(self, i: int) -> str:
+        return self._keys[i].decode("utf-8", "surrogateescape")
+
+    def _member(self, i: int, ext: Optional[str] = None) -> str:
+        return f"'{self._key(i)}.{ext or self._ext}' in shard '{self.shards[self._shard[i]]}'"
+
+    def _check_labels(self) -> None:
+        k = self._meta["num_classes"]
+        bad = np.flatnonzero((self._labels < 0) | (self._labels >= k))
+        if bad.size:
+            i = int(bad[0])
+            raise LatentDatasetError(
+                f"label member {self._member(i, 'cls')} is {int(self._labels[i])} but data.num_classes={k} allows "
+                f"only [0, {k - 1}] ({bad.size} sample(s) out of range; labels range over "
+                f"[{int(self._labels.min())}, {int(self._labels.max())}]). Set data.num_classes or fix the shards.")
+
+    _FIX = "Point data.path at matching shards, or change the data/model config to match them."
+
+    def _shape_source(self) -> str:
+        stored, shape = self._meta["shape"], list(model_shape(self._meta))
+        return f"shards hold {stored} moments -> model shape {shape}" if self.latent_kind == "moments" \
+            else f"shards hold {stored} latents"
+
+    # -- reading
+
+    def _fd(self, shard: int) -> int:
+        """The shard's file descriptor, opened on first use in each process (forked workers reopen)."""
+        pid = os.getpid()
+        if self._pid != pid:
+            if self._pid is not None:  # inherited through fork: close our copies, the parent keeps its own
+                for fd in self._fds.values():
+                    os.close(fd)
+            self._fds.clear()
+            self._pid = pid
+        fd = self._fds.get(shard)
+        if fd is None:
+            if len(self._fds) >= MAX_OPEN_SHARDS:
+                os.close(self._fds.popitem(last=False)[1])
+            try:
+                fd = os.open(self.shards[shard], os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            except OSError as err:
+                raise LatentDatasetError(f"cannot open shard '{self.shards[shard]}' ({err})") from None
+            self._fds[shard] = fd
+        else:
+            self._fds.move_to_end(shard)
+        return fd
+
+    def _read(self, i: int) -> np.ndarray:
+        off, size = int(self._offsets[i]), int(self._sizes[i])
+        raw = pread(self._fd(int(self._shard[i])), size, off)
+        cache = f" (index {self.index_file})" if self.index_file else ""
+        if len(raw) != size:
+            raise LatentDatasetError(f"latent member {self._member(i)}: read {len(raw)} of {size} bytes at offset "
+                                     f"{off}; the shard was truncated or changed after it was indexed{cache}. "
+                                     f"Restart to re-index it.")
+        try:
+            arr = decode_latent(raw, self._ext)
+        except Exception as err:  # noqa: BLE001 - any decoding failure is a bad member
+            raise LatentDatasetError(f"latent member {self._member(i)} cannot be decoded ({type(err).__name__}: "
+                                     f"{err}); the shard is corrupt or changed after it was indexed{cache}") from None
+        if list(arr.shape) != self._meta["shape"] or arr.dtype != self._dtype:
+            raise LatentDatasetError(f"latent member {self._member(i)} is {arr.dtype} of shape {list(arr.shape)} but "
+                                     f"the dataset is {self._dtype} of shape {self._meta['shape']} (from its first "
+                                     f"sample): all latents must have one shape and dtype")
+        return arr
+
+    def _scale(self) -> float:
+        return 1.0 if self.latent_kind == "moments" else self.latent_scale
+
+    def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batched fetch, (x (B, C, H, W) float32, y (B,) int64); reads in shard/offset order."""
+        n = len(self)
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            raise IndexError(f"index out of range for a dataset of {n} samples: {indices}")
+        idx = np.where(idx < 0, idx + n, idx)
+        x = np.empty((len(idx), *self._meta["shape"]), np.float32)
+        for j in np.lexsort((self._offsets[idx], self._shard[idx])):  # sequential within each shard
+            x[j] = self._read(int(idx[j]))
+        warn_non_finite(x, idx, self._reported, lambda i: f"sample {i} (latent member {self._member(i)})")
+        xt, scale = torch.from_numpy(x), self._scale()
+        return (xt * scale if scale != 1.0 else xt), torch.from_numpy(self._labels[idx].astype(np.int64))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.__getitems__([int(index)])
+        return x[0], y[0]
+
+    def label(self, index: int) -> int:
+        """Class label of sample `index` (from the index: no shard read)."""
+        return int(self._labels[index])
+
+    def close(self) -> None:
+        """Close this process's open shard files (reopened on the next read)."""
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fds.clear()
+
+    def __getstate__(self) -> dict:
+        # File descriptors stay with their process: an unpickled copy (a DataLoader worker) opens its own.
+        return {**self.__dict__, "_fds": OrderedDict(), "_pid": None}
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return (f"WebDatasetLatents({len(self)} samples in {len(self.shards)} shard(s) at '{self.root}', "
+                f"{self._meta['dtype']} {self._meta['shape']} {self.latent_kind})")

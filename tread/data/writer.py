@@ -1,0 +1,362 @@
+"""Writing latent datasets (the format of tread/data/meta.py) atomically: whole arrays (write_latent_dataset) or piece
+by piece into memory-mapped files (LatentDatasetWriter), built in a temporary sibling directory that is renamed
+into place when complete."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from .meta import (DEFAULT_FILES, EXTRA_FILE_OF, EXTRA_FILES, EXTRA_KEYS, FORMAT, VERSION, LatentDatasetError,
+                   LatentDatasetExistsError, PathLike, model_shape, validate_meta)
+
+
+def _exists_error(root: Path) -> LatentDatasetExistsError:
+    return LatentDatasetExistsError(f"'{root}' already exists; refusing to overwrite it. Delete it or "
+                                    f"choose another path.")
+
+
+def _check_target(root: Path) -> None:
+    if root.exists() and not (root.is_dir() and not any(root.iterdir())):
+        raise _exists_error(root)
+
+
+# What each extras array holds, for error messages.
+EXTRA_WHAT = {"text": "(n, L, D) float array of text embeddings", "text_mask": "(n, L) bool attention mask",
+              "pooled": "(n, P) float array of pooled embeddings",
+              "loss_mask": "(n, Hm, Wm) loss mask (uint8 0..255, or float in [0, 1])",
+              "reference": "(n, C, H, W) float array of reference latents (stored values, like the latents)"}
+_EXTRA_NDIM = {"text": 3, "text_mask": 2, "pooled": 2, "loss_mask": 3, "reference": 4}
+DECLARE = "text_shape=(L, D), text_mask=True, pooled_dim=P, loss_mask_shape=(Hm, Wm), reference_latents=True"
+_RESERVED = {"text": ("seq_len", "dim", "mask"), "pooled": ("dim",)}  # conditioning keys the writer sets itself
+
+
+def _dims(value: Any, n: int, name: str, what: str, root: Path) -> Optional[tuple[int, ...]]:
+    """None, or `value` as a tuple of n positive Python ints (n=0: a single int, as a 1-tuple); numpy ints are
+    converted (they are not JSON-serialisable)."""
+    if value is None:
+        return None
+    items = list(value) if isinstance(value, (tuple, list, np.ndarray)) else [value] if n == 0 else None
+    if items is None or len(items) != max(n, 1) or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v > 0 for v in items):
+        raise LatentDatasetError(f"{name} for '{root}' is {value!r} but must be {what}, or None")
+    return tuple(int(v) for v in items)
+
+
+def _conditioning_layout(root: Path, dtype: str, text_shape, text_mask: bool, pooled_dim, loss_mask_shape,
+                         conditioning_meta: Optional[Mapping[str, Any]]) -> tuple[dict, dict]:
+    """(meta keys to add, {extras key: (per-sample shape, storage dtype)}) for the writer's optional arrays."""
+    text = _dims(text_shape, 2, "text_shape", "(L, D): two positive integers (sequence length, embedding size)",
+                 root)
+    pooled = _dims(pooled_dim, 0, "pooled_dim", "a positive integer (P, the pooled embedding size)", root)
+    lm = _dims(loss_mask_shape, 2, "loss_mask_shape", "(Hm, Wm): two positive integers (the mask resolution)",
+               root)
+    if not isinstance(text_mask, (bool, np.bool_)):
+        raise LatentDatasetError(f"text_mask for '{root}' is {text_mask!r} but must be True or False")
+    if text_mask and text is None:
+        raise LatentDatasetError(f"text_mask=True for '{root}' needs text_shape=(L, D): the attention mask belongs "
+                                 f"to the sequence text embeddings")
+    extra = dict(conditioning_meta or {})
+    ours = {"text": None if text is None else {"seq_len": text[0], "dim": text[1], "mask": bool(text_mask)},
+            "pooled": None if pooled is None else {"dim": pooled[0]}}
+    cond: dict = {k: v for k, v in extra.items() if k not in ours}
+    for part, described in ours.items():
+        given = extra.get(part)
+        if given is None:
+            if described is not None:
+                cond[part] = described
+            continue
+        arg = "text_shape" if part == "text" else "pooled_dim"
+        if described is None or not isinstance(given, Mapping):
+            raise LatentDatasetError(f"conditioning_meta['{part}'] for '{root}' is {given!r}, but " +
+                                     (f"no {arg} was given (describe only stored arrays)" if described is None
+                                      else "it must be a dict of descriptive keys (e.g. 'family', 'encoders')"))
+        clash = {k: (given[k], described[k]) for k in _RESERVED[part] if k in given and given[k] != described[k]}
+        if clash:
+            raise LatentDatasetError(f"conditioning_meta['{part}'] for '{root}' contradicts the arrays: {clash} "
+                                     f"(given, from {arg}/text_mask)")
+        cond[part] = {**described, **{k: v for k, v in given.items() if k not in _RESERVED[part]}}
+    meta: dict = {}
+    if conditioning_meta is not None or text is not None or pooled is not None:
+        meta["conditioning"] = cond
+    if lm is not None:
+        meta["loss_mask"] = {"shape": list(lm)}
+    specs: dict = {}
+    if text is not None:
+        specs["text"] = (text, dtype)
+        if text_mask:
+            specs["text_mask"] = (text[:1], "bool")
+    if pooled is not None:
+        specs["pooled"] = (pooled, dtype)
+    if lm is not None:
+        specs["loss_mask"] = (lm, "uint8")
+    return meta, specs
+
+
+def _cast_finite(a: np.ndarray, dtype: str, what: str, start: int, stop: int, fix: str) -> np.ndarray:
+    """`a` cast to the storage dtype; NaN/inf (float16 overflow included) is an error naming the samples."""
+    with np.errstate(over="ignore"):  # overflow is reported below, with advice
+        out = a.astype(dtype)
+    if not np.isfinite(out).all():
+        raise LatentDatasetError(f"{what} non-finite values (NaN/inf) in samples [{start}, {stop}) after casting to "
+                                 f"{dtype}" + (f" (float16 overflows above 65504: {fix})" if dtype == "float16" else ""))
+    return out
+
+
+class LatentDatasetWriter:
+    """Write a dataset piece by piece, never holding it in RAM; atomic like write_latent_dataset.
+
+        with LatentDatasetWriter(path, shape=(C, H, W), num_samples=N, num_classes=K, ...) as writer:
+            writer.write(start, latents, labels)   # stored values (N_i, C, H, W) and labels (N_i,), any order
+
+    Optional per-sample arrays (see the module doc): text_shape=(L, D) (text_embeds.npy, in the dataset
+    dtype), text_mask=True (text_mask.npy, needs text_shape), pooled_dim=P (pooled_embeds.npy, dataset
+    dtype), loss_mask_shape=(Hm, Wm) (loss_mask.npy, uint8), reference_latents=True (reference_latents.npy,
+    dataset dtype, the model-space shape: FLUX Kontext references, stored like "sample" latents). Each one
+    declared must then come with every write, as write(start, latents, labels, extras={"text": ...,
+    "text_mask": ..., "pooled": ..., "loss_mask": ..., "reference": ...}). conditioning_meta adds descriptive
+    keys to meta "conditioning" (e.g. {"text": {"family": "flux", "encoders": [...], "max_length": 512}});
+    seq_len/dim/mask come from the arrays.
+
+    Pieces go into memory-mapped files in a temporary sibling directory; leaving the block without an error
+    checks that every sample was written and renames the directory into place (commit()); an error removes
+    it (abort()). Raises LatentDatasetExistsError if `path` exists and is not an empty directory.
+    """
+
+    def __init__(self, path: PathLike, *, shape: Sequence[int], num_samples: int, num_classes: int,
+                 latent_scale: float = 1.0, decode: Optional[Mapping[str, Any]] = None, source: str = "",
+                 class_names: Optional[Sequence[str]] = None, dtype: str = "float16",
+                 extra_meta: Optional[Mapping[str, Any]] = None, text_shape: Optional[Sequence[int]] = None,
+                 text_mask: bool = False, pooled_dim: Optional[int] = None,
+                 loss_mask_shape: Optional[Sequence[int]] = None,
+                 conditioning_meta: Optional[Mapping[str, Any]] = None, reference_latents: bool = False):
+        self.root = root = Path(path).expanduser().absolute()
+        to_int = lambda v: int(v) if isinstance(v, np.integer) else v  # numpy ints are not JSON-serialisable
+        self.meta = {"format": FORMAT, "version": VERSION, "shape": [to_int(s) for s in shape], "dtype": dtype,
+                     "num_samples": to_int(num_samples), "num_classes": to_int(num_classes),
+                     "latent_scale": float(latent_scale), "decode": dict(decode or {"type": "identity"}),
+                     "source": source, "class_names": None if class_names is None else list(class_names),
+                     "files": dict(DEFAULT_FILES), **(extra_meta or {})}
+        clash = sorted({"conditioning", "loss_mask"} & set(extra_meta or {}))
+        if clash:
+            raise LatentDatasetError(f"extra_meta for '{root}' sets {clash}: describe conditioning and loss masks "
+                                     f"with text_shape/text_mask/pooled_dim/loss_mask_shape/conditioning_meta")
+        extra, self._specs = _conditioning_layout(root, dtype, text_shape, text_mask, pooled_dim, loss_mask_shape,
+                                                  conditioning_meta)
+        self.meta.update(extra)
+        if not isinstance(reference_latents, (bool, np.bool_)):
+            raise LatentDatasetError(f"reference_latents for '{root}' is {reference_latents!r} but must be True or "
+                                     f"False")
+        self.meta["files"].update({EXTRA_FILE_OF[k]: EXTRA_FILES[EXTRA_FILE_OF[k]] for k in self._specs})
+        if reference_latents:
+            self.meta["files"]["reference_latents"] = EXTRA_FILES["reference_latents"]
+        validate_meta(self.meta, f"meta for '{root}'", "Fix the write_latent_dataset() arguments.")
+        if reference_latents:   # the model-space shape (validated above): C halved for moments data
+            self._specs["reference"] = (model_shape(self.meta), dtype)
+        try:
+            json.dumps(self.meta)
+        except (TypeError, ValueError) as err:
+            raise LatentDatasetError(f"meta for '{root}' is not JSON-serialisable ({err}); pass plain "
+                                     f"str/int/float/bool/list/dict values in extra_meta and conditioning_meta"
+                                     ) from None
+        _check_target(root)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp: Optional[Path] = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+        self._maps: dict[str, np.ndarray] = {}
+        try:
+            n, files = self.meta["num_samples"], self.meta["files"]
+            layout = {"latents": (tuple(self.meta["shape"]), dtype), "labels": ((), np.int64), **self._specs}
+            for key, (tail, dt) in layout.items():
+                name = files[EXTRA_FILE_OF.get(key, key)]
+                self._maps[key] = np.lib.format.open_memmap(self._tmp / name, mode="w+", dtype=dt, shape=(n, *tail))
+            self._written = np.zeros(n, dtype=bool)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _prepare_extras(self, extras: Optional[Mapping[str, Any]], n: int, start: int) -> dict[str, np.ndarray]:
+        """Check one write's extras against the declared arrays; returns them cast for storage."""
+        got, want, root = dict(extras or {}), self._specs, self.root
+        unknown = sorted(set(got) - set(EXTRA_KEYS))
+        if unknown:
+            raise LatentDatasetError(f"extras for '{root}' have unknown key(s) {unknown}; allowed: {list(EXTRA_KEYS)}")
+        missing, undeclared = [k for k in want if k not in got], [k for k in got if k not in want]
+        if missing:
+            raise LatentDatasetError(f"extras for '{root}' lack {missing}: the dataset stores {list(want)} (declared "
+                                     f"by the writer's text_shape/text_mask/pooled_dim/loss_mask_shape/"
+                                     f"reference_latents), so every write must give them")
+        if undeclared:
+            raise LatentDatasetError(f"extras for '{root}' include {undeclared}, which the dataset does not store: "
+                                     f"declare them when creating the writer ({DECLARE})")
+        out = {}
+        for key, (tail, dtype) in want.items():
+            a, head = np.asarray(got[key]), f"extras['{key}'] for '{root}'"
+            if a.shape != (n, *tail):
+                want = ", ".join(map(str, (n, *tail)))
+                raise LatentDatasetError(f"{head} must be a {EXTRA_WHAT[key]} of shape ({want}) (one per latent), "
+                                         f"got shape {a.shape}")
+            if key in ("text", "pooled", "reference"):
+                if not (np.issubdtype(a.dtype, np.floating) or a.size == 0):
+                    raise LatentDatasetError(f"{head} must be a float array, got {a.dtype}")
+                a = _cast_finite(a, dtype, f"{head} contains", start, start + n, "use dtype='float32'")
+            elif key == "text_mask":
+                if a.dtype != np.bool_:
+                    if not (np.issubdtype(a.dtype, np.integer) and np.isin(a, (0, 1)).all()):
+                        raise LatentDatasetError(f"{head} must be bool (True = real token) or 0/1 integers, got "
+                                                 f"{a.dtype}" + (f" with values in [{a.min()}, {a.max()}]"
+                                                                 if a.size else ""))
+                    a = a.astype(bool)
+                empty = np.flatnonzero(~a.any(axis=1)) if a.shape[1] else np.arange(n)
+                if len(empty):
+                    raise LatentDatasetError(f"{head}: sample(s) {(start + empty[:5]).tolist()} have no real token "
+                                             f"(all False); attention over no tokens is undefined (a tokenized "
+                                             f"prompt keeps at least its end-of-sequence token)")
+            else:  # loss_mask
+                if a.dtype == np.bool_:
+                    a = a.astype(np.uint8) * 255
+                elif np.issubdtype(a.dtype, np.floating):
+                    if a.size and not (np.isfinite(a).all() and a.min() >= 0 and a.max() <= 1):
+                        raise LatentDatasetError(f"{head} is a float mask, so it must lie in [0, 1] (coverage), "
+                                                 f"got values in [{np.nanmin(a)}, {np.nanmax(a)}]"
+                                                 f"{' with NaN/inf' if not np.isfinite(a).all() else ''}")
+                    a = np.rint(a.astype(np.float64) * 255).astype(np.uint8)
+                elif np.issubdtype(a.dtype, np.integer):
+                    if a.size and (a.min() < 0 or a.max() > 255):
+                        raise LatentDatasetError(f"{head} is an integer mask, so it must lie in [0, 255] (uint8 "
+                                                 f"coverage), got values in [{a.min()}, {a.max()}]")
+                    a = a.astype(np.uint8)
+                else:
+                    raise LatentDatasetError(f"{head} must be uint8 (0..255) or float (0..1), got {a.dtype}")
+            out[key] = a
+        return out
+
+    def write(self, start: int, latents: np.ndarray, labels: np.ndarray,
+              extras: Optional[Mapping[str, np.ndarray]] = None) -> None:
+        """Store samples [start, start + len(latents)): stored values (cast to the dataset dtype), labels, and
+        (exactly) the declared extras {"text", "text_mask", "pooled", "loss_mask"}: see the class doc."""
+        if self._tmp is None:
+            raise RuntimeError(f"writer for '{self.root}' is already closed")
+        latents, labels = np.asarray(latents), np.asarray(labels)
+        n, stop = self.meta["num_samples"], start + len(latents)
+        if latents.shape[1:] != tuple(self.meta["shape"]) or latents.ndim != 4:
+            want = ", ".join(map(str, self.meta["shape"]))
+            raise LatentDatasetError(f"latents for '{self.root}' must be (n, {want}) arrays, got shape {latents.shape}")
+        if labels.shape != (len(latents),) or not (np.issubdtype(labels.dtype, np.integer) or len(labels) == 0):
+            raise LatentDatasetError(f"labels for '{self.root}' must be a 1-D integer array of length {len(latents)} "
+                                     f"(one per latent), got {labels.dtype} array of shape {labels.shape}")
+        if not 0 <= start <= stop <= n:
+            raise LatentDatasetError(f"samples [{start}, {stop}) lie outside [0, num_samples={n}) of '{self.root}'")
+        prepared = self._prepare_extras(extras, len(latents), start)
+        if len(latents) == 0:
+            return
+        k = self.meta["num_classes"]
+        if labels.min() < 0 or labels.max() >= k:
+            raise LatentDatasetError(f"labels for '{self.root}' range over [{labels.min()}, {labels.max()}] but must "
+                                     f"lie in [0, num_classes={k}); pass the right num_classes or remap the labels")
+        dtype = self.meta["dtype"]
+        chunk = _cast_finite(latents, dtype, f"latents for '{self.root}' contain", start, stop,
+                             "use dtype='float32' or a smaller scale")
+        for key, value in {"latents": chunk, "labels": labels, **prepared}.items():
+            self._maps[key][start:stop] = value
+        self._written[start:stop] = True
+
+    def commit(self) -> Path:
+        """Check that every sample was written, flush, and rename the dataset into place."""
+        if self._tmp is None:
+            raise RuntimeError(f"writer for '{self.root}' is already closed")
+        try:
+            missing = np.flatnonzero(~self._written)
+            if len(missing):
+                raise LatentDatasetError(f"dataset '{self.root}' is incomplete: {len(missing)} of "
+                                         f"{len(self._written)} samples were never written (first: "
+                                         f"{missing[:5].tolist()})")
+            tmp = self._tmp
+            for array in self._maps.values():
+                array.flush()
+            self._maps.clear()
+            (tmp / "meta.json").write_text(json.dumps(self.meta, indent=2) + "\n")
+            for f in tmp.iterdir():  # data on disk before the rename publishes it
+                with open(f, "rb+") as fh:
+                    os.fsync(fh.fileno())
+            try:
+                os.replace(tmp, self.root)  # atomic; also replaces an empty directory, fails on a non-empty one
+            except OSError:
+                if self.root.exists():  # another writer got there first
+                    raise _exists_error(self.root) from None
+                raise
+            self._tmp = None
+        except BaseException:
+            self.abort()
+            raise
+        return self.root
+
+    def abort(self) -> None:
+        """Remove the temporary directory (nothing is published)."""
+        self.__dict__.get("_maps", {}).clear()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> "LatentDatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray, *, num_classes: int,
+                         latent_scale: float = 1.0, decode: Optional[Mapping[str, Any]] = None, source: str = "",
+                         class_names: Optional[Sequence[str]] = None, dtype: str = "float16",
+                         extra_meta: Optional[Mapping[str, Any]] = None, chunk_size: int = 4096,
+                         extras: Optional[Mapping[str, np.ndarray]] = None,
+                         conditioning_meta: Optional[Mapping[str, Any]] = None) -> Path:
+    """Write a dataset atomically: build it in a temporary sibling directory, then rename it into place.
+
+    `latents` (N, C, H, W) are the *stored* values (model space / latent_scale). `extra_meta` adds keys to
+    meta.json (e.g. "builtin"). `extras` optionally adds per-sample conditioning / loss masks as full arrays
+    {"text": (N, L, D), "text_mask": (N, L) bool, "pooled": (N, P), "loss_mask": (N, Hm, Wm) uint8 or float
+    in [0, 1], "reference": (N, C, H, W) stored reference latents} (any subset; text_mask needs text),
+    described further by `conditioning_meta` (see LatentDatasetWriter). Raises LatentDatasetExistsError if
+    `path` exists and is not an empty directory. Datasets too big for RAM: LatentDatasetWriter.
+    """
+    root = Path(path).expanduser().absolute()
+    latents, labels = np.asarray(latents), np.asarray(labels)
+    if latents.ndim != 4 or min(latents.shape) < 1:
+        raise LatentDatasetError(f"latents for '{root}' must be a non-empty (N, C, H, W) array, got shape "
+                                 f"{latents.shape}")
+    if labels.shape != (len(latents),) or not np.issubdtype(labels.dtype, np.integer):
+        raise LatentDatasetError(f"labels for '{root}' must be a 1-D integer array of length N={len(latents)} "
+                                 f"(one per latent), got {labels.dtype} array of shape {labels.shape}")
+    extras = {k: np.asarray(v) for k, v in (extras or {}).items()}
+    unknown = sorted(set(extras) - set(EXTRA_KEYS))
+    if unknown:
+        raise LatentDatasetError(f"extras for '{root}' have unknown key(s) {unknown}; allowed: {list(EXTRA_KEYS)}")
+    for key, value in extras.items():
+        if value.ndim != _EXTRA_NDIM[key] or len(value) != len(latents):
+            raise LatentDatasetError(f"extras['{key}'] for '{root}' must be a {EXTRA_WHAT[key].replace('(n,', '(N,')} "
+                                     f"with N={len(latents)} (one per latent), got shape {value.shape}")
+    shape_of = lambda key: extras[key].shape[1:] if key in extras else None  # noqa: E731
+    with LatentDatasetWriter(root, shape=latents.shape[1:], num_samples=len(latents), num_classes=num_classes,
+                             latent_scale=latent_scale, decode=decode, source=source, class_names=class_names,
+                             dtype=dtype, extra_meta=extra_meta, text_shape=shape_of("text"),
+                             text_mask="text_mask" in extras,
+                             pooled_dim=extras["pooled"].shape[1] if "pooled" in extras else None,
+                             loss_mask_shape=shape_of("loss_mask"), conditioning_meta=conditioning_meta,
+                             reference_latents="reference" in extras) as writer:
+        if not (labels.min() >= 0 and labels.max() < writer.meta["num_classes"]):  # checked before any copying
+            raise LatentDatasetError(f"labels for '{root}' range over [{labels.min()}, {labels.max()}] but must lie "
+                                     f"in [0, num_classes={num_classes}); pass the right num_classes or remap the "
+                                     f"labels")
+        # Chunked copy into the memmap: casting never needs a second full copy of the array in RAM.
+        for start in range(0, len(latents), chunk_size):
+            part = slice(start, start + chunk_size)
+            writer.write(start, latents[part], labels[part], {k: v[part] for k, v in extras.items()} or None)
+    return root

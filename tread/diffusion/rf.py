@@ -1,0 +1,154 @@
+"""Rectified flow / flow matching: z_t = (1-t) x + t n, the network predicts n - x.
+
+Timestep shift: t -> s t / (1 + (s - 1) t) on training and sampling t alike (SD3's form; it equals diffusers'
+exponential time_shift exp(mu) / (exp(mu) + (1/t - 1)) with s = exp(mu)). The shift s is either static
+(`shift`) or, with `dynamic_shift`, FLUX's resolution-dependent one: mu is linear in the image sequence
+length (diffusers' calculate_shift), and that length is read from the latents' shape, as the FLUX pipelines
+read it from their packed latents (latents.shape[1]), so a sample at another resolution gets its own shift.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from tread.diffusion.common import Denoiser
+from tread.utils.errors import UserError
+
+
+class ShiftConfigError(UserError):
+    """A diffusion.shift / diffusion.dynamic_shift setting that cannot work."""
+
+
+def shift_t(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3-style timestep shift: shift > 1 spends more time at high noise."""
+    return shift * t / (1 + (shift - 1) * t)
+
+
+@dataclass(frozen=True)
+class DynamicShift:
+    """FLUX's resolution-dependent shift (FluxPipeline's calculate_shift and FlowMatchEulerDiscreteScheduler's
+    use_dynamic_shifting): mu = base_shift at base_seq_len image tokens and max_shift at max_seq_len, linear in
+    between (and beyond: extrapolated, as the pipeline does); the shift is exp(mu). The image sequence length
+    of latents (B, C, H, W) (or (B, C, T, H, W)) is T (H / patch_size) (W / patch_size): FLUX packs 2x2 latent
+    cells into one token (patch_size 2); a backbone that patchifies p x p cells has patch_size p."""
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    base_seq_len: int = 256
+    max_seq_len: int = 4096
+    patch_size: int = 2
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.base_seq_len < self.max_seq_len:
+            raise ShiftConfigError(
+                f"diffusion.dynamic_shift.base_seq_len={self.base_seq_len} and max_seq_len={self.max_seq_len} are "
+                f"not allowed; allowed: 1 <= base_seq_len < max_seq_len (FLUX.1: 256 and 4096).")
+        if self.patch_size < 1:
+            raise ShiftConfigError(f"diffusion.dynamic_shift.patch_size={self.patch_size} is not allowed; allowed: "
+                                   f"an integer >= 1 (latent cells per token side; FLUX: 2).")
+
+    def seq_len(self, latent_shape: Sequence[int]) -> int:
+        """Image tokens per sample of latents shaped (B, C, H, W) or (B, C, T, H, W)."""
+        *frames, h, w = latent_shape[2:]
+        return math.prod(frames) * (h // self.patch_size) * (w // self.patch_size)
+
+    def mu(self, seq_len: int) -> float:
+        """diffusers' calculate_shift(seq_len, base_seq_len, max_seq_len, base_shift, max_shift)."""
+        m = (self.max_shift - self.base_shift) / (self.max_seq_len - self.base_seq_len)
+        return seq_len * m + (self.base_shift - m * self.base_seq_len)
+
+    def shift(self, latent_shape: Sequence[int]) -> float:
+        return math.exp(self.mu(self.seq_len(latent_shape)))
+
+
+class RFModel(nn.Module):
+    """Velocity model v(z_t, t): wraps a backbone F(x, noise_level, labels) with noise_level = t * t_scale."""
+
+    def __init__(self, model: nn.Module, t_scale: float = 1000.0):
+        super().__init__()
+        self.model = model
+        self.t_scale = t_scale
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+        t = t.to(torch.float32).reshape(-1).expand(x.shape[0])
+        return self.model(x.to(torch.float32), t * self.t_scale, labels, **cond).to(torch.float32)
+
+
+class RectifiedFlow:
+    """Flow-matching objective with logit-normal t and an Euler sampler from t=1 to t=0."""
+
+    def __init__(
+        self,
+        P_mean: float = 0.0,       # mean of logit(t) during training (logit-normal)
+        P_std: float = 1.0,        # std of logit(t)
+        shift: float = 1.0,        # static timestep shift applied to training and sampling t
+        t_scale: float = 1000.0,   # noise_level fed to the backbone = t * t_scale
+        num_steps: int = 50,       # Euler steps (network evaluations)
+        dynamic_shift: Optional[Mapping[str, Any]] = None,   # DynamicShift's keys: FLUX's shift instead of `shift`
+    ):
+        self.P_mean, self.P_std, self.shift, self.t_scale, self.num_steps = P_mean, P_std, shift, t_scale, num_steps
+        self.dynamic_shift = None if dynamic_shift is None else DynamicShift(**dynamic_shift)
+        if self.dynamic_shift is not None and shift != 1:
+            raise ShiftConfigError(
+                f"diffusion.shift={shift} cannot be combined with diffusion.dynamic_shift (it replaces the static "
+                f"shift); allowed: diffusion.shift=1 with dynamic_shift, or diffusion.dynamic_shift=null.")
+
+    def shift_for(self, latent_shape: Sequence[int]) -> float:
+        """The shift for latents of this shape (B, C, H, W) / (B, C, T, H, W): dynamic or static."""
+        return self.shift if self.dynamic_shift is None else self.dynamic_shift.shift(latent_shape)
+
+    def precondition(self, model: nn.Module) -> RFModel:
+        """The velocity wrapper; with a dynamic shift, its patch_size must count the backbone's own tokens."""
+        self.check_tokens(model)
+        return RFModel(model, self.t_scale)
+
+    def check_tokens(self, model: nn.Module) -> None:
+        """dynamic_shift.patch_size against the backbone: the sequence length computed from its training latents
+        (input_size, frames) must be its token count (num_tokens), or mu would follow a wrong length."""
+        dyn, size, tokens = self.dynamic_shift, getattr(model, "input_size", None), getattr(model, "num_tokens", None)
+        if dyn is None or size is None or tokens is None:
+            return
+        frames = int(getattr(model, "frames", 1))
+        counted = dyn.seq_len((1, 1, frames, size, size))
+        if counted != tokens:
+            raise ShiftConfigError(
+                f"diffusion.dynamic_shift.patch_size={dyn.patch_size} counts {counted} image tokens for the model's "
+                f"{size}x{size} latents, but the model has {tokens}; allowed: the model's latent cells per token "
+                f"side (FLUX: 2, a DiT or SD3: its patch_size).")
+
+    def loss(self, net: nn.Module, x: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+        """Unreduced velocity loss (B, C, H, W); draws from the global RNG."""
+        t = torch.sigmoid(torch.randn([x.shape[0]], device=x.device) * self.P_std + self.P_mean)
+        t = shift_t(t, self.shift_for(x.shape)).reshape(-1, *[1] * (x.dim() - 1))
+        noise = torch.randn_like(x)
+        z = (1 - t) * x + t * noise
+        return (net(z, t.flatten(), labels, **cond) - (noise - x)) ** 2
+
+    def t_steps(self, num_steps: Optional[int] = None, device: Any = None,
+                latent_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """The sampler's t grid: num_steps + 1 points from 1 to 0, uniform then shifted (a dynamic shift needs
+        the latents' shape)."""
+        if self.dynamic_shift is not None and latent_shape is None:
+            raise ShiftConfigError("diffusion.dynamic_shift: the sampling t grid depends on the latents' shape; "
+                                   "pass latent_shape.")
+        t = torch.linspace(1.0, 0.0, (num_steps or self.num_steps) + 1, dtype=torch.float64, device=device)
+        return shift_t(t, self.shift if latent_shape is None else self.shift_for(latent_shape))
+
+    @torch.no_grad()
+    def sample(self, velocity: Denoiser, noise: torch.Tensor, labels: torch.Tensor, *, num_steps: Optional[int] = None,
+               randn_like=None, cond: Optional[dict] = None) -> torch.Tensor:
+        """Euler integration of dz/dt = v from z_1 = noise to z_0; velocity(z, t, labels, **cond) -> v, `cond`
+        (e.g. text) going to the model. randn_like is unused (the sampler is deterministic)."""
+        extra = {"cond": cond} if cond else {}
+        ts = self.t_steps(num_steps, noise.device, noise.shape)
+        x = noise.to(torch.float64)
+        for t_cur, t_next in zip(ts[:-1], ts[1:]):
+            v = velocity(x.to(torch.float32), t_cur.to(torch.float32).expand(x.shape[0]), labels, **extra)
+            x = x + (t_next - t_cur) * v.to(torch.float64)
+        return x.to(torch.float32)
+
+    def sampling_nfe(self, num_steps: Optional[int] = None) -> int:
+        return num_steps or self.num_steps

@@ -1,0 +1,117 @@
+"""In-training evaluation: samples of the EMA model, decoded and scored with the ADM metrics against the
+dataset's reference, plus a sample grid. Seeds are sharded across processes and every sample has its own
+generator (tread/sampling/generate.py), so the images (and the metrics) are the same whatever the batch size or
+number of processes.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from tread.data import check_decodable, decode_to_uint8
+from tread.evaluation.fdd import FDD, FddScorer, without_fdd
+from tread.evaluation.features import build_feature_extractor
+from tread.evaluation.images import save_image_grid
+from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
+from tread.evaluation.reference import load_reference_full, reference_for_dataset
+from tread.evaluation.validation import ValidationPrompts
+from tread.sampling import Guidance, generate, text_conditioning_for_seeds
+from tread.utils.distributed import all_gather_rows
+
+
+def decode_options(cfg: Any) -> dict[str, Any]:
+    """decode_to_uint8's keyword options from a config node's vae / vae_dtype / decode_batch_size keys (eval.*,
+    sample.py, fid.py; configs/decode/default.yaml), checked by the schema."""
+    return {"vae": cfg.get("vae"), "vae_dtype": cfg.get("vae_dtype"), "batch_size": cfg.get("decode_batch_size")}
+
+
+class Evaluator:
+    """ADM-style metrics (eval.metrics; FID by default) of generated samples against the dataset's
+    reference, plus a sample grid, and the captioned grid of the validation prompts (eval.validation_prompts,
+    encoded with `model`'s text encoders, model_cfg.text_encoders). The VAE (if any), the reference and the
+    prompts' embeddings are made once, here: missing text encoders fail first."""
+
+    def __init__(self, eval_cfg: Any, dataset, cache_dir: str | Path, accelerator, model: Any = None,
+                 model_cfg: Any = None):
+        self.cfg = eval_cfg
+        self.dataset = dataset
+        self.accelerator = accelerator
+        self.device = accelerator.device
+        self.decode = decode_options(eval_cfg)
+        self.metrics = tuple(eval_cfg.metrics)
+        self.main_metrics = without_fdd(self.metrics)        # fdd has its own network (tread/evaluation/fdd.py)
+        self.guidance = Guidance.from_settings(eval_cfg)
+        self.validation = ValidationPrompts(eval_cfg, model_cfg or {}, model, dataset, self.device) \
+            if eval_cfg.get("validation_prompts") else None
+        # Loads the VAE now (once per process): missing weights fail before training.
+        check_decodable(dataset.meta, **self.decode, device=self.device)
+        zeros = torch.zeros(1, *dataset.shape, device=self.device)
+        self.image_shape = tuple(decode_to_uint8(zeros, dataset.meta, **self.decode).shape[1:])  # (H, W, 3)
+        self.extractor = build_feature_extractor(
+            eval_cfg.features, inception_weights=eval_cfg.get("inception_weights"),
+            cache_dir=str(cache_dir), device=str(self.device),
+            resolution=self.image_shape[0])
+        ref = eval_cfg.get("reference")
+        if ref:
+            if not Path(ref).is_file():
+                raise FileNotFoundError(f"eval.reference={ref!r} does not exist; build one with `python fid.py mode=ref ...`.")
+            self.ref_path = Path(ref)
+        else:
+            name = dataset.root.name
+            self.ref_path = Path(cache_dir) / "references" / f"{name}_{self.extractor.name}.npz"
+            with accelerator.main_process_first():  # the first process builds and caches it
+                reference_for_dataset(dataset, self.extractor, self.ref_path,
+                                      max_images=eval_cfg.get("reference_max_images"), decode_kwargs=self.decode)
+        self.reference = load_reference_full(self.ref_path, self.extractor, need=self.main_metrics or ("fid",))
+        self.fdd = FddScorer(eval_cfg.get("dinov2_weights"), dataset, cache_dir, accelerator, self.decode,
+                             eval_cfg.get("reference_max_images")) if FDD in self.metrics else None
+
+    def __call__(self, net, diffusion, step: int, samples_dir: Optional[Path]) -> dict[str, Any]:
+        start = time.time()
+        acc, cfg = self.accelerator, self.cfg
+        offset = int(cfg.get("seed_offset") or 0)     # the paper code's FID-5K: seeds 100000..104999
+        seeds = list(range(offset, offset + cfg.num_samples))[acc.process_index::acc.num_processes]
+        shape = list(self.dataset.shape)
+        feats = FeatureAccumulator(self.extractor, self.main_metrics or ("fid",), device=self.device)  # a rank
+        fdd = self.fdd.accumulator() if self.fdd is not None else None                             # may get none
+        grid_n = min(cfg.grid_size, cfg.num_samples)
+        grid: dict[int, torch.Tensor] = {}
+        for batch, _, x in generate(net, diffusion, seeds, shape, self.dataset.num_classes, self.device,
+                                    batch_size=cfg.batch_size, num_steps=cfg.num_steps, guidance=self.guidance,
+                                    cond_fn=text_conditioning_for_seeds(self.dataset, net),
+                                    class_labels=cfg.get("class_labels") or "cycle"):
+            images = decode_to_uint8(x, self.dataset.meta, **self.decode)            # (B, H, W, 3) uint8
+            feats.add(images.permute(0, 3, 1, 2), batch)                             # indexed by seed
+            if fdd is not None:
+                fdd.add(images.permute(0, 3, 1, 2), batch)
+            grid.update({s - offset: img.cpu() for s, img in zip(batch, images) if s - offset < grid_n})
+        feats.gather()
+        scores = compute_metrics(feats, self.reference, self.main_metrics) if self.main_metrics else {}
+        if fdd is not None:
+            scores[FDD] = self.fdd.score(fdd)
+        grid_images = self._gather_grid(grid, grid_n, self.image_shape)
+        extra = {}
+        # A few images, outside the metrics; every process samples them (a sharded EMA needs all ranks).
+        validation = self.validation.sample(net, diffusion, self.guidance, self.decode) if self.validation else None
+        if acc.is_main_process and samples_dir is not None:
+            save_image_grid(grid_images, Path(samples_dir) / f"step_{step:07d}.png",
+                            nrow=min(self.dataset.num_classes, grid_n),
+                            upscale=max(1, 64 // grid_images.shape[1]))
+            if validation is not None:
+                extra["validation_grid"] = str(self.validation.save(*validation, step, Path(samples_dir)))
+        return {"type": "eval", "step": step, **scores, "num_samples": cfg.num_samples,
+                "features": self.extractor.name, **extra, "eval_sec": time.time() - start}
+
+    def _gather_grid(self, grid: dict[int, torch.Tensor], n: int, img_shape) -> torch.Tensor:
+        """All grid images on every process, in seed order (seed i lives on rank i mod P)."""
+        per_rank = -(-n // self.accelerator.num_processes)
+        local = torch.zeros(per_rank, *img_shape, dtype=torch.uint8)
+        index = torch.full((per_rank,), -1, dtype=torch.int64)
+        for j, s in enumerate(sorted(grid)):
+            local[j], index[j] = grid[s], s
+        images, seeds = all_gather_rows([local, index])
+        by_seed = {int(s): img for s, img in zip(seeds, images) if s >= 0}
+        return torch.stack([by_seed[s] for s in range(n)])

@@ -1,0 +1,251 @@
+"""Pluggable feature extractors for the ADM metric suite (FID, sFID, IS, precision/recall, KID).
+
+Every extractor is an nn.Module taking uint8 (B, 3, H, W) images (the torch-fidelity input convention):
+
+* `name`, `dim`, forward(images) -> float32 (B, dim) pool features (FID, precision/recall, KID);
+* `spatial_dim`, `num_logits`, forward_all(images) -> {"pool": (B, dim), "spatial": (B, spatial_dim),
+  "logits": (B, num_logits)}, all float32 and from ONE network pass (sFID uses "spatial", IS "logits").
+
+Inception (torch-fidelity's TF-compatible port, "inception-v3-compat") reproduces ADM's evaluator
+(openai/guided-diffusion evaluations/evaluator.py):
+
+* pool    = pool_3 (2048-d), torch-fidelity feature '2048';
+* logits  = pool_3 @ softmax/weights with NO bias (ADM multiplies pool_3 by the MatMul weights of
+            "softmax/logits/MatMul" only), torch-fidelity's 'logits_unbiased' (1008 classes);
+* spatial = ADM's "mixed_6/conv:0" (the ReLU output of the 1x1 branch of the 7th mixed block, 17x17x192),
+            channels [:7] in NHWC order, flattened: 17 * 17 * 7 = 2023-d.
+
+TF graph block names -> torch-fidelity modules (torch-fidelity's utils/util_convert_inception_weights.py
+maps "mixed_6/conv/{conv2d_params,batchnorm}" to "Mixed_6d.branch1x1.{conv,bn}"):
+
+    mixed -> Mixed_5b, mixed_1 -> Mixed_5c, mixed_2 -> Mixed_5d, mixed_3 -> Mixed_6a, mixed_4 -> Mixed_6b,
+    mixed_5 -> Mixed_6c, mixed_6 -> Mixed_6d, mixed_7 -> Mixed_6e, mixed_8 -> Mixed_7a, mixed_9 -> Mixed_7b,
+    mixed_10 -> Mixed_7c; "<block>/conv" (the first, 1x1 branch) -> "<Block>.branch1x1".
+
+So "mixed_6/conv:0" is the output of Mixed_6d.branch1x1 (a BasicConv2d: conv, batch norm, ReLU), which
+InceptionFeatures captures with a forward hook.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from tread.evaluation.frechet import FeatureStats
+from tread.evaluation.toy_classifier import load_or_train_toy_classifier
+from tread.utils.device import resolve_device
+from tread.utils.io import atomic_write
+
+FEATURE_NAMES = ("toy_classifier", "inception")
+# The weights torch-fidelity's FeatureExtractorInceptionV3 downloads when given no path
+# (TF Inception-v3 2015-12-05 converted to PyTorch; FID-compatible with the ADM/TF numbers).
+INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
+                 "weights-inception-2015-12-05-6726825d.pth")
+DOWNLOAD_TIMEOUT_S = 30
+
+
+def inception_cache_path() -> Path:
+    """Where torch-fidelity caches the weights: torch.hub's load_state_dict_from_url location,
+    <torch hub dir>/checkpoints/ (default ~/.cache/torch/hub/checkpoints; moved by $TORCH_HOME)."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(INCEPTION_URL)
+
+
+def _download_inception_weights() -> Path:
+    path = inception_cache_path()
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # fail fast instead of hanging on a dead network
+    try:
+        torch.hub.download_url_to_file(INCEPTION_URL, str(path), progress=False)
+    except Exception as e:
+        raise RuntimeError(
+            f"Could not download the Inception-v3 FID weights ({path.name}) from {INCEPTION_URL}: {e!r}.\n"
+            f"Without network access, download that file on another machine and either pass its path with "
+            f"eval.inception_weights=/path/to/{path.name} (fid.py: inception_weights=...), or copy it to "
+            f"{path} (the torch hub cache torch-fidelity uses; set TORCH_HOME to move it). "
+            f"For the built-in data, eval.features=toy_classifier needs no download.") from e
+    finally:
+        socket.setdefaulttimeout(old_timeout)
+    return path
+
+
+# ADM's sFID features: the first 7 channels of mixed_6/conv (17 x 17 at Inception's 299 px input).
+SPATIAL_CHANNELS = 7
+INCEPTION_SPATIAL_SIDE = 17
+
+
+def _nhwc_flat(x: torch.Tensor, channels: int = SPATIAL_CHANNELS) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H * W * channels) float32: channels [:channels] in NHWC order, flattened, as ADM
+    does with `spatial[..., :7]` on TF's NHWC tensor and `reshape([N, -1])`."""
+    return x[:, :channels].permute(0, 2, 3, 1).reshape(x.shape[0], -1).float()
+
+
+def _inception_class():
+    # Lazy: torch-fidelity is a heavy optional dependency, needed only for Inception features.
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+    return FeatureExtractorInceptionV3
+
+
+class InceptionFeatures(nn.Module):
+    """torch-fidelity's TF-compatible Inception-v3 (resizes to 299 inside): 2048-d pool_3 features,
+    2023-d mixed_6/conv spatial features and 1008 bias-free logits (see the module docstring)."""
+
+    name = "inception"
+    dim = 2048
+    spatial_dim = INCEPTION_SPATIAL_SIDE ** 2 * SPATIAL_CHANNELS  # 2023
+    num_logits = 1008
+
+    def __init__(self, weights_path: Optional[Union[str, Path]] = None):
+        super().__init__()
+        if weights_path is not None:
+            weights_path = Path(weights_path).expanduser()
+            if not weights_path.is_file():
+                raise FileNotFoundError(f"Inception weights file not found: {weights_path} "
+                                        f"(set by eval.inception_weights / inception_weights)")
+        else:
+            weights_path = _download_inception_weights()
+        try:
+            self.net = _inception_class()("inception-v3-compat", ["2048", "logits_unbiased"],
+                                          feature_extractor_weights_path=str(weights_path))
+        except Exception as e:  # unreadable file, or a state_dict of another architecture
+            raise RuntimeError(f"{weights_path} is not usable as torch-fidelity Inception-v3 weights (expected "
+                               f"{os.path.basename(INCEPTION_URL)} from {INCEPTION_URL}): {e}") from e
+        self._spatial: Optional[torch.Tensor] = None
+        self._capture = False
+        self.net.Mixed_6d.branch1x1.register_forward_hook(self._spatial_hook)
+
+    def _spatial_hook(self, module: nn.Module, inputs, output: torch.Tensor) -> None:
+        if self._capture:
+            self._spatial = _nhwc_flat(output)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net(images)[0]
+
+    def forward_all(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        self._capture, self._spatial = True, None
+        try:
+            pool, logits = self.net(images)
+            spatial = self._spatial
+        finally:
+            self._capture, self._spatial = False, None
+        return {"pool": pool.float(), "spatial": spatial, "logits": logits.float()}
+
+
+def save_random_inception_weights(path: Union[str, Path], seed: int = 0) -> Path:
+    """Write a RANDOM-weight torch-fidelity 'inception-v3-compat' state_dict to `path` (loadable with
+    InceptionFeatures(path) / eval.inception_weights=path): for tests and offline smoke runs only, the
+    metrics it gives mean nothing. Deterministic in `seed`; the global RNG state is left untouched.
+
+    Convolutions get He-normal weights (and the classifier a 1/sqrt(fan_in) normal) so activations keep
+    their scale through the 94 layers; batch norms keep running mean 0 / variance 1."""
+    class _RandomInception(_inception_class()):
+        def load_state_dict(self, state_dict, strict=True, assign=False):  # keep the random initialisation
+            return None
+
+    with tempfile.TemporaryDirectory() as tmp, torch.random.fork_rng(devices=[]):
+        empty = Path(tmp) / "empty.pth"
+        torch.save({}, empty)
+        torch.manual_seed(seed)
+        net = _RandomInception("inception-v3-compat", ["2048"], feature_extractor_weights_path=str(empty))
+        for m in net.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+        nn.init.normal_(net.fc.weight, std=net.fc.in_features ** -0.5)
+        nn.init.zeros_(net.fc.bias)
+        state = net.state_dict()
+    return atomic_write(path, lambda f: torch.save(state, f))
+
+
+class ToyClassifierFeatures(nn.Module):
+    """Features of the offline toy-shapes classifier (evaluation.toy_classifier):
+
+    * pool    = the 64-d penultimate (pre-activation) embedding;
+    * logits  = its class head (10 toy classes);
+    * spatial = the first 7 channels of the 4th conv block's output (conv, BN, ReLU: 64 channels at 1/4 of the
+                input side, i.e. 8 x 8 at 32 px), NHWC-flattened like ADM's sFID features: 448-d at 32 px."""
+
+    name = "toy_classifier"
+    SPATIAL_LAYER = 11  # index in classifier.trunk of the ReLU ending block 4 (the second stride-2 block)
+
+    def __init__(self, classifier: nn.Module):
+        super().__init__()
+        self.classifier = classifier
+        self.dim = classifier.embed.out_features
+        self.num_logits = classifier.head.out_features
+        self.resolution = int(classifier.resolution)
+        side = self.resolution
+        for _ in range(2):  # two 3x3 stride-2 padding-1 convolutions before SPATIAL_LAYER
+            side = (side - 1) // 2 + 1
+        channels = min(SPATIAL_CHANNELS, classifier.trunk[self.SPATIAL_LAYER - 2].out_channels)
+        self.spatial_dim = side * side * channels
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.classifier.features(images).float()
+
+    def forward_all(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.classifier._normalise(images)
+        spatial = None
+        for i, layer in enumerate(self.classifier.trunk):
+            x = layer(x)
+            if i == self.SPATIAL_LAYER:
+                spatial = _nhwc_flat(x)
+        pool = self.classifier.embed(x)
+        logits = self.classifier.head(torch.relu(pool))
+        return {"pool": pool.float(), "spatial": spatial, "logits": logits.float()}
+
+
+def forward_features(extractor: nn.Module, images: torch.Tensor, spatial: bool = True,
+                     logits: bool = True) -> dict[str, torch.Tensor]:
+    """extractor.forward_all(images); for a pool-only extractor (no forward_all) {"pool": extractor(images)},
+    which is enough when neither spatial features nor logits are needed."""
+    if hasattr(extractor, "forward_all"):
+        return extractor.forward_all(images)
+    if spatial or logits:
+        what = " and ".join(w for w, on in (("spatial features (sfid)", spatial), ("logits (is)", logits)) if on)
+        raise TypeError(f"feature extractor '{getattr(extractor, 'name', type(extractor).__name__)}' has no "
+                        f"forward_all(), so it gives no {what}")
+    return {"pool": extractor(images).float()}
+
+
+def build_feature_extractor(name: str, *, inception_weights: Optional[Union[str, Path]] = None,
+                            cache_dir: Union[str, Path] = ".cache", device: Union[str, torch.device] = "cpu",
+                            resolution: int = 32) -> nn.Module:
+    """A frozen extractor in eval mode on `device` ("auto": CUDA if available).
+
+    `resolution` picks the toy classifier trained at that image size (Inception resizes itself)."""
+    if name == "inception":
+        extractor = InceptionFeatures(inception_weights)
+    elif name == "toy_classifier":
+        extractor = ToyClassifierFeatures(load_or_train_toy_classifier(cache_dir, resolution=resolution))
+    else:
+        raise ValueError(f"Unknown feature extractor eval.features={name!r}; choose one of {FEATURE_NAMES}")
+    return extractor.to(resolve_device(device)).eval().requires_grad_(False)
+
+
+def extractor_device(extractor: nn.Module) -> torch.device:
+    return next(extractor.parameters()).device
+
+
+@torch.no_grad()
+def extract_features(extractor: nn.Module,
+                     images: Union[torch.Tensor, np.ndarray, Iterable[Union[torch.Tensor, np.ndarray]]],
+                     batch_size: int = 250, device: Optional[Union[str, torch.device]] = None,
+                     stats: Optional[FeatureStats] = None) -> FeatureStats:
+    """Feature statistics of uint8 (N, 3, H, W) images: one tensor/array or an iterable of batches."""
+    device = extractor_device(extractor) if device is None else resolve_device(device)
+    batches = images
+    if isinstance(images, (torch.Tensor, np.ndarray)):
+        batches = (images[i:i + batch_size] for i in range(0, len(images), batch_size))
+    stats = FeatureStats() if stats is None else stats
+    for batch in batches:
+        stats.update(extractor(torch.as_tensor(batch).to(device)))
+    return stats

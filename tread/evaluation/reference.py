@@ -1,0 +1,454 @@
+"""References for the metrics: ADM-compatible .npz files and what the metrics need from them.
+
+An ADM reference batch holds arr_0 (uint8 NHWC reference images, 10K for ImageNet) and optionally mu/sigma
+(pool features) and mu_s/sigma_s (spatial features) computed over the whole dataset; ours add feature
+(extractor name), num_images, source and resolution. load_reference_full reads such files as they are;
+ReferenceBuilder / build_reference / reference_for_dataset write them. compute_stats / save_reference /
+load_reference are the pool-feature-only (FID) shorthands."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Union
+
+import numpy as np
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+import tread.data as data_mod
+from tread.evaluation.features import extract_features, extractor_device, forward_features
+from tread.evaluation.frechet import FeatureStats
+from tread.evaluation.images import (ImagesLike, image_files, iter_image_folder, iter_npz_batches, npz_array_info,
+                               to_nhwc_uint8)
+from tread.evaluation.metric_names import ROW_METRICS, check_metrics
+from tread.utils.distributed import all_gather_rows, is_distributed
+from tread.utils.io import atomic_write
+
+PathLike = Union[str, Path]
+
+
+def subset_indices(total: int, max_images: Optional[int], seed: int = 0) -> np.ndarray:
+    """All indices, or a fixed random subset of max_images (sorted): datasets are often stored
+    class by class, so taking the first N would skew the statistics."""
+    if max_images is None or max_images >= total:
+        return np.arange(total)
+    return np.sort(np.random.default_rng(seed).choice(total, size=max_images, replace=False))
+
+
+def compute_stats(extractor: nn.Module, images: ImagesLike, batch_size: int = 250,
+                  device: Optional[Union[str, torch.device]] = None) -> FeatureStats:
+    """Feature statistics of uint8 (N, H, W, 3) images (device: the extractor's by default)."""
+    images = to_nhwc_uint8(images)
+    batches = (torch.from_numpy(images[i:i + batch_size]).permute(0, 3, 1, 2)
+               for i in range(0, len(images), batch_size))
+    return extract_features(extractor, batches, device=device)
+
+
+def save_reference(path: PathLike, stats: FeatureStats, extractor_name: str,
+                   images: Optional[ImagesLike] = None, extra: Optional[dict] = None) -> Path:
+    """npz with mu, sigma, feature (extractor name), num_images, optionally the images as arr_0
+    and `extra` arrays (e.g. the source dataset)."""
+    arrays = {**stats.to_npz_dict(), "feature": np.array(extractor_name), "num_images": np.array(stats.n),
+              **(extra or {})}
+    if images is not None:
+        arrays["arr_0"] = to_nhwc_uint8(images)
+    return atomic_write(path, lambda f: np.savez(f, **arrays))
+
+
+def _check_feature(path: Path, data, extractor: nn.Module) -> None:
+    if "feature" in data and str(data["feature"]) != extractor.name:
+        raise ValueError(f"reference {path} holds statistics of '{data['feature']}' features, but the evaluation "
+                         f"uses '{extractor.name}': rebuild it with `python fid.py mode=ref features=...` "
+                         f"or pick the matching features")
+
+
+def load_reference(path: PathLike, extractor: nn.Module, batch_size: int = 250) -> tuple[np.ndarray, np.ndarray]:
+    """(mu, sigma) of the pool features: load_reference_full(path, extractor, need=("fid",)) -- stored mu/sigma
+    if present (ADM reference batches have them), else computed from the arr_0 images."""
+    ref = load_reference_full(path, extractor, batch_size, need=("fid",))
+    return ref.mu, ref.sigma
+
+
+# ----------------------------------------------------------------------------- ADM metric references
+
+@dataclass
+class Reference:
+    """What the metrics compare samples against (see load_reference_full).
+
+    mu/sigma: pool-feature statistics (FID), mu_s/sigma_s: spatial-feature statistics (sFID), float64; for
+    ADM reference batches these cover the whole dataset. pool_rows: float32 (N, dim) pool features of the
+    reference *images* (arr_0: precision/recall/KID). num_images: the images behind mu/sigma when the file
+    says so (our files' num_images), else the number of arr_0 images. resolution: (H, W) of the images."""
+
+    feature: str
+    mu: Optional[np.ndarray] = None
+    sigma: Optional[np.ndarray] = None
+    mu_s: Optional[np.ndarray] = None
+    sigma_s: Optional[np.ndarray] = None
+    num_images: int = 0
+    pool_rows: Optional[torch.Tensor] = None
+    path: Optional[Path] = None
+    resolution: Optional[tuple[int, int]] = None
+
+
+_REF_HINT = "`python fid.py mode=ref source=<image folder | .npz | dataset dir> out={path}`"
+
+
+def _resolution_of(data, files: set) -> Optional[tuple[int, int]]:
+    if "resolution" in files:
+        r = np.asarray(data["resolution"]).reshape(-1)
+        return (int(r[0]), int(r[-1]))
+    return None
+
+
+def _check_resolution(path: Path, res: Optional[tuple[int, int]], extractor: nn.Module) -> None:
+    """A feature network trained at one image size (the toy classifier) must not score another size."""
+    side = getattr(extractor, "resolution", None)
+    if res is not None and side is not None and res != (side, side):
+        raise ValueError(f"reference {path} (key 'resolution') is for {res[0]}x{res[1]} images but the "
+                         f"'{extractor.name}' features are for {side}x{side} images: rebuild the reference with "
+                         f"{_REF_HINT.format(path=path)} from images of that size, or score images of its size")
+
+
+def _load_stats(path: Path, data, files: set, keys: tuple[str, str], dim: Optional[int], extractor: nn.Module):
+    mu_key, sigma_key = keys
+    if mu_key not in files or sigma_key not in files:
+        return None, None
+    mu, sigma = data[mu_key].astype(np.float64), data[sigma_key].astype(np.float64)
+    if dim is not None and (mu.shape != (dim,) or sigma.shape != (dim, dim)):
+        raise ValueError(f"reference {path} has {mu_key} of shape {mu.shape} and {sigma_key} of shape "
+                         f"{sigma.shape}, but '{extractor.name}' gives {dim}-d features there (statistics from "
+                         f"another feature network?): rebuild it with {_REF_HINT.format(path=path)} features="
+                         f"{extractor.name}")
+    return mu, sigma
+
+
+def _arr0_shape(path: Path, files: set) -> Optional[tuple[int, ...]]:
+    """The shape of the reference's arr_0 images (None without them); they must be uint8 (N, H, W, 3)."""
+    if "arr_0" not in files:
+        return None
+    arr_shape, arr_dtype = npz_array_info(path, "arr_0")
+    if arr_dtype != np.uint8 or len(arr_shape) != 4 or arr_shape[-1] != 3:
+        raise ValueError(f"arr_0 in reference {path}: expected uint8 (N, H, W, 3) images, got {arr_dtype} "
+                         f"{arr_shape}")
+    return arr_shape
+
+
+def _read_reference(path: Path, extractor: nn.Module) -> tuple[Reference, set]:
+    """The Reference with what the npz stores (checked against `extractor`), and the npz's keys."""
+    with np.load(path) as data:
+        files = set(data.files)
+        _check_feature(path, data, extractor)
+        resolution = _resolution_of(data, files)
+        _check_resolution(path, resolution, extractor)
+        mu, sigma = _load_stats(path, data, files, ("mu", "sigma"), extractor.dim, extractor)
+        spatial_dim = getattr(extractor, "spatial_dim", None)
+        mu_s, sigma_s = _load_stats(path, data, files, ("mu_s", "sigma_s"), spatial_dim, extractor)
+        num_images = int(data["num_images"]) if "num_images" in files else None
+    arr_shape = _arr0_shape(path, files)
+    if arr_shape is not None and resolution is None:
+        resolution = (int(arr_shape[1]), int(arr_shape[2]))
+        _check_resolution(path, resolution, extractor)
+    if num_images is None:
+        num_images = int(arr_shape[0]) if arr_shape is not None else 0
+    ref = Reference(feature=extractor.name, mu=mu, sigma=sigma, mu_s=mu_s, sigma_s=sigma_s,
+                    num_images=num_images, path=path, resolution=resolution)
+    return ref, files
+
+
+def _add_image_features(ref: Reference, extractor: nn.Module, batch_size: int, want_pool: bool,
+                        want_spatial: bool, want_rows: bool) -> None:
+    """Fill in what is wanted from the features of the reference's arr_0 images: mu/sigma, mu_s/sigma_s and
+    the float32 pool rows."""
+    device = extractor_device(extractor)
+    pool = FeatureStats(extractor.dim, device) if want_pool else None
+    spatial = FeatureStats(extractor.spatial_dim, device) if want_spatial else None
+    rows = []
+    for batch in iter_npz_batches(ref.path, "arr_0", batch_size):
+        x = torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2).to(device)
+        feats = forward_features(extractor, x, spatial=want_spatial, logits=False)
+        if pool is not None:
+            pool.update(feats["pool"])
+        if spatial is not None:
+            spatial.update(feats["spatial"])
+        if want_rows:
+            rows.append(feats["pool"].float().cpu())
+    for what, stats in (("fid", pool), ("sfid", spatial)):
+        if stats is not None and stats.n < 2:
+            raise ValueError(f"{what}: reference {ref.path} has {stats.n} arr_0 images, need at least 2 for "
+                             f"statistics")
+    if pool is not None:
+        ref.mu, ref.sigma = pool.mean(), pool.cov()
+    if spatial is not None:
+        ref.mu_s, ref.sigma_s = spatial.mean(), spatial.cov()
+    if want_rows:
+        ref.pool_rows = torch.cat(rows) if rows else torch.zeros(0, extractor.dim)
+
+
+@torch.no_grad()
+def load_reference_full(path: PathLike, extractor: nn.Module, batch_size: int = 250,
+                        need: Iterable[str] = ("fid",)) -> Reference:
+    """The reference for the metrics in `need`, from an npz AS IT IS (ours or an ADM reference batch):
+    stored mu/sigma and mu_s/sigma_s are used when present (ADM: whole-dataset statistics); whatever is
+    missing but needed is computed from the arr_0 images (uint8 NHWC) with `extractor`, and the arr_0 images'
+    pool features are computed when precision/recall/kid are needed (ADM uses its 10K arr_0 images there)."""
+    need = set(check_metrics(need))
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"reference {path} not found; build it with {_REF_HINT.format(path=path)}")
+    ref, files = _read_reference(path, extractor)
+    want_pool = "fid" in need and ref.mu is None
+    want_spatial = "sfid" in need and ref.mu_s is None
+    want_rows = bool(need & set(ROW_METRICS))
+    if not (want_pool or want_spatial or want_rows):
+        return ref
+    if "arr_0" not in files:
+        lacking = ", ".join(w for w, on in (("mu/sigma (fid)", want_pool), ("mu_s/sigma_s (sfid)", want_spatial),
+                                            ("reference images (precision/recall/kid)", want_rows)) if on)
+        raise ValueError(f"reference {path} has no arr_0 images, so it cannot provide {lacking}: rebuild it "
+                         f"with {_REF_HINT.format(path=path)} (it stores mu/sigma, mu_s/sigma_s and arr_0 "
+                         f"images), or leave those metrics out")
+    if want_spatial and getattr(extractor, "spatial_dim", None) is None:
+        raise ValueError(f"sfid needs spatial features, which extractor '{extractor.name}' does not give")
+    _add_image_features(ref, extractor, batch_size, want_pool, want_spatial, want_rows)
+    return ref
+
+
+def _to_nhwc_tensor(images: Union[np.ndarray, torch.Tensor], what: str = "images") -> torch.Tensor:
+    x = torch.as_tensor(images)
+    if x.dtype != torch.uint8 or x.ndim != 4 or x.shape[-1] != 3:
+        raise ValueError(f"{what}: expected uint8 (N, H, W, 3) images, got {x.dtype} {tuple(x.shape)}")
+    return x
+
+
+class ReferenceBuilder:
+    """Streams a (huge) dataset into an ADM-compatible reference npz, on one or many processes.
+
+    add(images, indices) accumulates float64 pool and spatial statistics of every image and keeps the images
+    whose global index (0 <= index < total) is in subset_indices(total, store_images, seed): ADM references
+    keep 10K images (arr_0) for precision/recall next to whole-dataset mu/sigma and mu_s/sigma_s.
+    With several processes: each adds its share (with global indices), all call all_reduce(), and one calls
+    save(). local=True: this process alone adds every image (e.g. the first process of a run building the
+    cache while the others wait), so save() needs no all_reduce even inside a distributed run."""
+
+    def __init__(self, extractor: nn.Module, total: int, store_images: Optional[int] = 10000, seed: int = 0,
+                 local: bool = False):
+        if getattr(extractor, "spatial_dim", None) is None or not hasattr(extractor, "forward_all"):
+            raise TypeError(f"ReferenceBuilder needs an extractor with spatial features (forward_all, spatial_dim); "
+                            f"'{getattr(extractor, 'name', type(extractor).__name__)}' has none")
+        if total < 1:
+            raise ValueError(f"ReferenceBuilder total={total} must be >= 1")
+        if store_images is not None and store_images < 0:
+            raise ValueError(f"store_images={store_images} must be >= 0 (or None: keep all)")
+        self.extractor = extractor
+        self.total = int(total)
+        self.device = extractor_device(extractor)
+        self.pool = FeatureStats(extractor.dim, self.device)
+        self.spatial = FeatureStats(extractor.spatial_dim, self.device)
+        self._keep = np.zeros(self.total, dtype=bool)
+        if store_images is None or store_images > 0:
+            self._keep[subset_indices(self.total, store_images, seed)] = True
+        self.store_images = int(self._keep.sum())
+        self.local = bool(local)
+        self._images: list[np.ndarray] = []
+        self._image_indices: list[np.ndarray] = []
+        self.image_size: Optional[tuple[int, int]] = None
+        self.reduced = False
+
+    @property
+    def n(self) -> int:
+        """Images added (on all ranks after all_reduce())."""
+        return self.pool.n
+
+    @torch.no_grad()
+    def add(self, images: Union[np.ndarray, torch.Tensor], indices: Iterable[int]) -> "ReferenceBuilder":
+        """Add uint8 (B, H, W, 3) images (numpy or torch, any device) with their global indices."""
+        if self.reduced:
+            raise RuntimeError("ReferenceBuilder.add after all_reduce(): make a new builder")
+        x = _to_nhwc_tensor(images, "ReferenceBuilder.add")
+        idx = np.asarray(indices.cpu() if isinstance(indices, torch.Tensor) else list(indices), dtype=np.int64)
+        idx = idx.reshape(-1)
+        if len(idx) != len(x):
+            raise ValueError(f"ReferenceBuilder.add got {len(x)} images but {len(idx)} indices")
+        if len(x) == 0:
+            return self
+        if idx.min() < 0 or idx.max() >= self.total:
+            raise ValueError(f"ReferenceBuilder indices must lie in [0, {self.total}), got {idx.min()}..{idx.max()}")
+        size = (int(x.shape[1]), int(x.shape[2]))
+        if self.image_size is None:
+            self.image_size = size
+        elif size != self.image_size:
+            raise ValueError(f"image sizes differ: {self.image_size} earlier, {size} now (a reference needs one size)")
+        feats = self.extractor.forward_all(x.to(self.device).permute(0, 3, 1, 2))
+        self.pool.update(feats["pool"])
+        self.spatial.update(feats["spatial"])
+        keep = self._keep[idx]
+        if keep.any():
+            self._images.append(x[torch.from_numpy(keep).to(x.device)].cpu().numpy())
+            self._image_indices.append(idx[keep])
+        return self
+
+    def _kept(self) -> tuple[np.ndarray, np.ndarray]:
+        h, w = self.image_size or (0, 0)
+        images = np.concatenate(self._images) if self._images else np.zeros((0, h, w, 3), np.uint8)
+        indices = np.concatenate(self._image_indices) if self._image_indices else np.zeros(0, np.int64)
+        return images, indices
+
+    def all_reduce(self) -> "ReferenceBuilder":
+        """Collective over torch.distributed ranks (no-op without a process group of more than one rank):
+        statistics summed, kept images gathered (every rank then holds them all, ordered by index)."""
+        if self.reduced:
+            return self
+        self.pool.all_reduce()
+        self.spatial.all_reduce()
+        if is_distributed():
+            # Ranks that saw no image learn the image size from the others.
+            sizes = all_gather_rows([torch.tensor([self.image_size or (0, 0)], dtype=torch.int64)])[0]
+            seen = {tuple(int(v) for v in s.tolist()) for s in sizes} - {(0, 0)}
+            if len(seen) > 1:
+                raise ValueError(f"image sizes differ between processes: {sorted(seen)}")
+            if seen and self.image_size is None:
+                self.image_size = seen.pop()
+            images, indices = self._kept()
+            images, indices = all_gather_rows([torch.from_numpy(images), torch.from_numpy(indices)])
+            self._images, self._image_indices = [images.numpy()], [indices.numpy()]
+        self.reduced = True
+        return self
+
+    def save(self, out: PathLike, source: str, extra: Optional[dict] = None) -> Path:
+        """Write the ADM-compatible reference npz atomically: arr_0 (kept images, by index), mu, sigma, mu_s,
+        sigma_s, plus feature, num_images, source and resolution (the image side, for square images).
+        After all_reduce() when distributed; call it on one rank."""
+        if is_distributed() and not (self.reduced or self.local):
+            raise RuntimeError("ReferenceBuilder.save in a distributed run: call all_reduce() on every rank first")
+        if self.n < 2:
+            raise ValueError(f"a reference needs at least 2 images, got {self.n}")
+        images, indices = self._kept()
+        order = np.argsort(indices, kind="stable")
+        if len(np.unique(indices)) != len(indices):
+            raise ValueError("some reference image index was added more than once")
+        arrays = {"arr_0": images[order], "mu": self.pool.mean(), "sigma": self.pool.cov(),
+                  "mu_s": self.spatial.mean(), "sigma_s": self.spatial.cov(),
+                  "feature": np.array(self.extractor.name), "num_images": np.array(self.n),
+                  "source": np.array(str(source))}
+        h, w = self.image_size
+        if h == w:
+            arrays["resolution"] = np.array(h)
+        arrays.update(extra or {})
+        return atomic_write(out, lambda f: np.savez(f, **arrays))
+
+
+# ----------------------------------------------------------------------------- building references
+
+def _dataset_source(dataset) -> str:
+    return str(getattr(dataset, "root", getattr(dataset, "path", type(dataset).__name__)))
+
+
+def _describe_decode(decode_kwargs: Optional[dict]) -> str:
+    """A stable text of the decode options that change the images (objects by type name; batch_size, which
+    does not, is left out), stored with a cached reference."""
+    def text(v):
+        return repr(v) if v is None or isinstance(v, (str, int, float, bool)) else type(v).__name__
+    return ", ".join(f"{k}={text(v)}" for k, v in sorted((decode_kwargs or {}).items()) if k != "batch_size")
+
+
+def _cached_reference_ok(path: Path, extractor: nn.Module, num_images: int, source: str, decode: str = "",
+                         store_images: Optional[int] = 10000) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        with np.load(path) as data:
+            files = set(data.files)
+            if not {"mu", "sigma", "mu_s", "sigma_s", "arr_0", "feature", "source", "num_images"} <= files:
+                return False  # e.g. an older cache without sFID statistics or images: rebuild
+            stored_decode = str(data["decode"]) if "decode" in files else ""
+            ok = (str(data["feature"]) == extractor.name and str(data["source"]) == source
+                  and int(data["num_images"]) == num_images and stored_decode == decode
+                  and data["mu"].shape == (extractor.dim,)
+                  and data["mu_s"].shape == (getattr(extractor, "spatial_dim", None),))
+        if ok:
+            kept = num_images if store_images is None else min(store_images, num_images)
+            ok = npz_array_info(path, "arr_0")[0][0] == kept
+        return bool(ok)
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _latents(dataset, indices: np.ndarray) -> torch.Tensor:
+    if hasattr(dataset, "__getitems__"):  # batched read (LatentDataset: one memmap fancy-index)
+        return torch.as_tensor(dataset.__getitems__(indices.tolist())[0])
+    return torch.stack([torch.as_tensor(dataset[int(j)][0]) for j in indices])
+
+
+@torch.no_grad()
+def reference_for_dataset(dataset, extractor: nn.Module, out_path: PathLike, max_images: Optional[int] = None,
+                          batch_size: int = 250, force: bool = False, decode_kwargs: Optional[dict] = None,
+                          store_images: Optional[int] = 10000) -> Path:
+    """Decode the dataset's latents (the posterior mean for 'moments' data) to uint8 images and save an
+    ADM-style reference (mu/sigma, mu_s/sigma_s, up to `store_images` images as arr_0) to out_path.
+    Reuses out_path (unless force) if it holds all of that for the same features, dataset, image count and
+    decode options; older files (e.g. without mu_s/sigma_s or arr_0) are rebuilt."""
+    out_path, source = Path(out_path), _dataset_source(dataset)
+    indices = subset_indices(len(dataset), max_images)
+    decode = _describe_decode(decode_kwargs)
+    if not force and _cached_reference_ok(out_path, extractor, len(indices), source, decode, store_images):
+        return out_path
+    print(f"Building reference statistics ({extractor.name}, {len(indices)} images) -> {out_path}", flush=True)
+    device = extractor_device(extractor)
+    builder = ReferenceBuilder(extractor, len(indices), store_images, local=True)   # every image, on this process
+    for i in tqdm(range(0, len(indices), batch_size), desc=f"reference ({extractor.name})", unit="batch",
+                  dynamic_ncols=True, leave=False):
+        x = _latents(dataset, indices[i:i + batch_size]).to(device)
+        x = data_mod.draw_latents(x, dataset.meta, mode="mean")
+        images = data_mod.decode_to_uint8(x, dataset.meta, **(decode_kwargs or {}))
+        builder.add(images, np.arange(i, i + len(x)))
+    return builder.save(out_path, source, extra={"decode": np.array(decode)})
+
+
+def build_reference(out: PathLike, extractor: nn.Module, source: PathLike, *, max_images: Optional[int] = None,
+                    store_images: Optional[int] = 10000, batch_size: int = 250,
+                    decode_kwargs: Optional[dict] = None) -> Path:
+    """An ADM-style reference npz from `source`: an image folder (all images one size), an .npz with arr_0
+    (uint8 NHWC, e.g. samples or another reference) or a latent dataset directory (with meta.json; decoded as
+    reference_for_dataset does). A fixed random subset of max_images images is used if given (sorted, as
+    subset_indices); store_images of those are kept as arr_0."""
+    source = Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"reference source {source} does not exist")
+    if (source / "meta.json").is_file():
+        return reference_for_dataset(data_mod.LatentDataset(str(source)), extractor, out, max_images=max_images,
+                                     batch_size=batch_size, force=True, decode_kwargs=decode_kwargs,
+                                     store_images=store_images)
+    if source.is_dir():
+        total = len(image_files(source))
+        chosen = subset_indices(total, max_images)
+        batches = iter_image_folder(source, batch_size, chosen)
+    elif source.suffix == ".npz":
+        shape, dtype = npz_array_info(source, "arr_0")
+        if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3:
+            raise ValueError(f"arr_0 in {source}: expected uint8 (N, H, W, 3) images, got {dtype} {shape}")
+        chosen = subset_indices(shape[0], max_images)
+        batches = _select_rows(iter_npz_batches(source, "arr_0", batch_size), chosen)
+    else:
+        raise ValueError(f"reference source {source} is neither an image folder, an .npz file nor a latent "
+                         f"dataset directory (with meta.json)")
+    builder = ReferenceBuilder(extractor, len(chosen), store_images)
+    done = 0
+    with tqdm(total=len(chosen), desc=f"reference ({extractor.name})", unit="img", dynamic_ncols=True,
+              leave=False) as bar:
+        for batch in batches:
+            builder.add(batch, np.arange(done, done + len(batch)))
+            done += len(batch)
+            bar.update(len(batch))
+    return builder.save(out, str(source))
+
+
+def _select_rows(batches: Iterable[np.ndarray], chosen: np.ndarray) -> Iterator[np.ndarray]:
+    """The rows of consecutive batches whose position is in the sorted array `chosen`."""
+    start = 0
+    for batch in batches:
+        lo, hi = np.searchsorted(chosen, [start, start + len(batch)])
+        if hi > lo:
+            yield batch[chosen[lo:hi] - start]
+        start += len(batch)

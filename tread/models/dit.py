@@ -1,0 +1,324 @@
+"""DiT (Peebles & Xie 2023) with TREAD routing (Krause et al. 2025) inside its forward pass.
+
+The backbone takes (x, noise_level, labels) and knows nothing about sigma or the
+diffusion objective: EDM / rectified-flow wrappers in `diffusion/` do that algebra.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+from timm.layers import Mlp, PatchEmbed
+from timm.models.vision_transformer import Attention
+
+from tread.models.errors import ModelConfigError
+from tread.models.repa import RepaHead
+from tread.routing import RoutedBackbone, RoutePlan, RoutingController, run_blocks, tokens_per_block
+from tread.routing.masks import token_keep_mask
+
+#################################################################################
+#                     Embedders: noise level, class label, positions            #
+#################################################################################
+
+
+class TimestepEmbedder(nn.Module):
+    """Noise level (B,) -> (B, D): sinusoidal features, then a 2-layer MLP."""
+
+    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256):
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size),
+        )
+        self.frequency_embedding_size = frequency_embedding_size
+
+    @staticmethod
+    def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t[:, None].float() * freqs[None]                                  # (B, half)
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)              # (B, dim)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        t_freq = self.timestep_embedding(t, self.frequency_embedding_size)
+        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """Class labels (B,) -> (B, D). Index `num_classes` is the null class used for CFG.
+
+    Label dropout is done by the training step (with its own generator), not here,
+    so the backbone stays deterministic given its inputs.
+    """
+
+    def __init__(self, num_classes: int, hidden_size: int):
+        super().__init__()
+        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
+        self.num_classes = num_classes
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        return self.embedding_table(labels)
+
+
+def get_2d_sincos_pos_embed(embed_dim: int, grid_size: int) -> np.ndarray:
+    """Fixed 2-D sin-cos position embedding, (grid_size**2, embed_dim), MAE-style."""
+    assert embed_dim % 4 == 0, "hidden size must be divisible by 4 for 2-D sin-cos embeddings"
+    coords = np.arange(grid_size, dtype=np.float64)
+    grid_w, grid_h = np.meshgrid(coords, coords)                                 # w varies fastest
+
+    def embed_1d(pos: np.ndarray, dim: int) -> np.ndarray:
+        omega = 1.0 / 10000 ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
+        out = np.einsum("m,d->md", pos.reshape(-1), omega)                       # (M, dim/2)
+        return np.concatenate([np.sin(out), np.cos(out)], axis=1)                # (M, dim)
+
+    return np.concatenate([embed_1d(grid_w, embed_dim // 2), embed_1d(grid_h, embed_dim // 2)], axis=1)
+
+
+#################################################################################
+#                                 Core DiT block                                #
+#################################################################################
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class DiTBlock(nn.Module):
+    """Transformer block with adaLN-Zero conditioning on a per-sample vector c (B, D)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        # timm's Attention goes through F.scaled_dot_product_attention (fused_attn).
+        self.attn = Attention(hidden_size, num_heads=num_heads, qkv_bias=True)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+        return x
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated projection of tokens back to patches."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+#################################################################################
+#                                      DiT                                      #
+#################################################################################
+
+
+class DiT(RoutedBackbone):
+    """Diffusion transformer over patchified latents, with optional TREAD routes."""
+
+    def __init__(
+        self,
+        input_size: int = 32,          # latent height = width
+        patch_size: int = 2,           # patch side; tokens = (input_size / patch_size)**2
+        in_channels: int = 4,          # latent channels (output has the same)
+        hidden_size: int = 1152,       # token width D
+        depth: int = 28,               # number of DiT blocks
+        num_heads: int = 16,           # attention heads
+        mlp_ratio: float = 4.0,        # MLP hidden = mlp_ratio * D
+        num_classes: int = 1000,       # class count; index num_classes is the null class
+        routing: Optional[Mapping[str, Any]] = None,  # `routing` config group ({enabled, routes, selection})
+        gradient_checkpointing: bool = False,  # recompute blocks in backward (less memory, ~1/3 more compute)
+        repa: Optional[Mapping[str, Any]] = None,  # model.repa: {block, encoder_dim, projector_dim, ...} (REPA head)
+        init: str = "adaln_zero",      # adaln_zero (DiT's) | paper (CompVis/tread's: Xavier after the zeroing)
+    ):
+        super().__init__()
+        if input_size % patch_size:
+            raise ModelConfigError(f"input_size={input_size} must be divisible by patch_size={patch_size}.")
+        if hidden_size % num_heads:
+            raise ModelConfigError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}.")
+        self.in_channels = in_channels
+        self.out_channels = in_channels
+        self.patch_size = patch_size
+        self.input_size = input_size
+        self.num_classes = num_classes
+        self.depth = depth
+        self.gradient_checkpointing = bool(gradient_checkpointing)
+        if init not in INITS:
+            raise ModelConfigError(f"model.init={init!r} is unknown; allowed: {', '.join(INITS)}.")
+        self.init = init
+
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size)
+        num_patches = self.x_embedder.num_patches
+        pos = get_2d_sincos_pos_embed(hidden_size, int(num_patches ** 0.5))
+        # A fixed buffer, not a parameter: it is recomputed on build and never saved.
+        self.register_buffer("pos_embed", torch.from_numpy(pos).float().unsqueeze(0), persistent=False)
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+
+        self.repa_block, self.repa_head = repa_head(repa, hidden_size, depth)
+        # Routes are validated here, against this depth, before any training work starts.
+        self.routing = RoutingController.from_config(routing, depth)
+        self.initialize_weights()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x_embedder.num_patches
+
+    def routable_blocks(self) -> list[nn.Module]:
+        """The blocks route indices count over (as the families' routable_blocks(); tread/training/fsdp.py shards
+        each)."""
+        return list(self.blocks)
+
+    def tokens_from_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A (B, 1, H, W) loss-mask coverage in [0, 1] -> (B, N) bool: tokens more than half covered."""
+        side = self.input_size // self.patch_size
+        return token_keep_mask(mask, (side, side))
+
+    def forward_flops(self, routes=None) -> float:
+        """Theoretical FLOPs of one forward pass per sample (multiply-add = 2), given routes.
+
+        Counts the matmuls (patch embed, qkv/proj, attention scores and values, MLP, final
+        layer); norms, activations and per-sample adaLN vectors are negligible.
+        """
+        N = self.num_tokens
+        D = self.blocks[0].attn.qkv.in_features
+        H = self.blocks[0].mlp.fc1.out_features
+        n_per_block = tokens_per_block(routes if routes is not None else self.routing.routes, self.depth, N)
+        block = sum(2 * n * (4 * D * D + 2 * D * H) + 4 * n * n * D for n in n_per_block)
+        io = 2 * N * D * (self.patch_size ** 2 * self.in_channels) * 2
+        return float(block + io)
+
+    def repa_flops(self, routes=None) -> float:
+        """Forward FLOPs per sample of the REPA head (training only) on the tokens its block computes, given routes
+        (the frozen encoder's own forward is not counted)."""
+        if self.repa_head is None:
+            return 0.0
+        n = tokens_per_block(routes if routes is not None else self.routing.routes, self.depth,
+                             self.num_tokens)[self.repa_block]
+        return float(sum(2 * n * m.in_features * m.out_features for m in self.repa_head.modules()
+                         if isinstance(m, nn.Linear)))
+
+    def initialize_weights(self) -> None:
+        def _basic_init(module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                torch.nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.constant_(module.bias, 0)
+
+        self.apply(_basic_init)
+        w = self.x_embedder.proj.weight.data                       # init patch embed like a linear layer
+        nn.init.xavier_uniform_(w.view([w.shape[0], -1]))
+        nn.init.constant_(self.x_embedder.proj.bias, 0)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        # adaLN-Zero: every block starts as the identity and the output starts at zero.
+        for block in self.blocks:
+            nn.init.constant_(block.adaLN_modulation[-1].weight, 0)
+            nn.init.constant_(block.adaLN_modulation[-1].bias, 0)
+        nn.init.constant_(self.final_layer.adaLN_modulation[-1].weight, 0)
+        nn.init.constant_(self.final_layer.adaLN_modulation[-1].bias, 0)
+        nn.init.constant_(self.final_layer.linear.weight, 0)
+        nn.init.constant_(self.final_layer.linear.bias, 0)
+        if self.init == "paper":
+            # CompVis/tread's DiT zeroes adaLN and the final layer in the blocks' constructors, then applies
+            # Xavier-uniform to every Linear: as released, adaLN-Zero is undone (weights Xavier, biases zero).
+            for module in [*(b.adaLN_modulation[-1] for b in self.blocks), self.final_layer.adaLN_modulation[-1],
+                           self.final_layer.linear]:
+                _basic_init(module)
+
+    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, p*p*C) -> (B, C, H, W)."""
+        c, p = self.out_channels, self.patch_size
+        h = w = int(x.shape[1] ** 0.5)
+        x = x.reshape(x.shape[0], h, w, p, p, c)
+        x = torch.einsum("nhwpqc->nchpwq", x)
+        return x.reshape(x.shape[0], c, h * p, w * p)
+
+    def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
+                       force_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, C, H, W), noise_level (B,), labels (B,) in [0, num_classes]; force_keep (B, N) bool; `plan`
+        from the routing controller (RoutedBackbone.forward makes it)."""
+        x = self.x_embedder(x) + self.pos_embed                                   # (B, N, D)
+        c = self.t_embedder(noise_level) + self.y_embedder(labels)                # (B, D)
+        blocks = [lambda h, blk=blk: blk(h, c) for blk in self.blocks]
+        tap = {"block": self.repa_block} if self.repa_head is not None and self.training else None
+        x = run_blocks(blocks, x, plan, self.routing.router, force_keep,          # (B, N, D)
+                       checkpoint=self.gradient_checkpointing and self.training, tap=tap)
+        x = self.unpatchify(self.final_layer(x, c))                               # (B, C, H, W)
+        if tap is None:
+            return x
+        return x, self.repa_head(tap["tokens"]), tap["ids"]                      # REPA: projected tokens, ids
+
+
+def repa_head(repa: Optional[Mapping[str, Any]], hidden_size: int, depth: int) -> tuple[Optional[int], Optional[nn.Module]]:
+    """(block index, RepaHead) of model.repa (None, None without it); the block may count from the end."""
+    if not repa:
+        return None, None
+    block = check_repa_block(repa.get("block"), depth)
+    dim = repa.get("encoder_dim")
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise ModelConfigError(f"model.repa.encoder_dim={dim!r} must be a positive integer (the encoder's feature "
+                               f"width; null is filled in from the encoder when training starts).")
+    return block, RepaHead(hidden_size, dim, int(repa.get("projector_dim") or 2048))
+
+
+def check_repa_block(block: Any, depth: int) -> int:
+    """model.repa.block as a block index in 0..depth-1 (it may count from the end); the schema checks it too,
+    before the REPA encoder is built."""
+    if isinstance(block, bool) or not isinstance(block, int) or not -depth <= block < depth:
+        raise ModelConfigError(f"model.repa.block={block!r} must be a block index in {-depth}..{depth - 1} for a "
+                               f"model of depth {depth} (REPA aligns the tokens after that block).")
+    return block % depth
+
+
+#################################################################################
+#                                   Registry                                    #
+#################################################################################
+
+INITS = ("adaln_zero", "paper")   # model.init
+
+# name -> (depth, hidden_size, num_heads); patch size comes from the "/p" suffix.
+DIT_SIZES = {
+    "T": (12, 96, 4),      # tiny, for CPU runs on the built-in data and tests
+    "S": (12, 384, 6),
+    "B": (12, 768, 12),
+    "L": (24, 1024, 16),
+    "XL": (28, 1152, 16),
+}
+PATCH_SIZES = (2, 4, 8)
+DIT_ARCHS = [f"DiT-{s}/{p}" for s in DIT_SIZES for p in PATCH_SIZES]
+
+
+def parse_arch(arch: str) -> tuple[int, int, int, int]:
+    """'DiT-XL/2' -> (depth, hidden_size, num_heads, patch_size); the one parser of DiT names."""
+    if arch not in DIT_ARCHS:
+        raise ModelConfigError(f"model.arch={arch!r} is not a known DiT; allowed: {', '.join(DIT_ARCHS)}.")
+    size, patch = arch[len("DiT-"):].split("/")
+    depth, hidden, heads = DIT_SIZES[size]
+    return depth, hidden, heads, int(patch)
+
+
+def build_dit(arch: str, input_size: int, in_channels: int, num_classes: int,
+              routing: Optional[Mapping[str, Any]] = None, cls: type = DiT, **overrides: Any) -> DiT:
+    """Build a named DiT size, e.g. `DiT-XL/2`; `overrides` replace any DiT argument (or are `cls`'s own: a
+    DiT subclass such as tread.models.sprint.SprintDiT)."""
+    depth, hidden, heads, patch = parse_arch(arch)
+    kwargs = dict(input_size=input_size, patch_size=patch, in_channels=in_channels, hidden_size=hidden,
+                  depth=depth, num_heads=heads, num_classes=num_classes, routing=routing)
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**kwargs)

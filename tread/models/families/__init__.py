@@ -1,0 +1,63 @@
+"""diffusers transformer families with TREAD routing: one registry, one builder (`model=flux|sd3|wan|...`)."""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Mapping, Optional
+
+from tread.models.families.base import ClassTextEmbedder, Embedded, FamilyConfigError, RoutedFamily, load_pretrained
+from tread.models.lora import apply_lora
+from tread.models.quantize import check_quantize, quantize_base
+
+# family name -> module under models.families; each module defines FAMILY (the class) and PRESETS.
+FAMILY_MODULES = {"flux": "flux", "sd3": "sd3", "wan": "wan", "auraflow": "auraflow", "pixart": "pixart"}
+FAMILIES = tuple(FAMILY_MODULES)
+
+
+def family_module(family: str):
+    if family not in FAMILY_MODULES:
+        raise FamilyConfigError(f"model.family={family!r} is not supported; allowed: {list(FAMILIES)} "
+                                f"(or model=dit / model=tread for DiT).")
+    return importlib.import_module(f"tread.models.families.{FAMILY_MODULES[family]}")
+
+
+def build_family(family: str, *, input_size: int, in_channels: int, num_classes: int, preset: str = "tiny",
+                 pretrained: Optional[str] = None, subfolder: Optional[str] = "transformer",
+                 config: Optional[Mapping[str, Any]] = None, routing: Optional[Mapping[str, Any]] = None,
+                 text_len: int = 8, gradient_checkpointing: bool = False,
+                 lora: Optional[Mapping[str, Any]] = None, arch: Optional[str] = None,
+                 text_encoders: Optional[str] = None, quantize: Optional[str] = None,
+                 **family_kwargs: Any) -> RoutedFamily:
+    """Build a routed family model: a preset's diffusers config (+ `config` overrides) with fresh weights, or
+    `pretrained` weights (hub id or local diffusers folder) loaded unchanged with from_pretrained.
+    `text_encoders` (where prompts are encoded: tread/sampling/prompts.py) plays no part in building. `quantize`
+    (tread/models/quantize.py) quantizes the frozen base blocks before `lora`'s adapters are injected on top."""
+    check_quantize(quantize, lora)
+    module = family_module(family)
+    cls = module.FAMILY
+    if pretrained:
+        if config:
+            raise FamilyConfigError(f"model.config={dict(config)} cannot be combined with model.pretrained="
+                                    f"'{pretrained}': a pretrained transformer keeps its own config.")
+        transformer = load_pretrained(cls.transformer_class(), family, str(pretrained), subfolder, cls.hub_hint)
+    else:
+        if preset not in module.PRESETS:
+            raise FamilyConfigError(f"model.preset={preset!r} is not a {family} preset; allowed: "
+                                    f"{sorted(module.PRESETS)} (or model.pretrained=PATH for real weights).")
+        chosen = {**module.PRESETS[preset], **dict(config or {})}
+        kwargs = {**cls.data_config(int(in_channels), int(input_size), chosen), **chosen}
+        try:
+            transformer = cls.transformer_class()(**kwargs)
+        except TypeError as err:
+            raise FamilyConfigError(f"model.config for {family} has a key that "
+                                    f"{cls.transformer_class().__name__} does not take: {err}") from None
+    model = cls(transformer, input_size=input_size, in_channels=in_channels, num_classes=num_classes,
+                routing=routing, text_len=text_len, arch=arch or f"{family}-{'pretrained' if pretrained else preset}",
+                gradient_checkpointing=gradient_checkpointing, **family_kwargs)
+    quantize_base(model, quantize)
+    if lora:
+        apply_lora(model.transformer, lora, key="model.lora")
+    return model
+
+
+__all__ = ["ClassTextEmbedder", "Embedded", "FAMILIES", "FamilyConfigError", "RoutedFamily", "build_family",
+           "family_module"]

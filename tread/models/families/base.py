@@ -1,0 +1,329 @@
+"""TREAD routing for diffusers transformer families (FLUX, SD3, Wan, AuraFlow, PixArt).
+
+A family wraps the diffusers transformer *unchanged* as `self.transformer`, so module and
+parameter names stay diffusers' own and `from_pretrained` weights load as they are. We do not
+fork diffusers' model classes: each family re-implements only the top-level forward loop, in
+three steps, and calls diffusers' own embedders, blocks and output layers:
+
+    embed(x, t, cond)  -> Embedded: routable image/video tokens, never-routed context (text
+                          stream, registers), per-token tensors (RoPE rows, per-token timestep
+                          modulation) and per-sample conditioning
+    block_fns(emb)     -> one callable per transformer block, (x, context, per_token) -> (x, context)
+    head(x, emb)       -> the model output in the latent layout (B, C, H, W) or (B, C, T, H, W)
+
+`routing.run_blocks` does the routing between the two, the same code that routes DiT: only the
+image tokens are gathered (with their per-token tensors), the context is never touched, route
+indices count over `routable_blocks()` as one sequence. Tests prove per family that the dense path
+equals diffusers' own `transformer(...)` and that routes compute what running the blocks on the
+kept subsequence (with its true positions) computes.
+
+The backbone contract is DiT's: forward(x, noise_level, labels, force_keep=None, cond=None), with
+noise_level = t * 1000 (rectified-flow t in [0, 1]). Class-conditional data (labels only) is
+turned into text conditioning by a learned class-to-text table (`ClassTextEmbedder`); text data
+passes `cond` = {"text": (B, L, D), "text_mask": (B, L), "pooled": (B, P)} from the dataset.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from tread.models.errors import ModelConfigError
+from tread.routing import RoutedBackbone, RoutePlan, RoutingController, run_blocks
+from tread.routing.masks import token_keep_mask
+
+
+class FamilyConfigError(ModelConfigError):
+    """A family config that cannot be built; the message names the key, the value and what is allowed."""
+
+
+@dataclass
+class Embedded:
+    """What a family's embed step hands to the block loop and the head."""
+
+    x: torch.Tensor                                   # (B, N, D) routable image/video tokens
+    context: Any = None                               # never routed: text stream, registers, ...
+    per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # (B, N, ...) gathered with the tokens
+    extra: dict[str, Any] = field(default_factory=dict)               # per-sample conditioning, shapes, ...
+
+
+class ClassTextEmbedder(nn.Module):
+    """Class label -> (text sequence (B, L, D), pooled (B, P)): a learned table, so class-conditional
+    data trains text-conditioned families offline. Row `num_classes` is the null class (CFG)."""
+
+    def __init__(self, num_classes: int, seq_len: int, text_dim: int, pooled_dim: Optional[int] = None,
+                 init_std: float = 1.0):
+        super().__init__()
+        self.num_classes, self.seq_len, self.text_dim = num_classes, seq_len, text_dim
+        self.text = nn.Embedding(num_classes + 1, seq_len * text_dim)
+        self.pooled = nn.Embedding(num_classes + 1, pooled_dim) if pooled_dim else None
+        nn.init.normal_(self.text.weight, std=init_std)
+        if self.pooled is not None:
+            nn.init.normal_(self.pooled.weight, std=init_std)
+
+    def forward(self, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {"text": self.text(labels).view(labels.shape[0], self.seq_len, self.text_dim)}
+        if self.pooled is not None:
+            out["pooled"] = self.pooled(labels)
+        return out
+
+
+def null_text(cond: Mapping[str, torch.Tensor], drop: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Text data under CFG: samples with drop (B,) True get zero embeddings (the unconditional branch)."""
+    out = dict(cond)
+    for key in ("text", "pooled"):
+        if key in out and out[key] is not None:
+            keep = (~drop).to(out[key].dtype).view(-1, *([1] * (out[key].dim() - 1)))
+            out[key] = out[key] * keep
+    return out
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def load_pretrained(cls: type, family: str, path: str, subfolder: Optional[str], hub_hint: str) -> nn.Module:
+    """cls.from_pretrained(path) with an error that says how to provide the weights offline."""
+    local = Path(os.path.expanduser(path))
+    looks_local = local.exists() or path.startswith((".", "/", "~"))
+    if looks_local and not local.exists():
+        raise FileNotFoundError(f"model.pretrained='{path}' ({family}) does not exist. Point it at a diffusers "
+                                f"folder (with {subfolder + '/' if subfolder else ''}config.json and weights).")
+    try:
+        return cls.from_pretrained(str(local) if looks_local else path, subfolder=subfolder or None,
+                                   torch_dtype=torch.float32, local_files_only=_offline() or None)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(
+            f"cannot load {cls.__name__} weights for model.pretrained='{path}' (subfolder "
+            f"{subfolder!r}): {str(err).splitlines()[0]}\nNo network here? Download them once elsewhere, e.g. "
+            f"`hf download {hub_hint} --include '{subfolder or ''}{'/' if subfolder else ''}*' --local-dir "
+            f"/models/{family}`, copy the folder over and pass model.pretrained=/models/{family} (or set "
+            f"HF_HOME to a cache that holds them).") from None
+
+
+class RoutedFamily(RoutedBackbone):
+    """Base class of the diffusers families: config checks, conditioning, routing and the forward loop."""
+
+    family: ClassVar[str] = ""
+    hub_hint: ClassVar[str] = ""          # a hub repo to name in "how to get the weights" errors
+    frames_axis: ClassVar[bool] = False  # True: inputs are (B, C, T, H, W) (video); images get T = 1
+    diffusers_class: ClassVar[str] = ""   # the diffusers transformer class, e.g. "FluxTransformer2DModel"
+    text_dim_key: ClassVar[str] = ""      # the transformer config key holding the text embedding width
+    pooled_dim_key: ClassVar[Optional[str]] = None   # ... the pooled text width (None: no pooled embedding)
+    # How the absolute position table (config pos_embed_max_size) is sized from the data's token grid:
+    # "side" (SD3: the grid side), "area" (AuraFlow: side^2 positions) or "" (no such table).
+    pos_table: ClassVar[str] = ""
+
+    def __init__(self, transformer: nn.Module, *, input_size: int, in_channels: int, num_classes: int,
+                 routing: Optional[Mapping[str, Any]] = None, text_len: int = 8, arch: str = "",
+                 gradient_checkpointing: bool = False, frames: int = 1):
+        super().__init__()
+        self.transformer = transformer
+        self.arch = arch or self.family
+        self.input_size, self.in_channels, self.out_channels = int(input_size), int(in_channels), int(in_channels)
+        self.num_classes, self.frames = int(num_classes), int(frames)
+        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.check_shapes()
+        self.conditioner = ClassTextEmbedder(num_classes, text_len, self.text_dim, self.pooled_dim) \
+            if num_classes else None
+        self.text_len = text_len
+        self.install_processors()
+        depth = len(self.routable_blocks())
+        self.routing = RoutingController.from_config(routing, depth)
+
+    # -- what a family provides ---------------------------------------------------------------
+    @classmethod
+    def transformer_class(cls) -> type:
+        """The diffusers class (imported lazily: diffusers is only needed for these families)."""
+        import diffusers  # deferred: a heavy optional dependency, only the families need it
+
+        return getattr(diffusers, cls.diffusers_class)
+
+    @classmethod
+    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+        """diffusers config keys that follow from the data (channels, sample size) and from `config` (the preset
+        merged with model.config overrides, e.g. its patch_size); explicit preset/override keys win. Default: a
+        transformer that patchifies the latents as they are and predicts a latent of the same shape, with its
+        position table (pos_table) sized to the data's token grid."""
+        out = {"in_channels": in_channels, "out_channels": in_channels, "sample_size": input_size}
+        if cls.pos_table:
+            side = max(1, input_size // int(config.get("patch_size", 2)))
+            out["pos_embed_max_size"] = side if cls.pos_table == "side" else side * side
+        return out
+
+    @property
+    def text_dim(self) -> int:
+        return int(getattr(self.transformer.config, self.text_dim_key))
+
+    @property
+    def pooled_dim(self) -> Optional[int]:
+        return int(getattr(self.transformer.config, self.pooled_dim_key)) if self.pooled_dim_key else None
+
+    def latent_patch(self) -> tuple[int, int, int]:
+        """(pt, ph, pw): latent cells per token along T, H, W (default: the transformer's square patch_size)."""
+        p = int(self.transformer.config.patch_size)
+        return 1, p, p
+
+    def check_shapes(self) -> None:
+        """Raise FamilyConfigError when the data does not fit the transformer config."""
+
+    def _check_patch_io(self, config: Any, note: str, *, learned_sigma: bool = False,
+                        width_key: Optional[str] = "caption_projection_dim",
+                        width_note: str = "the text stream enters the joint blocks") -> None:
+        """check_shapes' part shared by the families that patchify the latents as they are (each error names the
+        key, its value and what is allowed): config.in_channels equals data.channels (`note` says why);
+        out_channels (None: in_channels) too, or twice it with learned_sigma; data.resolution is a multiple of
+        patch_size; config.<width_key> (None: not checked) equals the width num_attention_heads x
+        attention_head_dim (`width_note` says why)."""
+        c, channels = config, self.in_channels
+        if c.in_channels != channels:
+            raise FamilyConfigError(f"model.config.in_channels={c.in_channels} must equal data.channels="
+                                    f"{channels} ({note}).")
+        out = c.out_channels if c.out_channels is not None else c.in_channels
+        if out not in ((channels, 2 * channels) if learned_sigma else (channels,)):
+            sigma = f" or 2 x data.channels = {2 * channels} (learned sigma)" if learned_sigma else ""
+            raise FamilyConfigError(f"model.config.out_channels={out} must equal data.channels={channels}{sigma}: "
+                                    f"the model predicts a latent of the input's shape.")
+        if self.input_size % c.patch_size:
+            raise FamilyConfigError(f"data.resolution={self.input_size} must be a multiple of model.config."
+                                    f"patch_size={c.patch_size}.")
+        inner = c.num_attention_heads * c.attention_head_dim
+        if width_key is not None and getattr(c, width_key) != inner:
+            raise FamilyConfigError(
+                f"model.config.{width_key}={getattr(c, width_key)} must equal the width "
+                f"num_attention_heads x attention_head_dim = {inner}: {width_note}.")
+
+    def install_processors(self) -> None:
+        """Swap in attention processors that accept per-sample (batched) RoPE, where the family needs it."""
+
+    def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
+        """The blocks of a transformer of this family, in route-index order (also for a pipeline's copy)."""
+        raise NotImplementedError
+
+    def routable_blocks(self) -> list[nn.Module]:
+        """The blocks route indices count over: this model's transformer's blocks_of."""
+        return self.blocks_of(self.transformer)
+
+    def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
+        raise NotImplementedError
+
+    def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
+        raise NotImplementedError
+
+    def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
+        raise NotImplementedError
+
+    def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
+                          transformer: nn.Module) -> torch.Tensor:
+        """`transformer(...)` (diffusers' own forward) on the same inputs, in our output layout (for tests)."""
+        raise NotImplementedError
+
+    def timestep(self, noise_level: torch.Tensor) -> torch.Tensor:
+        """noise_level (t * 1000) -> the family's timestep convention (default: t * 1000 as given)."""
+        return noise_level
+
+    # -- shared --------------------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        return self.routing.depth
+
+    @property
+    def token_grid(self) -> tuple[int, int, int]:
+        pt, ph, pw = self.latent_patch()
+        return self.frames // pt, self.input_size // ph, self.input_size // pw
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.token_grid
+        return t * h * w
+
+    def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
+        """Text conditioning for this batch: the dataset's (cond) or the class table's (labels)."""
+        if cond and cond.get("text") is not None:
+            text = {k: v for k, v in cond.items() if k in ("text", "text_mask", "pooled")}
+            if self.pooled_dim and text.get("pooled") is None:
+                raise FamilyConfigError(f"model.family={self.family} needs pooled text embeddings "
+                                        f"(pooled_embeds.npy) but the data has none.")
+            return null_text(text, labels == self.num_classes) if self.num_classes else text
+        if self.conditioner is None:
+            raise FamilyConfigError(f"model.family={self.family} needs text conditioning: the data has no text "
+                                    f"embeddings and num_classes=0, so there is no class table to use.")
+        return self.conditioner(labels)
+
+    def check_text_data(self, conditioning: Mapping[str, Any], where: str) -> None:
+        """The data's text embeddings (a reader's `conditioning`: {"text": (L, D) or None, "pooled": P or None})
+        against this transformer's text widths, before any work; `where` names the data."""
+        text, pooled = conditioning.get("text"), conditioning.get("pooled")
+        if text is not None and int(text[1]) != self.text_dim:
+            raise FamilyConfigError(
+                f"the text embeddings of the data at {where} are {text[1]} wide, but model.config.{self.text_dim_key}="
+                f"{self.text_dim} ({self.family}): encode the captions with this model's text encoders, or set "
+                f"model.config.{self.text_dim_key}={text[1]} for a fresh model.")
+        if text is not None and self.pooled_dim and pooled is not None and int(pooled) != self.pooled_dim:
+            raise FamilyConfigError(
+                f"the pooled text embeddings of the data at {where} are {pooled} wide, but model.config."
+                f"{self.pooled_dim_key}={self.pooled_dim} ({self.family}): encode the captions with this model's "
+                f"text encoders, or set model.config.{self.pooled_dim_key}={pooled} for a fresh model.")
+
+    def to_model_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) image latents -> (B, C, 1, H, W) for video families; identity otherwise."""
+        return x.unsqueeze(2) if self.frames_axis and x.dim() == 4 else x
+
+    def from_model_layout(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return out.squeeze(2) if self.frames_axis and like.dim() == 4 else out
+
+    def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
+                       force_keep: Optional[torch.Tensor] = None, cond: Optional[Mapping[str, torch.Tensor]] = None
+                       ) -> torch.Tensor:
+        """x (B, C, H, W) (or (B, C, T, H, W) for video), noise_level (B,) = t * 1000, labels (B,);
+        force_keep (B, N) bool over image tokens; cond: text embeddings from the data (optional); `plan` from
+        the routing controller (RoutedBackbone.forward makes it)."""
+        text = self.conditioning(labels, cond)
+        xm = self.to_model_layout(x)
+        emb = self.embed(xm, self.timestep(noise_level), text)
+        h, emb.context = run_blocks(self.block_fns(emb), emb.x, plan, self.routing.router, force_keep,
+                                    context=emb.context, per_token=emb.per_token,
+                                    checkpoint=self.gradient_checkpointing and self.training)
+        return self.from_model_layout(self.head(h, emb), x)
+
+    def pristine_transformer(self) -> nn.Module:
+        """A fresh diffusers transformer (diffusers' default attention processors) with our weights."""
+        fresh = type(self.transformer).from_config(self.transformer.config)
+        fresh.load_state_dict(self.transformer.state_dict())
+        return fresh.to(next(self.transformer.parameters()).device)
+
+    def reference_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
+                          cond: Optional[Mapping[str, torch.Tensor]] = None,
+                          transformer: Optional[nn.Module] = None) -> torch.Tensor:
+        """diffusers' own forward (of `transformer`, default: a pristine copy) on the same conditioning."""
+        text = self.conditioning(labels, cond)
+        transformer = transformer if transformer is not None else self.pristine_transformer()
+        out = self.diffusers_forward(self.to_model_layout(x), self.timestep(noise_level), text, transformer)
+        return self.from_model_layout(out, x)
+
+    def tokens_from_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A (B, 1, H, W) coverage mask in [0, 1] -> (B, N) bool: tokens more than half covered."""
+        _, h, w = self.token_grid
+        keep = token_keep_mask(mask, (h, w))                                    # (B, h*w)
+        return keep.repeat(1, self.token_grid[0]) if self.token_grid[0] > 1 else keep
+
+
+def cond32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Per-sample conditioning that block closures hold (temb, modulation): float32 when autocast is off,
+    i.e. inside a routing.fp32_after_route block, so it matches the block's float32 inputs and weights."""
+    if t is None or not t.is_floating_point() or torch.is_autocast_enabled(t.device.type):
+        return t
+    return t.float()
+
+
+def unpack_patches(x: torch.Tensor, grid: Sequence[int], patch: Sequence[int], channels: int) -> torch.Tensor:
+    """Tokens (B, T*H*W, pt*ph*pw*C) in (t, h, w) order with features (pt, ph, pw, C) -> (B, C, T*pt, H*ph, W*pw)."""
+    B = x.shape[0]
+    t, h, w = grid
+    pt, ph, pw = patch
+    x = x.reshape(B, t, h, w, pt, ph, pw, channels)
+    return x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(B, channels, t * pt, h * ph, w * pw)

@@ -1,0 +1,173 @@
+"""Wan 2.1 / 2.2 (diffusers WanTransformer3DModel) with TREAD routing.
+
+Inputs are video latents (B, C, T, H, W); image latents (B, C, H, W) run as T = 1 (the base class adds
+and removes the frame axis). Tokens are the (pt, ph, pw) = config.patch_size patches of the latent, in
+(t, h, w) order, exactly as diffusers' Conv3d patch embedding flattens them; the routed sequence is all
+T*H*W video tokens together (a route may set aside tokens of any frame). The umT5 text stream is
+context: projected once by diffusers' condition embedder, never routed, cross-attended in every block.
+
+RoPE: `transformer.rope(x)` gives (1, N, 1, head_dim) cos/sin tables, one row per video token's true
+(t, h, w) position. We expand them to the batch as per-token tensors (B, N, 1, head_dim) that
+run_blocks gathers with the kept tokens. diffusers' own WanAttnProcessor applies them unchanged: its
+`x1 * cos - x2 * sin` broadcasts a (B, S, 1, Dh/2) table against the (B, S, heads, Dh/2) query/key as it
+does the (1, S, 1, Dh/2) one, so no custom processor is needed (the tests prove it).
+
+Timesteps: the Wan pipelines feed the flow-matching scheduler's timesteps, sigma * 1000, which is our
+noise_level (t * 1000) unchanged. A timestep may be per sample (B,) or per token (B, N) (Wan 2.2 TI2V:
+the pipeline's `expand_timesteps`, where first-frame tokens carry timestep 0). Per token, the block
+modulation `timestep_proj` is (B, N, 6, D): it is a per-token tensor gathered with the tokens. The
+output-layer embedding `temb` (B, N, D) is used by the head only, after every route has scattered its
+tokens back, so it stays full length (never gathered). `expand_timesteps=True` turns a (B,) timestep into
+(B, N) as the Wan 2.2 TI2V pipeline does (numerically the same as (B,), at the cost of per-token memory).
+
+Text mask: Wan's transformer takes no text attention mask; the Wan pipeline zero-pads the umT5
+embeddings past each prompt's length. A `text_mask` from the data is applied the same way (masked
+positions zeroed, still attended), in our forward and in `diffusers_forward` alike.
+
+Not supported: the image-conditioned variants (config.image_dim / added_kv_proj_dim, Wan 2.1 I2V),
+whose extra CLIP image tokens this trainer has no data for.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
+
+WAN_PRESETS: dict[str, dict[str, Any]] = {
+    # CPU tests and the built-in data: 8 blocks, width 64 (4 heads x 16), umT5 stand-in of width 32.
+    "tiny": dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, text_dim=32, freq_dim=64,
+                 ffn_dim=128, num_layers=8, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6),
+    # A mid-size model for GPU benchmarks (~0.28B parameters): width 1024, 16 blocks, umT5-XXL text width.
+    "mid": dict(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=128, text_dim=4096, freq_dim=256,
+                ffn_dim=4096, num_layers=16, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6),
+    # Wan2.1-T2V-1.3B geometry (Wan 2.1 VAE: 16 latent channels): load the weights with model.pretrained.
+    "wan2.1-1.3b": dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30,
+                        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    # Wan2.2-TI2V-5B geometry (Wan 2.2 VAE: 48 latent channels); its pipeline uses per-token timesteps
+    # (model.expand_timesteps=true reproduces that; a (B, N) noise level is always accepted).
+    "wan2.2-5b": dict(patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128, in_channels=48,
+                      out_channels=48, text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30,
+                      cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+}
+
+
+class WanFamily(RoutedFamily):
+    family = "wan"
+    hub_hint = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    diffusers_class = "WanTransformer3DModel"
+    text_dim_key = "text_dim"
+    frames_axis = True
+
+    @classmethod
+    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+        return {"in_channels": in_channels, "out_channels": in_channels}
+
+    def __init__(self, transformer: nn.Module, *, expand_timesteps: bool = False, **kwargs: Any):
+        self.expand_timesteps = bool(expand_timesteps)
+        super().__init__(transformer, **kwargs)
+
+    def latent_patch(self) -> tuple[int, int, int]:
+        pt, ph, pw = (int(p) for p in self.transformer.config.patch_size)
+        return pt, ph, pw
+
+    def check_shapes(self) -> None:
+        c = self.transformer.config
+        if len(c.patch_size) != 3:
+            raise FamilyConfigError(f"model.config.patch_size={list(c.patch_size)} must be 3 numbers (pt, ph, pw).")
+        pt, ph, pw = self.latent_patch()
+        if c.in_channels != self.in_channels:
+            raise FamilyConfigError(
+                f"model.config.in_channels={c.in_channels} does not match data.channels={self.in_channels}; "
+                f"allowed: equal (the Wan 2.1 VAE has 16 latent channels, Wan 2.2's 48).")
+        if (c.out_channels or c.in_channels) != self.in_channels:
+            raise FamilyConfigError(f"model.config.out_channels={c.out_channels} must equal data.channels="
+                                    f"{self.in_channels}: Wan predicts the latent itself.")
+        if self.input_size % ph or self.input_size % pw:
+            raise FamilyConfigError(f"data.resolution={self.input_size} must be divisible by the patch size "
+                                    f"(model.config.patch_size={list(c.patch_size)}: {ph}x{pw}).")
+        if self.frames < 1 or self.frames % pt:
+            raise FamilyConfigError(f"model.frames={self.frames} must be a positive multiple of the temporal "
+                                    f"patch size {pt} (model.config.patch_size={list(c.patch_size)}).")
+        if max(self.frames // pt, self.input_size // ph, self.input_size // pw) > c.rope_max_seq_len:
+            raise FamilyConfigError(f"model.config.rope_max_seq_len={c.rope_max_seq_len} is smaller than the token "
+                                    f"grid {self.token_grid}; allowed: >= its largest side.")
+        if c.image_dim is not None or c.added_kv_proj_dim is not None:
+            raise FamilyConfigError(
+                f"model.config.image_dim={c.image_dim} / added_kv_proj_dim={c.added_kv_proj_dim}: image-conditioned "
+                f"Wan (I2V, CLIP image tokens) is not supported; allowed: null (text-to-video / TI2V models).")
+
+    def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
+        return list(transformer.blocks)
+
+    # noise_level = t * 1000 is already Wan's convention (flow-matching sigma * 1000): the default timestep().
+
+    def _text(self, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The text embeddings with masked positions zeroed (the Wan pipeline's padding convention)."""
+        text, mask = cond["text"], cond.get("text_mask")
+        if mask is None:
+            return text
+        return text * mask.to(text.dtype).unsqueeze(-1)
+
+    def _timestep(self, timestep: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        if timestep.dim() == 1 and self.expand_timesteps:
+            return timestep[:, None].expand(-1, num_tokens)
+        if timestep.dim() == 2 and timestep.shape[1] != num_tokens:
+            raise FamilyConfigError(f"a per-token timestep must be (B, N) with N = {num_tokens} video tokens; "
+                                    f"got {tuple(timestep.shape)}.")
+        return timestep
+
+    def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
+        tr = self.transformer
+        B, _, T, H, W = x.shape
+        pt, ph, pw = self.latent_patch()
+        grid = (T // pt, H // ph, W // pw)
+        cos, sin = tr.rope(x)                                                        # (1, N, 1, Dh) each
+        hidden = tr.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()       # (B, N, D)
+        N = hidden.shape[1]
+        timestep = self._timestep(timestep, N)
+        per_tok = timestep.dim() == 2
+        temb, proj, context, _ = tr.condition_embedder(timestep.flatten() if per_tok else timestep, self._text(cond),
+                                                       None, timestep_seq_len=N if per_tok else None)
+        per_token = {"rope_cos": cos.expand(B, -1, -1, -1), "rope_sin": sin.expand(B, -1, -1, -1)}
+        extra: dict[str, Any] = {"temb": temb, "grid": grid}
+        if per_tok:
+            per_token["timestep_proj"] = proj.unflatten(2, (6, -1))                  # (B, N, 6, D)
+        else:
+            extra["timestep_proj"] = proj.unflatten(1, (6, -1))                      # (B, 6, D)
+        return Embedded(hidden, context, per_token, extra)
+
+    def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
+        shared_proj = emb.extra.get("timestep_proj")
+
+        def run(block: nn.Module) -> Callable[..., Any]:
+            def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
+                proj = tok["timestep_proj"] if shared_proj is None else shared_proj
+                return block(x, context, cond32(proj), (tok["rope_cos"], tok["rope_sin"])), context
+            return fn
+
+        return [run(b) for b in self.routable_blocks()]
+
+    def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
+        tr, temb = self.transformer, emb.extra["temb"]
+        if temb.dim() == 3:     # per token (B, N, D)
+            shift, scale = (tr.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
+            shift, scale = shift.squeeze(2), scale.squeeze(2)
+        else:                   # per sample (B, D)
+            shift, scale = (tr.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        x = (tr.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+        return unpack_patches(tr.proj_out(x), emb.extra["grid"], self.latent_patch(), self.out_channels)
+
+    def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
+                          transformer: nn.Module) -> torch.Tensor:
+        pt, ph, pw = self.latent_patch()
+        N = (x.shape[2] // pt) * (x.shape[3] // ph) * (x.shape[4] // pw)
+        return transformer(hidden_states=x, timestep=self._timestep(timestep, N),
+                           encoder_hidden_states=self._text(cond), return_dict=False)[0]
+
+
+FAMILY = WanFamily
+PRESETS = WAN_PRESETS

@@ -1,0 +1,108 @@
+"""Theoretical FLOPs of a backbone's forward pass and of a training step.
+
+Counting convention (the same everywhere: training logs, the benchmark, the planner, sampling cost):
+matmuls only, a multiply-add is 2 FLOPs. Per DiT block with n tokens, width D and MLP width H:
+2 n (4 D^2 + 2 D H) for qkv, proj and the MLP plus 4 n^2 D for attention scores and values; patch embed +
+final linear: 2 * (2 N D p^2 C). The diffusers families are counted on one sample by torch's
+FlopCounterMode (matmuls and attention). A training step is 3x the forward (backward = 2x forward)
+times the batch.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tread.models.dit import parse_arch
+from tread.routing import Route, resolve_routes, routing_from_config, tokens_per_block
+
+RoutesLike = Union[None, Sequence[Route], Sequence[Mapping[str, Any]], Mapping[str, Any]]
+
+
+def as_routes(routes: RoutesLike, depth: int) -> list[Route]:
+    """Resolved routes from Route objects, a list of route dicts, or a routing config {enabled, routes}."""
+    if routes is None:
+        return []
+    if isinstance(routes, Mapping):
+        return routing_from_config(routes, depth)
+    routes = list(routes)
+    if all(isinstance(r, Route) for r in routes):
+        return routes
+    return resolve_routes(routes, depth)
+
+
+def transformer_forward_flops(num_tokens: int, depth: int, hidden: int, routes: Sequence[Route] = (),
+                              mlp_hidden: Optional[int] = None, io_features: int = 0) -> float:
+    """Forward FLOPs per sample of a DiT-like stack; io_features = p*p*C (patch embed and final linear)."""
+    D, H = hidden, mlp_hidden if mlp_hidden is not None else 4 * hidden
+    block = sum(2 * n * (4 * D * D + 2 * D * H) + 4 * n * n * D
+                for n in tokens_per_block(routes, depth, num_tokens))
+    io = 2 * (2 * num_tokens * D * io_features)
+    return float(block + io)
+
+
+def dit_forward_flops(arch: str, resolution: int, channels: int, routes: RoutesLike = None) -> float:
+    """Forward FLOPs per sample of `arch` on resolution x resolution latents with `channels` channels."""
+    depth, hidden, _, patch = parse_arch(arch)
+    if resolution % patch:
+        raise ValueError(f"resolution {resolution} is not a multiple of the patch size {patch} of {arch}")
+    n = (resolution // patch) ** 2
+    return transformer_forward_flops(n, depth, hidden, as_routes(routes, depth), io_features=patch * patch * channels)
+
+
+def train_step_flops(forward_flops_per_sample: float, batch: int) -> float:
+    """Forward + backward (2x forward) of a batch."""
+    return 3.0 * forward_flops_per_sample * batch
+
+
+def dit_train_flops(arch: str, resolution: int, channels: int, routes: RoutesLike = None, batch: int = 1) -> float:
+    """Theoretical FLOPs of one DiT training step on `batch` samples (3 x forward x batch)."""
+    return train_step_flops(dit_forward_flops(arch, resolution, channels, routes), batch)
+
+
+def counted_forward_flops(model: Any, x: torch.Tensor, labels: torch.Tensor,
+                          cond: Optional[Mapping[str, torch.Tensor]] = None) -> float:
+    """Forward FLOPs of `model` on the first sample of x, counted by torch's FlopCounterMode (matmuls and
+    attention), with the routes the model applies in grad-enabled training."""
+    with FlopCounterMode(display=False) as counter, torch.enable_grad():
+        extra = {"cond": {k: v[:1] for k, v in cond.items()}} if cond else {}
+        model(x[:1], torch.full((1,), 500.0, device=x.device), labels[:1], **extra)
+    return float(counter.get_total_flops())
+
+
+def model_forward_flops(model: Any, cond: Optional[Mapping[str, torch.Tensor]] = None) -> float:
+    """Theoretical forward FLOPs per sample of a backbone with its configured routes: DiT's analytic
+    forward_flops, or counted on one sample for the diffusers families (with `cond`, the data's text
+    conditioning of one sample, when the data has it). Counting runs the eager forward in training mode and
+    leaves the router's random stream and the global one where they were (peft's LoKr/LoHa layers draw from
+    the global stream in every training forward, so an exact resume needs the count not to move it)."""
+    if hasattr(model, "forward_flops"):
+        return float(model.forward_flops())
+    param = next(model.parameters())
+    shape = [1, model.in_channels, model.input_size, model.input_size]
+    if getattr(model, "frames_axis", False) and getattr(model, "frames", 1) > 1:
+        shape.insert(2, model.frames)
+    was_training = model.training
+    saved = model.routing.router.state_dict()  # counting must not advance the router's RNG
+    model.train()
+    devices = [param.device] if param.device.type == "cuda" else []
+    try:
+        with model.eager(), torch.random.fork_rng(devices=devices):
+            return counted_forward_flops(model, torch.zeros(shape, device=param.device),
+                                         torch.zeros(1, dtype=torch.long, device=param.device),
+                                         {k: v.to(param.device) for k, v in (cond or {}).items()})
+    finally:
+        model.train(was_training)
+        model.routing.router.load_state_dict(saved)
+
+
+def forward_flops_with_routes(model: Any, routes: Optional[Sequence[Mapping[str, Any]]],
+                              cond: Optional[Mapping[str, torch.Tensor]] = None) -> float:
+    """Forward FLOPs per sample of a backbone run with `routes` (route specs; None: dense), e.g. one
+    branch of guided sampling or a planner candidate: DiT's analytic count, or counted on one sample for
+    the families."""
+    if hasattr(model, "forward_flops"):
+        return float(model.forward_flops(resolve_routes(routes, model.depth) if routes else []))
+    with model.routing.override(routes=list(routes or [])):   # [] runs dense even in training mode
+        return model_forward_flops(model, cond)

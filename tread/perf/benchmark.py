@@ -1,0 +1,234 @@
+"""Timing THE training step: tread.training.step.TrainStep of a composed training config, built by training.setup
+exactly as train() builds it, on a fixed synthetic batch of the config's data shape.
+
+    bench = StepBench(compose([...]))   # check_train, accelerator, parts (seeded by train.seed), seeded streams
+    stats = bench.step()                # one optimizer update (the loop's step), on the synthetic batch
+    stats = bench.step(batch)           # ... or on a batch of the run's loader
+    seconds = bench.timed(10)
+
+Several configs (e.g. dense and routed) are timed in interleaved rounds (time_interleaved) after a warm-up,
+so slow drift of the machine hits all of them alike; configs built from the same seed start from the same
+weights. PairedTimer keeps a dense baseline built and times other configs against it one at a time.
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch._dynamo.config as dynamo_config
+from torch._dynamo.utils import counters
+
+from tread.models.flops import model_forward_flops, train_step_flops
+from tread.perf.memory import MemoryMeter, static_bytes
+from tread.perf.peaks import fraction_of_bound, mfu, speedup_bound
+from tread.perf.routes import route_dicts
+from tread.schema import check_train
+from tread.training.setup import build_parts, make_accelerator, micro_batch_size, seed_streams
+from tread.training.step import StepSettings, StepStats, TrainStep
+
+GRAPH_KEYS = ("unique_graphs", "graph_breaks")
+
+
+def synthetic_batch(model: torch.nn.Module, batch: int, device: torch.device, seed: int = 0) -> tuple:
+    """(x, labels) of the model's input shape: x (B, C, R, R), or (B, C, T, R, R) for video models with
+    frames > 1, and labels below the model's class count; the same for every config of one geometry."""
+    shape = [batch, model.in_channels, model.input_size, model.input_size]
+    if getattr(model, "frames_axis", False) and getattr(model, "frames", 1) > 1:
+        shape.insert(2, model.frames)
+    gen = torch.Generator("cpu").manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    y = torch.randint(0, model.num_classes, (batch,), generator=gen)
+    return x.to(device), y.to(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of fn takes, synchronising CUDA around it."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+class StepBench:
+    """THE training step of one composed training config (see the module docstring). `parts` are the run's
+    training parts (model, objective, EMA, optimizer); `batch` the synthetic micro-batch on the device.
+
+    Each StepBench makes its Accelerator as train() does (make_accelerator resets accelerate's process-wide
+    state); configs timed together differ only in their routes, so they all see the same state."""
+
+    def __init__(self, cfg: Any, data_meta: Optional[Mapping[str, Any]] = None):
+        check_train(cfg)
+        self.cfg = cfg
+        self.accelerator = make_accelerator(cfg.train)
+        self.parts = build_parts(cfg, self.accelerator)
+        seed_streams(cfg, self.parts.model, self.accelerator.process_index)
+        self.parts.prepare()
+        self.parts.net.train()
+        settings = StepSettings.from_config(cfg, use_mask=False, data_meta=data_meta,
+                                            routed=self.parts.model.routing.enabled)
+        self.train_step = TrainStep(self.parts, settings)
+        self.step_index = 0
+        micro = micro_batch_size(cfg.train, self.accelerator.num_processes)
+        self.batch = synthetic_batch(self.parts.model, micro, self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.parts.model
+
+    def step(self, batch: Optional[tuple] = None) -> StepStats:
+        """One optimizer update, the loop's step number `step_index`; each of its grad_accum_steps micro-batches
+        is `batch` (default: the synthetic batch)."""
+        stats = self.train_step(itertools.repeat(self.batch if batch is None else batch), self.step_index)
+        self.step_index += 1
+        return stats
+
+    def timed(self, steps: int) -> list[float]:
+        """Seconds of each of `steps` steps on the synthetic batch."""
+        return [timed(self.step, self.device) for _ in range(steps)]
+
+    def forward_flops(self) -> float:
+        """Forward FLOPs per sample with this config's routes (what the training loop logs)."""
+        return model_forward_flops(self.parts.model)
+
+    def routes(self) -> list[dict]:
+        return route_dicts(self.parts.model.routing.routes)
+
+    def static_bytes(self) -> int:
+        return static_bytes(self.parts)
+
+
+# ----------------------------------------------------------------------------- interleaved timing
+def split_steps(steps: int, rounds: int) -> list[int]:
+    """`steps` split into at most `rounds` near-equal rounds."""
+    rounds = max(1, min(rounds, steps))
+    return [steps // rounds + (i < steps % rounds) for i in range(rounds)]
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Graphs compiled and graph breaks so far in this process (torch._dynamo counters)."""
+    return {"unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def allow_compiled_configs(n: int) -> None:
+    """Every config compiles its own model's routed forward, and dynamo caches per code object: raise its
+    recompile limit so n configs (each a few route shapes) never fall back to eager."""
+    for key in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, key):
+            setattr(dynamo_config, key, max(getattr(dynamo_config, key), 16 * n + 16))
+
+
+def time_interleaved(benches: Sequence[StepBench], steps: int, warmup: int, rounds: int,
+                     meter: MemoryMeter) -> list[dict]:
+    """Warm every config up (compilation happens here), then time them in interleaved rounds. Per config: the
+    step times, the transient memory peak, the static bytes, and the graphs and graph breaks compiled in
+    the warm-up and while timed."""
+    out = [{"times": [], "transient": 0, "timed": dict.fromkeys(GRAPH_KEYS, 0)} for _ in benches]
+    for bench, o in zip(benches, out):
+        before = dynamo_counts()
+        for _ in range(warmup):
+            bench.step()
+        sync(bench.device)
+        o["warmup"] = _delta(dynamo_counts(), before)
+    for n in split_steps(steps, rounds):
+        for bench, o in zip(benches, out):
+            before = dynamo_counts()
+            meter.start()
+            o["times"] += bench.timed(n)
+            o["transient"] = max(o["transient"], meter.stop())
+            d = _delta(dynamo_counts(), before)
+            o["timed"] = {k: o["timed"][k] + d[k] for k in GRAPH_KEYS}
+    for bench, o in zip(benches, out):
+        o["static"] = bench.static_bytes()
+    return out
+
+
+# ----------------------------------------------------------------------------- records
+@dataclass
+class Timed:
+    """A config timed: its label, its StepBench and what time_interleaved measured."""
+
+    label: str
+    bench: StepBench
+    meas: dict
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.meas["times"])
+
+
+def compile_record(t: Timed) -> dict:
+    """Graphs compiled in the warm-up, and recompiles and graph breaks while timed (both 0 for a clean step)."""
+    warm, tm = t.meas["warmup"], t.meas["timed"]
+    return {"backend": t.bench.cfg.train.compile_backend, "warmup": warm, "recompiles_timed": tm["unique_graphs"],
+            "graph_breaks_timed": tm["graph_breaks"], "graph_breaks": warm["graph_breaks"] + tm["graph_breaks"]}
+
+
+def step_records(timed_configs: Sequence[Timed], base: int, peak: Optional[float], model_name: str,
+                 mem_method: str) -> list[dict]:
+    """One result record per config: time, throughput, memory, FLOPs, speedup against config `base` (dense),
+    its FLOPs bound and the fraction of it realised, MFU (CUDA with a known peak), compile counts."""
+    batch = int(timed_configs[0].bench.cfg.train.batch_size)
+    forward = [t.bench.forward_flops() for t in timed_configs]
+    flops = [train_step_flops(f, batch) for f in forward]
+    base_s, out = timed_configs[base].median_s, []
+    for i, t in enumerate(timed_configs):
+        med, model = t.median_s, t.bench.model
+        speedup, achieved = base_s / med, flops[i] / med
+        rec = {"model": model_name, "family": str(t.bench.cfg.model.get("family") or "dit"),
+               "preset": t.bench.cfg.model.get("preset"), "config": t.label, "dense": not model.routing.enabled,
+               "baseline": i == base, "routes": t.bench.routes(), "tokens": int(model.num_tokens), "batch": batch,
+               "step_ms": 1e3 * med, "step_ms_all": [1e3 * s for s in t.meas["times"]],
+               "images_per_s": batch / med, "tokens_per_s": batch * model.num_tokens / med,
+               "peak_mem_bytes": t.meas["static"] + t.meas["transient"], "static_mem_bytes": t.meas["static"],
+               "step_mem_bytes": t.meas["transient"], "peak_mem_method": mem_method, "forward_flops_per_sample": forward[i],
+               "train_flops_per_step": flops[i], "flops_ratio": flops[i] / flops[base], "speedup": speedup,
+               "speedup_bound": speedup_bound(flops[base], flops[i]),
+               "fraction_of_bound": fraction_of_bound(speedup, flops[base], flops[i]),
+               "achieved_flops_per_s": achieved, "mfu": mfu(achieved, peak) if t.bench.device.type == "cuda" else None}
+        if t.bench.parts.compiled:
+            rec["compile"] = compile_record(t)
+        out.append(rec)
+    return out
+
+
+class PairedTimer:
+    """Times configs one at a time against a dense baseline that stays built: each call builds the other
+    config's StepBench, times both in interleaved rounds and frees it; dense_times collects every dense step."""
+
+    def __init__(self, dense_cfg: Any, steps: int, warmup: int, rounds: int, max_configs: int = 16):
+        allow_compiled_configs(max_configs + 1)
+        self.steps, self.warmup, self.rounds = steps, warmup, rounds
+        self.dense = StepBench(dense_cfg)
+        self.meter = MemoryMeter(self.dense.device)
+        self.dense_times: list[float] = []
+
+    def __call__(self, cfg: Any) -> dict:
+        bench = StepBench(cfg)
+        counted = bench.forward_flops()   # what the training loop logs for this config
+        dense, other = time_interleaved([self.dense, bench], self.steps, self.warmup, self.rounds, self.meter)
+        self.dense_times += dense["times"]
+        del bench
+        if self.dense.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"dense_s": statistics.median(dense["times"]), "step_s": statistics.median(other["times"]),
+                "step_ms_all": [1e3 * t for t in other["times"]],
+                "dense_step_ms_all": [1e3 * t for t in dense["times"]], "counted_forward_flops": counted}

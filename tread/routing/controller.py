@@ -1,0 +1,259 @@
+"""When routes apply, and the shared block loop that applies them.
+
+Every backbone family owns one `RoutingController` and runs its blocks through
+`run_blocks`, so route semantics (training-only by default, inference override,
+gather at start, scatter after end) live in one place.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+
+from tread.routing.router import TokenRouter, gather_tokens, keep_count, scatter_tokens
+from tread.routing.schedule import RouteSchedule, schedule_from_config
+from tread.routing.spec import Route, RouteConfigError, resolve_routes, routing_from_config, tokens_processed_fraction
+
+
+@dataclass
+class RoutePlan:
+    """What one forward pass routes, decided before it runs: the active routes, each route's keep count
+    (force-keep growth included) and its pre-drawn scores. Made eagerly (RoutingController.plan), so the
+    forward that consumes it has no generator calls and no host syncs and compiles into one graph."""
+
+    routes: list[Route] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)              # kept tokens per route
+    noise: list[torch.Tensor] = field(default_factory=list)    # (B, N) scores per route, in [0, 1)
+    fp32_blocks: frozenset[int] = frozenset()                  # blocks run outside autocast
+    num_tokens: int = 0
+
+    @property
+    def stats(self) -> list[tuple[int, int, int, int]]:
+        """(start, end, kept, total) per route: what routing.processed_fraction counts."""
+        return [(r.start_layer_idx, r.end_layer_idx, k, self.num_tokens) for r, k in zip(self.routes, self.keep)]
+
+
+class RoutingController:
+    """Holds a model's validated routes, its routing schedule, its router and the inference-time override.
+
+    `routes` are the configured routes (routing.routes): their spans are what inference routing and TREAD
+    guidance use. Training steps route `training_routes`: the configured routes, or with a schedule
+    (routing.schedule) the current phase's, set by `set_step` at the start of every training step."""
+
+    def __init__(self, routes: Sequence[Route], depth: int, router: Optional[TokenRouter] = None,
+                 fp32_after_route: bool = False, schedule: Optional[RouteSchedule] = None):
+        self.routes = list(routes)    # validated at build time, non-negative indices
+        self.depth = depth            # number of routable blocks
+        self.router = router or TokenRouter()
+        self.fp32_after_route = bool(fp32_after_route)  # the paper code's fp32 block after each route
+        self.schedule = schedule
+        self.training_routes = list(routes) if schedule is None else schedule.routes_at(0)
+        self._override: Optional[list[Route]] = None
+
+    @classmethod
+    def from_config(cls, routing: Optional[Mapping[str, Any]], depth: int) -> "RoutingController":
+        """The controller a `routing` config group describes ({enabled, routes, seed, selection,
+        fp32_after_route}), validated against `depth`; every backbone builds its routing here."""
+        routing = dict(routing or {})
+        flag = routing.get("fp32_after_route", False)
+        if not isinstance(flag, bool):
+            raise RouteConfigError(f"routing.fp32_after_route={flag!r} must be true or false.")
+        router = TokenRouter(seed=int(routing.get("seed") or 0), **dict(routing.get("selection") or {}))
+        routes = routing_from_config(routing, depth)
+        if routing.get("schedule") and not routing.get("enabled", False):
+            raise RouteConfigError("routing.schedule is set but routing is disabled (routing.enabled=false, e.g. "
+                                   "routing=none or model=dit); pick a routing preset, e.g. routing=paper.")
+        schedule = schedule_from_config(routing.get("schedule"), routes, depth)
+        return cls(routes, depth, router, fp32_after_route=flag, schedule=schedule)
+
+    def set_step(self, step: int) -> None:
+        """Route training step `step` as the schedule says (no-op without a schedule)."""
+        if self.schedule is not None:
+            self.training_routes = self.schedule.routes_at(step)
+
+    def routes_at(self, step: int) -> list[Route]:
+        """The routes training step `step` takes."""
+        return self.schedule.routes_at(step) if self.schedule is not None else list(self.routes)
+
+    def plan(self, batch: int, num_tokens: int, device: torch.device, training: bool,
+             force_keep: Optional[torch.Tensor] = None) -> RoutePlan:
+        """The routes this forward takes (active_routes) with their keep counts and the router's scores, drawn
+        now, in route order, from the router's own generator (or its per-sample generators)."""
+        routes = self.active_routes(training)
+        keep = [keep_count(r.num_keep(num_tokens), force_keep) for r in routes]
+        noise = [self.router.draw(batch, num_tokens, device) for _ in routes]
+        return RoutePlan(routes, keep, noise, self.fp32_blocks(routes), num_tokens)
+
+    def fp32_blocks(self, routes: Sequence[Route]) -> frozenset[int]:
+        """Blocks to run in fp32 (outside autocast): the one after each route's end, when enabled."""
+        if not self.fp32_after_route:
+            return frozenset()
+        return frozenset(r.end_layer_idx + 1 for r in routes if r.end_layer_idx + 1 < self.depth)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.routes)
+
+    def active_routes(self, training: bool) -> list[Route]:
+        """Routes for this forward: the override if set, else the training routes in grad-enabled training."""
+        if self._override is not None:
+            return self._override
+        if training and torch.is_grad_enabled():
+            return self.training_routes
+        return []
+
+    @contextlib.contextmanager
+    def override(self, selection_ratio: Optional[float] = None,
+                 routes: Optional[Sequence[Mapping[str, Any]]] = None) -> Iterator[None]:
+        """Route at inference too (e.g. for TREAD-guided sampling).
+
+        `selection_ratio` reuses the configured spans with a new ratio; `routes` gives
+        explicit route specs. `selection_ratio=0` with no routes configured is dense.
+        """
+        if routes is not None:
+            new = resolve_routes(routes, self.depth)
+        elif selection_ratio is not None:
+            if not self.routes and selection_ratio > 0:
+                raise RouteConfigError(
+                    f"Inference routing with selection_ratio={selection_ratio} needs route spans, but this model has "
+                    f"no routes configured; pass explicit routes instead."
+                )
+            new = resolve_routes(
+                [{"selection_ratio": selection_ratio, "start_layer_idx": r.start_layer_idx,
+                  "end_layer_idx": r.end_layer_idx} for r in self.routes], self.depth)
+        else:
+            raise ValueError("override() needs selection_ratio or routes.")
+        previous, self._override = self._override, new
+        try:
+            yield
+        finally:
+            self._override = previous
+
+
+class RoutedBackbone(nn.Module):
+    """Base of every routed backbone (DiT and the diffusers families).
+
+    `forward(x, noise_level, labels, force_keep=None, **cond)` plans the routes eagerly (the router's
+    generator draws here, and a force-keep mask's keep count is read here) and then runs `routed_forward`,
+    which the subclass implements with `run_blocks`. `compile()` compiles `routed_forward` alone, so the
+    compiled graph has no generator calls and no host syncs: one graph per route shape, no graph breaks.
+    Subclasses set `self.routing` (a RoutingController) and provide `num_tokens`.
+    """
+
+    routing: RoutingController
+    last_route_plan: Optional[RoutePlan] = None   # the plan of the last forward (routes, keep counts)
+    aligned: Optional[tuple] = None               # REPA: (projected tokens, their ids or None) of the last forward
+
+    def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
+                force_keep: Optional[torch.Tensor] = None, **cond: Any) -> torch.Tensor:
+        plan = self.routing.plan(x.shape[0], self.num_tokens, x.device, self.training, force_keep)
+        self.last_route_plan = plan
+        routed = self.__dict__.get("_compiled_routed_forward") or self.routed_forward
+        out = routed(x, noise_level, labels, plan, force_keep, **cond)
+        if isinstance(out, tuple):    # (output, projected tokens, ids): a training forward with a REPA head
+            out, *aligned = out
+            self.aligned = tuple(aligned)
+        return out
+
+    def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
+                       force_keep: Optional[torch.Tensor] = None, **cond: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch.compile the routed forward in place; parameter names, state dicts and checkpoints are
+        unchanged. Copy the module (e.g. for EMA) before compiling it: the copy would share the compiled code."""
+        self._compiled_routed_forward = torch.compile(self.routed_forward, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Run the uncompiled forward inside the block (e.g. to count FLOPs without compiling again)."""
+        compiled = self.__dict__.pop("_compiled_routed_forward", None)
+        try:
+            yield
+        finally:
+            if compiled is not None:
+                self._compiled_routed_forward = compiled
+
+    @property
+    def last_route_stats(self) -> list[tuple[int, int, int, int]]:
+        """(start, end, kept, total) per route of the last forward."""
+        return self.last_route_plan.stats if self.last_route_plan is not None else []
+
+    def processed_fraction(self) -> float:
+        """Share of token-block evaluations the last forward did (1.0 dense); force-kept tokens raise it."""
+        plan = self.last_route_plan
+        if plan is None or not plan.routes:
+            return 1.0
+        return tokens_processed_fraction(plan.routes, self.routing.depth, plan.num_tokens, plan.keep)
+
+
+def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, plan: RoutePlan, router: TokenRouter,
+               force_keep: Optional[torch.Tensor] = None, *, context: Any = None,
+               per_token: Optional[Mapping[str, torch.Tensor]] = None, checkpoint: bool = False,
+               tap: Optional[dict] = None) -> Any:
+    """Run `blocks` over routable tokens x (B, N, D), routing a subset past each route of `plan`.
+
+    Two calling conventions, one routing semantics:
+
+    * plain (DiT): `block(x) -> x`, per-sample conditioning bound by the caller; returns x.
+    * with `context` or `per_token` (diffusers families): `block(x, context, per_token) -> (x, context)`.
+      `context` is state that is never routed (text stream, register tokens, ...) and flows through every
+      block; `per_token` holds tensors shaped (B, N, ...) that belong to the tokens (per-sample RoPE
+      frequencies, per-token timestep modulation) and are gathered with them. Returns (x, context).
+
+    At a route's start the kept tokens (and their per-token tensors) are gathered; after its end they are
+    scattered back over the route-start tokens, so set-aside tokens re-enter unchanged. `force_keep` (B, N)
+    marks tokens that are never dropped. `checkpoint` recomputes each block in backward (activation
+    checkpointing); selection happens outside the checkpointed call, so recomputation sees the same tokens.
+    Blocks in `plan.fp32_blocks` run outside autocast on float32 inputs (RoutingController.fp32_blocks).
+    `tap` = {"block": i} receives the tokens block i computed, tap["tokens"] (B, K or N, D), and inside a route
+    the kept tokens' positions tap["ids"] (B, K), else None (REPA aligns them, tread/models/repa.py).
+    """
+    plain = context is None and per_token is None
+    full_tokens = dict(per_token or {})
+    tokens = full_tokens
+    starts = {r.start_layer_idx: j for j, r in enumerate(plan.routes)}
+    route: Optional[Route] = None
+    x_start = ids_keep = None
+    for i, block in enumerate(blocks):
+        if i in starts:
+            j = starts[i]
+            route, x_start = plan.routes[j], x
+            ids_keep = router.select(x, plan.keep[j], force_keep, noise=plan.noise[j])    # (B, K)
+            x = gather_tokens(x, ids_keep)                                              # (B, K, D)
+            tokens = {k: gather_tokens(v, ids_keep) for k, v in full_tokens.items()}
+        fp32 = i in plan.fp32_blocks
+        with torch.autocast(x.device.type, enabled=False) if fp32 else contextlib.nullcontext():
+            if plain:
+                x = _call(block, checkpoint, _f32(x) if fp32 else x)
+            else:
+                args = (x, context, tokens) if not fp32 else (_f32(x), _f32(context), _f32(tokens))
+                x, context = _call(block, checkpoint, *args)
+        if tap is not None and i == tap["block"]:
+            tap["tokens"], tap["ids"] = x, ids_keep
+        if route is not None and i == route.end_layer_idx:
+            x = scatter_tokens(x_start, x, ids_keep)                                    # (B, N, D)
+            tokens = full_tokens
+            route = x_start = ids_keep = None
+    return x if plain else (x, context)
+
+
+def _f32(value: Any) -> Any:
+    """float32 copies of the floating-point tensors in value (a tensor, tuple/list or dict)."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_f32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _f32(v) for k, v in value.items()}
+    return value
+
+
+def _call(block: Callable[..., Any], checkpoint: bool, *args: Any) -> Any:
+    if checkpoint and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+    return block(*args)

@@ -1,0 +1,46 @@
+"""Loading a checkpoint for inference (sample.py, fid.py mode=bench): the backbone and objective its config
+describes, built with the one model builder, with its EMA (or raw) weights."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from tread.data import LatentDatasetError, build_dataset
+from tread.diffusion.build import build_diffusion
+from tread.models import build_model
+from tread.models.lora import load_weights
+from tread.sampling.generate import CondFn, text_conditioning_for_seeds
+from tread.utils.checkpoints import find_checkpoint, load_model_file
+
+
+def load_for_inference(checkpoint: str | Path, use_ema: bool = True, device: str | torch.device = "cpu"):
+    """-> (net, diffusion, data_meta, config) from a run dir, a checkpoint dir or a file in it."""
+    path = find_checkpoint(checkpoint)
+    state = load_model_file(path)       # tensors and plain data only; foreign `_target_`s are refused
+    config = OmegaConf.create(state["config"])
+    torch.manual_seed(int(config.train.seed))  # the training's initialisation: the base of adapter-only checkpoints
+    model = build_model(config.model)
+    load_weights(model, state["ema" if use_ema else "model"], bool(state.get("adapter_only")), str(path))
+    diffusion = build_diffusion(config.diffusion)
+    net = diffusion.precondition(model).to(device).eval().requires_grad_(False)
+    return net, diffusion, state["data_meta"], config
+
+
+def text_conditioning(net, meta: dict, config: Any) -> Optional[CondFn]:
+    """For a text-conditioned checkpoint (a diffusers family trained on data with text embeddings): a
+    cond_fn(seeds) giving sample i the text embeddings of training item i mod N, read from the training data
+    (config.data), and FLUX Kontext's reference latents likewise. None for class-conditional checkpoints."""
+    from_data = (meta.get("conditioning") or {}).get("text") or "reference_latents" in (meta.get("files") or {})
+    if not hasattr(getattr(net, "model", net), "conditioning") or not from_data:
+        return None
+    try:
+        dataset = build_dataset(config.data)
+    except (LatentDatasetError, FileNotFoundError) as err:
+        raise FileNotFoundError(
+            f"this checkpoint is text-conditioned: samples take their text embeddings (reference latents) from the "
+            f"training data "
+            f"(data.path={config.data.get('path')!r}), which cannot be read here: {err}") from None
+    return text_conditioning_for_seeds(dataset, net)

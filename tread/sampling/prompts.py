@@ -1,0 +1,156 @@
+"""Prompts in: the conditioning of a text-conditioned model from prompts, encoded by its family's own text
+encoders (tread/data/text.py, the family pipeline's encoding) the way its training data was encoded (the sequence
+length and encoder dtype that the data's meta.json records). Shared by sample.py prompts=[...] and the
+in-training validation prompts (eval.validation_prompts).
+
+Classifier-free guidance: the unconditional branch gets the negative prompt's embeddings; an empty negative
+prompt gives the null label instead, i.e. the zero text embeddings of training label dropout
+(tread/models/families/base.py::null_text), which is what a model trained here has learned as "unconditional".
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from tread.data.text import TextEncoderError, encode_prompts, load_text_encoders, resolve_text_encoder_paths
+from tread.sampling.generate import CondFn, generate
+from tread.sampling.guidance import Guidance
+from tread.utils.errors import UserError
+
+ENCODER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PromptError(UserError):
+    """Prompts that cannot be used: none given, an unreadable prompts file, or a model that takes no text."""
+
+
+def read_prompts_file(path: Any, key: str = "prompts_file") -> list[str]:
+    """One prompt per line of a UTF-8 text file; empty (whitespace-only) lines are skipped."""
+    file = Path(str(path)).expanduser()
+    if not file.is_file():
+        raise PromptError(f"{key}='{path}' does not exist (or is not a file); allowed: a UTF-8 text file with one "
+                          f"prompt per line.")
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise PromptError(f"{key}='{path}' is not UTF-8 text ({err}); allowed: a UTF-8 text file with one prompt "
+                          f"per line.") from None
+    prompts = [line.strip() for line in lines if line.strip()]
+    if not prompts:
+        raise PromptError(f"{key}='{path}' holds no prompts (only empty lines); allowed: a UTF-8 text file with one "
+                          f"prompt per line.")
+    return prompts
+
+
+def check_prompts(prompts: Sequence[Any], key: str = "prompts") -> list[str]:
+    """A non-empty list of non-empty strings."""
+    prompts = list(prompts)
+    if not prompts:
+        raise PromptError(f"{key}=[] is empty; allowed: a non-empty list of prompts.")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise PromptError(f"{key}[{i}]={prompt!r} is not allowed; allowed: a non-empty string.")
+    return prompts
+
+
+def check_text_model(model: Any, meta: Mapping[str, Any], what: str = "prompts") -> str:
+    """The family of a model that prompts can condition: a diffusers family trained on text embeddings."""
+    if not hasattr(model, "conditioning"):
+        raise PromptError(f"{what} need a text-conditioned model (a diffusers family trained on text embeddings), "
+                          f"but this is the class-conditional {type(model).__name__} model, sampled by "
+                          f"class only.")
+    if not (meta.get("conditioning") or {}).get("text"):
+        raise PromptError(f"{what} need a model trained on text embeddings, but this {model.family} model was "
+                          f"trained on class-conditional data (no text embeddings): train it on text data "
+                          f"(data=toy_text, or latents precomputed with captions) to condition it on prompts.")
+    if getattr(model, "kontext", False):
+        raise PromptError(f"{what} are not supported for a FLUX Kontext model (model.kontext=true): each image also "
+                          f"needs a reference image, which prompts do not give; sample it without prompts (seed i "
+                          f"takes the text and reference of training item i mod N).")
+    return str(model.family)
+
+
+@dataclass
+class PromptEmbeddings:
+    """Encoded prompts: `cond` holds one row per prompt ({"text", "text_mask", "pooled"} as the family has
+    them), `negative` one row for CFG's unconditional branch (None: the null label)."""
+    prompts: list[str]
+    cond: dict[str, torch.Tensor]
+    negative: Optional[dict[str, torch.Tensor]] = None
+
+    def cond_fn(self, index: int) -> CondFn:
+        """Every seed gets prompt `index`."""
+        row = {k: v[index:index + 1] for k, v in self.cond.items()}
+        return lambda seeds: {k: v.expand(len(seeds), *v.shape[1:]) for k, v in row.items()}
+
+    def uncond_fn(self) -> Optional[CondFn]:
+        """Every seed gets the negative prompt; None when there is none (the null label)."""
+        if self.negative is None:
+            return None
+        negative = self.negative
+        return lambda seeds: {k: v.expand(len(seeds), *v.shape[1:]) for k, v in negative.items()}
+
+
+def encode_for_model(model: Any, meta: Mapping[str, Any], prompts: Sequence[str], negative_prompt: str,
+                     text_encoders: Optional[str], *, key: str, device: Any = "cpu",
+                     what: str = "prompts") -> PromptEmbeddings:
+    """Encode `prompts` (and a non-empty `negative_prompt`) for `model` with the text encoders at
+    `text_encoders` (a local diffusers pipeline folder; `key` names the setting in messages), at the sequence
+    length and dtype of the training data's encoding. The encoders are freed before returning. `what` names
+    the prompts' setting in messages."""
+    family = check_text_model(model, meta, what)
+    prompts = check_prompts(prompts)
+    if not text_encoders:
+        try:
+            resolve_text_encoder_paths(family, {})     # raises the advice: how to get the encoders
+        except TextEncoderError as err:
+            raise PromptError(f"{key} is not set, but prompts are encoded with the model's own text encoders "
+                              f"({family}): set {key}=DIR. {err}") from None
+    text_meta = meta["conditioning"]["text"]
+    dtype = ENCODER_DTYPES.get(str(text_meta.get("encoder_dtype")), torch.float32)
+    # SD3 without T5 (model.use_t5=false, or data precomputed with --no-t5): T5 is neither needed nor loaded.
+    no_t5 = family == "sd3" and (text_meta.get("t5") is False or getattr(model, "use_t5", True) is False)
+    try:
+        encoders = load_text_encoders(family, str(text_encoders), device=device, dtype=dtype, t5=not no_t5)
+        texts = list(prompts) + ([negative_prompt] if negative_prompt else [])
+        arrays = encode_prompts(family, encoders, texts, max_length=text_meta.get("max_length"), device=device,
+                                dtype=dtype)
+    except TextEncoderError as err:
+        raise PromptError(f"{key}='{text_encoders}': {err}") from None
+    del encoders          # the encoders can be large (T5-XXL): freed before any sampling
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    check_widths(model, tensors, f"{key}='{text_encoders}'")
+    n = len(prompts)
+    negative = {k: v[n:] for k, v in tensors.items()} if negative_prompt else None
+    return PromptEmbeddings(list(prompts), {k: v[:n] for k, v in tensors.items()}, negative)
+
+
+def check_widths(model: Any, tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """The encoders' embedding widths against the transformer's text widths."""
+    for name, have, want, config_key in (("text", tensors["text"].shape[-1], model.text_dim, model.text_dim_key),
+                                         ("pooled", tensors["pooled"].shape[-1] if "pooled" in tensors else None,
+                                          model.pooled_dim, model.pooled_dim_key)):
+        if have is not None and want and int(have) != int(want):
+            raise PromptError(f"{where} gives {have}-wide {name} embeddings, but the model takes {want} "
+                              f"(model.config.{config_key}, {model.family}): use the text encoders its training "
+                              f"data was encoded with.")
+
+
+def generate_for_prompts(net: Any, diffusion: Any, embeddings: PromptEmbeddings, seeds: Sequence[int],
+                         shape: Sequence[int], num_classes: int, device: torch.device, *, batch_size: int,
+                         num_steps: Optional[int] = None, guidance: Optional[Guidance] = None,
+                         stats: Optional[dict] = None) -> Iterator[tuple[int, list[int], torch.Tensor]]:
+    """Yield (prompt index, seeds, latents) batches: every prompt with every seed (prompt-major), each sample
+    with its own generators as in `generate`, so an image depends on its prompt and seed only."""
+    for index in range(len(embeddings.prompts)):
+        for batch, _, x in generate(net, diffusion, seeds, shape, num_classes, device, batch_size=batch_size,
+                                    num_steps=num_steps, cond_fn=embeddings.cond_fn(index), guidance=guidance,
+                                    stats=stats, uncond_fn=embeddings.uncond_fn()):
+            yield index, batch, x

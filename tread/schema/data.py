@@ -1,0 +1,78 @@
+"""The `data` section: the project's latent directory format (optionally a built-in dataset) or WebDataset
+shards. data.channels / resolution / num_classes are what the model expects; the dataset is checked
+against them when it is opened."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from tread.data.meta import LATENT_KINDS
+from tread.data.text import TEXT_FAMILIES
+from tread.models.dit import DIT_ARCHS
+from tread.schema.base import SEED_LIMIT, ConfigError, Number, Section, check, key, one_of
+
+
+class ToyArgs(Section):
+    """data.builtin_args of the toy_shapes data"""
+
+    num_per_class: int = key("a positive integer (images per class)", ge=1)
+    resolution: int = key("an integer >= 4 (image side)", ge=4)
+    seed: int = key("an integer in [0, 2**32) (generator seed)", ge=0, lt=SEED_LIMIT)
+    loss_masks: bool = key("true or false (store each shape's coverage as a loss mask)", default=False)
+
+
+class ToyTextArgs(Section):
+    """data.builtin_args of the toy_shapes_text data (data=toy_text)"""
+
+    num_per_class: int = key("a positive integer (images per class)", ge=1)
+    resolution: int = key("an integer >= 4 (image side)", ge=4)
+    seed: int = key("an integer in [0, 2**32) (generator seed)", ge=0, lt=SEED_LIMIT)
+    family: Literal[TEXT_FAMILIES] = key(one_of(TEXT_FAMILIES) + " (whose text encoders encode the captions)")
+    text_encoders: Optional[str] = key("a local pipeline folder with the family's text_encoder*/ and tokenizer*/ "
+                                       "(scripts/tiny_text_encoders.py writes tiny random ones)")
+    caption: str = key("a caption template containing {class}, e.g. 'a {class}'")
+    max_text_length: int = key("a positive integer (text tokens per caption)", ge=1)
+
+
+BUILTIN_ARGS = {"toy_shapes": ToyArgs, "toy_shapes_text": ToyTextArgs}
+
+
+class DataCommon(Section):
+    """keys of every data config"""
+
+    channels: int = key("a positive integer (latent channels the model expects)", ge=1)
+    resolution: int = key("a positive integer (latent side the model expects)", ge=1)
+    num_classes: int = key("a positive integer (labels lie in [0, num_classes))", ge=1)
+    dit_arch: Optional[Literal[tuple(DIT_ARCHS)]] = key(f"null or {one_of(DIT_ARCHS)} (model=dit/tread's default "
+                                                        f"size for this data)", default=None)
+
+
+class LatentsData(DataCommon):
+    """data.format=latents (our directory format)"""
+
+    format: Literal["latents"] = key("latents or wds")
+    path: str = key("a directory with meta.json, latents.npy, labels.npy (or where the built-in data is made)")
+    builtin: Optional[Literal[tuple(BUILTIN_ARGS)]] = key(f"null (use data.path as is) or {one_of(BUILTIN_ARGS)}")
+    builtin_args: Optional[dict[str, Any]] = key("null or the built-in generator's arguments", default=None)
+
+    def check_builtin(self) -> None:
+        if self.builtin is None:
+            return
+        if self.builtin_args is None:
+            raise ConfigError(f"data.builtin={self.builtin} needs data.builtin_args ({{num_per_class, resolution, "
+                              f"seed, ...}}).")
+        check(BUILTIN_ARGS[self.builtin], self.builtin_args, "data.builtin_args")
+
+
+class WdsData(DataCommon):
+    """data.format=wds (WebDataset tar shards of VAE latents, the paper repo's layout)"""
+
+    format: Literal["wds"] = key("latents or wds")
+    path: Union[str, list[str]] = key("a directory of .tar shards, one .tar, a brace pattern or a list of them")
+    builtin: Optional[Literal[None]] = key("null (built-in data uses the 'latents' format)", default=None)
+    latent_scale: Number = key("a number > 0 (multiplies each drawn latent)", gt=0)
+    latent_kind: Literal[LATENT_KINDS] = key(one_of(LATENT_KINDS))
+    vae: str = key("the VAE that decodes the latents (hub id or local path)")
+    index_dir: Optional[str] = key("null (paths.cache_dir/wds_index) or a directory for the shard index cache")
+
+
+DATA = {"latents": LatentsData, "wds": WdsData}

@@ -1,0 +1,282 @@
+"""The `routing`, `model`, `diffusion` and `optimizer` sections of the training config."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import model_validator
+
+from tread.diffusion.rf import DynamicShift, RectifiedFlow
+from tread.models.dit import DIT_ARCHS, check_repa_block, parse_arch
+from tread.models.families import FAMILIES
+from tread.models.lora import ADAPTER_TYPES, LORA_KEYS, check_type_keys
+from tread.models.quantize import QUANTIZE_MODES, check_quantize
+from tread.routing import SELECTION_MODES
+from tread.schema.base import (SEED_LIMIT, ConfigError, Flag, NonNegativeNumber, Number, PositiveNumber, Section, key,
+                               one_of)
+
+
+class Selection(Section):
+    """routing.selection"""
+
+    mode: Literal[SELECTION_MODES] = key(one_of(SELECTION_MODES))
+    importance_weight: Number = key("a number in [0, 1] (0 = uniform random, 1 = pure L1-norm importance)",
+                                    ge=0, le=1)
+
+
+class RouteSpec(Section):
+    """one route"""
+
+    selection_ratio: Number = key("a number in [0, 1): the fraction of tokens dropped (0.5 keeps half)", ge=0, lt=1)
+    start_layer_idx: int = key("a block index (negative counts from the end)")
+    end_layer_idx: int = key("a block index (negative counts from the end; inclusive)")
+
+
+class Phase(Section):
+    """one phase of routing.schedule"""
+
+    start_step: int = key("an integer >= 0 (the phase's first training step; the first phase starts at 0)", ge=0)
+    selection_ratio: Optional[Any] = key("null (routing.routes as configured), a ratio in [0, 1) over routing.routes' "
+                                         "spans, or [from, to]: a linear ramp until the next phase", default=None)
+    routes: Optional[list[RouteSpec]] = key("null or a list of {selection_ratio, start_layer_idx, end_layer_idx} "
+                                            "([] trains dense)", default=None)
+
+
+class Routing(Section):
+    """the routing group (configs/routing/*.yaml); routes are checked against the model's depth when it is built"""
+
+    enabled: Flag
+    seed: int = key("an integer in [0, 2**32) (the router's generator seed; each process adds its rank)", ge=0,
+                    lt=SEED_LIMIT)
+    fp32_after_route: Flag
+    selection: Selection = key("a mapping {mode, importance_weight}")
+    routes: list[RouteSpec] = key("a list of {selection_ratio, start_layer_idx, end_layer_idx}")
+    schedule: Optional[list[Phase]] = key("null or a list of phases {start_step, selection_ratio | routes} "
+                                          "(docs/routes.md, 'Routing schedules')", default=None)
+
+
+class Lora(Section):
+    """model.lora"""
+
+    type: Literal[ADAPTER_TYPES] = key(one_of(ADAPTER_TYPES) + " (peft's LoraConfig, LoKrConfig, LoHaConfig)",
+                                       default="lora")
+    rank: int = key("a positive integer (adapter rank, e.g. 16; peft's r)", ge=1)
+    alpha: Optional[Number] = key("a number > 0 (scale = alpha / rank; null: rank)", gt=0, default=None)
+    target_modules: list[str] = key("a non-empty list of module names to adapt, e.g. [to_q, to_k, to_v, to_out.0]",
+                                    min_length=1)
+    init: Any = key("peft's init_lora_weights (lora: true, false, gaussian, ...) or init_weights (lokr: true, "
+                    "false, lycoris; loha: true, false)", default=True)
+    dropout: Number = key("a number in [0, 1) (type=lora only: dropout on the adapter's input)", ge=0, lt=1,
+                          default=0.0)
+    decompose_factor: int = key("-1 (near-square Kronecker factors) or an integer >= 1 (type=lokr only)", ge=-1,
+                                default=-1)
+    decompose_both: bool = key("true or false (type=lokr only: also split the first Kronecker factor into a rank "
+                               "product)", default=False)
+    rank_dropout: Number = key("a number in [0, 1) (type=lokr|loha only: drops rows of the update)", ge=0, lt=1,
+                               default=0.0)
+    module_dropout: Number = key("a number in [0, 1) (type=lokr|loha only: skips the whole adapter)", ge=0, lt=1,
+                                 default=0.0)
+
+    @model_validator(mode="after")
+    def check_adapter_keys(self) -> "Lora":
+        """Keys of another adapter type are an error (tread/models/lora.py says which type takes which)."""
+        check_type_keys(self.model_fields_set, self.type, "model.lora")
+        if self.decompose_factor == 0:
+            raise ValueError("model.lora.decompose_factor=0 is not allowed; allowed: -1 (near-square Kronecker "
+                             "factors) or an integer >= 1.")
+        return self
+
+
+assert set(Lora.model_fields) == set(LORA_KEYS)
+
+
+class Repa(Section):
+    """model.repa (configs/repa/*.yaml)"""
+
+    weight: PositiveNumber
+    block: int = key("a block index of the model (negative counts from the end)")
+    encoder: Literal["toy", "dinov2"] = key(one_of(("toy", "dinov2")))
+    encoder_weights: Optional[str] = key("null (toy) or a local transformers Dinov2Model folder (dinov2)",
+                                         default=None)
+    encoder_dim: Optional[int] = key("null (read from the encoder) or the encoder's feature width", ge=1,
+                                     default=None)
+    projector_dim: int = key("a positive integer (hidden width of the projection MLP)", ge=1, default=2048)
+
+
+class Backbone(Section):
+    """what every model config has: the data's latent size and classes, gradient checkpointing, routing"""
+
+    convert: Literal["all"] = key("all", alias="_convert_")
+    input_size: int = key("a positive integer (latent side, from data.resolution)", ge=1)
+    in_channels: int = key("a positive integer (latent channels, from data.channels)", ge=1)
+    num_classes: int = key("an integer >= 0 (from data.num_classes; 0: text conditioning only)", ge=0)
+    gradient_checkpointing: Flag
+    routing: Routing = key("the routing group")
+
+
+class Sprint(Section):
+    """model.sprint (model=sprint)"""
+
+    start: int = key("a block index: the deep span's first block (dense blocks come before it)")
+    end: int = key("a block index: the deep span's last block, inclusive (dense blocks come after it)")
+    path_drop_prob: Number = key("a number in [0, 1): per-sample probability, in training, of dropping the whole "
+                                 "deep path (path-drop guidance learns from it)", ge=0, lt=1, default=0.1)
+
+
+class DiTModel(Backbone):
+    """model=dit|tread|sprint"""
+
+    target: Literal["tread.models.build_dit", "tread.models.build_sprint"] = key(
+        "tread.models.build_dit or tread.models.build_sprint", alias="_target_")
+    sprint: Optional[Sprint] = key("{start, end, path_drop_prob} (model=sprint only)", default=None)
+    init: Literal["adaln_zero", "paper"] = key("adaln_zero (DiT's adaLN-Zero) or paper (CompVis/tread's code: "
+                                               "Xavier-uniform over the zeroed adaLN and final layers)",
+                                               default="adaln_zero")
+    arch: Literal[tuple(DIT_ARCHS)] = key(one_of(DIT_ARCHS))
+    repa: Optional[Repa] = key("null or {weight, block, encoder, encoder_weights, encoder_dim, projector_dim} "
+                               "(repa=toy|dinov2)", default=None)
+    # DiT arguments a research run may override (+model.depth=6, ...)
+    depth: Optional[int] = key("an integer >= 1", ge=1, default=None)
+    hidden_size: Optional[int] = key("an integer >= 1", ge=1, default=None)
+    num_heads: Optional[int] = key("an integer >= 1", ge=1, default=None)
+    mlp_ratio: Optional[Number] = key("a number > 0", gt=0, default=None)
+
+    @model_validator(mode="after")
+    def check_repa_block(self) -> "DiTModel":
+        """REPA's block lies in the model (checked here, before the encoder is built or trained)."""
+        if self.repa is not None:
+            check_repa_block(self.repa.block, self.depth or parse_arch(self.arch)[0])
+        return self
+
+
+FAMILY_ONLY = {"guidance": "flux", "kontext": "flux", "use_t5": "sd3", "frames": "wan", "expand_timesteps": "wan",
+               "vae_scale_factor": "pixart"}
+
+
+class FamilyModel(Backbone):
+    """model=flux|sd3|wan|auraflow|pixart"""
+
+    target: Literal["tread.models.families.build_family"] = key("tread.models.families.build_family", alias="_target_")
+    family: Literal[FAMILIES] = key(one_of(FAMILIES))
+    preset: str = key("a preset name of the family (tiny, mid, ...)")
+    pretrained: Optional[str] = key("null or a hub id / local diffusers folder")
+    subfolder: Optional[str] = key("null or the transformer's folder inside model.pretrained")
+    config: Optional[dict[str, Any]] = key("null or a mapping of diffusers config overrides")
+    arch: str = key("a display name")
+    text_len: int = key("a positive integer (class-to-text table length)", ge=1)
+    lora: Optional[Lora] = key("null or {type, rank, alpha, target_modules, ...} (lora | lokr | loha)")
+    quantize: Optional[Literal[QUANTIZE_MODES]] = key(
+        "null (full precision) or " + one_of(QUANTIZE_MODES) + ": the frozen base blocks' Linear weights are "
+        "quantized and model.lora's adapters train on top (needs model.lora; tread/models/quantize.py)", default=None)
+    text_encoders: Optional[str] = key("null or a local diffusers pipeline folder with the family's text_encoder*/ "
+                                       "and tokenizer*/ subfolders (prompts: sample.py, eval.validation_prompts)",
+                                       default=None)
+    guidance: Optional[Number] = key("null or a number (FLUX guidance-distilled models)", default=None)
+    kontext: bool = key("true or false (FLUX Kontext: the data's reference latents, reference_latents.npy, "
+                        "condition every sample as never-routed image tokens)", default=False)
+    use_t5: bool = key("true or false (SD3: false zeroes the T5 part of the text embeddings, the positions after "
+                       "the 77 CLIP tokens, as StableDiffusion3Pipeline with text_encoder_3=None)", default=True)
+    frames: Optional[int] = key("a positive integer (Wan latent frames)", ge=1, default=None)
+    expand_timesteps: Optional[bool] = key("true or false (Wan)", default=None)
+    vae_scale_factor: Optional[int] = key("a positive integer (PixArt)", ge=1, default=None)
+
+    repa: Optional[Any] = key("null (REPA, repa=toy|dinov2, is for DiT models: model=dit|tread|sprint)",
+                              default=None)
+
+    @model_validator(mode="after")
+    def check_quantize(self) -> "FamilyModel":
+        """A quantized base trains through adapters only (tread/models/quantize.py says it, once); REPA is DiT's."""
+        check_quantize(self.quantize, self.lora)
+        if self.repa is not None:
+            raise ValueError(f"model.repa is set (repa=...) but model.family={self.family}; REPA alignment is "
+                             f"implemented for DiT models (model=dit|tread|sprint); allowed here: repa=null.")
+        return self
+
+    def check_family_keys(self) -> None:
+        for name, family in FAMILY_ONLY.items():
+            if name in self.model_fields_set and family != self.family:
+                raise ConfigError(f"model.{name} is a {family} key; model.family={self.family} does not take it.")
+
+
+MODELS = {"tread.models.build_dit": DiTModel, "tread.models.build_sprint": DiTModel,
+          "tread.models.families.build_family": FamilyModel}
+
+
+class EDMConfig(Section):
+    """diffusion=edm"""
+
+    target: Literal["tread.diffusion.EDM"] = key("tread.diffusion.EDM", alias="_target_")
+    sigma_data: Number = key("a number > 0 (std of the data)", gt=0)
+    P_mean: Number = key("a number (mean of ln sigma in training)")
+    P_std: PositiveNumber
+    num_steps: int = key("an integer >= 1 (Heun steps)", ge=1)
+    sigma_min: PositiveNumber
+    sigma_max: Number = key("a number > sigma_min", gt=0)
+    rho: PositiveNumber
+    S_churn: NonNegativeNumber
+    S_min: NonNegativeNumber
+    S_max: float = key("a number >= S_min (.inf allowed)", ge=0)
+    S_noise: NonNegativeNumber
+
+    def check_range(self) -> None:
+        if not self.sigma_min < self.sigma_max:
+            raise ConfigError(f"diffusion.sigma_min={self.sigma_min} and diffusion.sigma_max={self.sigma_max} are not "
+                              f"allowed; allowed: 0 < sigma_min < sigma_max.")
+
+
+class DynamicShiftConfig(Section):
+    """diffusion.dynamic_shift"""
+
+    base_shift: Number = key("a number (mu at base_seq_len image tokens; FLUX.1: 0.5)")
+    max_shift: Number = key("a number (mu at max_seq_len image tokens; FLUX.1: 1.15)")
+    base_seq_len: int = key("an integer >= 1, below max_seq_len (FLUX.1: 256)", ge=1)
+    max_seq_len: int = key("an integer above base_seq_len (FLUX.1: 4096)", ge=2)
+    patch_size: int = key("an integer >= 1: latent cells per token side (FLUX packs 2x2: 2; DiT, SD3: their "
+                          "patch_size)", ge=1)
+
+    @model_validator(mode="after")
+    def check_lengths(self) -> "DynamicShiftConfig":
+        DynamicShift(**self.model_dump())       # base_seq_len < max_seq_len, said once (tread/diffusion/rf.py)
+        return self
+
+
+class RFConfig(Section):
+    """diffusion=rf"""
+
+    target: Literal["tread.diffusion.RectifiedFlow"] = key("tread.diffusion.RectifiedFlow", alias="_target_")
+    P_mean: Number = key("a number (mean of logit t)")
+    P_std: PositiveNumber
+    shift: Number = key("a number > 0 (static timestep shift; 1 when dynamic_shift is set)", gt=0)
+    t_scale: Number = key("a number > 0 (noise level = t * t_scale)", gt=0)
+    num_steps: int = key("an integer >= 1 (Euler steps)", ge=1)
+    dynamic_shift: Optional[DynamicShiftConfig] = key(
+        "null (the static shift) or {base_shift, max_shift, base_seq_len, max_seq_len, patch_size}: FLUX's "
+        "resolution-dependent shift exp(mu), mu linear in the image token count", default=None)
+
+    @model_validator(mode="after")
+    def check_one_shift(self) -> "RFConfig":
+        if self.dynamic_shift is not None and self.shift != 1:
+            RectifiedFlow(shift=self.shift, dynamic_shift=self.dynamic_shift.model_dump())   # says why, once
+        return self
+
+
+DIFFUSIONS = {"tread.diffusion.EDM": EDMConfig, "tread.diffusion.RectifiedFlow": RFConfig}
+
+
+class AdamW(Section):
+    """optimizer=adamw"""
+
+    target: Literal["torch.optim.AdamW"] = key("torch.optim.AdamW", alias="_target_")
+    partial: Literal[True] = key("true", alias="_partial_")
+    lr: PositiveNumber
+    betas: list[Number] = key("[beta1, beta2], each in [0, 1)", min_length=2, max_length=2)
+    weight_decay: NonNegativeNumber
+    eps: PositiveNumber
+    fused: Optional[bool] = key("true, false or null (torch's default implementation)")
+
+    def check_betas(self) -> None:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optimizer.betas={list(self.betas)} is not allowed; allowed: [beta1, beta2], each in "
+                              f"[0, 1).")
+
+
+OPTIMIZERS = {"torch.optim.AdamW": AdamW}

@@ -1,0 +1,144 @@
+"""The configs of sample.py (configs/sample.yaml) and fid.py (configs/fid.yaml): `check_sample`, `check_fid`."""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Optional, Union
+
+from omegaconf import DictConfig
+from pydantic import Field
+
+from tread.evaluation.metric_names import METRICS
+from tread.schema.base import SEED_LIMIT, ConfigError, Flag, PositiveInt, check, key, show
+from tread.schema.sampling import (NEGATIVE_PROMPT, PROMPTS, TEXT_ENCODERS, DecodeSettings, MetricSettings, Prompt,
+                             SamplingSettings, check_guidance)
+from tread.schema.train import Paths
+from tread.schema.tree import container
+
+SAMPLE_SEED_LIMIT = 2 ** 63      # a sample's seed seeds its own torch.Generator (64 bits)
+SampleSeed = Annotated[int, Field(ge=0, lt=SAMPLE_SEED_LIMIT)]
+Seeds = Union[None, SampleSeed, str, Annotated[list[SampleSeed], Field(min_length=1)]]
+SEEDS = "null (0..num_samples-1), 'a-b', '1,5,7' or a non-empty list of integers >= 0"
+SEED_PART = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+MODES = ("ref", "calc", "bench")
+Device = Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")]
+DEVICES = "auto, cpu, cuda or cuda:N"
+
+
+class SampleConfig(SamplingSettings, DecodeSettings):
+    """sample.py"""
+
+    checkpoint: str = key("a run directory, checkpoints/step_XXXXXXX directory or a file in it")
+    use_ema: Flag
+    num_samples: int = key("a positive integer (used when seeds is null)", ge=1)
+    seeds: Seeds = key(SEEDS)
+    classes: Optional[list[int]] = key("null (seed i gets class i mod K) or a non-empty list of class ids",
+                                       min_length=1)
+    batch_size: int = key("a positive integer", ge=1)
+    device: Device = key(DEVICES)
+    out_dir: Optional[str] = key("null (<run dir>/samples/sample_<time>) or a directory")
+    grid_nrow: Optional[int] = key("null (the number of classes; with prompts, the seeds per prompt) or a positive "
+                                   "integer", ge=1)
+    prompts: Optional[list[Prompt]] = key(f"null (the training data's text or classes) or {PROMPTS}", min_length=1)
+    prompts_file: Optional[str] = key("null or a UTF-8 text file with one prompt per line (empty lines skipped)")
+    negative_prompt: str = key(NEGATIVE_PROMPT)
+    text_encoders: Optional[str] = key(f"null (the checkpoint's model.text_encoders) or {TEXT_ENCODERS}")
+
+
+class FidConfig(SamplingSettings, DecodeSettings, MetricSettings):
+    """fid.py"""
+
+    mode: Literal[MODES] = key("ref (build a reference), calc (metrics of images) or bench (sample and score "
+                               "checkpoints)")
+    cache_dir: str = key("a directory (the toy classifier is trained there once)")
+    device: Device = key(DEVICES + "; bench: each process takes its own GPU")
+    batch_size: int = key("a positive integer (images per feature batch)", ge=1)
+    is_split_size: PositiveInt
+    pr_k: PositiveInt
+    kid_subsets: PositiveInt
+    kid_subset_size: PositiveInt
+    metric_seed: int = key("an integer in [0, 2**32) (KID subsets)", ge=0, lt=SEED_LIMIT)
+    source: Optional[str] = key("null or an image folder, samples .npz or latent dataset directory (mode=ref)")
+    out: Optional[str] = key("null or the reference .npz to write (mode=ref)")
+    max_images: Optional[int] = key("null or a positive integer", ge=1)
+    store_images: int = key("an integer >= 0 (reference images kept as arr_0; ADM keeps 10000)", ge=0)
+    images: Optional[str] = key("null or an image folder / .npz of generated images (mode=calc)")
+    ref: Optional[str] = key("null or a reference .npz (calc, bench)")
+    out_json: Optional[str] = key("null or a JSON file for the metrics (mode=calc)")
+    checkpoints: Union[None, str, list[str]] = key("null or run dirs / checkpoint dirs / files in them / globs")
+    num_samples: int = key("a positive integer (images per checkpoint, used when seeds is null)", ge=1)
+    seeds: Seeds = key(SEEDS)
+    sample_batch_size: int = key("a positive integer (images per sampling batch, per process)", ge=1)
+    use_ema: Flag
+    out_dir: str = key("a directory (metrics.jsonl, metrics.csv and samples)")
+    keep_npz: Flag
+    skip_existing: Flag
+    paths: Paths = key("the paths group")
+
+
+NEEDS = {"ref": ("source", "out"), "calc": ("images", "ref"), "bench": ("checkpoints", "ref")}
+WHAT = {"source": "image folder | samples .npz | latent dataset dir", "out": "reference .npz to write",
+        "images": "image folder | .npz of generated images", "ref": "reference .npz",
+        "checkpoints": "run dir | checkpoint dir | a file in it | glob | list"}
+
+
+def check_sample(cfg: Union[DictConfig, dict]) -> SampleConfig:
+    s = check(SampleConfig, container(cfg), "")
+    check_guidance(s, "")
+    check_seeds(s.seeds)
+    check_device(s.device)
+    check_prompt_keys(s)
+    return s
+
+
+def check_prompt_keys(s: SampleConfig) -> None:
+    """prompts / prompts_file: one of them at most, and not with classes (prompts replace classes)."""
+    if s.prompts is not None and s.prompts_file is not None:
+        raise ConfigError(f"prompts={show(s.prompts)} and prompts_file={show(s.prompts_file)} are both set; allowed: "
+                          f"one of them (or neither).")
+    if (s.prompts is not None or s.prompts_file is not None) and s.classes is not None:
+        raise ConfigError(f"classes={show(s.classes)} cannot be combined with prompts: prompts condition a text model, "
+                          f"classes a class-conditional one; allowed: classes=null with prompts.")
+
+
+def check_fid(cfg: Union[DictConfig, dict]) -> FidConfig:
+    tree = container(cfg, required_ok=("mode",))
+    mode = tree.get("mode")
+    if mode not in MODES:
+        raise ConfigError(f"mode={mode} is not valid: use mode=ref (build a reference), mode=calc (metrics of images "
+                          f"against a reference) or mode=bench (sample and score checkpoints)")
+    s = check(FidConfig, tree, "")
+    if "fdd" in s.metrics:
+        raise ConfigError(f"metrics={list(s.metrics)}: fdd is computed by in-training evaluation (eval.metrics) and "
+                          f"not yet by fid.py; allowed here: {[m for m in METRICS if m != 'fdd']}.")
+    check_guidance(s, "")
+    check_seeds(s.seeds)
+    check_device(s.device)
+    for name in NEEDS[s.mode]:
+        if getattr(s, name) is None:
+            raise ConfigError(f"mode={s.mode} needs {name}=<{WHAT[name]}>")
+    return s
+
+
+def check_seeds(seeds: Any, name: str = "seeds") -> None:
+    """A seeds string: comma-separated integers >= 0 and ranges a-b with a <= b (null and lists are typed)."""
+    if not isinstance(seeds, str):
+        return
+    parts = [SEED_PART.match(part) for part in seeds.split(",")]
+    if not all(parts) or any(p.group(2) is not None and int(p.group(1)) > int(p.group(2)) for p in parts) or \
+            any(int(n) >= SAMPLE_SEED_LIMIT for p in parts for n in p.groups() if n is not None):
+        raise ConfigError(f"{name}={show(seeds)} is not allowed; allowed: {SEEDS} (ranges a-b with a <= b, "
+                          f"every seed below 2**63).")
+
+
+def check_device(device: str, name: str = "device") -> None:
+    """A CUDA device that this machine has (the form was checked by the schema)."""
+    if not device.startswith("cuda"):
+        return
+    import torch  # deferred: the schema itself does not need torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index >= count:
+        have, allowed = ((f"CUDA devices 0..{count - 1}", f"auto, cpu, cuda or cuda:N with N < {count}") if count
+                         else ("no CUDA device", "auto or cpu"))
+        raise ConfigError(f"{name}={device} is not available: this machine has {have}; allowed: {allowed}.")

@@ -1,0 +1,174 @@
+"""The training config (configs/train.yaml and its groups), checked once at start-up: `check_train`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from omegaconf import DictConfig
+
+from tread.schema.base import SEED_LIMIT, ConfigError, Flag, Number, PositiveNumber, Section, check, key, one_of
+from tread.schema.data import DATA
+from tread.schema.model import DIFFUSIONS, MODELS, OPTIMIZERS, FamilyModel, Routing
+from tread.schema.sampling import (NEGATIVE_PROMPT, PROMPTS, DecodeSettings, MetricSettings, Prompt, SamplingSettings,
+                             check_guidance)
+from tread.schema.tree import container, pick
+
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+WANDB_MODES = ("disabled", "offline", "online")
+NONFINITE = ("skip", "stop")
+PARALLEL = ("ddp", "fsdp")
+
+
+class Fsdp(Section):
+    """train.fsdp (read with train.parallel=fsdp: tread/training/fsdp.py)"""
+
+    reshard_after_forward: Flag = key("true (free a block's gathered weights after its forward and gather them "
+                                      "again in backward: least memory) or false (keep them to backward: one "
+                                      "all-gather less per block, more memory)")
+    cpu_offload: Flag = key("true (sharded weights, gradients and optimizer state live in host memory; CUDA "
+                            "only) or false")
+
+
+class Train(Section):
+    """train"""
+
+    max_steps: int = key("a positive integer (optimizer steps)", ge=1)
+    time_budget_min: Optional[Number] = key("null (no budget) or a positive number of minutes of training time",
+                                            gt=0)
+    batch_size: int = key("a positive integer (the global batch over processes and accumulation)", ge=1)
+    grad_accum_steps: int = key("a positive integer (micro-batches per optimizer step)", ge=1)
+    seed: int = key("an integer in [0, 2**32) (run seed: init, noise, label dropout, data order)", ge=0,
+                    lt=SEED_LIMIT)
+    mixed_precision: Literal[MIXED_PRECISION] = key(one_of(MIXED_PRECISION) + " (auto: bf16 where the device "
+                                                    "multiplies bf16 natively, else no)")
+    tf32: Flag = key("true (fp32 matmuls and convolutions on CUDA in TensorFloat-32) or false (full fp32)")
+    grad_clip: Optional[Number] = key("null (no clipping) or a max gradient norm > 0", gt=0)
+    label_dropout: Number = key("a probability in [0, 1)", ge=0, lt=1)
+    lr_warmup_steps: int = key("an integer >= 0 (linear warm-up steps; 0: none)", ge=0)
+    log_every_steps: int = key("a positive integer", ge=1)
+    num_workers: int = key("an integer >= 0 (DataLoader workers per process)", ge=0)
+    cpu: Flag
+    compile: Union[Literal["auto"], bool] = key("auto (on with CUDA, or on CPU with a C++ compiler), true or false")
+    compile_backend: str = key("a torch.compile backend, e.g. inductor or aot_eager")
+    compile_mode: Optional[Literal[COMPILE_MODES]] = key(f"null or {one_of(COMPILE_MODES)}")
+    masked_loss: Union[Literal["auto"], bool] = key("auto (use the data's loss masks when it has them), true "
+                                                    "(require them) or false (ignore them)")
+    mask_force_keep: Flag
+    nonfinite: Literal[NONFINITE] = key("skip (skip the update, counted and logged) or stop (end the run) on a "
+                                        "non-finite loss or gradient norm")
+    max_nonfinite_skips: int = key("a positive integer (consecutive skipped steps that end the run)", ge=1)
+    collective_timeout_min: PositiveNumber = key("a number > 0 (minutes a process waits in a collective for the "
+                                                 "other ranks)")
+    slurm_requeue: Flag = key("true or false (requeue the SLURM job after a time-limit warning's checkpoint)")
+    parallel: Literal[PARALLEL] = key("ddp (every process holds the whole model) or fsdp (weights, gradients, "
+                                      "optimizer state and EMA sharded over the processes, one group per routable "
+                                      "block; needs >= 2 processes)")
+    fsdp: Fsdp
+
+
+class EMA(Section):
+    """ema"""
+
+    decay: Number = key("a number in [0, 1)", ge=0, lt=1)
+    warmup: Flag
+
+
+class Checkpoint(Section):
+    """checkpoint"""
+
+    every_steps: int = key("an integer >= 0 (0 disables periodic checkpoints)", ge=0)
+    keep_last: Optional[int] = key("null (keep all) or an integer >= 1", ge=1)
+    adapter_only: Flag
+
+
+class Wandb(Section):
+    """wandb"""
+
+    mode: Literal[WANDB_MODES] = key(one_of(WANDB_MODES))
+    project: Optional[str] = key("null or a project name")
+    entity: Optional[str] = key("null or an entity name")
+    name: Optional[str] = key("null or a run name")
+
+
+class Paths(Section):
+    """paths"""
+
+    cache_dir: str = key("a directory (built-in data, feature networks, reference statistics)", min_length=1)
+    output_dir: str = key("a directory (run and sweep directories)", min_length=1)
+
+
+class Eval(SamplingSettings, DecodeSettings, MetricSettings):
+    """eval (in-training evaluation; sampling, decoding and metric keys as in sample.py / fid.py)"""
+
+    every_steps: int = key("an integer >= 0 (0 disables periodic evaluation)", ge=0)
+    at_end: Flag
+    num_samples: int = key("an integer >= 2 (a covariance needs two samples)", ge=2)
+    batch_size: int = key("a positive integer (sampling batch per process)", ge=1)
+    reference: Optional[str] = key("null (built from the dataset and cached) or a reference .npz")
+    reference_max_images: Optional[int] = key("null or an integer >= 2", ge=2)
+    grid_size: int = key("an integer >= 1 (images in the saved sample grid)", ge=1)
+    validation_prompts: Optional[list[Prompt]] = key(
+        f"null or {PROMPTS}: sampled at every evaluation into a captioned grid (not counted in the metrics)",
+        min_length=1)
+    validation_per_prompt: int = key("a positive integer (images per validation prompt: seeds 0..n-1)", ge=1)
+    seed_offset: int = key("an integer >= 0: samples use seeds seed_offset..seed_offset+num_samples-1 (the paper "
+                           "code's FID-5K: 100000)", ge=0, default=0)
+    negative_prompt: str = key(NEGATIVE_PROMPT)
+
+
+SECTIONS = {"train": Train, "ema": EMA, "checkpoint": Checkpoint, "wandb": Wandb, "paths": Paths, "eval": Eval,
+            "routing": Routing, "model": MODELS, "data": DATA, "diffusion": DIFFUSIONS, "optimizer": OPTIMIZERS}
+TOP_KEYS = ("resume", *SECTIONS)
+
+
+def check_train(cfg: Union[DictConfig, dict]) -> dict[str, Any]:
+    """Check every key of a composed training config; returns the checked sections. ConfigError names the first
+    bad key, its value and what is allowed. Runtime facts (the world size, the dataset, the model's depth) are
+    checked where they become known, still before training starts."""
+    tree = container(cfg, required_ok=("eval.reference",) if not _eval_on(cfg) else ())
+    unknown = sorted(set(tree) - set(TOP_KEYS))
+    if unknown:
+        raise ConfigError(f"{unknown[0]} is not a known key; the training config takes {list(TOP_KEYS)}.")
+    resume = tree.get("resume")
+    if resume is not None and not (isinstance(resume, str) and resume):
+        raise ConfigError(f"resume={resume!r} is not allowed; allowed: null (fresh run), auto (the latest checkpoint "
+                          f"in the run dir) or a checkpoint / run directory path.")
+    out = {name: check(pick(kind, tree.get(name), name), tree.get(name), name) for name, kind in SECTIONS.items()}
+    _cross_checks(out)
+    return out
+
+
+def check_train_files(cfg: Any) -> None:
+    """The files a checked training config names that must exist before any work (the data's own files are
+    checked when it opens, right after): the evaluation reference."""
+    reference = cfg["eval"]["reference"] if _eval_on(cfg) else None
+    if reference is not None and not Path(reference).expanduser().is_file():
+        raise ConfigError(f"eval.reference={reference!r} does not exist; allowed: null (built from the dataset and "
+                          f"cached) or a reference .npz (`python fid.py mode=ref ...` builds one).")
+
+
+def _eval_on(cfg: Any) -> bool:
+    return bool(cfg["eval"]["every_steps"] or cfg["eval"]["at_end"])
+
+
+def _cross_checks(s: dict[str, Any]) -> None:
+    """Rules between sections."""
+    for name in ("model", "diffusion", "optimizer", "data"):
+        for method in ("check_family_keys", "check_range", "check_betas", "check_builtin"):
+            getattr(s[name], method, lambda: None)()
+    check_guidance(s["eval"], "eval.")
+    if s["checkpoint"].adapter_only and not (isinstance(s["model"], FamilyModel) and s["model"].lora is not None):
+        raise ConfigError("checkpoint.adapter_only=true needs LoRA adapters (model.lora={rank: ..., target_modules: "
+                          "[...]}); without them every weight trains and must be saved.")
+    if s["train"].compile is not False:
+        _check_backend(s["train"].compile_backend)
+
+
+def _check_backend(backend: str) -> None:
+    import torch._dynamo  # deferred: a second of import time, only when compiling may happen
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in backends:
+        raise ConfigError(f"train.compile_backend={backend!r} is not a torch.compile backend; allowed: "
+                          f"{sorted(backends)}.")

@@ -1,0 +1,97 @@
+"""Preemption: SIGTERM, SIGUSR1 and SIGUSR2 end a run at the next step boundary with a checkpoint.
+
+A cluster stops a job by signalling it (SLURM: SIGTERM on preemption, `scancel` and `scontrol requeue`, then
+SIGKILL after KillWait; a time-limit warning chosen with `--signal`, SIGUSR2 under submitit's launcher).
+The handler only records the signal; the loop finishes the current step, writes a checkpoint and
+summary.json with status "preempted", and train.py exits with EXIT_PREEMPTED. With several processes the
+ranks agree on the stop step with one small CPU all-reduce per step, so they all stop at the same one.
+
+Inside a SLURM job with train.slurm_requeue=true, a time-limit warning (SIGUSR1/SIGUSR2) also requeues the
+job after the checkpoint (`scontrol requeue`); SIGTERM is not requeued here: preemption and `scontrol
+requeue` requeue by themselves, and `scancel` means stop. A requeued job (SLURM_RESTART_COUNT >= 1)
+resumes from its run dir's latest checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+from typing import Iterator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from tread.utils.distributed import is_distributed
+
+EXIT_PREEMPTED = 75          # EX_TEMPFAIL: "try again later"; train.py's exit status after a preemption
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+TIME_LIMIT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+class StopRequest:
+    """The first stop signal this process received (None: none yet). With several processes, `agreed()`
+    all-reduces the flag over a gloo group on the CPU (made here, by every rank), so a CUDA run gets no
+    device sync per step from it, only a few-byte message."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self.group = None
+        if is_distributed():
+            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+
+    def handle(self, signum: int, _frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    @property
+    def name(self) -> Optional[str]:
+        return signal.Signals(self.signum).name if self.signum is not None else None
+
+    def agreed(self) -> bool:
+        """Whether to stop after this step: this process got a signal, or (with several) any process did."""
+        if self.group is None:
+            return self.signum is not None
+        flag = torch.tensor([int(self.signum is not None)])
+        dist.all_reduce(flag, group=self.group)
+        return bool(flag.item())
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """Install the handlers for the block (only the main thread can; elsewhere signals keep their handlers)."""
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+    previous = {s: signal.signal(s, request.handle) for s in SIGNALS}
+    try:
+        yield request
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def slurm_job_id(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    return env.get("SLURM_JOB_ID") or None
+
+
+def requeued(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this is a SLURM job that was requeued (it must continue its run, not start over)."""
+    return bool(slurm_job_id(env)) and int(env.get("SLURM_RESTART_COUNT") or 0) > 0
+
+
+def requeue_after(signum: Optional[int], enabled: bool, env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """`scontrol requeue` this SLURM job after a time-limit warning signal; returns what happened (None: nothing
+    to do)."""
+    job = slurm_job_id(env)
+    if not (enabled and job and signum in TIME_LIMIT_SIGNALS):
+        return None
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"requeue of SLURM job {job} failed: {err}"
+    if done.returncode:
+        return f"requeue of SLURM job {job} failed: {done.stderr.strip() or done.returncode}"
+    return f"requeued SLURM job {job}"

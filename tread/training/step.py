@@ -1,0 +1,167 @@
+"""One training step: what train.py runs every step, and what the benchmark and the route planner time.
+
+A step is one optimizer update: for each of `grad_accum_steps` micro-batches, move the batch to the device,
+draw latents from moments data, drop labels (classifier-free guidance training), take the data's text
+embeddings and loss mask, compute the objective's loss under autocast and backpropagate (gradient sync only
+on the last micro-batch); then clip, step the optimizer and update the EMA, both skipped on the device
+when the loss or the gradient norm is not finite (tread/training/guard.py). The random draws happen in this
+order on the training stream: moments, label dropout, then the objective's sigma/t and noise.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+
+from tread.data import COND_KEYS, draw_latents
+from tread.routing import resize_loss_mask
+from tread.training.ema import ema_decay_at, ema_update
+from tread.training.fsdp import full
+from tread.training.guard import nonfinite_flag
+from tread.training.setup import TrainingParts
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What the step needs from the config and the data (no defaults here: every value comes from the config)."""
+
+    grad_accum_steps: int
+    grad_clip: Optional[float]
+    label_dropout: float
+    lr: float
+    lr_warmup_steps: int
+    ema_decay: float
+    ema_warmup: bool
+    use_mask: bool                  # weight the loss by the data's loss masks
+    force_keep: bool                # routes never drop tokens more than half under the loss mask
+    data_meta: Mapping[str, Any]    # the dataset's meta (moments data: draw_latents)
+
+    @classmethod
+    def from_config(cls, cfg: Any, use_mask: bool = False, data_meta: Optional[Mapping[str, Any]] = None,
+                    routed: bool = True) -> "StepSettings":
+        """From a checked training config; `use_mask` whether this run weights its loss by loss masks (the data's
+        and train.masked_loss), `routed` whether the model has routes (force-keep needs them)."""
+        t = cfg.train
+        return cls(grad_accum_steps=t.grad_accum_steps, grad_clip=t.grad_clip, label_dropout=t.label_dropout,
+                   lr=cfg.optimizer.lr, lr_warmup_steps=t.lr_warmup_steps, ema_decay=cfg.ema.decay,
+                   ema_warmup=cfg.ema.warmup, use_mask=use_mask,
+                   force_keep=bool(use_mask and t.mask_force_keep and routed), data_meta=dict(data_meta or {}))
+
+
+@dataclass
+class StepStats:
+    """What a step reports: the loss stays on the device (no host sync per step)."""
+
+    loss: torch.Tensor            # mean over the micro-batches, detached
+    tokens_fraction: float        # share of token-block evaluations done (1.0 dense; force-keep raises it)
+    data_sec: float               # time spent waiting for batches
+    lr: float
+    nonfinite: torch.Tensor       # 1.0 when the loss or gradient norm was NaN/inf and the update was skipped
+    repa_loss: Optional[torch.Tensor] = None   # model.repa: the alignment term (mean negative cosine), detached
+
+
+class TrainStep:
+    """step(batches, step) -> StepStats: one optimizer update from the next grad_accum_steps batches."""
+
+    def __init__(self, parts: TrainingParts, settings: StepSettings):
+        self.parts, self.s = parts, settings
+        self.null_label = parts.model.num_classes
+        self.takes_text = hasattr(parts.model, "conditioning")   # DiT is class-conditional: text is ignored
+
+    def __call__(self, batches: Iterator, step: int) -> StepStats:
+        p, s = self.parts, self.s
+        lr = set_lr(p.optimizer, s.lr, s.lr_warmup_steps, step)
+        p.model.routing.set_step(step)                     # routing.schedule: this step's phase
+        loss_sum = torch.zeros((), device=p.accelerator.device)
+        repa_sum = torch.zeros((), device=p.accelerator.device) if p.repa is not None else None
+        tokens, data_sec = 0.0, 0.0
+        for micro in range(s.grad_accum_steps):
+            start = time.perf_counter()
+            batch = next(batches)
+            data_sec += time.perf_counter() - start   # the time the step waited for data (0 when prefetch keeps up)
+            loss = self.micro_step(batch, sync=micro == s.grad_accum_steps - 1)
+            loss_sum += loss.detach() / s.grad_accum_steps
+            if repa_sum is not None:
+                repa_sum += p.repa.last / s.grad_accum_steps
+            tokens += p.model.processed_fraction() / s.grad_accum_steps
+        bad = nonfinite_flag(loss_sum, self.grad_norm())
+        self.optimizer_step(bad)
+        ema_update(p.ema, p.accelerator.unwrap_model(p.net), ema_decay_at(step, s.ema_decay, s.ema_warmup), skip=bad)
+        return StepStats(loss_sum, tokens, data_sec, lr, bad, repa_sum)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The total gradient norm (clipped to train.grad_clip when set), on the device; with sharded gradients
+        (train.parallel=fsdp) torch reduces it over the shards and full() takes its replicated value."""
+        p = self.parts
+        if self.s.grad_clip:
+            return full(p.accelerator.clip_grad_norm_(p.net.parameters(), self.s.grad_clip))
+        return full(torch.nn.utils.get_total_norm([q.grad for q in p.net.parameters() if q.grad is not None]))
+
+    def optimizer_step(self, bad: torch.Tensor) -> None:
+        """The update, skipped when `bad` is 1: on the device by a fused optimizer (found_inf), by the grad
+        scaler under fp16 (it skips non-finite gradients itself), on the host otherwise (one sync)."""
+        p = self.parts
+        inner = getattr(p.optimizer, "optimizer", p.optimizer)     # accelerate's wrapper holds the optimizer
+        if p.accelerator.scaler is None and inner.defaults.get("fused"):
+            inner.found_inf = bad
+            p.optimizer.step()
+            del inner.found_inf
+        elif p.accelerator.scaler is not None or not bool(bad.item()):
+            p.optimizer.step()
+        p.optimizer.zero_grad(set_to_none=True)
+
+    def micro_step(self, batch: tuple, sync: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its (undivided) loss."""
+        p, s = self.parts, self.s
+        x, y, extras = split_batch(batch, p.accelerator.device)
+        x = draw_latents(x, s.data_meta)                   # moments data: one latent drawn per read (training RNG)
+        y = drop_labels(y, s.label_dropout, self.null_label)
+        cond = {k: extras[k] for k in COND_KEYS if k in extras}   # text; Kontext references: never dropped
+        mask = extras.get("loss_mask") if s.use_mask else None
+        kwargs: dict[str, Any] = {"cond": cond} if cond and self.takes_text else {}
+        if mask is not None and s.force_keep:
+            kwargs["force_keep"] = p.model.tokens_from_mask(mask)      # tokens > half under the mask
+        with p.accelerator.no_sync(p.net) if not sync else contextlib.nullcontext():
+            with p.accelerator.autocast():
+                loss = reduce_loss(p.diffusion.loss(p.net, x, y, **kwargs), mask)
+                if p.repa is not None:                  # REPA: align the model's tokens with the encoder's
+                    loss = loss + p.repa.weight * p.repa.loss(p.model, x, s.data_meta)
+            p.accelerator.backward(loss / s.grad_accum_steps)
+        return loss
+
+
+def set_lr(optimizer: torch.optim.Optimizer, base: float, warmup_steps: int, step: int) -> float:
+    """Linear warm-up to the configured lr, then constant (the paper's schedule)."""
+    lr = base * min(1.0, (step + 1) / warmup_steps) if warmup_steps else base
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def drop_labels(labels: torch.Tensor, p: float, null_label: int) -> torch.Tensor:
+    """Classifier-free guidance training: replace labels by the null class with probability p."""
+    if p <= 0:
+        return labels
+    drop = torch.rand(labels.shape, device=labels.device) < p
+    return torch.where(drop, torch.full_like(labels, null_label), labels)
+
+
+def split_batch(batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(x, y) or (x, y, extras) from the loader, on `device`; extras: text / text_mask / pooled / loss_mask."""
+    x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+    extras = {k: v.to(device, non_blocking=True) for k, v in (batch[2] if len(batch) > 2 else {}).items()}
+    return x, y, extras
+
+
+def reduce_loss(loss: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Mean of the unreduced loss (B, C, ...); with a loss mask (B, 1, h, w) in [0, 1], the mask-weighted mean
+    over the covered latent cells (the mask is area-resized to the latent grid)."""
+    if mask is None:
+        return loss.mean()
+    weight = resize_loss_mask(mask, loss.shape[-2:]).to(loss.dtype)
+    if loss.dim() == 5:  # video (B, C, T, H, W): the same mask for every frame
+        weight = weight.unsqueeze(2)
+    return (loss * weight).sum() / (weight.sum() * loss.shape[1]).clamp_min(1e-8)

@@ -1,0 +1,112 @@
+"""summary.json: what a run (or a sweep job) did, for the ablation report and for people. A failed job of a
+sweep records its error there too, and the sweep goes on."""
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from tread.data import COND_KEYS, has_model_conditioning
+from tread.models.flops import forward_flops_with_routes, train_step_flops
+from tread.routing import tokens_processed_fraction
+from tread.utils.io import atomic_write_json
+
+
+def sample_conditioning(model: Any, dataset) -> Optional[dict]:
+    """One sample's text embeddings (and Kontext reference latents) when a text-conditioned family trains on
+    data that has them (FLOPs are counted with them); None otherwise."""
+    if hasattr(model, "conditioning") and has_model_conditioning(getattr(dataset, "conditioning", None) or {}):
+        extras = dataset.__getitems__([0])[2]
+        return {k: extras[k] for k in COND_KEYS if k in extras}
+    return None
+
+
+class RunSummary:
+    """The summary of one launch of a run, written to <run dir>/summary.json by the main process at the end."""
+
+    def __init__(self, run_dir: Path, overrides: Optional[list[str]], cfg: Any, model: Any, dataset, start_step: int):
+        routes = model.routing.routes
+        self.model, self.batch = model, cfg.train.batch_size
+        self.cond = sample_conditioning(model, dataset)
+        self._flops: dict[tuple, float] = {}
+        self.flops_per_step = self.step_flops(model.routing.routes_at(start_step))
+        self.data: dict[str, Any] = {
+            "status": "running", "run_dir": str(run_dir), "overrides": list(overrides or []),
+            "model": str(cfg.model.arch), "routes": [r.__dict__ for r in routes], "start_step": start_step,
+            "tokens_fraction": self.tokens_fraction(model.routing.routes_at(start_step)),
+            "train_flops_per_step": self.flops_per_step, "schedule": self.phases()}
+        self.run_dir, self.start = Path(run_dir), time.time()
+        self.tokens_sum = 0.0     # measured token share, summed over steps
+
+    def tokens_fraction(self, routes) -> float:
+        return tokens_processed_fraction(routes, self.model.depth, self.model.num_tokens)
+
+    def step_flops(self, routes) -> float:
+        """Theoretical FLOPs of a training step that takes `routes` (counted once per distinct route list)."""
+        key = tuple(routes)
+        if key not in self._flops:
+            forward = forward_flops_with_routes(self.model, [r.__dict__ for r in routes], self.cond)
+            forward += getattr(self.model, "repa_flops", lambda _: 0.0)(list(routes))   # REPA head (DiT)
+            self._flops[key] = train_step_flops(forward, self.batch)
+        return self._flops[key]
+
+    def phases(self) -> Optional[list[dict[str, Any]]]:
+        """The routing schedule's phases with their routes, token share and FLOPs per step (at each phase's
+        start); None without a schedule."""
+        schedule = self.model.routing.schedule
+        if schedule is None:
+            return None
+        return [{"start_step": p.start_step, "end_step": p.end_step, "routes": p.describe(),
+                 "tokens_fraction": self.tokens_fraction(p.routes), "train_flops_per_step": self.step_flops(p.routes)}
+                for p in schedule.phases]
+
+    def flops_between(self, start: int, end: int) -> float:
+        """Training FLOPs of steps [start, end): per step under a schedule (phases, ramps), else constant."""
+        routing = self.model.routing
+        if routing.schedule is None:
+            return self.flops_per_step * (end - start)
+        return sum(self.step_flops(routing.routes_at(s)) for s in range(start, end))
+
+    def add_fid(self, step: int, fid: float) -> None:
+        self.data.setdefault("fid", []).append((step, fid))
+
+    def finish(self, step: int, train_sec_total: float, train_sec: float, out_of_time: bool, cfg: Any,
+               is_main: bool, preempted: Optional[str] = None, nonfinite_skips: int = 0) -> dict[str, Any]:
+        """Complete the summary (training-only throughput, FLOPs spent, final and best FID, skipped steps);
+        `preempted`: the stop signal's name. The main process writes it."""
+        steps_run = step - self.data["start_step"]
+        per_sec = (lambda n: n / train_sec if train_sec else None)
+        self.data.update({
+            "status": "preempted" if preempted else "completed", "final_step": step,
+            "wall_sec": time.time() - self.start,
+            "stop_reason": preempted or ("time_budget" if out_of_time else "max_steps"), "signal": preempted,
+            "nonfinite_skips": nonfinite_skips,
+            "time_budget_min": cfg.train.time_budget_min, "train_sec_total": train_sec_total, "train_sec": train_sec,
+            "steps_per_sec": per_sec(steps_run), "images_per_sec": per_sec(steps_run * cfg.train.batch_size),
+            "train_flops_total": self.flops_between(0, step),
+            "tokens_fraction_measured": self.tokens_sum / steps_run if steps_run else None})
+        fids = [f for _, f in self.data.get("fid", [])]
+        self.data.update({"final_fid": fids[-1] if fids else None, "best_fid": min(fids) if fids else None})
+        if is_main:
+            atomic_write_json(self.run_dir / "summary.json", self.data)
+        return self.data
+
+
+    def fail(self, err: BaseException, step: int, is_main: bool) -> None:
+        """summary.json of a launch that stopped with an error at `step` (the main process writes it)."""
+        self.data.update({"status": "failed", "final_step": step, "wall_sec": time.time() - self.start,
+                          "error": f"{type(err).__name__}: {err}"})
+        if is_main:
+            atomic_write_json(self.run_dir / "summary.json", self.data)
+
+
+def record_failure(run_dir: str | Path, overrides: list[str], err: BaseException) -> Path:
+    """summary.json of a job that failed (sweeps go on; the ablation report lists it as failed)."""
+    path = Path(run_dir) / "summary.json"
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    summary = {**previous, "status": "failed", "run_dir": str(run_dir), "overrides": list(overrides),
+               "error": f"{type(err).__name__}: {err}",
+               "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-4000:]}
+    return atomic_write_json(path, summary)

@@ -1,0 +1,132 @@
+"""The checkpoint directory layout, finding a checkpoint from what a user typed, and reading its weights.
+
+    <run dir>/checkpoints/step_0001200/
+        model.safetensors        raw backbone weights        (safetensors: tensors only, no code)
+        ema.safetensors          EMA backbone weights
+        train_state.safetensors  resume state: optimizer, data position, step, training time
+        rng_rank{r}.safetensors  each process's random streams
+        adapter_model.safetensors  adapter runs: the EMA adapter in peft's format (LoRA, LoKr or LoHa)
+        pytorch_lora_weights.safetensors  adapter runs: the EMA adapter as an exact LoRA for pipe.load_lora_weights
+        checkpoint.json          step, the resolved config, the data's meta; written last: a step dir
+                                 without it is incomplete
+
+Nothing here is a pickle, so reading a checkpoint can only make tensors and plain data. The config inside
+is data too: every `_target_` in it must be one of the project's builders (PROJECT_TARGETS), checked
+before anything is built from it. Checkpoints of older versions (model.pt pickles) are refused with the
+command that converts them (scripts/convert_checkpoint.py).
+
+Sampling, checkpoint benchmarking and resuming all accept a run directory (its latest checkpoint), a
+step directory or a file in it; `find_checkpoint` is the one place that turns those into a step dir.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from tread.utils.errors import UserError
+from tread.utils.targets import PROJECT_TARGETS, check_targets, upgrade_targets
+from tread.utils.tensorfile import StateFileError, load_tensors
+
+PathLike = Union[str, Path]
+STEP_DIR = re.compile(r"^step_(\d+)$")
+META_FILE = "checkpoint.json"
+WEIGHT_FILES = {"model": "model.safetensors", "ema": "ema.safetensors"}
+TRAIN_FILE = "train_state.safetensors"
+LEGACY_FILE = "model.pt"              # the pickle format of earlier versions
+FORMAT = 2
+CONVERT = "python scripts/convert_checkpoint.py"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used: missing, incomplete, corrupt, of the old pickle format, or naming
+    code that is not one of the project's builders."""
+
+
+def checkpoint_dir(run_dir: PathLike, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.safetensors"
+
+
+def step_of(ckpt: PathLike) -> Optional[int]:
+    """The step of a step_XXXXXXX directory (None for other names)."""
+    match = STEP_DIR.match(Path(ckpt).name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(run_dir: PathLike) -> list[Path]:
+    """Complete checkpoints of a run (checkpoint.json present), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(step_of(p), p) for p in root.iterdir() if step_of(p) is not None and (p / META_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def find_checkpoint(spec: PathLike, key: str = "checkpoint") -> Path:
+    """A step directory from a run directory (its latest checkpoint), a step directory or a file in it.
+    Errors name `key`, the path and what is accepted; an old-format checkpoint names the converter."""
+    path = Path(spec).expanduser()
+    if path.is_file() and step_of(path.parent) is not None:
+        path = path.parent
+    if (path / META_FILE).is_file():
+        return path
+    found = list_checkpoints(path) if path.is_dir() else []
+    if found:
+        return found[-1]
+    legacy = path if (path / LEGACY_FILE).is_file() else latest_legacy(path)
+    if legacy is not None:
+        raise CheckpointError(
+            f"{key}='{spec}': '{legacy}' is a checkpoint of the old pickle format ({LEGACY_FILE}); loading a pickle "
+            f"can run code hidden in it, so it is not read. If you trust its source, convert it once: "
+            f"{CONVERT} {legacy} --trust")
+    what = "does not exist" if not path.exists() else f"holds no checkpoint ({META_FILE})"
+    raise FileNotFoundError(f"{key}='{spec}': '{path}' {what}. Give a run directory, a "
+                            f"checkpoints/step_XXXXXXX directory or a file in it.")
+
+
+def latest_legacy(run_dir: Path) -> Optional[Path]:
+    """The newest old-format (pickle) checkpoint of a run dir, if any."""
+    root = run_dir / "checkpoints"
+    old = sorted(p for p in root.glob("step_*") if (p / LEGACY_FILE).is_file()) if root.is_dir() else []
+    return old[-1] if old else None
+
+
+def run_dir_of(checkpoint: PathLike) -> Path:
+    """The run directory that holds a checkpoint (given as run dir, step dir or a file in it)."""
+    path = Path(checkpoint)
+    if path.is_file():
+        path = path.parent
+    return path.parent.parent if path.parent.name == "checkpoints" else path
+
+
+def read_meta(ckpt: PathLike) -> dict[str, Any]:
+    """checkpoint.json of a step dir: {"format", "step", "config", "data_meta", "adapter_only"}. Every
+    `_target_` in its config must be one of the project's builders, else TargetError."""
+    path = Path(ckpt) / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"'{path}' is missing: '{ckpt}' is not a complete checkpoint.") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"'{path}' cannot be read ({err}); the checkpoint is corrupt.") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict) or "step" not in meta:
+        raise CheckpointError(f"'{path}' is not a checkpoint description (needs step and config).")
+    check_targets(upgrade_targets(meta["config"]), PROJECT_TARGETS, f"checkpoint '{ckpt}'")
+    return meta
+
+
+def load_model_file(ckpt: PathLike) -> dict[str, Any]:
+    """What sampling needs from a checkpoint (step dir or a file in it), on the CPU: its meta plus the
+    "model" and "ema" weights. CheckpointError for incomplete, corrupt or code-naming checkpoints."""
+    path = find_checkpoint(ckpt)
+    meta = read_meta(path)
+    try:
+        weights = {k: load_tensors(path / name) for k, name in WEIGHT_FILES.items()}
+    except StateFileError as err:
+        raise CheckpointError(f"checkpoint '{path}': {err}") from None
+    return {**meta, **weights}

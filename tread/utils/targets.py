@@ -1,0 +1,91 @@
+"""Building objects from config nodes with a `_target_`, but only from an allowlist.
+
+Hydra's `instantiate` imports and calls whatever `_target_` names. For configs a user writes on the
+command line that is the point; for a config read back from a checkpoint it would run any function the
+file names. Models, objectives and optimizers are therefore built here: the target must be one of the
+names the caller allows, and the arguments are plain data.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from tread.utils.errors import UserError
+
+
+class TargetError(UserError):
+    """A `_target_` that is not one of the allowed builders."""
+
+
+def plain(node: Any) -> Any:
+    """A config node as plain Python data (dicts, lists, scalars), interpolations resolved."""
+    if isinstance(node, DictConfig) or OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def build_target(node: Mapping[str, Any], allowed: Mapping[str, Callable[..., Any]], key: str) -> Any:
+    """Call the builder `allowed[node["_target_"]]` with the node's other keys (Hydra's `_convert_` and
+    `_recursive_` are dropped; `_partial_: true` returns a functools.partial, as Hydra does)."""
+    spec = dict(plain(node))
+    target = spec.pop("_target_", None)
+    if target not in allowed:
+        raise TargetError(f"{key}._target_={target!r} is not allowed; allowed: {sorted(allowed)}.")
+    partial = bool(spec.pop("_partial_", False))
+    kwargs = {k: v for k, v in spec.items() if not (k.startswith("_") and k.endswith("_"))}
+    fn = allowed[target]
+    return functools.partial(fn, **kwargs) if partial else fn(**kwargs)
+
+
+# The project's own builders, by config section: the only `_target_`s a checkpoint's config may name.
+# (tread/models/build.py, tread/diffusion/build.py and tread/training/setup.py hold the callables;
+# tests/test_checkpoints.py checks that the names agree.)
+PROJECT_TARGETS = {
+    "model": ("tread.models.build_dit", "tread.models.build_sprint", "tread.models.families.build_family"),
+    "diffusion": ("tread.diffusion.EDM", "tread.diffusion.RectifiedFlow"),
+    "optimizer": ("torch.optim.AdamW",),
+}
+# The same builders under the names checkpoints written before the project became one package (`tread`) give them.
+LEGACY_TARGETS = {name.removeprefix("tread."): name for names in PROJECT_TARGETS.values() for name in names
+                  if name.startswith("tread.")}
+
+
+def upgrade_targets(tree: Any) -> Any:
+    """A plain config (dicts and lists, as read from a checkpoint) with its pre-package `_target_` names replaced
+    by today's (LEGACY_TARGETS), in place; other values are left for check_targets to judge."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k == "_target_" and isinstance(v, str) and v in LEGACY_TARGETS:
+                tree[k] = LEGACY_TARGETS[v]
+            else:
+                upgrade_targets(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            upgrade_targets(v)
+    return tree
+
+
+def find_targets(tree: Any, path: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every `_target_` in a nested dict/list config."""
+    found: list[tuple[str, Any]] = []
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            key = f"{path}.{k}" if path else str(k)
+            found += [(key, v)] if k == "_target_" else find_targets(v, key)
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            found += find_targets(v, f"{path}[{i}]")
+    return found
+
+
+def check_targets(config: Any, allowed: Mapping[str, Any], where: str) -> None:
+    """Refuse a config (read from a file) that names code other than the project's builders: each
+    `_target_` must sit directly in a section of `allowed` and be one of that section's names."""
+    for dotted, target in find_targets(plain(config)):
+        section = dotted[: -len("._target_")] if dotted.endswith("._target_") else ""
+        if section not in allowed or target not in allowed[section]:
+            names = sorted(n for names in allowed.values() for n in names)
+            raise TargetError(f"{where}: {dotted}={target!r} is not one of the project's builders ({names}); a "
+                              f"checkpoint cannot name code to run. Nothing was built from it.")
