@@ -1,8 +1,8 @@
 """Generate samples from a checkpoint: a PNG folder, a grid, an ADM-format .npz and sampling.json.
 
     python sample.py checkpoint=outputs/runs/<run> num_samples=100 cfg_scale=1.5
-    python sample.py checkpoint=... route_ratio=0.5                 # inference-time routing: fewer FLOPs
-    python sample.py checkpoint=... tread_scale=1.5 tread_weak_ratio=0.5 guidance_interval='[0.3,10]'
+    python sample.py checkpoint=... selection_ratio=0.5             # inference-time routing: fewer FLOPs
+    python sample.py checkpoint=... tread_scale=1.5 tread_weak_selection_ratio=0.5 guidance_interval='[0.3,10]'
 """
 import hydra
 from omegaconf import DictConfig

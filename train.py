@@ -18,5 +18,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    with hydra_errors():   # Hydra's own composition errors (unknown key, bad override) as one error: line
+    with hydra_errors(sampling_section="eval"):   # Hydra's composition errors (unknown key, bad override): one line
         main()

@@ -6,29 +6,37 @@ forking is safe with OpenMP's thread pools, which start only with the first para
 request per stdin line:
 
     {"id": 7, "program": "train.py", "args": [...], "out": "<dir for stdout.txt / stderr.txt>", "env": {...},
-     "timeout": 30}
+     "timeout": 1200}
 
 For each it forks a child that: starts its own process group, sets os.environ and sys.argv, points fds 0/1/2
 at /dev/null and the two files (os.dup2), chdirs to the repo root, runs the program file as __main__ (runpy: the
 script's own `if __name__ == "__main__":` block, with its imports already loaded; Hydra finds configs/ next to
 it), and leaves with the real program's exit status via os._exit: SystemExit's code (None: 0; a string: printed
 to stderr, 1, as the interpreter does), or an uncaught exception's traceback and 1. Up to --jobs children run at
-once; for each the server answers one JSON line {"id", "rc", "secs" (fork to exit), "timed_out"} (past its
-timeout a child's process group is killed).
+once; for each the server answers one JSON line {"id", "rc", "secs" (fork to exit), "timed_out"}. The timeout
+is a hang guard, not a speed limit: a child still running after it (HANG_SECS by default, minutes where a
+refusal takes about a second) is stuck, and its process group is killed.
 
     harness = Harness(env, jobs=2)
     result = harness.run("train.py", ["train.seed=abc"], out_dir)       # or harness.submit(...) -> a Future
     harness.close()
+
+Also here: what a refused launch may leave (fingerprint, leftover_work: the check that no work was done) and
+refusal_report, the line of refusal times tests/conftest.py prints at the end of a session (a figure, never
+asserted: a loaded machine makes every refusal slower, and it is still a refusal).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
+import math
 import os
 import runpy
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -43,6 +51,11 @@ REPO = Path(__file__).resolve().parents[1]
 # program -> the module it imports its work from (imported once by the server; the script itself is run anew)
 PROGRAMS = {"train.py": "tread.cli.train", "sample.py": "tread.cli.sample", "fid.py": "tread.cli.fid",
             "scripts/precompute_latents.py": "tread.cli.precompute"}
+# A program still running after this long is hung, and is killed so that the session ends. Only a hang guard: a
+# refusal takes about 1 s in the harness and 5 s as a real program (14 s of CPU: the imports), but on 2 cores
+# shared with other test sessions and CPU hogs (load average 12) we saw 200 s and over 300 s.
+HANG_SECS = 1200.0
+JOB_LOGS = {f"{Path(program).stem}.log" for program in PROGRAMS}      # Hydra's log of a job: train.log, ...
 
 
 # ----------------------------------------------------------------------------- the server (its own process)
@@ -146,11 +159,74 @@ def serve(jobs: int) -> None:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 answer(request, os.waitstatus_to_exitcode(status), start, False)
-            elif time.monotonic() - start > float(request.get("timeout", 60)):
+            elif time.monotonic() - start > float(request.get("timeout", HANG_SECS)):
                 answer(request, _kill(pid), start, True)
             else:
                 continue
             del running[pid]
+
+
+# ----------------------------------------------------------------------------- what a refused launch leaves
+
+def fingerprint(root: Path) -> dict[str, tuple[int, ...]]:
+    """Every file under root: (size, mtime_ns, ctime_ns, inode), so that any write, rename or chmod shows; every
+    folder: that it is there."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        out[str(path.relative_to(root))] = () if path.is_dir() else (st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                                                                      st.st_ino)
+    return out
+
+
+def digest(root: Path) -> dict[str, str]:
+    """Every file under root: the sha256 of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def launch_record(path: str) -> bool:
+    """What every launch leaves, refused or not: the harness's copy of its output (log/) and Hydra's record of
+    the launch (a .hydra/ folder, and the job's log: <run dir>/train.log)."""
+    parts = Path(path).parts
+    return parts[0] == "log" or ".hydra" in parts or parts[-1] in JOB_LOGS
+
+
+def run_dir_lock(path: str) -> bool:
+    """The run dir's lock (.lock) and the temp files of taking it (.lock.<pid>...tmp; tread/runtime/lock.py): a
+    launch into an existing run dir holds them only while it runs, so a case beside it may see them come and go."""
+    name = Path(path).name
+    return name == ".lock" or name.startswith(".lock.")
+
+
+def leftover_work(root: Path, before: dict[str, tuple[int, ...]]) -> list[str]:
+    """What a launch did under `root` besides its records, against `before` (fingerprint(root) as it started):
+    every file that is new or changed, everything removed. Work writes files:
+      train.py       config.yaml as the run starts; then metrics.jsonl, checkpoints/, samples/, summary.json
+      sample.py      samples.npz, images/, grid.png
+      fid.py         its metrics JSON, reference statistics, benchmark tables
+      precompute     the dataset folder's latents, labels, meta.json, reference statistics
+    The folders a launch makes (Hydra's run dir, an empty output folder) are not work."""
+    now = fingerprint(root)
+    return ([f"{k}: new" for k, v in now.items() if k not in before and v != () and not launch_record(k)] +
+            [f"{k}: changed" for k, v in before.items() if k in now and now[k] != v] +
+            [f"{k}: removed" for k in before if k not in now])
+
+
+def refusal_report(harness: dict[str, float], real: dict[str, float]) -> str:
+    """One line of refusal times (case -> seconds from start to exit), e.g. "bad inputs: 131 cases (harness),
+    median 0.31 s, 95th percentile 0.9 s, slowest 2.4 s (family_pretrained_missing); real programs: 6, median
+    4.1 s, slowest 5.0 s (resume_missing)"."""
+    def figures(times: dict[str, float]) -> str:
+        secs = sorted(times.values())
+        slowest = max(times, key=times.get)
+        p95 = secs[max(0, math.ceil(0.95 * len(secs)) - 1)]            # nearest rank
+        return (f"median {statistics.median(secs):.2f} s, 95th percentile {p95:.2f} s, slowest {secs[-1]:.2f} s "
+                f"({slowest})")
+    parts = [f"bad inputs: {len(harness)} cases (harness), {figures(harness)}"] if harness else []
+    if real:
+        parts.append(f"real programs: {len(real)}, {figures(real)}")
+    return "; ".join(parts)
 
 
 # ----------------------------------------------------------------------------- the client (the test process)
@@ -174,7 +250,7 @@ class Harness:
         self._reader.start()
 
     def submit(self, program: str, args: list[str], out: Path, env: Optional[dict[str, str]] = None,
-               timeout: float = 60, on_done: Any = None) -> Future:
+               timeout: float = HANG_SECS, on_done: Any = None) -> Future:
         """`python <program> <args>` from the repo root: a Future of {rc, secs, timed_out, stdout, stderr}."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)

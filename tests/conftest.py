@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import Dinov2Config, Dinov2Model
 
-from tread.evaluation.encoders import DINO_SIZE
+from bad_input_harness import refusal_report
+from tread.encoders.dinov2 import DINO_SIZE
 from tread.schema import compose
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,3 +93,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How fast bad inputs were refused (tests/test_bad_inputs.py records each case's seconds): a figure to read,
+    never a pass/fail limit, since a busy machine slows every refusal without making it any less a refusal."""
+    times: dict[str, dict[str, float]] = {"refusal_secs": {}, "real_refusal_secs": {}}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for name, secs in getattr(report, "user_properties", ()):
+                if name in times and getattr(report, "when", "call") == "call":
+                    times[name][report.nodeid.rpartition("[")[2].rstrip("]")] = secs
+    if times["refusal_secs"] or times["real_refusal_secs"]:
+        terminalreporter.write_sep("-", "bad-input refusal times (a figure, not a limit)")
+        terminalreporter.write_line(refusal_report(times["refusal_secs"], times["real_refusal_secs"]))

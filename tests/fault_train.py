@@ -3,6 +3,8 @@ tests/test_faults.py. The faults patch the running code from outside (nothing in
 
     none             plain train.py
     slow:SEC         every step also sleeps SEC seconds (so a signal or a second run lands mid-training)
+    hold:N:PATH      before optimizer step N, wait until the file PATH exists (the test creates it when it has
+                     done what must happen mid-training, however long that took)
     kill_in_write:N  SIGKILL this process inside the checkpoint write of step N, after the weights are
                      written and before checkpoint.json and the rename
     kill_in_prune:N  SIGKILL inside the pruning that follows the checkpoint of step N
@@ -19,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tread.training import checkpoint, step  # noqa: E402
+from tread.utils.checkpoints import step_of  # noqa: E402
 
 
 def die() -> None:
@@ -30,6 +33,15 @@ def inject(fault: str) -> None:
     if kind == "slow":
         call = step.TrainStep.__call__
         step.TrainStep.__call__ = lambda self, b, s: (time.sleep(float(arg)), call(self, b, s))[1]
+    elif kind == "hold":
+        at, _, release = arg.partition(":")
+        call = step.TrainStep.__call__
+
+        def hold_then_step(self, b, s):
+            while s + 1 == int(at) and not os.path.exists(release):
+                time.sleep(0.05)
+            return call(self, b, s)
+        step.TrainStep.__call__ = hold_then_step
     elif kind == "kill_in_write":
         write = checkpoint._write_main
 
@@ -43,7 +55,7 @@ def inject(fault: str) -> None:
         finalize = checkpoint.finalize
 
         def finalize_then_die_pruning(final, keep_last):
-            if checkpoint.step_of(final) == int(arg):   # the next removal is pruning: die half-way through it
+            if step_of(final) == int(arg):   # the next removal is pruning: die half-way through it
                 checkpoint._remove = lambda ckpt: (os.replace(ckpt, checkpoint.trash_dir(ckpt)), die())
             finalize(final, keep_last)
         checkpoint.finalize = finalize_then_die_pruning

@@ -3,7 +3,7 @@ comes out as an exact plain LoRA that diffusers pipelines load with `pipe.load_l
 transformer computes what our model with the adapter computes.
 
 Tiny FLUX and SD3 pipelines are built offline from configs with random weights (text encoders from
-tread/data/text.py::save_tiny_text_encoders, a one-level VAE, the flow-matching scheduler)."""
+tread/encoders/tiny_text.py::save_tiny_text_encoders, a one-level VAE, the flow-matching scheduler)."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tread.data.text import load_text_encoders
-from tread.data.tiny_text import save_tiny_text_encoders
+from tread.encoders.text import load_text_encoders
+from tread.encoders.tiny_text import save_tiny_text_encoders
 from family_checks import inputs, make
 from tread.models.lora import apply_lora
 from tread.models.lora_export import METADATA_KEY, diffusers_lora, lora_factors

@@ -1,5 +1,6 @@
-"""The benchmark (tread/cli/benchmark.py, tread/perf/benchmark.py): FLOPs arithmetic (tread/models/flops.py), flags as
-config overrides, output schema, the --family path, compile counts, and that it times the training loop's own step."""
+"""The benchmark (tread/cli/benchmark.py, tread/perf/benchmark_run.py, tread/perf/benchmark.py): FLOPs arithmetic
+(tread/models/flops.py), flags as config overrides, output schema, the --family path, compile counts, and that it
+times the training loop's own step."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ import torch
 import torch._dynamo
 
 import tread.cli.benchmark as bench
+from tread.perf.benchmark_run import (BenchError, BenchRequest, config_overrides, is_dense, route_configs,
+                                      run_benchmark)
 from tread.models import build_dit
 from tread.models.flops import as_routes, dit_forward_flops, dit_train_flops, train_step_flops
 from tread.perf.benchmark import StepBench, split_steps
@@ -84,11 +87,11 @@ def test_small_helpers():
 
 
 def test_route_configs_add_a_dense_baseline():
-    labels = [label for label, _ in bench.route_configs(["paper", "balanced"])]
+    labels = [label for label, _ in route_configs(["paper", "balanced"])]
     assert labels == ["dense", "paper", "balanced"]
-    cfgs = bench.route_configs(["paper", "dense", '{"selection_ratio": 0.25, "start_layer_idx": 1, '
+    cfgs = route_configs(["paper", "dense", '{"selection_ratio": 0.25, "start_layer_idx": 1, '
                                                   '"end_layer_idx": 3}'])
-    assert [bench.is_dense(r) for _, r in cfgs] == [False, True, False]
+    assert [is_dense(r) for _, r in cfgs] == [False, True, False]
     assert compose(cfgs[2][1]).routing.routes[0].selection_ratio == 0.25
     assert split_steps(5, 2) == [3, 2] and split_steps(1, 3) == [1]
 
@@ -96,11 +99,11 @@ def test_route_configs_add_a_dense_baseline():
 def test_flags_are_training_config_overrides():
     """Every flag is an override of the config train.py composes; the rest (lr, clipping, EMA, ...) is the
     config's; a dense config is model=dit; the compile backend defaults to the config's (inductor)."""
-    args = bench.build_parser().parse_args(
+    args = bench.request_of(bench.build_parser().parse_args(
         ["--arch", "DiT-B/2", "--tokens", "64", "--channels", "3", "--batch", "16", "--precision", "bf16",
          "--compile", "--gradient-checkpointing", "--unfused-adamw", "--device", "cpu", "--routes", "balanced",
-         "--set", "train.grad_accum_steps=2", "--set", "train.grad_clip=0.5"])
-    configs, geometry, _ = bench.config_overrides(args, None)
+         "--set", "train.grad_accum_steps=2", "--set", "train.grad_clip=0.5"]))
+    configs, geometry, _ = config_overrides(args, None)
     assert [(label, dense) for label, _, dense in configs] == [("dense", True), ("balanced", False)]
     dense, routed = (compose(ov) for _, ov, _ in configs)
     assert dense.model.arch == routed.model.arch == "DiT-B/2" and "model=dit" in configs[0][1]
@@ -112,11 +115,23 @@ def test_flags_are_training_config_overrides():
             (True, "inductor", True, 2, 0.5)
         assert cfg.model.gradient_checkpointing and cfg.optimizer.fused is False
         assert cfg.optimizer.lr == compose([]).optimizer.lr   # no lr of the benchmark's own
-    args = bench.build_parser().parse_args(["--arch", "DiT-B/2"])
-    assert bench.config_overrides(args, None)[1].why.startswith("the usual data of DiT-B/2")
+    assert config_overrides(BenchRequest(arch="DiT-B/2"), None)[1].why.startswith("the usual data of DiT-B/2")
     with pytest.raises(SystemExit, match="error: --set routing.routes=.. is not allowed"):
         bench.main(["--set", "routing.routes=[]"])
 
+
+
+def test_a_request_is_checked_when_built_and_runs_without_the_cli():
+    """The library takes a plain BenchRequest (the CLI only parses); bad values fail as it is built."""
+    with pytest.raises(BenchError, match="^--steps 0 is not allowed; it must be an integer >= 1$"):
+        BenchRequest(steps=0)
+    with pytest.raises(BenchError, match="^--family nope is not allowed; allowed: dit, all, flux, "):
+        BenchRequest(family="nope")
+    threads = torch.get_num_threads()
+    out = run_benchmark(BenchRequest(arch="DiT-T/4", resolution=8, channels=3, batch=2, steps=1, warmup=0,
+                                     rounds=1, routes=["paper"], threads=1))
+    assert [(r["config"], r["dense"]) for r in out["results"]] == [("dense", True), ("paper", False)]
+    assert out["settings"]["threads"] == 1 and torch.get_num_threads() == threads   # the caller's count is back
 
 # ----------------------------------------------------------------------------- output schema
 RESULT_KEYS = {

@@ -15,15 +15,15 @@ import torch
 from tread.diffusion.build import OBJECTIVES
 from tread.models.build import BUILDERS
 from tread.sampling import load_for_inference
+from tread.runtime.legacy import convert
+from tread.runtime.run_dir import clean_run_dir, trim_metrics
 from tread.training import checkpoint as ckpt_mod
-from tread.training.checkpoint import CheckpointWriteError, clean_run_dir, finalize, tmp_dir
+from tread.training.checkpoint import CheckpointWriteError, finalize
 from tread.training.guard import NonFiniteError
-from tread.training.legacy import convert
 from tread.training.loop import train
-from tread.training.run_dir import trim_metrics
 from tread.training.run_log import read_metrics
 from tread.training.setup import OPTIMIZERS
-from tread.utils.checkpoints import CheckpointError, find_checkpoint, list_checkpoints, load_model_file
+from tread.utils.checkpoints import CheckpointError, find_checkpoint, list_checkpoints, load_model_file, tmp_dir
 from tread.utils.targets import PROJECT_TARGETS, TargetError
 from tread.utils.tensorfile import StateFileError, load_state, save_state
 

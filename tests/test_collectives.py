@@ -1,6 +1,8 @@
-"""utils.collectives: two real gloo ranks on localhost; one stops itself (SIGSTOP), dies (SIGKILL), raises or
-dawdles before an all_reduce, and the other must end within seconds with one line naming it. Also
-tread.utils.distributed.rank_zero_call."""
+"""tread.runtime.collectives: two real gloo ranks on localhost; one stops itself (SIGSTOP), dies (SIGKILL),
+raises or dawdles before an all_reduce, and the other must end with one line naming it. Also
+tread.utils.distributed.rank_zero_call. Nothing here asserts how long that took: HANG_SEC only ends a rank
+that is stuck, and the dawdling rank sleeps far longer than the timeout, so that a loaded machine cannot
+turn "busy" into "in time"."""
 from __future__ import annotations
 
 import os
@@ -8,18 +10,19 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import REPO
+from hang_guard import communicate
 
-from tread.utils.collectives import CollectiveTimeout, heartbeat_period, is_comm_error, roll_call_sec, timeout_delta
+from tread.runtime.collectives import CollectiveTimeout, heartbeat_period, is_comm_error, roll_call_sec, timeout_delta
 from tread.utils.errors import UserError
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT_MIN = 0.05            # 3 s: the all_reduce gives up after it, then a 2 s roll call
-DEADLINE_SEC = 30             # start-up (torch import) included
+SLOW_SEC = 10                 # the dawdling rank: well past the timeout, even if rank 0 comes late to it
+HANG_SEC = 300                # a rank still running then is stuck (a run normally ends within 10-20 s)
 
 # One rank: argv = rank, port, what rank `victim` does before the second all_reduce (stop | die | raise |
 # sleep [seconds] | none), victim, timeout in minutes. Prints "ready" after a first all_reduce, then
@@ -27,7 +30,7 @@ DEADLINE_SEC = 30             # start-up (torch import) included
 RANK = r"""
 import logging, os, signal, sys, time
 import torch, torch.distributed as dist
-from tread.utils.collectives import CollectiveTimeout, watch_collectives
+from tread.runtime.collectives import CollectiveTimeout, watch_collectives
 logging.basicConfig(level=logging.WARNING, format="log: %(message)s", stream=sys.stdout)
 rank, port, action, victim = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 torch.set_num_threads(1)
@@ -80,15 +83,9 @@ def start_ranks(action: str, victim: int = 1, *extra: str) -> list[subprocess.Po
                              stderr=subprocess.STDOUT) for r in range(2)]
 
 
-def wait_out(proc: subprocess.Popen, deadline: float) -> tuple[int, str]:
-    """Exit status and output of `proc`, which must end before `deadline` (time.monotonic())."""
-    try:
-        out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"rank still running after {DEADLINE_SEC} s; its output:\n{out}")
-    return proc.returncode, out
+def wait_out(proc: subprocess.Popen) -> tuple[int, str]:
+    """Exit status and output of a rank (stderr is in stdout); HANG_SEC only ends a stuck one."""
+    return communicate(proc, HANG_SEC, "a rank")
 
 
 def error_line(out: str) -> str:
@@ -101,15 +98,13 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()            # SIGKILL also ends a stopped process
-        p.wait(timeout=10)
+        p.wait(timeout=HANG_SEC)
 
 
 def test_a_stopped_rank_is_named_by_the_one_waiting_for_it():
-    start = time.monotonic()
     procs = start_ranks("stop")
     try:
-        code, out = wait_out(procs[0], start + DEADLINE_SEC)
-        elapsed = time.monotonic() - start
+        code, out = wait_out(procs[0])
         assert procs[1].poll() is None                                 # stopped, not dead
         assert code == 1, out
         host, pid = socket.gethostname(), procs[1].pid
@@ -118,17 +113,15 @@ def test_a_stopped_rank_is_named_by_the_one_waiting_for_it():
             f"did not answer (stopped: pid {pid} on host {host}); the run ends here")
         # the early notice (what names the rank under NCCL, whose watchdog kills the process)
         assert f"log: rank 0: rank 1 (pid {pid} on host {host}) has not answered for" in out
-        assert elapsed < DEADLINE_SEC
     finally:
         kill_all(procs)
 
 
-def test_a_killed_rank_is_named_at_once():
-    start = time.monotonic()
+def test_a_killed_rank_is_named():
     procs = start_ranks("die")
     try:
-        code, out = wait_out(procs[0], start + DEADLINE_SEC)
-        assert procs[1].wait(timeout=10) == -signal.SIGKILL
+        code, out = wait_out(procs[0])
+        assert procs[1].wait(timeout=HANG_SEC) == -signal.SIGKILL
         assert code == 1, out
         assert error_line(out) == (f"rank 0 lost rank 1 in a collective: it did not answer (process gone: pid "
                                    f"{procs[1].pid} on host {socket.gethostname()}); the run ends here")
@@ -138,10 +131,9 @@ def test_a_killed_rank_is_named_at_once():
 
 def test_a_stopped_rank_0_is_named_through_its_silent_store():
     """Rank 0 hosts the rendezvous store (tcp://): when it stops, the store stops answering too."""
-    start = time.monotonic()
     procs = start_ranks("stop", 0)
     try:
-        code, out = wait_out(procs[1], start + DEADLINE_SEC)
+        code, out = wait_out(procs[1])
         assert code == 1, out
         assert error_line(out).startswith(
             f"rank 1 waited {TIMEOUT_MIN:g} min (train.collective_timeout_min) in a collective, and rank 0, which "
@@ -154,11 +146,10 @@ def test_a_stopped_rank_0_is_named_through_its_silent_store():
 def test_a_slow_rank_is_not_called_lost_and_learns_the_others_gave_up():
     """Rank 1 is alive but busy for longer than the timeout: rank 0 says so (no rank to blame); rank 1,
     arriving late, is told that rank 0 gave up on it."""
-    start = time.monotonic()
-    procs = start_ranks("sleep", 1, "5")
+    procs = start_ranks("sleep", 1, str(SLOW_SEC))
     try:
-        code0, out0 = wait_out(procs[0], start + DEADLINE_SEC)
-        code1, out1 = wait_out(procs[1], start + DEADLINE_SEC)
+        code0, out0 = wait_out(procs[0])
+        code1, out1 = wait_out(procs[1])
         assert code0 == 1 and code1 == 1, (out0, out1)
         assert error_line(out0).startswith(
             f"rank 0 waited {TIMEOUT_MIN:g} min (train.collective_timeout_min) in a collective, but every rank is "
@@ -175,11 +166,10 @@ def test_a_slow_rank_is_not_called_lost_and_learns_the_others_gave_up():
 def test_a_rank_that_fails_on_its_own_is_cited_by_the_others(victim):
     """A rank whose own code raises (not a collective) ends with its own traceback; the other rank's
     collective then fails, and it says which rank ended and with what (also when that rank hosted the store)."""
-    start = time.monotonic()
     procs = start_ranks("raise", victim)
     try:
-        code_v, out_v = wait_out(procs[victim], start + DEADLINE_SEC)
-        code_o, out_o = wait_out(procs[1 - victim], start + DEADLINE_SEC)
+        code_v, out_v = wait_out(procs[victim])
+        code_o, out_o = wait_out(procs[1 - victim])
         assert code_v == 1 and "ValueError: a bug of this rank" in out_v and "error: " not in out_v, out_v
         assert code_o == 1, out_o
         assert error_line(out_o) == (f"rank {1 - victim}'s collective failed after rank {victim} ended with an error "
@@ -192,7 +182,7 @@ def test_healthy_ranks_pass():
     procs = start_ranks("none")
     try:
         for p in procs:
-            code, out = wait_out(p, time.monotonic() + DEADLINE_SEC)
+            code, out = wait_out(p)
             assert code == 0 and out.splitlines()[-3:] == ["zero: refused on rank 0", "value of rank 0", "done"], out
             assert "Traceback" not in out and "TCPStore" not in out, out   # no store call after rank 0 left
     finally:

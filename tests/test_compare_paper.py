@@ -1,7 +1,8 @@
 """scripts/compare_paper.py (tread/cli/compare_paper.py, tread/perf/paper.py) against a stand-in PAPER_DIR written
 here: the paper code itself is never vendored (its licence forbids copying), so these files only have its layout and its
-interfaces (top-level `dit`, `edm`, `routing_module`, a `utils` folder without `__init__.py` whose name clashes
-with our package, a deepspeed import).
+interfaces (top-level `dit`, `edm`, `routing_module`, a `utils` folder without `__init__.py`, a deepspeed import). Ours
+all live under `tread`, so the paper's modules import under their own names, from PAPER_DIR, with the project root on
+sys.path (as under pytest) and without deepspeed installed.
 """
 from __future__ import annotations
 
@@ -81,17 +82,41 @@ def paper_dir(tmp_path):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(textwrap.dedent(text))
     yield root
-    for name in ("dit", "edm", "routing_module"):
+    # each test imports its own stand-in: forget the previous one (the harness itself leaves them imported)
+    for name in [n for n in sys.modules if n.split(".")[0] in ("dit", "edm", "routing_module", "utils", "deepspeed")]:
         sys.modules.pop(name, None)
 
 
-def test_the_paper_code_imports_beside_ours_and_ours_comes_back(paper_dir):
-    ours = sys.modules["tread.utils"]
+def test_the_paper_code_imports_beside_ours_from_paper_dir(paper_dir):
+    ours, path, finders = sys.modules["tread.utils"], list(sys.path), list(sys.meta_path)
     inspect.getmodule(inspect.currentframe())                           # inspect's module-to-file map knows ours
     paper = import_paper(paper_dir)
-    assert sys.modules["tread.utils"] is ours                           # our utils package is untouched
-    assert "deepspeed" not in sys.modules                               # the stand-in was only for its import
-    assert paper.train_helper.__file__.startswith(str(paper_dir))
+    assert sys.modules["tread.utils"] is ours                           # ours untouched
+    assert sys.path == path and sys.meta_path == finders                # the import path as it was
+    for module in (paper.dit, paper.edm, paper.train_helper, sys.modules["routing_module"]):
+        assert module.__file__.startswith(str(paper_dir))
+    from accelerate.utils import is_deepspeed_available
+    assert not is_deepspeed_available()                                 # the deepspeed stub is no installed package
+
+
+def test_a_utils_package_elsewhere_does_not_shadow_the_papers(paper_dir, tmp_path, monkeypatch):
+    other = tmp_path / "elsewhere"
+    for name in ("utils/__init__.py", "utils/train_helper.py", "dit.py"):   # a regular package would win on sys.path
+        (other / name).parent.mkdir(parents=True, exist_ok=True)
+        (other / name).write_text("raise ImportError('imported from elsewhere')\n")
+    monkeypatch.syspath_prepend(str(other))
+    paper = import_paper(paper_dir)
+    assert paper.train_helper.__file__.startswith(str(paper_dir)) and paper.dit.__file__.startswith(str(paper_dir))
+
+
+def test_a_second_paper_dir_in_one_process_is_one_error(paper_dir, tmp_path):
+    import_paper(paper_dir)
+    other = tmp_path / "other"
+    for name, text in STAND_IN.items():
+        (other / name).parent.mkdir(parents=True, exist_ok=True)
+        (other / name).write_text(textwrap.dedent(text))
+    with pytest.raises(PaperCodeError, match=r"imported before \(dit from .*/tread/dit.py; edm from"):
+        import_paper(other)
 
 
 def test_a_folder_that_is_not_the_paper_code_is_one_error(tmp_path, paper_dir):

@@ -1,8 +1,9 @@
 """Optional per-sample conditioning (text / pooled embeddings, attention masks) and loss masks in the latent
-dataset format; the token-grid helpers; the toy_masked data; text encoding per model family (tread/data/text.py).
+dataset format; the token-grid helpers; the toy_masked data; text encoding per model family (tread/encoders/text.py);
+caption files (tread/data/captions.py).
 
 Text encoders are tiny random transformers models with word-level tokenizers that the tests write
-themselves (tread.data.text.save_tiny_text_encoders); nothing touches the network.
+themselves (tread.encoders.tiny_text.save_tiny_text_encoders); nothing touches the network.
 """
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ from omegaconf import OmegaConf
 
 from tread import data
 from tread import routing
-from tread.data import (TEXT_FAMILIES, LatentDataset, LatentDatasetError, LatentDatasetWriter, LatentLoader,
-                        TextEncoderError, build_dataset, encode_prompts, ensure_toy_dataset, generate_toy_shapes,
-                        load_text_encoders, read_meta, save_tiny_text_encoders, write_latent_dataset)
-from tread.data.text import FAMILIES, read_captions_file, resolve_text_encoder_paths
+from tread.data import (ImageFolderError, LatentDataset, LatentDatasetError, LatentDatasetWriter, LatentLoader,
+                        build_dataset, ensure_toy_dataset, generate_toy_shapes, read_meta, write_latent_dataset)
+from tread.data.captions import read_captions_file
+from tread.encoders.errors import EncoderError
+from tread.encoders.text import (FAMILIES, TEXT_FAMILIES, TextEncoderError, encode_prompts, load_text_encoders,
+                                 resolve_text_encoder_paths)
+from tread.encoders.tiny_text import save_tiny_text_encoders
 from tread.routing import resize_loss_mask, token_keep_mask
 from tread.schema import compose
 
@@ -554,17 +558,17 @@ def test_read_captions_file(tmp_path):
                                   ("[1]", ".json", r"expected a JSON object"), ("# nothing\n", ".csv", r"no entries")]:
         f = tmp_path / f"bad{suffix}"
         f.write_text(text)
-        with pytest.raises(TextEncoderError, match=message):
+        with pytest.raises(ImageFolderError, match=message):
             read_captions_file(f)
-    with pytest.raises(TextEncoderError, match="not found"):
+    with pytest.raises(ImageFolderError, match="not found"):
         read_captions_file(tmp_path / "none.csv")
 
 
 def test_package_exports():
     for name in ("encode_prompts", "load_text_encoders", "TEXT_FAMILIES", "TextEncoderError",
-                 "save_tiny_text_encoders"):
-        assert name in data.__all__ and hasattr(data, name)
+                 "save_tiny_text_encoders"):  # text encoders are frozen networks: tread.encoders, not data
+        assert name not in data.__all__ and not hasattr(data, name)
     for name in ("token_keep_mask", "resize_loss_mask"):  # loss-mask geometry lives next to routing
         assert name in routing.__all__ and hasattr(routing, name)
     assert TEXT_FAMILIES == ("flux", "sd3", "wan", "auraflow", "pixart")
-    assert issubclass(TextEncoderError, ValueError)
+    assert issubclass(TextEncoderError, EncoderError) and issubclass(TextEncoderError, ValueError)

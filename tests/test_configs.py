@@ -107,8 +107,8 @@ def test_shared_sampling_keys_in_sample_fid_and_eval():
     """sample.py, fid.py and in-training evaluation take the same sampling and decoding keys, from one file."""
     keys = set(compose_cfg("sample", ["checkpoint=x"]).keys())
     for name, node in (("fid", compose_cfg("fid", ["mode=calc"])), ("eval", compose_cfg().eval)):
-        shared = {"num_steps", "cfg_scale", "route_ratio", "route_spans", "tread_scale", "tread_weak_ratio",
-                  "guidance_interval", "vae", "vae_dtype", "decode_batch_size"}
+        shared = {"num_steps", "cfg_scale", "selection_ratio", "route_spans", "tread_scale",
+                  "tread_weak_selection_ratio", "guidance_interval", "vae", "vae_dtype", "decode_batch_size"}
         assert shared <= keys and shared <= set(node.keys()), name
 
 

@@ -19,6 +19,7 @@ from PIL import Image
 
 import tread.cli.precompute as pl
 import tread.data.precompute
+import tread.data.precompute_run as run_mod
 import test_precompute
 from conftest import REPO
 from tread.data import LatentDataset, WebDatasetLatents, write_latent_dataset
@@ -66,7 +67,7 @@ def test_corrupt_images_fail_the_cli_with_one_error_line_and_nothing_written(tmp
     out.mkdir()  # an existing empty output folder is allowed; it must stay untouched
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "scripts/precompute_latents.py", *argv(corrupt_folder, out, vae_dir)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -79,7 +80,7 @@ def test_corrupt_images_fail_the_cli_with_one_error_line_and_nothing_written(tmp
 def test_corrupt_images_found_before_encoding_with_threads(tmp_path, corrupt_folder, vae_dir, monkeypatch):
     png = image_bytes("PNG", 3)
     make_images(corrupt_folder, {"c/cut.png": png[:len(png) // 2], "c/empty.jpg": b"", "c/ok.png": png})
-    monkeypatch.setattr(pl, "run_encoding", lambda *a: pytest.fail("encoding started despite corrupt images"))
+    monkeypatch.setattr(run_mod, "run_encoding", lambda *a: pytest.fail("encoding started despite corrupt images"))
     with pytest.raises(ImageFolderError, match=r"^4 of 7 image\(s\) under '.*imgs' cannot be read \(corrupt, "
                                                r"truncated or not an image\): a/cut\.jpg \(.*\), "
                                                r"b/garbage\.png \(.*\), c/cut\.png \(.*\), \.\.\. \(4 in all\)\. "
@@ -91,12 +92,12 @@ def test_corrupt_images_found_before_encoding_with_threads(tmp_path, corrupt_fol
 def test_a_resumed_run_checks_only_the_images_of_unfinished_shards(tmp_path, corrupt_folder, vae_dir, monkeypatch):
     for name in ("a/cut.jpg", "b/garbage.png"):
         (corrupt_folder / name).write_bytes(image_bytes("PNG", 5))
-    monkeypatch.setattr(pl, "merge_shards", lambda *a: (_ for _ in ()).throw(RuntimeError("stop before merging")))
+    monkeypatch.setattr(run_mod, "merge_shards", lambda *a: (_ for _ in ()).throw(RuntimeError("stop before merging")))
     with pytest.raises(RuntimeError, match="stop before merging"):
         pl.main(argv(corrupt_folder, tmp_path / "ds", vae_dir))
     (tmp_path / "ds.parts" / "shard_00001.npz").unlink()  # shard 0 (a/*) stays finished
     checked = []
-    monkeypatch.setattr(pl, "unreadable_images", lambda paths, *a: checked.extend(paths) or [])
+    monkeypatch.setattr(run_mod, "unreadable_images", lambda paths, *a: checked.extend(paths) or [])
     with pytest.raises(RuntimeError, match="stop before merging"):
         pl.main(argv(corrupt_folder, tmp_path / "ds", vae_dir))
     assert [p.relative_to(corrupt_folder).as_posix() for p in checked] == ["b/garbage.png", "b/ok.jpg"]

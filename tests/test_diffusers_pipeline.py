@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tread.cli.diffusers_pipeline import main, run
-from tread.data.tiny_text import save_tiny_text_encoders
+from tread.encoders.tiny_text import save_tiny_text_encoders
 from tread.training.loop import train
 
 LOKR = "model.lora={type: lokr, rank: 4, alpha: 4, target_modules: [to_q, to_k, to_v, to_out.0, proj_mlp, proj_out]}"

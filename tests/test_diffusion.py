@@ -44,6 +44,30 @@ def test_edm_preconditioning_identities():
     assert edm.sigma_data == sd
 
 
+class AuxBackbone(Recorder):
+    """A backbone with an auxiliary output: (F, aux) when asked (return_aux=True), else F."""
+
+    def forward(self, x, noise_level, labels, return_aux=False):
+        self.aux = {"tokens": torch.randn(2)}
+        return (self.out, self.aux) if return_aux else self.out
+
+
+@pytest.mark.parametrize("objective", [EDM(), RectifiedFlow()])
+def test_preconditioning_and_loss_pass_the_auxiliary_output_through(objective):
+    """return_aux reaches the backbone; the algebra applies to its tensor only and aux comes back untouched, at the
+    preconditioner and at the loss; without it the backbone is called as before (no return_aux keyword)."""
+    x, sigma, labels = torch.randn(3, 3, 4, 4), torch.tensor([0.1, 1.0, 5.0]), torch.zeros(3, dtype=torch.long)
+    backbone = AuxBackbone(torch.randn(3, 3, 4, 4))
+    net = objective.precondition(backbone)
+    out, aux = net(x, sigma / 10, labels, return_aux=True)
+    assert aux is backbone.aux and torch.equal(out, net(x, sigma / 10, labels))
+    torch.manual_seed(0)
+    loss, aux = objective.loss(net, x, labels, return_aux=True)
+    torch.manual_seed(0)
+    assert aux is backbone.aux and torch.equal(loss, objective.loss(net, x, labels))
+    assert isinstance(objective.precondition(Recorder(backbone.out))(x, sigma / 10, labels), torch.Tensor)
+
+
 def test_karras_schedule_endpoints():
     t = EDM(num_steps=18).sigma_steps()
     assert len(t) == 19 and t[-1] == 0

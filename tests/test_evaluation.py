@@ -10,15 +10,18 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from tread.evaluation import features as feat_mod
-from tread.evaluation.features import (InceptionFeatures, ToyClassifierFeatures, build_feature_extractor,
-                                       extract_features, save_random_inception_weights)
+from tread.data import ensure_toy_classifier
+from tread.encoders import features as feat_mod
+from tread.encoders.errors import EncoderError
+from tread.encoders.features import (InceptionFeatures, ToyClassifierFeatures, build_feature_extractor,
+                                     save_random_inception_weights)
+from tread.encoders.toy_classifier import (ToyClassifier, cache_path, load_toy_classifier, save_toy_classifier,
+                                           train_toy_classifier)
+from tread.evaluation.extractors import extract_features, feature_extractor
 from tread.evaluation.frechet import FeatureStats, frechet_distance
 from tread.evaluation.images import load_images, make_grid, save_image_grid, save_npz, save_png_folder
 from tread.evaluation.reference import (compute_stats, load_reference, load_reference_full, reference_for_dataset,
-                                  save_reference)
-from tread.evaluation.toy_classifier import (ToyClassifier, cache_path, load_or_train_toy_classifier,
-                                       save_toy_classifier, train_toy_classifier)
+                                        save_reference)
 
 from conftest import blob_images
 from tread.schema import compose
@@ -368,18 +371,19 @@ def test_inception_features_from_weights_file(random_inception_weights):
 
 
 def test_inception_missing_weights_and_no_network(tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="eval.inception_weights") as err:
+    with pytest.raises(EncoderError, match="eval.inception_weights") as err:
         InceptionFeatures(tmp_path / "absent.pth")
-    assert str(tmp_path / "absent.pth") in str(err.value)
+    assert f"file (eval.inception_weights / inception_weights) at '{tmp_path / 'absent.pth'}'. To provide it: " \
+           f"download https://" in str(err.value)
 
     def offline(*args, **kwargs):
         raise OSError("Name or service not known")
 
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
     monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
-    with pytest.raises(RuntimeError, match="inception_weights=") as err:
+    with pytest.raises(EncoderError, match="inception_weights=") as err:
         InceptionFeatures()
-    assert "weights-inception-2015-12-05-6726825d.pth" in str(err.value)
+    assert "weights-inception-2015-12-05-6726825d.pth" in str(err.value) and "\n" not in str(err.value)
     assert str(tmp_path / "hub" / "checkpoints") in str(err.value)
 
 
@@ -387,13 +391,14 @@ def test_inception_wrong_weights_file(tmp_path):
     torch.save({"conv.weight": torch.zeros(1)}, tmp_path / "other.pth")
     (tmp_path / "garbage.pth").write_bytes(b"not a checkpoint")
     for name in ("other.pth", "garbage.pth"):
-        with pytest.raises(RuntimeError, match="not usable as torch-fidelity Inception-v3 weights"):
+        with pytest.raises(EncoderError, match="not usable as torch-fidelity Inception-v3 weights"):
             InceptionFeatures(tmp_path / name)
 
 
 def test_unknown_features_name():
-    with pytest.raises(ValueError, match="eval.features.*toy_classifier"):
-        build_feature_extractor("clip")
+    for build in (build_feature_extractor, lambda name: feature_extractor(name, cache_dir="unused")):
+        with pytest.raises(EncoderError, match="eval.features.*toy_classifier"):
+            build("clip")
 
 
 def fid_cfg(**kw):
@@ -435,13 +440,16 @@ def test_fid_validates_before_work(tmp_path):
 
 # ----------------------------------------------------------------------------- toy classifier
 
-SMALL_BUDGET = dict(num_per_class=60, epochs=3)  # ~1-2 s; the default budget is 300 x 4
+def small_budget():
+    """A small training set (60 per class, 20 held out) and 3 epochs: ~1-2 s; the real budget is 300 x 4."""
+    x, y = toy_images(60, seed=12345, with_labels=True)
+    x_val, y_val = toy_images(20, seed=12346, with_labels=True)
+    return dict(images=x, labels=y, val_images=x_val, val_labels=y_val, epochs=3)
 
 
 @pytest.fixture(scope="module")
 def small_toy_classifier():
-    pytest.importorskip("tread.data.toy")
-    return train_toy_classifier(**SMALL_BUDGET)
+    return train_toy_classifier(**small_budget())
 
 
 def toy_images(num_per_class, seed, with_labels=False):
@@ -455,7 +463,7 @@ def toy_images(num_per_class, seed, with_labels=False):
 def test_toy_classifier_accuracy_and_determinism(small_toy_classifier):
     model, acc = small_toy_classifier
     assert acc > 0.6  # chance is 0.1
-    again, acc2 = train_toy_classifier(**SMALL_BUDGET)
+    again, acc2 = train_toy_classifier(**small_budget())
     x = toy_images(3, seed=7)
     assert acc2 == acc
     torch.testing.assert_close(again.features(x), model.features(x), rtol=1e-5, atol=1e-5)
@@ -463,8 +471,6 @@ def test_toy_classifier_accuracy_and_determinism(small_toy_classifier):
 
 @pytest.mark.filterwarnings("ignore:Matrix is singular")  # constant images: zero covariance
 def test_toy_classifier_fid_separates_real_from_broken(small_toy_classifier):
-    from tread.evaluation.features import ToyClassifierFeatures
-
     ext = ToyClassifierFeatures(small_toy_classifier[0]).eval()
     real_a, (real_b, labels_b) = toy_images(30, seed=101), toy_images(30, seed=202, with_labels=True)
     gen = torch.Generator().manual_seed(0)
@@ -504,26 +510,30 @@ def test_toy_classifier_forward_all(small_toy_classifier, tmp_path):
 
 
 def test_toy_classifier_cache_round_trip(tmp_path, monkeypatch):
-    import tread.evaluation.toy_classifier as tc
+    import tread.data.toy as toy
 
     calls = []
 
-    def fake_train(resolution, seed, verbose=False):
-        calls.append(seed)
+    def fake_train(images, labels, val_images, val_labels, *, seed, verbose=False):
+        calls.append((seed, images.shape, images.dtype, val_images.shape, int(labels.max())))
         torch.manual_seed(seed)
-        return ToyClassifier(resolution=resolution).eval(), 0.95
+        return ToyClassifier(resolution=images.shape[-1]).eval(), 0.95
 
-    monkeypatch.setattr(tc, "train_toy_classifier", fake_train)
-    first = load_or_train_toy_classifier(tmp_path, verbose=False)
-    path = cache_path(tmp_path)
-    assert path.name == "toy_classifier_r32_s12345.pt" and path.is_file()
+    monkeypatch.setattr(toy, "train_toy_classifier", fake_train)
+    path = ensure_toy_classifier(tmp_path, verbose=False)
+    assert path == cache_path(tmp_path) and path.name == "toy_classifier_r32_s12345.pt" and path.is_file()
     assert json.loads(path.with_suffix(".json").read_text())["accuracy"] == 0.95
-    second = load_or_train_toy_classifier(tmp_path, verbose=False)
-    assert calls == [12345]  # reused, not retrained
+    assert ensure_toy_classifier(tmp_path, verbose=False) == path
+    # 300 fresh images per class at 32 px (75 held out, from the next seed), trained once and then reused
+    assert calls == [(12345, (3000, 3, 32, 32), torch.uint8, (750, 3, 32, 32), 9)]
     x = torch.from_numpy(blob_images(4)).permute(0, 3, 1, 2)
-    torch.testing.assert_close(first.features(x), second.features(x))
-    ext = build_feature_extractor("toy_classifier", cache_dir=tmp_path)
+    torch.manual_seed(12345)
+    trained = ToyClassifier().eval()  # what fake_train made (loading below draws from the global RNG too)
+    torch.testing.assert_close(load_toy_classifier(path).features(x), trained.features(x), rtol=0, atol=0)
+    ext = feature_extractor("toy_classifier", cache_dir=tmp_path)
     assert ext.name == "toy_classifier" and ext.dim == 64 and ext(x).shape == (4, 64)
+    with pytest.raises(EncoderError, match="features toy_classifier need the classifier's file"):
+        build_feature_extractor("toy_classifier")
 
 
 def test_fid_ref_from_latent_dataset_then_calc(tmp_path):

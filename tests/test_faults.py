@@ -1,6 +1,7 @@
 """Real faults in real processes: kill -9 (also inside checkpoint writes and pruning), SIGTERM, two runs in
 one directory, a full disk, and checkpoints planted with code. Each resumed run must end bit-identical to an
-uninterrupted one, with each step logged once (tests/fault_train.py injects the faults)."""
+uninterrupted one, with each step logged once (tests/fault_train.py injects the faults). What happens
+mid-training waits for the run to be there (a held step), never for a time: the timeouts are hang guards."""
 from __future__ import annotations
 
 import json
@@ -16,11 +17,13 @@ import pytest
 import torch
 
 from conftest import REPO, TINY
-from tread.training.preempt import EXIT_PREEMPTED
+from hang_guard import communicate
+from tread.runtime.preempt import EXIT_PREEMPTED
 from tread.training.run_log import read_metrics
 from tread.utils.checkpoints import list_checkpoints, load_model_file
 
 pytestmark = pytest.mark.slow
+HANG_SEC = 900            # a launch still running then is stuck (a 12-step launch takes 10-60 s)
 STEPS = 12
 COMMON = [*TINY, "eval.every_steps=0", "eval.at_end=false", "checkpoint.every_steps=4", "checkpoint.keep_last=2",
           f"train.max_steps={STEPS}", "train.lr_warmup_steps=3"]
@@ -33,9 +36,8 @@ def launch(fault: str, run: Path, cache: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(proc: subprocess.Popen, timeout: int = 300) -> tuple[int, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out + err
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    return communicate(proc, HANG_SEC, "a launch")
 
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
@@ -81,25 +83,29 @@ def test_kill_9_then_resume_is_exact(fault, reference, tmp_path):
     assert_same_as_reference(run, ref)
 
 
-def wait_for(condition, timeout: float = 120.0) -> None:
-    end = time.time() + timeout
+def wait_for(condition, proc: subprocess.Popen) -> None:
+    """Poll until `condition()`; fails if `proc` ended first or nothing happened for HANG_SEC (a hang)."""
+    end = time.monotonic() + HANG_SEC
     while not condition():
-        assert time.time() < end, "timed out"
+        assert proc.poll() is None, f"the launch ended first (exit {proc.returncode})"
+        assert time.monotonic() < end, f"still waiting after {HANG_SEC} s"
         time.sleep(0.05)
 
 
 def test_sigterm_checkpoints_and_resume_is_exact(reference, tmp_path):
     ref, cache = reference
     run = tmp_path / "run"
-    proc = launch("slow:0.2", run, cache)
-    wait_for(lambda: len(train_steps(run)) >= 5)
+    release = tmp_path / "release"
+    proc = launch(f"hold:6:{release}", run, cache)
+    wait_for(lambda: len(train_steps(run)) >= 5, proc)          # held before step 6
     proc.send_signal(signal.SIGTERM)
+    release.touch()
     code, out = finish(proc)
     assert code == EXIT_PREEMPTED, out[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "preempted" and summary["signal"] == "SIGTERM"
     stopped = summary["final_step"]
-    assert 5 <= stopped < STEPS and list_checkpoints(run)[-1].name == f"step_{stopped:07d}"
+    assert stopped == 6 and list_checkpoints(run)[-1].name == f"step_{stopped:07d}"   # the step then running
     code, out = finish(launch("none", run, cache, "resume=auto"))
     assert code == 0, out[-3000:]
     assert_same_as_reference(run, ref)
@@ -108,11 +114,12 @@ def test_sigterm_checkpoints_and_resume_is_exact(reference, tmp_path):
 def test_a_second_run_into_a_busy_run_dir_fails_naming_the_holder(reference, tmp_path):
     _, cache = reference
     run = tmp_path / "run"
-    first = launch("slow:1.0", run, cache)
-    wait_for(lambda: len(train_steps(run)) >= 1)
-    start = time.time()
+    release = tmp_path / "release"
+    first = launch(f"hold:2:{release}", run, cache)
+    wait_for(lambda: len(train_steps(run)) >= 1, first)      # it holds the lock, held before step 2
     code, out = finish(launch("none", run, cache, "train.seed=7", "resume=auto"))
-    assert code != 0 and time.time() - start < 30
+    release.touch()
+    assert code != 0
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"pid {first.pid}" in errors[0] and socket.gethostname() in errors[0], out[-2000:]
     assert "Traceback" not in out

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from transformers import Dinov2Model
 
 from conftest import compose_cfg
-from tread.evaluation.encoders import DINO_SIZE, IMAGENET_MEAN, IMAGENET_STD, EncoderError, build_dino_features
+from tread.encoders.dinov2 import DINO_SIZE, IMAGENET_MEAN, IMAGENET_STD
+from tread.encoders.errors import EncoderError
+from tread.encoders.features import build_dino_features
 from tread.evaluation.frechet import frechet_distance
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.reference import ReferenceBuilder, load_reference_full

@@ -23,7 +23,7 @@ def fid_cfg(**kw):
     return OmegaConf.merge(compose_cfg("fid"), {"device": "cpu", **kw})
 
 
-def run_fid_cli(cache: Path, *overrides: str, launcher: list[str] | None = None, timeout: int = 300):
+def run_fid_cli(cache: Path, *overrides: str, launcher: list[str] | None = None, timeout: int = 900):
     env = {**os.environ, "TREAD_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}
     cmd = (launcher or [sys.executable]) + ["fid.py", *overrides]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -137,17 +137,37 @@ def test_bench_with_inference_routing_and_tread_guidance(toy_run, tmp_path):
     out = tmp_path / "bench"
     ckpt = str(toy_run["run"] / "checkpoints" / "step_0000004")
     dense = fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, keep_npz=False))[0]
-    routed = fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, keep_npz=False, route_ratio=0.5))[0]
+    routed = fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, keep_npz=False, selection_ratio=0.5))[0]
     guided = fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, keep_npz=False, tread_scale=1.5,
-                               tread_weak_ratio=0.5, guidance_interval=[0.05, 100.0]))[0]
-    assert fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, keep_npz=False, route_ratio=0.5)) == []  # skipped
+                               tread_weak_selection_ratio=0.5, guidance_interval=[0.05, 100.0]))[0]
+    assert fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, keep_npz=False, selection_ratio=0.5)) == []  # skipped
     assert dense["forward_passes_per_image"] == 3 and routed["forward_passes_per_image"] == 3
     assert routed["sample_gflops_per_image"] < dense["sample_gflops_per_image"] < guided["sample_gflops_per_image"]
     assert 3 < guided["forward_passes_per_image"] < 6          # the weak branch only inside the interval
-    assert (routed["route_ratio"], guided["tread_scale"], guided["guidance_interval"]) == (0.5, 1.5, [0.05, 100.0])
+    assert (routed["selection_ratio"], guided["tread_scale"], guided["guidance_interval"]) == (0.5, 1.5, [0.05, 100.0])
     assert dense["fid"] != routed["fid"]
-    with pytest.raises(ValueError, match="tread_weak_ratio=0.0 is not allowed"):  # fid.py: `error: ...`
-        fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, tread_scale=2.0, tread_weak_ratio=0.0))
+    with pytest.raises(ValueError, match="tread_weak_selection_ratio=0.0 is not allowed"):  # fid.py: `error: ...`
+        fid.run(bench_cfg(toy_run, out, checkpoints=ckpt, tread_scale=2.0, tread_weak_selection_ratio=0.0))
+
+
+def test_rows_written_before_the_key_rename_are_the_same_measurement(tmp_path):
+    """metrics.jsonl rows that say route_ratio / tread_weak_ratio (written before the rename) are read in today's
+    names: skip_existing still tells a routed row from a dense one, and the CSV has one column per setting."""
+    from tread.evaluation.checkpoint_fid import append_row, bench_settings, read_rows, settings_key
+    from tread.sampling import Guidance
+
+    new = bench_settings(Path("ckpt"), use_ema=True, seeds=range(4), num_steps=2, features="toy_classifier",
+                         reference="ref.npz", metrics=["fid"],
+                         guidance=Guidance(selection_ratio=0.5, tread_scale=1.5, tread_weak_selection_ratio=0.75))
+    renames = {"selection_ratio": "route_ratio", "tread_weak_selection_ratio": "tread_weak_ratio"}
+    old = {renames.get(k, k): v for k, v in new.items()}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({**old, "fid": 1.0}) + "\n")
+    (row,) = read_rows(tmp_path)
+    assert (row["selection_ratio"], row["tread_weak_selection_ratio"]) == (0.5, 0.75) and "route_ratio" not in row
+    assert settings_key(row) == settings_key(new) != settings_key({**new, "selection_ratio": None})
+    append_row(tmp_path, {**new, "fid": 2.0})
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "selection_ratio" in header and "route_ratio" not in header
 
 
 def test_bench_two_processes_equal_one(toy_run, tmp_path):
@@ -161,7 +181,7 @@ def test_bench_two_processes_equal_one(toy_run, tmp_path):
     # GPUs runs torchrun with gloo on the CPU (device=cpu makes fid.py stay on the CPU).
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    two = run_fid_cli(toy_run["cache"], *common, f"out_dir={tmp_path / 'two'}", launcher=launcher, timeout=600)
+    two = run_fid_cli(toy_run["cache"], *common, f"out_dir={tmp_path / 'two'}", launcher=launcher, timeout=1200)
     assert two.returncode == 0, two.stderr[-3000:]
     r1, r2 = (json.loads((tmp_path / d / "metrics.jsonl").read_text()) for d in ("one", "two"))
     assert r1["world_size"] == 1 and r2["world_size"] == 2
@@ -205,7 +225,7 @@ def test_errors_before_any_work(toy_run, tmp_path):
 
 def test_missing_inception_weights_offline_says_how_to_provide_them(toy_run, tmp_path, monkeypatch):
     import tread.cli.fid as fid
-    import tread.evaluation.features as feats
+    import tread.encoders.features as feats
     from tread.evaluation.checkpoint_fid import BenchError
 
     def offline(*args, **kwargs):

@@ -31,7 +31,7 @@ def torchrun(cache_dir: Path, run: Path, *overrides: str, procs: int = 2) -> Non
         [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([*launcher, "train.py", *TINY, f"paths.cache_dir={cache_dir}", f"hydra.run.dir={run}",
-                           *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                           *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import REPO, TINY
 from tread.schema import compose
-from tread.training.slurm import export_slurm_env, first_host, master_port, slurm_dist_env, tasks_per_node
+from tread.runtime.slurm import export_slurm_env, first_host, master_port, slurm_dist_env, tasks_per_node
 
 SLURM_TARGET = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
 JOBLIB_TARGET = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
@@ -234,7 +234,7 @@ def test_srun_tasks_join_one_accelerate_run(tmp_path):
     procs = [subprocess.Popen([sys.executable, "train.py", *QUICK, "train.cpu=true", f"hydra.run.dir={run}"], cwd=REPO,
                               env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "world size 2, global batch 8 (4 per micro-batch)" in outs[0]
     summary = json.loads((run / "summary.json").read_text())

@@ -1,5 +1,6 @@
-"""tread.utils.lock.RunDirLock: real processes racing for a run dir, stale locks (killed holders, reused pids,
-same SLURM job), foreign hosts, release of our own lock only, unreadable lock files."""
+"""tread.runtime.lock.RunDirLock: real processes racing for a run dir, stale locks (killed holders, reused pids,
+same SLURM job), foreign hosts, release of our own lock only, unreadable lock files. No test here depends on
+how fast the machine is: racers start together on a signal, and waits are hang guards only."""
 from __future__ import annotations
 
 import json
@@ -10,23 +11,29 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from conftest import REPO
+from hang_guard import read_line
 
+from tread.runtime.lock import LOCK_NAME, RunDirLock, RunDirLocked, own_record
+from tread.runtime.processes import process_start_ticks
 from tread.utils.errors import UserError
-from tread.utils.lock import LOCK_NAME, RunDirLock, RunDirLocked, own_record, process_start_ticks
 
-# A process that waits until wall-clock time argv[2], then tries to lock run dir argv[1]: prints one JSON
-# line, {"won": pid} or {"error": message}; a winner holds the lock until its stdin closes.
+HANG_SEC = 120                                  # a racer or holder still running then is stuck (normally ~2 s)
+
+# A process that prints "ready", spins until the file argv[2] exists, then tries to lock run dir argv[1]:
+# prints one JSON line, {"won": pid} or {"error": message}; a winner holds the lock until its stdin closes.
 RACER = r"""
-import json, os, sys, time
-from tread.utils.lock import RunDirLock, RunDirLocked
+import json, os, sys
+from tread.runtime.lock import RunDirLock, RunDirLocked
 if sys.argv[3] == "excl":                       # a filesystem without hard links
     def no_link(*args, **kw):
         raise PermissionError(1, "Operation not permitted")
     os.link = no_link
 lock = RunDirLock(sys.argv[1])
-while time.time() < float(sys.argv[2]):
+print("ready", flush=True)
+while not os.path.exists(sys.argv[2]):
     pass
 try:
     lock.acquire()
@@ -41,7 +48,7 @@ lock.release()
 # Takes the lock on argv[1], says so, then sleeps (the test kills it).
 HOLDER = r"""
 import sys, time
-from tread.utils.lock import RunDirLock
+from tread.runtime.lock import RunDirLock
 RunDirLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(120)
@@ -58,7 +65,7 @@ def spawn(code: str, *args: str, **kw) -> subprocess.Popen:
 def kill(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
-    proc.wait(timeout=10)
+    proc.wait(timeout=HANG_SEC)
 
 
 def write_lock(run_dir, **fields) -> None:
@@ -87,11 +94,13 @@ def test_processes_racing_for_a_run_dir_exactly_one_wins(tmp_path, scenario):
     run_dir = tmp_path / "run"      # fresh: not created yet, the racers also race for mkdir
     if scenario.startswith("stale"):
         write_lock(run_dir, **{**own_record(), "pid": dead_pid()})
-    start = time.time() + 1.0       # every racer spins until the same moment
+    go = tmp_path / "go"            # every racer spins until this file exists, however slowly it started
     mode = "excl" if scenario.endswith("excl") else "link"
-    procs = [spawn(RACER, str(run_dir), repr(start), mode, stdin=subprocess.PIPE) for _ in range(3)]
+    procs = [spawn(RACER, str(run_dir), str(go), mode, stdin=subprocess.PIPE) for _ in range(3)]
     try:
-        results = [json.loads(p.stdout.readline()) for p in procs]
+        assert [read_line(p, HANG_SEC).strip() for p in procs] == ["ready"] * 3
+        go.touch()
+        results = [json.loads(read_line(p, HANG_SEC)) for p in procs]
         winners = [r["won"] for r in results if "won" in r]
         assert len(winners) == 1, results
         for r in results:
@@ -101,7 +110,7 @@ def test_processes_racing_for_a_run_dir_exactly_one_wins(tmp_path, scenario):
         assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == winners[0]
         for p in procs:
             p.stdin.close()
-            assert p.wait(timeout=10) == 0
+            assert p.wait(timeout=HANG_SEC) == 0
         assert not (run_dir / LOCK_NAME).exists()              # the winner released it
         assert sorted(os.listdir(run_dir)) == []               # no temp files left behind
     finally:
@@ -114,16 +123,16 @@ def test_processes_racing_for_a_run_dir_exactly_one_wins(tmp_path, scenario):
 def test_a_lock_of_a_killed_process_is_taken_over(tmp_path, reap):
     holder = spawn(HOLDER, str(tmp_path))
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert read_line(holder, HANG_SEC).strip() == "held"
         with pytest.raises(RunDirLocked, match=f"pid {holder.pid} on host "):
             RunDirLock(tmp_path).acquire()                     # alive: refused
         os.kill(holder.pid, signal.SIGKILL)
         if reap:
-            holder.wait(timeout=10)
+            holder.wait(timeout=HANG_SEC)
         else:                                                  # killed but not yet reaped by its parent
-            for _ in range(200):
-                if open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
+            deadline = time.monotonic() + HANG_SEC
+            while psutil.Process(holder.pid).status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline, "the killed holder never became a zombie"
                 time.sleep(0.01)
         with RunDirLock(tmp_path) as lock:
             assert lock.note == (f"took over a stale lock of pid {holder.pid} on host {socket.gethostname()} "
@@ -174,7 +183,7 @@ def test_the_same_slurm_job_takes_over_from_another_host(tmp_path, monkeypatch):
 def test_the_same_slurm_job_on_this_host_respects_a_live_holder(tmp_path, monkeypatch):
     holder = spawn(HOLDER, str(tmp_path))
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert read_line(holder, HANG_SEC).strip() == "held"
         record = json.loads((tmp_path / LOCK_NAME).read_text())
         (tmp_path / LOCK_NAME).write_text(json.dumps({**record, "slurm_job_id": "77"}))
         monkeypatch.setenv("SLURM_JOB_ID", "77")
@@ -215,7 +224,7 @@ def test_a_second_lock_in_this_process_is_refused_a_leftover_one_taken_over(tmp_
 @pytest.mark.parametrize("content", [b"{not json", b"", b"[1, 2]", b'{"pid": 0, "host": "h"}',
                                      b'{"pid": 99999999999, "host": "h"}', b'{"pid": 7}', b"\xff\xfe"])
 def test_an_unreadable_lock_is_refused_naming_the_file(tmp_path, content, monkeypatch):
-    monkeypatch.setattr("tread.utils.lock._PARTIAL_RETRY_SEC", 0.0)
+    monkeypatch.setattr("tread.runtime.lock._PARTIAL_RETRY_SEC", 0.0)
     (tmp_path / LOCK_NAME).write_bytes(content)
     with pytest.raises(RunDirLocked) as err:
         RunDirLock(tmp_path).acquire()

@@ -6,8 +6,9 @@ import torch
 
 from tread.cli.memory_table import main
 from tread.models.dit import build_dit
-from tread.models.families import build_family
-from tread.perf.memory import ParamCounts, build_on_meta, count_params, markdown_table, memory_per_gpu, memory_rows
+from tread.models.families import FAMILIES, build_family, family_module
+from tread.perf.memory import (ParamCounts, build_on_meta, count_params, data_channels, markdown_table, memory_per_gpu,
+                               memory_rows)
 
 
 def test_counts_match_a_real_model_and_its_meta_build():
@@ -20,6 +21,19 @@ def test_counts_match_a_real_model_and_its_meta_build():
         meta = build_dit("DiT-T/4", input_size=16, in_channels=3, num_classes=10)
     assert count_params(meta) == counts
     assert 674e6 < count_params(build_on_meta("dit", "DiT-XL/2")).total < 676e6     # DiT paper: 675M
+
+
+def test_data_channels_come_from_the_family_modules():
+    """No table of channels per family: a preset's own geometry (FLUX: 4 transformer channels per latent channel,
+    packed 2x2), else the family's first released one; the VAEs' latent channels (FLUX, SD3, Wan 2.1: 16;
+    AuraFlow and PixArt, SD-VAE: 4; Wan 2.2: 48)."""
+    got = {f: data_channels(f, "mid") for f in FAMILIES}
+    assert got == {"flux": 16, "sd3": 16, "wan": 16, "auraflow": 4, "pixart": 4}
+    assert data_channels("flux", "dev") == 16 and data_channels("wan", "wan2.2-5b") == 48
+    for family in FAMILIES:                # the meta build takes exactly the channels its preset states
+        for preset, config in family_module(family).PRESETS.items():
+            if "in_channels" in config and preset != "tiny":
+                assert build_on_meta(family, preset).in_channels == data_channels(family, preset)
 
 
 def test_lora_count_equals_peft_trainable_params():

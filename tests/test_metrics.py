@@ -11,7 +11,7 @@ import scipy.linalg
 import torch
 import torch.nn as nn
 
-from tread.evaluation.features import build_feature_extractor, save_random_inception_weights
+from tread.encoders.features import build_feature_extractor, save_random_inception_weights
 from tread.evaluation.images import save_npz, save_png_folder
 from tread.evaluation.metrics import (METRICS, FeatureAccumulator, compute_metrics, inception_score, kid,
                                 manifold_radii, precision_recall)

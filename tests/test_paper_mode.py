@@ -14,7 +14,7 @@ from tread.diffusion.build import build_diffusion
 from tread.models.dit import build_dit
 from tread.routing import Route, RoutingController
 from tread.sampling.generate import generate
-from tread.sampling.guidance import Guidance, GuidanceError, guided_denoiser
+from tread.sampling.guidance import Guidance, GuidanceError
 
 ZEROED = ["final_layer.linear.weight", "final_layer.adaLN_modulation.1.weight"] + \
          [f"blocks.{i}.adaLN_modulation.1.weight" for i in range(12)]
@@ -91,8 +91,8 @@ class Recorder(nn.Module):
 def test_cfg_rule_above_one_guides_only_above_one(scale):
     x, noise, labels = torch.ones(2, 1, 2, 2), torch.ones(2), torch.tensor([1, 2])
     cond, uncond = x * (1 + labels.float().view(-1, 1, 1, 1)), x * 11
-    ours = guided_denoiser(Recorder(), Guidance(cfg_scale=scale), null_label=10)(x, noise, labels)
-    paper = guided_denoiser(Recorder(), Guidance(cfg_scale=scale, cfg_rule="above_one"), null_label=10)(x, noise, labels)
+    ours = Guidance(cfg_scale=scale).denoiser(Recorder(), null_label=10)(x, noise, labels)
+    paper = Guidance(cfg_scale=scale, cfg_rule="above_one").denoiser(Recorder(), null_label=10)(x, noise, labels)
     assert torch.allclose(ours, uncond + scale * (cond - uncond))
     expected = cond if 0 < scale <= 1 else uncond + scale * (cond - uncond)   # 0: unconditional in both
     assert torch.allclose(paper, expected)
@@ -102,7 +102,7 @@ def test_tread_uncond_gives_both_routed_branches_the_null_label():
     x, noise, labels = torch.ones(2, 1, 2, 2), torch.ones(2), torch.tensor([1, 2])
     for uncond, expect in ((False, [[1, 2], [1, 2]]), (True, [[10, 10], [10, 10]])):
         net = Recorder()
-        guided_denoiser(net, Guidance(tread_scale=2.0, route_ratio=0.0, tread_uncond=uncond), null_label=10)(
+        Guidance(tread_scale=2.0, selection_ratio=0.0, tread_uncond=uncond).denoiser(net, null_label=10)(
             x, noise, labels)
         assert net.calls == expect
     with pytest.raises(GuidanceError, match="tread_uncond=true .* needs cfg_scale=1"):

@@ -1,6 +1,6 @@
-"""The route planner (tread/cli/plan_routes.py, tread/perf/plan.py): FLOPs by hand, candidates and flags, the geometry
-it plans for, target filtering, the recommendation rule on injected timings with progress, a CLI smoke run with
-real timing of the training step, a pilot on the tiny toy data, one-line input errors."""
+"""The route planner (tread/cli/plan_routes.py, tread/perf/planner.py, tread/perf/plan.py): FLOPs by hand,
+candidates and flags, the geometry it plans for, target filtering, the recommendation rule on injected timings with
+progress, a CLI smoke run with real timing of the training step, a pilot on the tiny toy data, one-line input errors."""
 from __future__ import annotations
 
 import json
@@ -10,11 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tread.cli.plan_routes import main, parse_args
 from tread.models import build_model
 from tread.models.flops import model_forward_flops
-from tread.perf.plan import RULE, evaluate_candidates, generate_candidates, ratio_grid, rule_key
+from tread.perf.plan import RULE, PlanError, evaluate_candidates, generate_candidates, ratio_grid, rule_key
+from tread.perf.planner import PlanRequest
+from tread.perf.planner import plan as plan_request
 from tread.routing.spec import Route
 from tread.schema import compose
 from conftest import TINY, compose_cfg
@@ -75,6 +78,21 @@ def test_flops_match_hand_computation(arch, D, depth):
     if arch == "DiT-XL/2":  # the DiT paper's 118.6 GFLOPs (multiply-adds) per forward
         assert res["dense"]["forward_flops_per_sample"] / 2 == pytest.approx(118.6e9, rel=0.01)
 
+
+
+def test_plans_from_a_request_without_the_cli():
+    """The library takes a plain PlanRequest (the CLI only parses): the same plan as the flags, checked as it is
+    built, on the request's threads with the caller's count given back."""
+    threads = torch.get_num_threads()
+    res = plan_request(PlanRequest(arch="DiT-B/2", resolution=32, channels=4, batch=2, target_speedup=1.2,
+                                   ratios=[0.5], threads=1))
+    assert res["settings"]["threads"] == 1 and torch.get_num_threads() == threads
+    flags = plan(B2_32 + ["--batch", "2", "--target-speedup", "1.2", "--ratios", "0.5", "--threads", "1"])
+    assert res["markdown"] == flags["markdown"] and res["candidates"] == flags["candidates"]
+    with pytest.raises(PlanError, match="^no target given"):
+        PlanRequest(arch="DiT-B/2")
+    with pytest.raises(PlanError, match="^--precision fp8 is not allowed; allowed: fp32, bf16$"):
+        PlanRequest(target_speedup=1.2, precision="fp8")
 
 # ----------------------------------------------------------------------------- candidates and flags
 def test_candidates_follow_the_guidelines_and_flags():
@@ -248,7 +266,7 @@ def test_cli_smoke_real_timing(tmp_path):
                            "--channels", "3", "--batch", "4", "--steps", "2", "--warmup", "1", "--measure", "2",
                            "--target-speedup", "1.05", "--threads", "1", "--json", str(out),
                            "--markdown", str(tmp_path / "plan.md")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "| # | route | tokens processed | train FLOPs/step |" in proc.stdout
     assert "Recommendation (measured)" in proc.stdout and "timing " in proc.stderr   # progress on stderr
@@ -355,7 +373,7 @@ def test_pilot_data_mismatch_is_an_error_before_timing(cache_dir):
 
 def test_cli_error_is_one_line_on_stderr():
     proc = subprocess.run([sys.executable, "scripts/plan_routes.py", "--arch", "DiT-Q/2", "--target-speedup", "1.2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.strip().startswith("error: --arch DiT-Q/2") and len(proc.stderr.strip().splitlines()) == 1
 

@@ -1,4 +1,6 @@
-"""scripts/precompute_latents.py, tread/data/images.py (image folders, ADM center crop) and the streaming writer.
+"""scripts/precompute_latents.py (tread/cli/precompute.py parses the flags into a PrecomputeRequest,
+tread/data/precompute_run.py does the work), tread/data/images.py (image folders, ADM center crop) and the streaming
+writer.
 
 A tiny random AutoencoderKL (downsampling 2) and a few generated images of different sizes and aspect
 ratios; resolution 16, so a whole run takes about a second. Nothing touches the network.
@@ -16,9 +18,12 @@ import torch
 from PIL import Image
 
 import tread.cli.precompute as pl
+import tread.data.precompute_run as work
 from tread.data import LatentDataset, LatentDatasetError, LatentDatasetExistsError, read_meta
 from tread.data.images import ImageFolderError, center_crop_arr, list_image_folder
-from tread.data.vae import clear_vae_cache, encode, load_vae
+from tread.data.precompute_request import PrecomputeError, PrecomputeRequest, check_request
+from tread.encoders.errors import EncoderError
+from tread.encoders.vae import clear_vae_cache, encode, load_vae
 from tread.data.writer import LatentDatasetWriter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,7 +170,7 @@ def test_resume_skips_finished_shards(tmp_path, class_folder, vae_dir, monkeypat
     full = tmp_path / "full"
     run(class_folder, full, vae_dir, "--shard-size", "2", "--flip")  # 3 shards in one go
     calls = []
-    real = pl.encode_shard
+    real = work.encode_shard
 
     def crash_on_second(plan, shard, *args, **kwargs):
         calls.append(shard)
@@ -173,14 +178,14 @@ def test_resume_skips_finished_shards(tmp_path, class_folder, vae_dir, monkeypat
             raise RuntimeError("simulated crash")
         return real(plan, shard, *args, **kwargs)
 
-    monkeypatch.setattr(pl, "encode_shard", crash_on_second)
+    monkeypatch.setattr(work, "encode_shard", crash_on_second)
     out = tmp_path / "ds"
     with pytest.raises(RuntimeError, match="simulated crash"):
         run(class_folder, out, vae_dir, "--shard-size", "2", "--flip")
     parts = tmp_path / "ds.parts"
     assert sorted(p.name for p in parts.iterdir()) == ["settings.json", "shard_00000.npz"] and not out.exists()
     calls.clear()
-    monkeypatch.setattr(pl, "encode_shard",
+    monkeypatch.setattr(work, "encode_shard",
                         lambda plan, shard, *a, **k: calls.append(shard) or real(plan, shard, *a, **k))
     summary = run(class_folder, out, vae_dir, "--shard-size", "2", "--flip")
     assert calls == [1, 2] and summary["encoded_here"] == 2  # shard 0 was kept
@@ -190,14 +195,14 @@ def test_resume_skips_finished_shards(tmp_path, class_folder, vae_dir, monkeypat
 
 
 def test_parts_from_other_settings_are_refused(tmp_path, class_folder, vae_dir, monkeypatch):
-    monkeypatch.setattr(pl, "merge_shards", lambda *a: (_ for _ in ()).throw(RuntimeError("stop before merging")))
+    monkeypatch.setattr(work, "merge_shards", lambda *a: (_ for _ in ()).throw(RuntimeError("stop before merging")))
     with pytest.raises(RuntimeError, match="stop before merging"):
         run(class_folder, tmp_path / "ds", vae_dir)
-    with pytest.raises(pl.PrecomputeError, match=r"other settings \(flip: False -> True\).*Delete '.*ds\.parts'"):
+    with pytest.raises(PrecomputeError, match=r"other settings \(flip: False -> True\).*Delete '.*ds\.parts'"):
         run(class_folder, tmp_path / "ds", vae_dir, "--flip")
     # A shard file alone (e.g. settings.json lost) is checked too.
     (tmp_path / "ds.parts" / "settings.json").unlink()
-    with pytest.raises(pl.PrecomputeError, match=r"shard file '.*shard_00000\.npz' was written with other settings "
+    with pytest.raises(PrecomputeError, match=r"shard file '.*shard_00000\.npz' was written with other settings "
                                                  r"\(resolution: 16 -> 32\)"):
         pl.main(["--images", str(class_folder), "--out", str(tmp_path / "ds"), "--vae", str(vae_dir),
                  "--resolution", "32", "--device", "cpu", "--shard-size", "3", "--workers", "0"])
@@ -207,24 +212,23 @@ def test_shards_done_out_of_order_by_two_processes_merge_in_image_order(tmp_path
     """World size 2 simulated in one process: rank 1's shards first, then rank 0's, then the merge."""
     single = tmp_path / "single"
     run(class_folder, single, vae_dir, "--shard-size", "2", "--flip")
-    args = pl.build_parser().parse_args(["--images", str(class_folder), "--out", str(tmp_path / "two"), "--vae",
-                                         str(vae_dir), "--resolution", str(RES), "--shard-size", "2", "--batch-size",
-                                         "2", "--flip", "--workers", "0"])
-    pl.validate_args(args)
-    plan = pl.make_plan(args)
+    request = PrecomputeRequest(images=str(class_folder), out=str(tmp_path / "two"), vae=str(vae_dir), resolution=RES,
+                                shard_size=2, batch_size=2, flip=True, workers=0)   # the library, no CLI
+    check_request(request)
+    plan = work.make_plan(request)
     encoded = []
     for rank in (1, 0):
         state = SimpleNamespace(process_index=rank, num_processes=2, is_main_process=rank == 0)
-        vae, n = pl.run_encoding(plan, state, torch.device("cpu"))
+        vae, n = work.run_encoding(plan, state, torch.device("cpu"))
         encoded.append(sorted(int(p.stem.split("_")[1]) for p in plan.parts.glob("shard_*.npz")))
     assert encoded == [[1], [0, 1, 2]]  # rank 1 did shard 1; rank 0 shards 0 and 2
-    pl.merge_shards(plan, pl.dataset_meta(plan, vae))
+    work.merge_shards(plan, work.dataset_meta(plan, vae))
     for name in ("latents.npy", "labels.npy"):
         np.testing.assert_array_equal(np.load(tmp_path / "two" / name), np.load(single / name))
 
 
 def test_reference_statistics(tmp_path, class_folder, vae_dir):
-    from tread.evaluation.toy_classifier import ToyClassifier, cache_path, save_toy_classifier
+    from tread.encoders.toy_classifier import ToyClassifier, cache_path, save_toy_classifier
 
     cache = tmp_path / "cache"
     torch.manual_seed(0)  # an untrained toy classifier at 16 px: the feature network is not what is tested here
@@ -264,20 +268,20 @@ def test_bad_arguments_fail_before_any_work(tmp_path, class_folder, argv, messag
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "meta.json").write_text("{}")
-    monkeypatch.setattr(pl, "make_plan", lambda args: pytest.fail("work started despite a bad argument"))
+    monkeypatch.setattr(work, "make_plan", lambda args: pytest.fail("work started despite a bad argument"))
     fill = {"{images}": str(class_folder), "{missing}": str(tmp_path / "missing"), "{existing}": str(existing),
             "{new}": str(tmp_path / "new")}
     argv = [fill.get(a, a.replace("{new}", str(tmp_path / "new"))) for a in argv]
-    with pytest.raises(pl.PrecomputeError, match=message):
+    with pytest.raises(PrecomputeError, match=message):
         pl.main(argv)
     assert pl.cli(argv) == 2  # the command line prints "error: ..." and exits 2
 
 
 def test_resolution_must_fit_the_vae_and_missing_vae_is_explained(tmp_path, class_folder, vae_dir):
-    with pytest.raises(pl.PrecomputeError, match=r"--resolution=17 .*multiple of 2"):
+    with pytest.raises(PrecomputeError, match=r"--resolution=17 .*multiple of 2"):
         pl.main(["--images", str(class_folder), "--out", str(tmp_path / "ds"), "--vae", str(vae_dir),
                  "--resolution", "17", "--device", "cpu"])
-    with pytest.raises(LatentDatasetError, match=r"VAE 'tread-test/no-vae'.*HF_HUB_OFFLINE.*--vae /path/no-vae"):
+    with pytest.raises(EncoderError, match=r"VAE 'tread-test/no-vae'.*HF_HUB_OFFLINE.*--vae /path/no-vae"):
         pl.main(["--images", str(class_folder), "--out", str(tmp_path / "ds"), "--vae", "tread-test/no-vae",
                  "--device", "cpu"])
 
@@ -376,8 +380,8 @@ CAPTIONS = "file_name,caption\na_cat/x.png,a cat, sitting on a mat\nc_eel/e.png,
 
 @pytest.fixture(scope="module")
 def text_dirs(tmp_path_factory):
-    """Tiny random text encoders (tread.data.text.save_tiny_text_encoders) as pipeline folders, per family."""
-    from tread.data.tiny_text import save_tiny_text_encoders
+    """Tiny random text encoders (tread.encoders.tiny_text.save_tiny_text_encoders) as pipeline folders, per family."""
+    from tread.encoders.tiny_text import save_tiny_text_encoders
 
     root = tmp_path_factory.mktemp("text")
     return {f: save_tiny_text_encoders(f, root / f) for f in ("pixart", "flux")}
@@ -398,7 +402,7 @@ def write_masks(images_root, masks_root, skip=()):
 
 
 def test_captions_text_embeddings_and_loss_masks_end_to_end(tmp_path, class_folder, vae_dir, text_dirs):
-    from tread.data.text import encode_prompts, load_text_encoders
+    from tread.encoders.text import encode_prompts, load_text_encoders
 
     captions = tmp_path / "captions.csv"
     captions.write_text(CAPTIONS)
@@ -472,13 +476,13 @@ def test_changed_captions_refuse_the_parts_folder(tmp_path, class_folder, vae_di
     captions.write_text(CAPTIONS)
     args = ["--captions", captions, "--caption-from-class", "{class}", "--text-family", "pixart", "--text-encoders",
             text_dirs["pixart"], "--max-text-length", "4"]
-    monkeypatch.setattr(pl, "merge_shards", lambda *a: (_ for _ in ()).throw(RuntimeError("stop before merging")))
+    monkeypatch.setattr(work, "merge_shards", lambda *a: (_ for _ in ()).throw(RuntimeError("stop before merging")))
     with pytest.raises(RuntimeError, match="stop before merging"):
         run(class_folder, tmp_path / "ds", vae_dir, *args)
     captions.write_text(CAPTIONS.replace("an eel", "a long eel"))
-    with pytest.raises(pl.PrecomputeError, match=r"other settings \(text: .*'captions_sha256'"):
+    with pytest.raises(PrecomputeError, match=r"other settings \(text: .*'captions_sha256'"):
         run(class_folder, tmp_path / "ds", vae_dir, *args)
-    with pytest.raises(pl.PrecomputeError, match=r"other settings \(text: .* -> None\)"):
+    with pytest.raises(PrecomputeError, match=r"other settings \(text: .* -> None\)"):
         run(class_folder, tmp_path / "ds", vae_dir)  # dropping the captions is a change too
 
 
@@ -508,37 +512,37 @@ def test_changed_captions_refuse_the_parts_folder(tmp_path, class_folder, vae_di
 ])
 def test_bad_conditioning_arguments_fail_before_any_work(tmp_path, class_folder, text_dirs, argv, message,
                                                          monkeypatch):
-    monkeypatch.setattr(pl, "make_plan", lambda args: pytest.fail("work started despite a bad argument"))
+    monkeypatch.setattr(work, "make_plan", lambda args: pytest.fail("work started despite a bad argument"))
     captions = tmp_path / "captions.csv"
     captions.write_text(CAPTIONS)
     fill = {"{captions}": str(captions), "{missing}": str(tmp_path / "missing"), "{pixart}": str(text_dirs["pixart"])}
     argv = ["--images", str(class_folder), "--out", str(tmp_path / "new")] + [fill.get(a, a) for a in argv]
-    with pytest.raises(pl.PrecomputeError, match=message):
+    with pytest.raises(PrecomputeError, match=message):
         pl.main(argv)
     assert pl.cli(argv) == 2
 
 
 def test_missing_captions_and_masks_fail_before_encoding(tmp_path, class_folder, vae_dir, text_dirs, monkeypatch):
-    monkeypatch.setattr(pl, "run_encoding", lambda *a: pytest.fail("encoding started despite bad inputs"))
+    monkeypatch.setattr(work, "run_encoding", lambda *a: pytest.fail("encoding started despite bad inputs"))
     captions = tmp_path / "captions.csv"
     captions.write_text(CAPTIONS)
     text = ["--text-family", "pixart", "--text-encoders", text_dirs["pixart"]]
-    with pytest.raises(pl.PrecomputeError, match=r"4 of 6 image\(s\) have no caption in --captions '.*captions\.csv': "
+    with pytest.raises(PrecomputeError, match=r"4 of 6 image\(s\) have no caption in --captions '.*captions\.csv': "
                                                  r"a_cat/sub/z\.png, a_cat/y\.jpg, b_dog/1\.png, b_dog/2\.PNG\. .*"
                                                  r"--caption-from-class"):
         run(class_folder, tmp_path / "ds", vae_dir, "--captions", captions, *text)
     captions.write_text(CAPTIONS + "a_cat/missing.png,gone\n")
-    with pytest.raises(pl.PrecomputeError, match=r"names file\(s\) that are not images in '.*': a_cat/missing\.png"):
+    with pytest.raises(PrecomputeError, match=r"names file\(s\) that are not images in '.*': a_cat/missing\.png"):
         run(class_folder, tmp_path / "ds", vae_dir, "--captions", captions, "--caption-from-class", "{class}", *text)
     masks = write_masks(class_folder, tmp_path / "masks", skip=("c_eel/e.png",))
-    with pytest.raises(pl.PrecomputeError, match=r"--loss-masks '.*masks' has no mask for 1 of 6 image\(s\): c_eel/e "
+    with pytest.raises(PrecomputeError, match=r"--loss-masks '.*masks' has no mask for 1 of 6 image\(s\): c_eel/e "
                                                  r"\(expected e\.g\. '.*masks/c_eel/e\.png'"):
         run(class_folder, tmp_path / "ds", vae_dir, "--loss-masks", masks)
     flat = tmp_path / "flat"
     flat.mkdir()
     random_image(np.random.default_rng(0), (8, 8)).save(flat / "a.png")
     (tmp_path / "labels.csv").write_text("a.png,4\n")
-    with pytest.raises(pl.PrecomputeError, match=r"--caption-from-class needs class names.*integer labels"):
+    with pytest.raises(PrecomputeError, match=r"--caption-from-class needs class names.*integer labels"):
         run(flat, tmp_path / "ds", vae_dir, "--labels", tmp_path / "labels.csv", "--caption-from-class", "{class}",
             *text)
     assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.parts").exists()
@@ -547,7 +551,7 @@ def test_missing_captions_and_masks_fail_before_encoding(tmp_path, class_folder,
 def test_loss_mask_of_another_size_is_an_error(tmp_path, class_folder, vae_dir):
     masks = write_masks(class_folder, tmp_path / "masks")
     Image.new("L", (5, 5), 255).save(masks / "b_dog" / "1.png")
-    with pytest.raises(pl.PrecomputeError, match=r"loss mask '.*b_dog/1\.png' is 5x5 but its image '.*b_dog/1\.png' "
+    with pytest.raises(PrecomputeError, match=r"loss mask '.*b_dog/1\.png' is 5x5 but its image '.*b_dog/1\.png' "
                                                  r"is \d+x\d+; a mask must have its image's size"):
         run(class_folder, tmp_path / "ds", vae_dir, "--loss-masks", masks)
     assert pl.cli(["--images", str(class_folder), "--out", str(tmp_path / "ds2"), "--vae", str(vae_dir),

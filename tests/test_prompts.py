@@ -1,7 +1,7 @@
 """Prompts in (tread/sampling/prompts.py): sample.py prompts / prompts_file, the negative prompt under CFG
 (tread/sampling/guidance.py's per-sample unconditional conditioning), and the in-training validation prompts'
 captioned grid (tread/evaluation/validation.py). Text encoders are tiny random ones written offline
-(tread.data.text.save_tiny_text_encoders); models are tiny presets trained a couple of steps on data=toy_text."""
+(tread.encoders.tiny_text.save_tiny_text_encoders); models are tiny presets trained a couple of steps on data=toy_text."""
 from __future__ import annotations
 
 import json
@@ -13,13 +13,14 @@ from PIL import Image
 
 from tread.cli.sample import run as sample_run
 from conftest import TINY, compose_cfg, shared_cache
-from tread.data import encode_prompts, load_text_encoders, save_tiny_text_encoders
+from tread.encoders.text import encode_prompts, load_text_encoders
+from tread.encoders.tiny_text import save_tiny_text_encoders
 from tread.diffusion.build import build_diffusion
 from tread.evaluation.images import make_captioned_grid
 from tread.models import build_model
 from tread.models.families.base import RoutedFamily
 from tread.sampling.generate import generate
-from tread.sampling.guidance import UNCOND, Guidance, guided_denoiser
+from tread.sampling.guidance import UNCOND, Guidance
 from tread.sampling.prompts import PromptError, encode_for_model, generate_for_prompts, read_prompts_file
 from tread.schema import ConfigError, check_sample, check_train
 from tread.training.loop import train
@@ -132,13 +133,13 @@ def test_guidance_algebra_with_per_sample_uncond():
     x, t, labels = torch.zeros(2, 1, 2, 2), torch.ones(2), torch.tensor([1, 2])
     text, negative = torch.tensor([[1.0], [2.0]]), torch.tensor([[5.0], [7.0]])
     cond = {"cond": {"text": text, UNCOND: {"text": negative}}}
-    plain = guided_denoiser(net, Guidance(cfg_scale=1.0), null_label=9, stats={})(x, t, labels, **cond)
+    plain = Guidance(cfg_scale=1.0).denoiser(net, null_label=9, stats={})(x, t, labels, **cond)
     assert torch.equal(plain[:, 0, 0, 0], torch.tensor([101.0, 202.0]))          # cfg 1: the conditional
     assert net.calls == [["text"]]                                               # UNCOND never reaches the net
-    out = guided_denoiser(net, Guidance(cfg_scale=3.0), null_label=9)(x, t, labels, **cond)
+    out = Guidance(cfg_scale=3.0).denoiser(net, null_label=9)(x, t, labels, **cond)
     c, u = torch.tensor([101.0, 202.0]), torch.tensor([105.0, 207.0])            # uncond: real labels, negative
     assert torch.equal(out[:, 0, 0, 0], u + 3.0 * (c - u))
-    null = guided_denoiser(net, Guidance(cfg_scale=3.0), null_label=9)(x, t, labels, cond={"text": text})
+    null = Guidance(cfg_scale=3.0).denoiser(net, null_label=9)(x, t, labels, cond={"text": text})
     u = torch.tensor([901.0, 902.0])                                             # no UNCOND: the null label
     assert torch.equal(null[:, 0, 0, 0], u + 3.0 * (c - u))
     # generate() passes uncond_fn's conditioning only where CFG uses it

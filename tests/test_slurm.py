@@ -268,7 +268,7 @@ def test_route_sweep_runs_as_two_slurm_jobs(sweep):
 
 
 def test_two_task_job_is_one_world_size_2_run(sweep):
-    """tasks_per_node=2: srun starts two processes, tread/training/slurm.py makes them ranks 0 and 1 of one gloo run.
+    """tasks_per_node=2: srun starts two processes, tread/runtime/slurm.py makes them ranks 0 and 1 of one gloo run.
     train.cpu=true: without it accelerate forms no process group on a machine without GPUs (each task would
     train alone), as with `accelerate launch` in tests/test_train.py."""
     s = sweep(*LAUNCHER, "hydra.launcher.tasks_per_node=2", *QUICK, "train.cpu=true")

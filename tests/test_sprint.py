@@ -1,15 +1,16 @@
 """SPRINT-style sparse-dense residual fusion (tread/models/sprint.py) and path-drop guidance: shapes, gradients reach
 every parameter, ratio 0 equals the fused dense forward, routes other than the span are refused, the path-dropped
 prediction skips the deep blocks and equals the mask-token forward, the guidance algebra, training path drop,
-FLOPs, and a tiny training run with a dense fine-tuning phase."""
+REPA's aligned tokens, FLOPs, and a tiny training run with a dense fine-tuning phase."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tread.models.repa import REPA_AUX
 from tread.models.sprint import SprintDiT, build_sprint
-from tread.routing import RouteConfigError
-from tread.sampling.guidance import PATH_DROP, Guidance, GuidanceError, guided_denoiser
+from tread.routing import RouteConfigError, TokenRouter
+from tread.sampling.guidance import PATH_DROP, Guidance, GuidanceError
 from tread.training.loop import train
 from tread.training.run_log import read_metrics
 
@@ -121,12 +122,29 @@ def test_training_drops_whole_paths_with_its_probability():
     assert not torch.allclose(out[~drop].detach(), masked[~drop], atol=1e-3)
 
 
+@pytest.mark.parametrize("block,ids", [(1, None), (5, "kept"), (11, None)])
+def test_repa_aligns_the_tokens_each_block_computed(block, ids, monkeypatch):
+    """REPA on SPRINT (return_aux): a dense block aligns all 64 tokens (ids None); a deep-span block only the
+    router's kept tokens, with their positions as ids."""
+    chosen = []
+    select = TokenRouter.select
+    monkeypatch.setattr(TokenRouter, "select", lambda self, *a, **k: chosen.append(select(self, *a, **k)) or chosen[-1])
+    torch.manual_seed(0)
+    net = build_sprint("DiT-T/2", 16, 3, 10, routing={"enabled": True, "routes": [
+        {"selection_ratio": 0.75, "start_layer_idx": 2, "end_layer_idx": -3}]}, sprint={**SPAN, "path_drop_prob": 0.0},
+        repa={"block": block, "encoder_dim": 8, "projector_dim": 16}).train()
+    out, aux = net(*inputs(), return_aux=True)
+    projected, got = aux[REPA_AUX]
+    assert out.shape == (4, 3, 16, 16) and projected.shape == (4, 16 if ids else 64, 8)
+    assert got is None if ids is None else torch.equal(got, chosen[0])
+
+
 def test_path_drop_guidance_algebra_and_cost():
     net = model().eval()
     x, t, y = inputs()
     stats: dict = {}
     with torch.no_grad():
-        guided = guided_denoiser(net, Guidance(cfg_scale=3.0, path_drop=True), null_label=10, stats=stats)(x, t, y)
+        guided = Guidance(cfg_scale=3.0, path_drop=True).denoiser(net, null_label=10, stats=stats)(x, t, y)
         cond = net(x, t, y)
         uncond = net(x, t, torch.full_like(y, 10), path_drop=torch.ones(4, dtype=torch.bool))
     assert torch.allclose(guided, uncond + 3.0 * (cond - uncond), atol=1e-5)

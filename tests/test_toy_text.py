@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from tread.data import LatentDataset, LatentDatasetError, encode_prompts, load_text_encoders, save_tiny_text_encoders
+from tread.data import LatentDataset, LatentDatasetError
 from tread.data.toy import TOY_CLASS_NAMES, generate_toy_shapes
 from tread.data.toy_text import class_captions, ensure_toy_text_dataset
+from tread.encoders.text import encode_prompts, load_text_encoders
+from tread.encoders.tiny_text import save_tiny_text_encoders
 from tread.models.families import FamilyConfigError
 from tread.training.loop import train
 

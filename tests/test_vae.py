@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-import tread.data.vae as vae_mod
+import tread.encoders.vae as vae_mod
 from tread.data import LatentDataset, LatentDatasetError, check_decodable, decode_to_uint8, draw_latents, \
     write_latent_dataset
-from tread.data.vae import clear_vae_cache, decode_raw_to_uint8, encode, load_vae
+from tread.encoders.errors import EncoderError
+from tread.encoders.vae import clear_vae_cache, decode_raw_to_uint8, encode, load_vae
 
 
 def make_tiny_vae(path, **overrides):
@@ -132,7 +133,7 @@ def test_override_path_subfolder_and_bf16(vae_dir, tmp_path):
     assert bf16.shape == want.shape and bf16.dtype == torch.uint8
     assert (bf16.int() - want.int()).abs().float().mean() < 8
     assert next(load_vae(str(vae_dir), dtype="bfloat16").parameters()).dtype == torch.bfloat16
-    with pytest.raises(LatentDatasetError, match=r"VAE dtype 'float64'.*'float32', 'bfloat16', 'float16'"):
+    with pytest.raises(EncoderError, match=r"VAE dtype 'float64'.*'float32', 'bfloat16', 'float16'"):
         check_decodable(vae_meta(vae_dir), vae_dtype="float64")
 
 
@@ -156,15 +157,15 @@ def test_vae_is_loaded_once_per_process(vae_dir, monkeypatch):
 
 def test_missing_vae_fails_fast_with_instructions(tmp_path, monkeypatch):
     how_to = r"hf download .*--local-dir.*save_pretrained.*vae=.*eval\.vae=.*HF_HOME"
-    with pytest.raises(LatentDatasetError, match=rf"VAE directory '{tmp_path}/nope' does not exist.*{how_to}"):
+    with pytest.raises(EncoderError, match=rf"VAE directory '{tmp_path}/nope' does not exist.*{how_to}"):
         load_vae(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(LatentDatasetError, match=rf"'{tmp_path}/empty'.*not a loadable AutoencoderKL.*{how_to}"):
+    with pytest.raises(EncoderError, match=rf"'{tmp_path}/empty'.*not a loadable AutoencoderKL.*{how_to}"):
         load_vae(str(tmp_path / "empty"))
-    with pytest.raises(LatentDatasetError, match=rf"'tread-test/no-such-vae'.*HF_HUB_OFFLINE.*hf download "
+    with pytest.raises(EncoderError, match=rf"'tread-test/no-such-vae'.*HF_HUB_OFFLINE.*hf download "
                                                  rf"tread-test/no-such-vae --local-dir.*HF_HOME"):
         load_vae("tread-test/no-such-vae")
-    # Start-up checks fail before any sampling, naming the data's VAE.
+    # Start-up checks fail before any sampling, naming the data's VAE (a data error: the data's decoder is missing).
     with pytest.raises(LatentDatasetError, match=r"decode\.type='vae', vae='tread-test/no-such-vae'.*HF_HUB_OFFLINE"):
         check_decodable(vae_meta("tread-test/no-such-vae"))
     # Network allowed but unreachable: a quick probe, not huggingface_hub's retries.
@@ -173,7 +174,7 @@ def test_missing_vae_fails_fast_with_instructions(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read at import (conftest sets it for all tests)
     monkeypatch.setattr(vae_mod, "_hub_reachable", lambda timeout=3.0: False)
-    with pytest.raises(LatentDatasetError, match=r"cannot be reached \(no network\)"):
+    with pytest.raises(EncoderError, match=r"cannot be reached \(no network\)"):
         load_vae("tread-test/no-such-vae")
 
 
@@ -181,7 +182,7 @@ def test_check_decodable_catches_channel_mismatch(vae_dir):
     with pytest.raises(LatentDatasetError, match=r"3-channel latents.*takes 4 channels"):
         check_decodable(vae_meta(vae_dir, shape=(3, 8, 8)))
     check_decodable(vae_meta(vae_dir, kind="moments"))  # 8 stored channels = 4-channel latents
-    with pytest.raises(LatentDatasetError, match=r"takes \(B, 4, h, w\) latents"):
+    with pytest.raises(EncoderError, match=r"takes \(B, 4, h, w\) latents"):
         decode_to_uint8(torch.zeros(1, 3, 8, 8), vae_meta(vae_dir))
 
 

@@ -12,6 +12,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import tread.data.wds
 import tread.data.wds_index
@@ -386,6 +387,11 @@ def test_build_dataset_format_errors(shards, tmp_path):
         build_dataset({"format": "wds", "path": str(root), "builtin": "toy_shapes"})
     with pytest.raises(LatentDatasetError, match=r"in_channels=8 \(data\.channels\)"):
         build_dataset(wds_cfg(tmp_path, f"data.path={root}", "data.channels=8").data)
+    # The data config is the one source of the wds keys: a key left out is an error, not a default.
+    full = OmegaConf.to_container(wds_cfg(tmp_path, f"data.path={root}").data, resolve=True)
+    partial = {k: v for k, v in full.items() if k not in ("latent_scale", "vae")}
+    with pytest.raises(LatentDatasetError, match=r"needs data\.latent_scale, data\.vae .*imagenet256_wds\.yaml"):
+        build_dataset(partial)
 
 
 def test_train_fails_fast_on_missing_shards(tmp_path):

@@ -31,6 +31,7 @@ from tread.perf.overrides import compose_or_raise
 from tread.perf.paper import PaperBench, import_paper
 from tread.perf.peaks import device_name
 from tread.training.setup import mixed_precision
+from tread.utils.device import cpu_threads
 from tread.utils.errors import UserError
 
 PAPER_ROUTE = {"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": 8}   # its configs/model/tread.yaml
@@ -161,9 +162,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    check_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    """Time both sides for every size (flags checked: check_args), print the tables; the results."""
     paper = import_paper(Path(args.paper_dir))
     allow_compiled_configs(4 * len(args.sizes) * len(args.precisions) * (1 + len(args.compile)))
     rows, times, device = [], {}, torch.device("cpu")
@@ -191,4 +190,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     with user_errors():
-        return run(build_parser().parse_args(argv))
+        args = build_parser().parse_args(argv)
+        check_args(args)
+        with cpu_threads(args.threads):   # in-process callers (tests) keep their thread count
+            return run(args)

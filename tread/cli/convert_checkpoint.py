@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from tread.cli.errors import user_errors
-from tread.training.legacy import convert, legacy_dirs
+from tread.runtime.legacy import convert, legacy_dirs
 from tread.utils.errors import UserError
 
 

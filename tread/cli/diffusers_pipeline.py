@@ -21,7 +21,8 @@ import torch
 from omegaconf import OmegaConf
 
 from tread.cli.errors import user_errors
-from tread.data import decode_to_uint8, load_text_encoders, model_shape
+from tread.data import decode_to_uint8, model_shape
+from tread.encoders.text import load_text_encoders
 from tread.diffusion import StackedRandomGenerator
 from tread.evaluation.images import save_captioned_grid
 from tread.models import build_model

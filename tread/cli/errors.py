@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
-from typing import Iterator
+from typing import Iterator, Optional
 
 from tread.utils.errors import USER_ERRORS
+from tread.utils.renamed_keys import renamed_message
 
 
 @contextlib.contextmanager
@@ -20,7 +22,7 @@ def user_errors(*extra: type[BaseException]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hydra_errors() -> Iterator[None]:
+def hydra_errors(sampling_section: str = "") -> Iterator[None]:
     """Hydra's own input errors, met while it composes the config before the program's code runs (an unknown
     key without +, an unknown group option such as model=nosuch, bad override syntax, an ambiguous a,b value),
     as one `error: <message>` line too. Wrap the @hydra.main function's call in a program's __main__ block:
@@ -31,7 +33,9 @@ def hydra_errors() -> Iterator[None]:
 
     Hydra prints these errors itself, over several lines, unless HYDRA_FULL_ERROR is set; inside the block it
     is set, so that they reach here. Any other exception goes on as a traceback; a user who set
-    HYDRA_FULL_ERROR gets Hydra's errors as tracebacks too."""
+    HYDRA_FULL_ERROR gets Hydra's errors as tracebacks too. `sampling_section` is where the program holds the
+    sampling keys ("" for sample.py and fid.py, "eval" for train.py): an old sampling key there is refused with
+    its new name."""
     from hydra.errors import ConfigCompositionException, OverrideParseException
 
     wanted = os.environ.get("HYDRA_FULL_ERROR")
@@ -41,7 +45,7 @@ def hydra_errors() -> Iterator[None]:
     except (ConfigCompositionException, OverrideParseException) as err:
         if wanted:
             raise
-        sys.exit(f"error: {hydra_message(err)}")
+        sys.exit(f"error: {hydra_message(err, sampling_section)}")
     finally:
         if wanted is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
@@ -49,12 +53,20 @@ def hydra_errors() -> Iterator[None]:
             os.environ["HYDRA_FULL_ERROR"] = wanted
 
 
-def hydra_message(err: BaseException) -> str:
+# Hydra's refusal of an override of a key the config lacks: the key, and the override's value.
+RENAMED_OVERRIDE = re.compile(r"Could not override '([^']+)'\.\s*To append to your config use \+\1=(.*)")
+
+
+def hydra_message(err: BaseException, sampling_section: Optional[str] = None) -> str:
     """A Hydra composition or override error in one line: its sentences, a list of available options joined
     by commas, the OmegaConf cause's first line; no search path or documentation link."""
     from hydra.errors import OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
+    found = RENAMED_OVERRIDE.search(str(err))
+    renamed = found and renamed_message(found.group(1), found.group(2).strip(), sampling_section)
+    if renamed:   # an old key: the new one's name (tread/utils/renamed_keys.py)
+        return renamed
     parts: list[str] = []
     for line in str(err).split("Config search path:")[0].splitlines():
         text = line.strip()

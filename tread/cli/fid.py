@@ -13,10 +13,11 @@ from tqdm.auto import tqdm
 
 from tread.cli.errors import user_errors
 from tread.data import model_shape, read_meta
+from tread.encoders.errors import EncoderError
 from tread.evaluation.checkpoint_fid import (BenchError, append_row, bench_settings, benchmark_checkpoint,
                                        expand_checkpoints, min_samples, read_rows, settings_key)
 from tread.evaluation.evaluator import decode_options
-from tread.evaluation.features import build_feature_extractor
+from tread.evaluation.extractors import feature_extractor
 from tread.evaluation.images import image_files, iter_image_folder, iter_npz_batches, npz_array_info
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.reference import build_reference, load_reference_full
@@ -36,10 +37,10 @@ def run(cfg: DictConfig) -> Any:
     validate(cfg)
     state = PartialState(cpu=cfg.device == "cpu") if cfg.mode == "bench" else None   # seeds shard over processes
     try:
-        extractor = build_feature_extractor(cfg.features, inception_weights=cfg.inception_weights,
-                                            cache_dir=cfg.cache_dir, device=state.device if state else cfg.device,
-                                            resolution=image_side(cfg))
-    except RuntimeError as err:  # e.g. Inception weights missing with no network: says how to provide them
+        extractor = feature_extractor(cfg.features, inception_weights=cfg.inception_weights,
+                                      cache_dir=cfg.cache_dir, device=state.device if state else cfg.device,
+                                      resolution=image_side(cfg))
+    except EncoderError as err:  # e.g. Inception weights missing with no network: says how to provide them
         raise BenchError(str(err)) from None
     return {"ref": run_ref, "calc": run_calc, "bench": run_bench}[cfg.mode](cfg, extractor, state)
 

@@ -6,8 +6,8 @@ import argparse
 from typing import Optional, Sequence
 
 from tread.cli.errors import user_errors
-from tread.data.text import TEXT_FAMILIES
-from tread.data.tiny_text import save_tiny_text_encoders
+from tread.encoders.text import TEXT_FAMILIES
+from tread.encoders.tiny_text import save_tiny_text_encoders
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -8,9 +8,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from tread.cli.errors import user_errors
+from tread.runtime.preempt import EXIT_PREEMPTED
+from tread.runtime.slurm import export_slurm_env
 from tread.training.loop import train
-from tread.training.preempt import EXIT_PREEMPTED
-from tread.training.slurm import export_slurm_env
 from tread.training.summary import record_failure
 
 

@@ -1,5 +1,6 @@
-"""Latent datasets (on-disk format with optional text conditioning and loss masks, built-in toy data), text
-encoders for text-to-image families (data.text), and deterministic, resumable loading."""
+"""Latent datasets (on-disk format with optional text conditioning and loss masks, built-in toy data and its
+toy classifier), readers, writers and precomputing, and deterministic, resumable loading. The frozen networks
+they use (VAE, text encoders, the toy classifier) live in tread.encoders."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,9 +12,7 @@ from .loader import LatentLoader, ShardedBatchSampler
 from .meta import (COND_KEYS, EXTRA_KEYS, LatentDatasetError, LatentDatasetExistsError, draw_latents,
                    has_model_conditioning, latent_kind, model_shape, read_meta, shift_factor)
 from .reader import LatentDataset
-from .text import TEXT_FAMILIES, TextEncoderError, encode_prompts, load_text_encoders
-from .tiny_text import save_tiny_text_encoders
-from .toy import TOY_CLASS_NAMES, ensure_toy_dataset, generate_toy_shapes
+from .toy import TOY_CLASS_NAMES, ensure_toy_classifier, ensure_toy_dataset, generate_toy_shapes
 from .toy_text import ensure_toy_text_dataset
 from .wds import WebDatasetLatents
 from .writer import LatentDatasetWriter, write_latent_dataset
@@ -21,14 +20,15 @@ from .writer import LatentDatasetWriter, write_latent_dataset
 BUILTINS = {"toy_shapes": ensure_toy_dataset,   # data.builtin name -> builder(path, **data.builtin_args)
             "toy_shapes_text": ensure_toy_text_dataset}
 FORMATS = ("latents", "wds")  # data.format: our directory format | WebDataset tar shards (TREAD/MaskDiT latents)
+# What data.format=wds reads from the data config, which is their one source (configs/data/imagenet256_wds.yaml)
+WDS_KEYS = ("num_classes", "latent_scale", "latent_kind", "vae", "index_dir")
 
-__all__ = ["BUILTINS", "FORMATS", "LatentDataset", "LatentDatasetError", "LatentDatasetExistsError", "LatentLoader",
-           "ShardedBatchSampler", "TOY_CLASS_NAMES", "build_dataset", "check_decodable", "decode_to_uint8", "draw_latents",
-           "ensure_toy_dataset", "latent_kind", "model_shape", "LatentDatasetWriter", "shift_factor",
-           "ImageFolderError", "center_crop_arr", "list_image_folder",
-           "generate_toy_shapes", "read_meta", "write_latent_dataset", "WebDatasetLatents",
-           "COND_KEYS", "EXTRA_KEYS", "has_model_conditioning",
-           "TEXT_FAMILIES", "TextEncoderError", "encode_prompts", "load_text_encoders", "save_tiny_text_encoders"]
+__all__ = ["BUILTINS", "FORMATS", "WDS_KEYS", "LatentDataset", "LatentDatasetError", "LatentDatasetExistsError",
+           "LatentLoader", "ShardedBatchSampler", "TOY_CLASS_NAMES", "build_dataset", "check_decodable",
+           "decode_to_uint8", "draw_latents", "ensure_toy_classifier", "ensure_toy_dataset", "latent_kind",
+           "model_shape", "LatentDatasetWriter", "shift_factor", "ImageFolderError", "center_crop_arr",
+           "list_image_folder", "generate_toy_shapes", "read_meta", "write_latent_dataset", "WebDatasetLatents",
+           "COND_KEYS", "EXTRA_KEYS", "has_model_conditioning"]
 
 
 def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, WebDatasetLatents]:
@@ -38,7 +38,6 @@ def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, WebDatase
     optionally per-sample text embeddings / loss masks: see tread/data/meta.py)
     or "wds" (WebDataset tar shards of VAE latents, as the TREAD/MaskDiT code writes them: WebDatasetLatents).
     """
-    from omegaconf import OmegaConf
     from omegaconf.errors import MissingMandatoryValue
 
     fmt = data_cfg.get("format") or "latents"
@@ -57,19 +56,7 @@ def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, WebDatase
         raise LatentDatasetError("data.path is not set: pass data.path=/path/to/dataset (a directory with "
                                  "meta.json, latents.npy, labels.npy), or use the built-in data (data=toy).")
     if fmt == "wds":
-        if data_cfg.get("builtin") is not None:
-            raise LatentDatasetError(f"data.builtin={data_cfg.get('builtin')!r} cannot be used with data.format=wds "
-                                     f"(built-in data uses the 'latents' format); set data.builtin=null")
-        if OmegaConf.is_config(path):
-            path = OmegaConf.to_container(path, resolve=True)
-        shards = path if isinstance(path, str) else [str(p) for p in path]
-        num_classes = data_cfg.get("num_classes")
-        return WebDatasetLatents(
-            shards, num_classes=1000 if num_classes is None else num_classes,
-            latent_scale=data_cfg.get("latent_scale", 0.18215), latent_kind=data_cfg.get("latent_kind", "moments"),
-            vae=data_cfg.get("vae", "stabilityai/sd-vae-ft-ema"), index_dir=data_cfg.get("index_dir"),
-            expected_channels=data_cfg.get("channels"), expected_resolution=data_cfg.get("resolution"),
-            expected_num_classes=num_classes)
+        return _build_wds(data_cfg, path)
     path = Path(str(path)).expanduser().absolute()
     builtin = data_cfg.get("builtin")
     if builtin is not None:
@@ -80,3 +67,26 @@ def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, WebDatase
     return LatentDataset(path, expected_channels=data_cfg.get("channels"),
                          expected_resolution=data_cfg.get("resolution"),
                          expected_num_classes=data_cfg.get("num_classes"))
+
+
+
+def _build_wds(data_cfg: Mapping[str, Any], path: Any) -> WebDatasetLatents:
+    """The WebDataset shards at `path`, read as the data config's WDS_KEYS say (the config is their one source:
+    a key left out is an error here, as it is in the schema, never a default)."""
+    from omegaconf import OmegaConf
+
+    if data_cfg.get("builtin") is not None:
+        raise LatentDatasetError(f"data.builtin={data_cfg.get('builtin')!r} cannot be used with data.format=wds "
+                                 f"(built-in data uses the 'latents' format); set data.builtin=null")
+    missing = [k for k in WDS_KEYS if k not in data_cfg]
+    if missing:
+        raise LatentDatasetError(f"data.format=wds needs data.{', data.'.join(missing)} in the data config; "
+                                 f"configs/data/imagenet256_wds.yaml sets them (data=imagenet256_wds)")
+    if OmegaConf.is_config(path):
+        path = OmegaConf.to_container(path, resolve=True)
+    shards = path if isinstance(path, str) else [str(p) for p in path]
+    return WebDatasetLatents(
+        shards, num_classes=data_cfg["num_classes"], latent_scale=data_cfg["latent_scale"],
+        latent_kind=data_cfg["latent_kind"], vae=data_cfg["vae"], index_dir=data_cfg["index_dir"],
+        expected_channels=data_cfg.get("channels"), expected_resolution=data_cfg.get("resolution"),
+        expected_num_classes=data_cfg["num_classes"])

@@ -7,8 +7,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from tread.encoders.errors import EncoderError
+from tread.encoders.vae import decode_raw_to_uint8, load_vae, vae_dtype as check_dtype
+
 from .meta import DECODE_TYPES, LatentDatasetError, latent_kind, model_shape, shift_factor
-from .vae import decode_raw_to_uint8, load_vae, vae_dtype as check_dtype
 
 
 def _vae_location(decode: Mapping[str, Any], vae: Optional[str]) -> tuple[str, Optional[str]]:
@@ -27,7 +29,7 @@ def _load_decoder(meta: Mapping[str, Any], vae: Optional[str], vae_dtype: str, d
     name, subfolder = _vae_location(decode, vae)
     try:
         return load_vae(name, subfolder=subfolder, device=device, dtype=vae_dtype)
-    except LatentDatasetError as err:
+    except EncoderError as err:
         raise LatentDatasetError(f"data meta decode.type='vae', vae={decode.get('vae')!r}"
                                  f"{'' if vae is None else f' (overridden by vae={vae!r})'}: {err} Training needs "
                                  f"the VAE only for in-training evaluation: without it, turn that off with "
@@ -41,7 +43,7 @@ def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any], *, vae: Opti
     identity: pixels = latents / latent_scale in [-1, 1]. vae: raw = latents / latent_scale + shift_factor
     (decode.shift_factor, default 0) is decoded by the VAE named in decode.vae (or the local directory `vae`,
     e.g. on an offline machine) in `vae_dtype`, `batch_size` latents at a time; its [-1, 1] output is
-    rounded to uint8 exactly as identity pixels are. The VAE is loaded once per process (tread.data.vae.load_vae).
+    rounded to uint8 exactly as identity pixels are. The VAE is loaded once per process (tread.encoders.vae.load_vae).
     """
     decode = meta.get("decode") or {"type": "identity"}
     if decode.get("type") == "vae":

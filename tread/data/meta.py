@@ -22,7 +22,7 @@ is listed in meta.json "files" under its key and described by a meta key; the fi
 come together (one without the other is an error). Data without them is class-conditional as above.
 
     files.text_embeds    text_embeds.npy    (N, L, D) float16|float32: sequence text embeddings, model-ready
-                                            (as the family's pipeline produces them: tread/data/text.py)
+                                            (as the family's pipeline produces them: tread/encoders/text.py)
     files.text_mask      text_mask.npy      (N, L) bool: their attention mask (True = real token)
     files.pooled_embeds  pooled_embeds.npy  (N, P) float16|float32: pooled text embeddings
     files.loss_mask      loss_mask.npy      (N, Hm, Wm) uint8: coverage 0..255 (255 = fully inside) at any

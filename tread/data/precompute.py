@@ -1,7 +1,7 @@
-"""Encoding for precomputing latents (tread/cli/precompute.py, scripts/precompute_latents.py): images (and their loss
-masks) read and center-cropped in batches, encoded by the VAE (and captions by the text encoders) one shard at a
-time into the parts folder (tread/data/precompute_plan.py), and the finished shards merged, in image order, into one
-latent dataset."""
+"""Encoding for precomputing latents (tread/data/precompute_run.py, scripts/precompute_latents.py): images (and
+their loss masks) read and center-cropped in batches, encoded by the VAE (and captions by the text encoders) one
+shard at a time into the parts folder (tread/data/precompute_plan.py), and the finished shards merged, in image
+order, into one latent dataset."""
 from __future__ import annotations
 
 from collections import deque
@@ -15,13 +15,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from tread.encoders.text import default_max_length, encode_prompts, family_slots
+from tread.encoders.vae import encode
 from tread.utils.io import atomic_write
 
 from .images import center_crop_arr, load_image, short_list
 from .meta import EXTRA_KEYS
-from .precompute_plan import Plan, PrecomputeError, read_shard, settings_text, text_encoder_paths
-from .text import default_max_length, encode_prompts, family_slots
-from .vae import encode
+from .precompute_plan import Plan, read_shard, settings_text
+from .precompute_request import PrecomputeError
 from .writer import LatentDatasetWriter
 
 
@@ -92,7 +93,7 @@ def iter_images(plan: Plan, start: int, stop: int, batch_size: int, pool: Option
     """(global indices, uint8 (B, R, R, 3)) batches of center-cropped images [start, stop), in order; with
     masks=True (global indices, images, uint8 (B, R, R) loss masks). With a thread pool the next batches are
     read while the caller encodes the current one."""
-    res = plan.args.resolution
+    res = plan.request.resolution
     load = (lambda i: load_image_and_mask(plan.paths[i], plan.mask_paths[i], res)) if masks else \
         (lambda i: load_image(plan.paths[i], res))
 
@@ -152,7 +153,7 @@ def _encode_images(plan: Plan, start: int, stop: int, encoder: Encoder, pool: Op
     arrays (empty lists / dicts where not stored)."""
     n, with_masks = plan.num_images, plan.mask_paths is not None
     lat, flipped, masks, text, refs = [], [], [], {}, {}
-    for idx, images, *mask in iter_images(plan, start, stop, plan.args.batch_size, pool, masks=with_masks):
+    for idx, images, *mask in iter_images(plan, start, stop, plan.request.batch_size, pool, masks=with_masks):
         lat.append(_finite(encoder(images, idx), plan, idx, ""))
         if plan.settings["flip"]:
             flipped.append(_finite(encoder(np.ascontiguousarray(images[:, :, ::-1]), idx + n), plan, idx, "flipped "))
@@ -173,7 +174,7 @@ def _encode_references(plan: Plan, idx: np.ndarray, encoder: Encoder, pool: Opti
                        ) -> dict[str, np.ndarray]:
     """The reference images of images `idx`, center-cropped like them and encoded (Encoder.reference):
     {"reference": (B, C, h, w)} and, with --flip, "flipped_reference" (the mirrored references)."""
-    load = lambda i: load_image(plan.reference_paths[i], plan.args.resolution)  # noqa: E731
+    load = lambda i: load_image(plan.reference_paths[i], plan.request.resolution)  # noqa: E731
     images = np.stack(list(pool.map(load, idx)) if pool is not None else [load(i) for i in idx])
     out = {"reference": _finite(encoder.reference(images), plan, idx, "reference ", plan.reference_paths)}
     if plan.settings["flip"]:
@@ -253,19 +254,19 @@ def dataset_meta(plan: Plan, vae) -> dict:
                        "shift_factor": None if shift is None else float(shift)},
             "extra_meta": {"latent_kind": s["kind"], "image_resolution": s["resolution"], "flip": s["flip"],
                            "num_source_images": s["num_images"], "encode_vae_dtype": s["vae_dtype"], "seed": s["seed"],
-                           "labels_file": None if plan.args.labels is None
-                           else str(Path(plan.args.labels).expanduser().absolute()),
+                           "labels_file": None if plan.request.labels is None
+                           else str(Path(plan.request.labels).expanduser().absolute()),
                            "images_sha256": s["images_sha256"]}}
     if "text" in s:
-        t, args = s["text"], plan.args
-        length = t["max_length"] or default_max_length(t["family"], text_encoder_paths(args))
+        t, req = s["text"], plan.request
+        length = t["max_length"] or default_max_length(t["family"], req.text_encoder_paths())
         meta["conditioning_meta"] = {"text": {
             "family": t["family"], "encoders": [t["encoders"][slot.model]
                                                 for slot in family_slots(t["family"], t.get("t5", True))],
             "max_length": length, "encoder_dtype": t["encoder_dtype"], **({} if t.get("t5", True) else {"t5": False})}}
         meta["extra_meta"].update(
-            captions_file=None if args.captions is None else str(Path(args.captions).expanduser().absolute()),
-            caption_from_class=args.caption_from_class, captions_sha256=t["captions_sha256"])
+            captions_file=None if req.captions is None else str(Path(req.captions).expanduser().absolute()),
+            caption_from_class=req.caption_from_class, captions_sha256=t["captions_sha256"])
     if "loss_masks" in s:
         meta["extra_meta"]["loss_masks_dir"] = s["loss_masks"]["dir"]
     if "reference_images" in s:

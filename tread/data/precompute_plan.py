@@ -1,9 +1,8 @@
-"""The bookkeeping of precomputing latents (tread/cli/precompute.py, scripts/precompute_latents.py): the plan every
-process agrees on before any work (images, labels, captions, loss masks, shards, the settings finished shards
-must match) and the parts folder of finished shards that lets an interrupted run resume."""
+"""The bookkeeping of precomputing latents (tread/data/precompute_run.py, scripts/precompute_latents.py): the plan
+every process agrees on before any work (images, labels, captions, loss masks, shards, the settings finished
+shards must match) and the parts folder of finished shards that lets an interrupted run resume."""
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -12,31 +11,19 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from tread.utils.errors import UserError
+from tread.encoders.text import resolve_text_encoder_paths
 from tread.utils.io import atomic_write_json
 
+from .captions import read_captions_file
 from .images import IMAGE_EXTS, ImageFolderError, images_under, list_image_folder, short_list
-from .text import TextEncoderError, read_captions_file, resolve_text_encoder_paths
+from .precompute_request import PrecomputeError, PrecomputeRequest
 
 SETTINGS_FILE = "settings.json"
 PARTS_VERSION = 1
 
 
-class PrecomputeError(UserError):
-    """A bad argument or an inconsistent input/parts folder; the message says what to change."""
-
-
 def parts_dir_of(out: Path) -> Path:
     return out.parent / f"{out.name}.parts"
-
-
-def text_encoder_paths(args: argparse.Namespace) -> dict[str, str]:
-    """{"pipeline": --text-encoders, KEY: PATH for each --text-encoder-path KEY=PATH} (after validation)."""
-    paths = {} if args.text_encoders is None else {"pipeline": args.text_encoders}
-    for item in args.text_encoder_path:
-        key, _, path = item.partition("=")
-        paths[key.strip()] = path.strip()
-    return paths
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -53,7 +40,7 @@ class Plan:
     num_classes: int
     settings: dict
     shard_size: int
-    args: argparse.Namespace = field(repr=False)
+    request: PrecomputeRequest = field(repr=False)
     captions: Optional[list[str]] = field(default=None, repr=False)    # per image, with --text-family
     mask_paths: Optional[list[Path]] = field(default=None, repr=False)  # per image, with --loss-masks
     text_paths: Optional[dict[str, str]] = None                         # resolved encoder / tokenizer folders
@@ -78,19 +65,19 @@ class Plan:
         return list(range(rank, self.num_shards, world))
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
-    """List the images (after validate_args) and fix the settings that finished shards must match."""
-    root = Path(args.images).expanduser().absolute()
-    out = Path(args.out).expanduser().absolute()
+def make_plan(req: PrecomputeRequest) -> Plan:
+    """List the images (after check_request) and fix the settings that finished shards must match."""
+    root = Path(req.images).expanduser().absolute()
+    out = Path(req.out).expanduser().absolute()
     skipped: list[Path] = []
-    paths, labels, class_names = list_image_folder(root, args.labels, skipped)
+    paths, labels, class_names = list_image_folder(root, req.labels, skipped)
     num_classes = len(class_names) if class_names is not None else int(labels.max()) + 1
-    captions = plan_captions(args, root, paths, labels, class_names) if args.text_family else None
-    mask_paths = plan_masks(args, root, paths) if args.loss_masks else None
-    reference_paths = plan_references(args, root, paths) if args.reference_images else None
-    if args.max_images is not None and args.max_images < len(paths):
+    captions = plan_captions(req, root, paths, labels, class_names) if req.text_family else None
+    mask_paths = plan_masks(req, root, paths) if req.loss_masks else None
+    reference_paths = plan_references(req, root, paths) if req.reference_images else None
+    if req.max_images is not None and req.max_images < len(paths):
         # a fixed random subset (sorted): folders are stored class by class, so the first N would be one class
-        keep = np.sort(np.random.default_rng(args.seed).choice(len(paths), size=args.max_images, replace=False))
+        keep = np.sort(np.random.default_rng(req.seed).choice(len(paths), size=req.max_images, replace=False))
         paths, labels = [paths[i] for i in keep], labels[keep]
         captions = None if captions is None else [captions[i] for i in keep]
         mask_paths = None if mask_paths is None else [mask_paths[i] for i in keep]
@@ -98,30 +85,30 @@ def make_plan(args: argparse.Namespace) -> Plan:
     digest = hashlib.sha256()
     for p, y in zip(paths, labels):
         digest.update(f"{p.relative_to(root).as_posix()}\t{y}\n".encode())
-    vae_path = Path(args.vae).expanduser()
+    vae_path = Path(req.vae).expanduser()
     settings = {
         "parts_version": PARTS_VERSION, "images": str(root), "num_images": len(paths),
-        "images_sha256": digest.hexdigest(), "resolution": args.resolution,
-        "vae": str(vae_path.absolute()) if vae_path.is_dir() else args.vae, "vae_subfolder": args.vae_subfolder,
-        "vae_dtype": args.vae_dtype, "kind": args.kind, "flip": bool(args.flip), "dtype": args.dtype,
-        "shard_size": args.shard_size, "seed": args.seed, "max_images": args.max_images,
+        "images_sha256": digest.hexdigest(), "resolution": req.resolution,
+        "vae": str(vae_path.absolute()) if vae_path.is_dir() else req.vae, "vae_subfolder": req.vae_subfolder,
+        "vae_dtype": req.vae_dtype, "kind": req.kind, "flip": bool(req.flip), "dtype": req.dtype,
+        "shard_size": req.shard_size, "seed": req.seed, "max_images": req.max_images,
     }
     text_paths = None
     if captions is not None:  # only with these options: settings of plain runs stay as they were
-        text_paths = {k: str(v) for k, v in resolve_text_encoder_paths(args.text_family, text_encoder_paths(args),
-                                                                        t5=not args.no_t5).items()}
-        settings["text"] = {"family": args.text_family, "encoders": text_paths, "max_length": args.max_text_length,
-                            "encoder_dtype": args.text_encoder_dtype, "captions_sha256": _digest(captions)}
-        if args.no_t5:  # only then: settings of runs with T5 stay as they were
+        text_paths = {k: str(v) for k, v in resolve_text_encoder_paths(req.text_family, req.text_encoder_paths(),
+                                                                        t5=not req.no_t5).items()}
+        settings["text"] = {"family": req.text_family, "encoders": text_paths, "max_length": req.max_text_length,
+                            "encoder_dtype": req.text_encoder_dtype, "captions_sha256": _digest(captions)}
+        if req.no_t5:  # only then: settings of runs with T5 stay as they were
             settings["text"]["t5"] = False
     if mask_paths is not None:
-        settings["loss_masks"] = {"dir": str(Path(args.loss_masks).expanduser().absolute()),
+        settings["loss_masks"] = {"dir": str(Path(req.loss_masks).expanduser().absolute()),
                                   "sha256": _digest([p.as_posix() for p in mask_paths])}
     if reference_paths is not None:
-        settings["reference_images"] = {"dir": str(Path(args.reference_images).expanduser().absolute()),
+        settings["reference_images"] = {"dir": str(Path(req.reference_images).expanduser().absolute()),
                                         "sha256": _digest([p.as_posix() for p in reference_paths])}
-    return Plan(root, out, parts_dir_of(out), paths, labels, class_names, num_classes, settings, args.shard_size,
-                args, captions, mask_paths, text_paths, skipped, reference_paths=reference_paths)
+    return Plan(root, out, parts_dir_of(out), paths, labels, class_names, num_classes, settings, req.shard_size,
+                req, captions, mask_paths, text_paths, skipped, reference_paths=reference_paths)
 
 
 def skipped_note(plan: Plan) -> Optional[str]:
@@ -153,20 +140,20 @@ def _digest(items: Sequence[str]) -> str:
     return digest.hexdigest()
 
 
-def plan_captions(args: argparse.Namespace, root: Path, paths: list[Path], labels: np.ndarray,
+def plan_captions(req: PrecomputeRequest, root: Path, paths: list[Path], labels: np.ndarray,
                   class_names: Optional[list[str]]) -> list[str]:
     """Every image's caption: from --captions (by path relative to --images), else --caption-from-class."""
     try:
-        table = read_captions_file(args.captions) if args.captions else {}
-    except TextEncoderError as err:
+        table = read_captions_file(req.captions) if req.captions else {}
+    except ImageFolderError as err:
         raise PrecomputeError(str(err)) from None
     rel = [p.relative_to(root).as_posix() for p in paths]
     unknown = sorted(set(table) - set(rel))
     if unknown:
-        raise PrecomputeError(f"--captions '{args.captions}' names file(s) that are not images in '{root}': "
+        raise PrecomputeError(f"--captions '{req.captions}' names file(s) that are not images in '{root}': "
                               f"{short_list(unknown)} (names are relative to --images, e.g. "
                               f"'{rel[0]}')")
-    template = args.caption_from_class
+    template = req.caption_from_class
     if template is not None and class_names is None:
         raise PrecomputeError(f"--caption-from-class needs class names, but the labels of '{root}' are class "
                               f"indices (integer labels); use class sub-folders or class-name labels, or caption "
@@ -176,7 +163,7 @@ def plan_captions(args: argparse.Namespace, root: Path, paths: list[Path], label
     missing = [r for r, c in zip(rel, captions) if c is None]
     if missing:
         raise PrecomputeError(f"{len(missing)} of {len(rel)} image(s) have no caption in --captions "
-                              f"'{args.captions}': {short_list(missing)}. Add them, or caption the rest from their "
+                              f"'{req.captions}': {short_list(missing)}. Add them, or caption the rest from their "
                               f"class with --caption-from-class 'a photo of a {{class}}'.")
     return captions
 
@@ -193,9 +180,9 @@ def images_by_stem(folder: Path, flag: str, what: str) -> dict[str, Path]:
     return found
 
 
-def plan_masks(args: argparse.Namespace, root: Path, paths: list[Path]) -> list[Path]:
+def plan_masks(req: PrecomputeRequest, root: Path, paths: list[Path]) -> list[Path]:
     """Every image's loss mask: <--loss-masks>/<relative path, any image extension>."""
-    mask_root = Path(args.loss_masks).expanduser().absolute()
+    mask_root = Path(req.loss_masks).expanduser().absolute()
     found = images_by_stem(mask_root, "--loss-masks", "masks")
     stems = [p.relative_to(root).with_suffix("").as_posix() for p in paths]
     missing = [s for s in stems if s not in found]
@@ -206,10 +193,10 @@ def plan_masks(args: argparse.Namespace, root: Path, paths: list[Path]) -> list[
     return [found[s] for s in stems]
 
 
-def plan_references(args: argparse.Namespace, root: Path, paths: list[Path]) -> list[Path]:
+def plan_references(req: PrecomputeRequest, root: Path, paths: list[Path]) -> list[Path]:
     """Every image's reference image (FLUX Kontext edit pairs): <--reference-images>/<relative path, any image
     extension>. Targets without a reference and references without a target are both errors naming them."""
-    ref_root = Path(args.reference_images).expanduser().absolute()
+    ref_root = Path(req.reference_images).expanduser().absolute()
     found = images_by_stem(ref_root, "--reference-images", "references")
     stems = [p.relative_to(root).with_suffix("").as_posix() for p in paths]
     missing, extra = [s for s in stems if s not in found], sorted(set(found) - set(stems))

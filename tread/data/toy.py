@@ -8,15 +8,21 @@ class a distribution rather than a single image.
 With loss_masks=True (data=toy_masked) the dataset also stores loss_mask.npy: each image's shape coverage
 (the anti-aliased alpha the image was drawn with) as uint8 0..255 at image resolution, for masked-loss
 training. The images themselves are the same as without masks.
+
+The data's feature network, the toy classifier (tread/encoders/toy_classifier.py), is trained once from freshly
+generated shapes and cached: ensure_toy_classifier.
 """
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Callable, Union
 
 import numpy as np
 import torch
+
+from tread.encoders.toy_classifier import DEFAULT_SEED, cache_path, save_toy_classifier, train_toy_classifier
 
 from .meta import LatentDatasetError, LatentDatasetExistsError, read_meta
 from .writer import write_latent_dataset
@@ -168,3 +174,35 @@ def ensure_builtin(root: Path, params: dict, write: Callable[[], None]) -> Path:
             raise
         return check_existing()  # another process finished first: use its (identical) dataset
     return root
+
+
+CLASSIFIER_IMAGES_PER_CLASS = 300   # the toy classifier's training images per class (a quarter more are held out)
+
+
+def _toy_uint8(num_per_class: int, resolution: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    images, labels = generate_toy_shapes(num_per_class, resolution, seed)
+    # The same [-1, 1] -> uint8 quantisation as decoding, so the net sees what it will be fed.
+    return ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8), labels.long()
+
+
+def ensure_toy_classifier(cache_dir: Union[str, os.PathLike], resolution: int = 32, seed: int = DEFAULT_SEED,
+                          verbose: bool = True) -> Path:
+    """The toy classifier's file in `cache_dir` (tread.encoders.toy_classifier.cache_path), first training it
+    unless it is there: on fresh toy_shapes of generator seed `seed` (held out: seed + 1), torch seeded with
+    `seed`. Writes are atomic, so concurrent processes at worst train it twice and never read a partial file."""
+    path = cache_path(cache_dir, resolution, seed)
+    if path.is_file():
+        return path
+    if verbose:
+        print(f"Training the toy-classifier feature network (one-off, cached at {path}) ...", flush=True)
+    start = time.time()
+    x, y = _toy_uint8(CLASSIFIER_IMAGES_PER_CLASS, resolution, seed)
+    x_val, y_val = _toy_uint8(max(20, CLASSIFIER_IMAGES_PER_CLASS // 4), resolution, seed + 1)
+    model, acc = train_toy_classifier(x, y, x_val, y_val, seed=seed, verbose=verbose)
+    info = {"accuracy": acc, "train_seconds": round(time.time() - start, 1), "seed": seed,
+            "resolution": resolution, **model.config, "torch": str(torch.__version__)}
+    if verbose:
+        print(f"Toy classifier: held-out accuracy {acc:.4f}, {info['train_seconds']} s", flush=True)
+    if acc < 0.9:
+        print(f"WARNING: toy classifier accuracy is only {acc:.3f}; its FID features may be weak.", flush=True)
+    return save_toy_classifier(model, path, info)

@@ -1,6 +1,6 @@
 """The built-in text-conditioned dataset "toy_shapes_text": the toy_shapes images (tread/data/toy.py) captioned from
 their class ("a red disc", ...) and the captions encoded with a text-to-image family's own text encoders
-(tread/data/text.py, the family pipeline's encoding), stored in the latent format with text_embeds.npy (and
+(tread/encoders/text.py, the family pipeline's encoding), stored in the latent format with text_embeds.npy (and
 pooled_embeds.npy / text_mask.npy as the family has them).
 
 It lets the practitioner's loop (text data -> adapters -> prompts in -> adapter out) run offline on a CPU: with
@@ -19,8 +19,9 @@ from typing import Optional, Union
 
 import numpy as np
 
+from tread.encoders.text import TEXT_FAMILIES, encode_prompts, load_text_encoders
+
 from .meta import LatentDatasetError
-from .text import TEXT_FAMILIES, encode_prompts, load_text_encoders
 from .toy import TOY_CLASS_NAMES, ensure_builtin, generate_toy_shapes
 from .writer import write_latent_dataset
 

@@ -1,13 +1,29 @@
-"""Pieces shared by the EDM and rectified-flow objectives: per-seed RNG and the denoiser contract."""
+"""Pieces shared by the EDM and rectified-flow objectives: per-seed RNG, the denoiser contract and the pass-through
+of a backbone's auxiliary output."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 # What samplers call: denoise(x, noise_level, labels, **cond) -> prediction (EDM: D(x; sigma), RF: velocity).
 # Guidance (CFG, inference routing, TREAD guidance) wraps a network into one of these: tread/sampling/guidance.py.
 Denoiser = Callable[..., torch.Tensor]
+
+
+def call_with_aux(fn: Callable[..., Any], *args: Any, return_aux: bool = False,
+                  **kwargs: Any) -> tuple[torch.Tensor, Optional[dict]]:
+    """(output, aux) of fn(*args, **kwargs): with return_aux, fn is asked for its auxiliary output (a backbone's,
+    e.g. REPA's tokens: RoutedBackbone.forward) and returns (output, aux); without it, fn is called as before and
+    aux is None. Preconditioners and losses apply their algebra to the output and pass aux on untouched."""
+    if not return_aux:
+        return fn(*args, **kwargs), None
+    return fn(*args, return_aux=True, **kwargs)
+
+
+def with_aux(out: Any, aux: Optional[dict]) -> Any:
+    """out, or (out, aux) when aux came back from call_with_aux(return_aux=True)."""
+    return out if aux is None else (out, aux)
 
 
 class StackedRandomGenerator:

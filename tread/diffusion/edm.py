@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from tread.diffusion.common import Denoiser
+from tread.diffusion.common import Denoiser, call_with_aux, with_aux
 
 
 class EDMPrecond(nn.Module):
@@ -26,11 +26,14 @@ class EDMPrecond(nn.Module):
         c_noise = sigma.log() / 4
         return c_skip, c_out, c_in, c_noise
 
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, labels: torch.Tensor, *, return_aux: bool = False,
+                **cond: Any) -> Any:
+        """D(x; sigma); with return_aux, (D, the backbone's auxiliary output) (tread/diffusion/common.py)."""
         sigma = sigma.to(torch.float32).reshape(-1, 1, 1, 1).expand(x.shape[0], 1, 1, 1)
         c_skip, c_out, c_in, c_noise = self.coefficients(sigma)
-        F_x = self.model((c_in * x).to(torch.float32), c_noise.flatten(), labels, **cond)
-        return c_skip * x + c_out * F_x.to(torch.float32)
+        F_x, aux = call_with_aux(self.model, (c_in * x).to(torch.float32), c_noise.flatten(), labels,
+                                 return_aux=return_aux, **cond)
+        return with_aux(c_skip * x + c_out * F_x.to(torch.float32), aux)
 
 
 class EDM:
@@ -57,14 +60,16 @@ class EDM:
     def precondition(self, model: nn.Module) -> EDMPrecond:
         return EDMPrecond(model, self.sigma_data)
 
-    def loss(self, net: nn.Module, x: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
-        """Unreduced weighted denoising loss (B, C, H, W); draws from the global RNG."""
+    def loss(self, net: nn.Module, x: torch.Tensor, labels: torch.Tensor, *, return_aux: bool = False,
+             **cond: Any) -> Any:
+        """Unreduced weighted denoising loss (B, C, H, W); draws from the global RNG. With return_aux, (loss, the
+        backbone's auxiliary output)."""
         rnd_normal = torch.randn([x.shape[0], 1, 1, 1], device=x.device)
         sigma = (rnd_normal * self.P_std + self.P_mean).exp()
         weight = (sigma ** 2 + self.sigma_data ** 2) / (sigma * self.sigma_data) ** 2
         noise = torch.randn_like(x) * sigma
-        D_yn = net(x + noise, sigma.flatten(), labels, **cond)
-        return weight * (D_yn - x) ** 2
+        D_yn, aux = call_with_aux(net, x + noise, sigma.flatten(), labels, return_aux=return_aux, **cond)
+        return with_aux(weight * (D_yn - x) ** 2, aux)
 
     def sigma_steps(self, num_steps: Optional[int] = None, device: Any = None) -> torch.Tensor:
         """Karras schedule t_0 > ... > t_{N-1}, then t_N = 0 (float64)."""

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from tread.diffusion.common import Denoiser
+from tread.diffusion.common import Denoiser, call_with_aux, with_aux
 from tread.utils.errors import UserError
 
 
@@ -72,9 +72,13 @@ class RFModel(nn.Module):
         self.model = model
         self.t_scale = t_scale
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, *, return_aux: bool = False,
+                **cond: Any) -> Any:
+        """v(x, t); with return_aux, (v, the backbone's auxiliary output) (tread/diffusion/common.py)."""
         t = t.to(torch.float32).reshape(-1).expand(x.shape[0])
-        return self.model(x.to(torch.float32), t * self.t_scale, labels, **cond).to(torch.float32)
+        v, aux = call_with_aux(self.model, x.to(torch.float32), t * self.t_scale, labels, return_aux=return_aux,
+                               **cond)
+        return with_aux(v.to(torch.float32), aux)
 
 
 class RectifiedFlow:
@@ -119,13 +123,16 @@ class RectifiedFlow:
                 f"{size}x{size} latents, but the model has {tokens}; allowed: the model's latent cells per token "
                 f"side (FLUX: 2, a DiT or SD3: its patch_size).")
 
-    def loss(self, net: nn.Module, x: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
-        """Unreduced velocity loss (B, C, H, W); draws from the global RNG."""
+    def loss(self, net: nn.Module, x: torch.Tensor, labels: torch.Tensor, *, return_aux: bool = False,
+             **cond: Any) -> Any:
+        """Unreduced velocity loss (B, C, H, W); draws from the global RNG. With return_aux, (loss, the backbone's
+        auxiliary output)."""
         t = torch.sigmoid(torch.randn([x.shape[0]], device=x.device) * self.P_std + self.P_mean)
         t = shift_t(t, self.shift_for(x.shape)).reshape(-1, *[1] * (x.dim() - 1))
         noise = torch.randn_like(x)
         z = (1 - t) * x + t * noise
-        return (net(z, t.flatten(), labels, **cond) - (noise - x)) ** 2
+        v, aux = call_with_aux(net, z, t.flatten(), labels, return_aux=return_aux, **cond)
+        return with_aux((v - (noise - x)) ** 2, aux)
 
     def t_steps(self, num_steps: Optional[int] = None, device: Any = None,
                 latent_shape: Optional[Sequence[int]] = None) -> torch.Tensor:

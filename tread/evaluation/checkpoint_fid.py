@@ -30,6 +30,7 @@ from tread.utils.checkpoints import find_checkpoint, step_of
 from tread.utils.distributed import all_reduce_max, barrier, rank, world_size
 from tread.utils.errors import UserError
 from tread.utils.io import atomic_write
+from tread.utils.renamed_keys import rename_keys
 
 TABLE_JSONL, TABLE_CSV = "metrics.jsonl", "metrics.csv"
 
@@ -103,19 +104,20 @@ def append_row(out_dir: Path, row: dict[str, Any]) -> None:
 
 
 def read_rows(out_dir: Path) -> list[dict[str, Any]]:
+    """The table's rows, in today's key names (rows written before a sampling key was renamed say the old name)."""
     path = Path(out_dir) / TABLE_JSONL
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [rename_keys(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
 SETTINGS = ("checkpoint", "use_ema", "num_samples", "seeds", "cfg_scale", "num_steps", "features", "reference",
-            "metrics", "route_ratio", "tread_scale", "tread_weak_ratio", "guidance_interval",
+            "metrics", "selection_ratio", "tread_scale", "tread_weak_selection_ratio", "guidance_interval",
             "route_spans", "path_drop", "cfg_rule", "tread_uncond", "class_labels")  # the same measurement (skip_existing)
 # Rows written before a setting existed were measured with its default.
-SETTING_DEFAULTS = {"route_ratio": None, "tread_scale": 1.0, "tread_weak_ratio": None, "guidance_interval": None,
-                    "route_spans": None, "path_drop": False, "cfg_rule": "any", "tread_uncond": False,
-                    "class_labels": "cycle"}
+SETTING_DEFAULTS = {"selection_ratio": None, "tread_scale": 1.0, "tread_weak_selection_ratio": None,
+                    "guidance_interval": None, "route_spans": None, "path_drop": False, "cfg_rule": "any",
+                    "tread_uncond": False, "class_labels": "cycle"}
 
 
 def seed_text(seeds: Sequence[int]) -> str:

@@ -13,7 +13,7 @@ import torch
 
 from tread.data import check_decodable, decode_to_uint8
 from tread.evaluation.fdd import FDD, FddScorer, without_fdd
-from tread.evaluation.features import build_feature_extractor
+from tread.evaluation.extractors import feature_extractor
 from tread.evaluation.images import save_image_grid
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.reference import load_reference_full, reference_for_dataset
@@ -50,7 +50,7 @@ class Evaluator:
         check_decodable(dataset.meta, **self.decode, device=self.device)
         zeros = torch.zeros(1, *dataset.shape, device=self.device)
         self.image_shape = tuple(decode_to_uint8(zeros, dataset.meta, **self.decode).shape[1:])  # (H, W, 3)
-        self.extractor = build_feature_extractor(
+        self.extractor = feature_extractor(
             eval_cfg.features, inception_weights=eval_cfg.get("inception_weights"),
             cache_dir=str(cache_dir), device=str(self.device),
             resolution=self.image_shape[0])

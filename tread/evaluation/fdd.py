@@ -1,7 +1,7 @@
 """FDD: the Fréchet distance between DINOv2 features of generated and reference images (Stein et al. 2023,
 "Exposing flaws of generative model evaluation metrics"), the metric SPRINT and recent DiT work report beside FID.
 
-It is FID's computation with another feature network: the samples' DINOv2 CLS features (evaluation.encoders.
+It is FID's computation with another feature network: the samples' DINOv2 CLS features (encoders.features.
 DinoFeatures: 224 px bicubic, ImageNet normalisation) against the reference's, the same FeatureAccumulator and
 Fréchet distance, and a reference built from the dataset and cached per weights digest, as the main metrics'
 is. The weights are local only (eval.dinov2_weights); offline, a missing folder is one clear error.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from tread.evaluation.encoders import build_dino_features
+from tread.encoders.features import build_dino_features
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.reference import load_reference_full, reference_for_dataset
 

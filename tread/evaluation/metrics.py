@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from tread.evaluation.features import extractor_device, forward_features
+from tread.encoders.features import extractor_device, forward_features
 from tread.evaluation.frechet import FeatureStats, frechet_distance
 from tread.evaluation.metric_names import METRICS, ROW_METRICS, check_metrics
 from tread.evaluation.reference import Reference

@@ -17,7 +17,8 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 import tread.data as data_mod
-from tread.evaluation.features import extract_features, extractor_device, forward_features
+from tread.encoders.features import extractor_device, forward_features
+from tread.evaluation.extractors import extract_features
 from tread.evaluation.frechet import FeatureStats
 from tread.evaluation.images import (ImagesLike, image_files, iter_image_folder, iter_npz_batches, npz_array_info,
                                to_nhwc_uint8)

@@ -15,7 +15,7 @@ from timm.layers import Mlp, PatchEmbed
 from timm.models.vision_transformer import Attention
 
 from tread.models.errors import ModelConfigError
-from tread.models.repa import RepaHead
+from tread.models.repa import repa_head, repa_output, repa_tap
 from tread.routing import RoutedBackbone, RoutePlan, RoutingController, run_blocks, tokens_per_block
 from tread.routing.masks import token_keep_mask
 
@@ -169,7 +169,7 @@ class DiT(RoutedBackbone):
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
 
-        self.repa_block, self.repa_head = repa_head(repa, hidden_size, depth)
+        self.repa_head = repa_head(repa, hidden_size, depth)
         # Routes are validated here, against this depth, before any training work starts.
         self.routing = RoutingController.from_config(routing, depth)
         self.initialize_weights()
@@ -183,10 +183,15 @@ class DiT(RoutedBackbone):
         each)."""
         return list(self.blocks)
 
+    @property
+    def token_grid(self) -> tuple[int, int]:
+        """(rows, cols) of the patch tokens, which the patch embedding orders row-major."""
+        side = self.input_size // self.patch_size
+        return side, side
+
     def tokens_from_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """A (B, 1, H, W) loss-mask coverage in [0, 1] -> (B, N) bool: tokens more than half covered."""
-        side = self.input_size // self.patch_size
-        return token_keep_mask(mask, (side, side))
+        return token_keep_mask(mask, self.token_grid)
 
     def forward_flops(self, routes=None) -> float:
         """Theoretical FLOPs of one forward pass per sample (multiply-add = 2), given routes.
@@ -207,10 +212,8 @@ class DiT(RoutedBackbone):
         (the frozen encoder's own forward is not counted)."""
         if self.repa_head is None:
             return 0.0
-        n = tokens_per_block(routes if routes is not None else self.routing.routes, self.depth,
-                             self.num_tokens)[self.repa_block]
-        return float(sum(2 * n * m.in_features * m.out_features for m in self.repa_head.modules()
-                         if isinstance(m, nn.Linear)))
+        n = tokens_per_block(routes if routes is not None else self.routing.routes, self.depth, self.num_tokens)
+        return self.repa_head.flops(n[self.repa_head.block])
 
     def initialize_weights(self) -> None:
         def _basic_init(module: nn.Module) -> None:
@@ -250,40 +253,18 @@ class DiT(RoutedBackbone):
         return x.reshape(x.shape[0], c, h * p, w * p)
 
     def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
-                       force_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       force_keep: Optional[torch.Tensor] = None, return_aux: bool = False) -> Any:
         """x (B, C, H, W), noise_level (B,), labels (B,) in [0, num_classes]; force_keep (B, N) bool; `plan`
-        from the routing controller (RoutedBackbone.forward makes it)."""
+        from the routing controller (RoutedBackbone.forward makes it). With return_aux, (x, aux): the REPA head's
+        projected tokens and their ids (tread/models/repa.py)."""
         x = self.x_embedder(x) + self.pos_embed                                   # (B, N, D)
         c = self.t_embedder(noise_level) + self.y_embedder(labels)                # (B, D)
         blocks = [lambda h, blk=blk: blk(h, c) for blk in self.blocks]
-        tap = {"block": self.repa_block} if self.repa_head is not None and self.training else None
+        tap = repa_tap(self.repa_head, return_aux)
         x = run_blocks(blocks, x, plan, self.routing.router, force_keep,          # (B, N, D)
                        checkpoint=self.gradient_checkpointing and self.training, tap=tap)
         x = self.unpatchify(self.final_layer(x, c))                               # (B, C, H, W)
-        if tap is None:
-            return x
-        return x, self.repa_head(tap["tokens"]), tap["ids"]                      # REPA: projected tokens, ids
-
-
-def repa_head(repa: Optional[Mapping[str, Any]], hidden_size: int, depth: int) -> tuple[Optional[int], Optional[nn.Module]]:
-    """(block index, RepaHead) of model.repa (None, None without it); the block may count from the end."""
-    if not repa:
-        return None, None
-    block = check_repa_block(repa.get("block"), depth)
-    dim = repa.get("encoder_dim")
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-        raise ModelConfigError(f"model.repa.encoder_dim={dim!r} must be a positive integer (the encoder's feature "
-                               f"width; null is filled in from the encoder when training starts).")
-    return block, RepaHead(hidden_size, dim, int(repa.get("projector_dim") or 2048))
-
-
-def check_repa_block(block: Any, depth: int) -> int:
-    """model.repa.block as a block index in 0..depth-1 (it may count from the end); the schema checks it too,
-    before the REPA encoder is built."""
-    if isinstance(block, bool) or not isinstance(block, int) or not -depth <= block < depth:
-        raise ModelConfigError(f"model.repa.block={block!r} must be a block index in {-depth}..{depth - 1} for a "
-                               f"model of depth {depth} (REPA aligns the tokens after that block).")
-    return block % depth
+        return repa_output(x, self.repa_head, tap, return_aux)
 
 
 #################################################################################

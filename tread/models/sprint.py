@@ -26,6 +26,7 @@ import torch.utils.checkpoint
 
 from tread.models.dit import DiT, build_dit
 from tread.models.errors import ModelConfigError
+from tread.models.repa import repa_output, repa_tap
 from tread.routing import Route, RoutePlan, RouteConfigError, gather_tokens, scatter_tokens, tokens_per_block
 
 
@@ -58,27 +59,26 @@ class SprintDiT(DiT):
                                f"start_layer_idx={start}, end_layer_idx={end} (any selection_ratio), or none.")
 
     def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
-                force_keep: Optional[torch.Tensor] = None, **cond: Any) -> torch.Tensor:
+                force_keep: Optional[torch.Tensor] = None, *, return_aux: bool = False, **cond: Any) -> Any:
         """As DiT's, plus `path_drop` (B,) bool: rows whose deep path is dropped (path-drop guidance). Training
         forwards draw it per sample with probability path_drop_prob from the training stream, eagerly."""
         if cond.get("path_drop") is None and self.training and torch.is_grad_enabled() and self.path_drop_prob > 0:
             cond["path_drop"] = torch.rand(x.shape[0], device=x.device) < self.path_drop_prob
-        return super().forward(x, noise_level, labels, force_keep, **cond)
+        return super().forward(x, noise_level, labels, force_keep, return_aux=return_aux, **cond)
 
     def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
-                       force_keep: Optional[torch.Tensor] = None, path_drop: Optional[torch.Tensor] = None) -> Any:
+                       force_keep: Optional[torch.Tensor] = None, path_drop: Optional[torch.Tensor] = None,
+                       return_aux: bool = False) -> Any:
         x = self.x_embedder(x) + self.pos_embed                                   # (B, N, D)
         c = self.t_embedder(noise_level) + self.y_embedder(labels)                # (B, D)
         start, end = self.span
-        tap = {"block": self.repa_block} if self.repa_head is not None and self.training else None
+        tap = repa_tap(self.repa_head, return_aux)
         x = self._blocks(range(0, start), x, c, None, tap)                        # dense shallow path
         deep = self._deep(x, c, plan, force_keep, path_drop, tap)                 # (B, N, D), mask-filled
         x = self.fuse(torch.cat([deep, x], dim=-1))                               # residual fusion
         x = self._blocks(range(end + 1, self.depth), x, c, None, tap)             # dense final blocks
         x = self.unpatchify(self.final_layer(x, c))                               # (B, C, H, W)
-        if tap is None:
-            return x
-        return x, self.repa_head(tap["tokens"]), tap["ids"]
+        return repa_output(x, self.repa_head, tap, return_aux)
 
     def _deep(self, x: torch.Tensor, c: torch.Tensor, plan: RoutePlan, force_keep: Optional[torch.Tensor],
               path_drop: Optional[torch.Tensor], tap: Optional[dict]) -> torch.Tensor:

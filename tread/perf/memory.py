@@ -154,15 +154,24 @@ def memory_per_gpu(counts: ParamCounts, parallel: str, world: int, lora: bool,
 
 
 DIT_PRESETS = ("DiT-B/2", "DiT-XL/2")
-# Latent channels of the data each family's presets train on when the preset does not fix them (VAEs: FLUX /
-# SD3 / Wan 2.1 16 channels, SD-VAE 4); FLUX packs 2x2 cells, so its transformer's in_channels is 4x that.
-DATA_CHANNELS = {"flux": 16, "sd3": 16, "wan": 16, "auraflow": 4, "pixart": 4}
 
 
 def table_presets() -> list[tuple[str, str]]:
     """(family, preset) of the table: DiT-B/2 and DiT-XL/2, and every non-tiny preset of each family."""
     return [("dit", a) for a in DIT_PRESETS] + [(f, p) for f in FAMILIES for p in family_module(f).PRESETS
                                                  if p != "tiny"]
+
+
+def data_channels(family: str, preset: str) -> int:
+    """Latent channels of the data a family preset trains on, from the family module's own statements: the
+    preset's transformer in_channels mapped back through the family's data_config (FLUX packs 2x2 latent cells
+    into a token: 4 per data channel), or, for a preset that leaves them to the data (tiny, mid), those of the
+    family's first released geometry (the first preset that fixes them: its VAE's latent channels)."""
+    module = family_module(family)
+    per_data_channel = int(module.FAMILY.data_config(1, 64, {})["in_channels"])
+    stated = [c["in_channels"] for c in module.PRESETS.values() if "in_channels" in c]
+    own = module.PRESETS[preset].get("in_channels")
+    return int(own if own is not None else stated[0]) // per_data_channel
 
 
 def build_on_meta(family: str, preset: str) -> nn.Module:
@@ -173,11 +182,9 @@ def build_on_meta(family: str, preset: str) -> nn.Module:
         if family == "dit":
             return build_dit(preset, input_size=32, in_channels=4, num_classes=1000)
         config = family_module(family).PRESETS[preset]
-        pack = 4 if family == "flux" else 1
-        channels = config["in_channels"] // pack if "in_channels" in config else DATA_CHANNELS[family]
         extra = {"guidance": 3.5} if config.get("guidance_embeds") else {}
-        return build_family(family, input_size=int(config.get("sample_size", 64)), in_channels=channels,
-                            num_classes=0, preset=preset, **extra)
+        return build_family(family, input_size=int(config.get("sample_size", 64)),
+                            in_channels=data_channels(family, preset), num_classes=0, preset=preset, **extra)
 
 
 def memory_rows(worlds: Sequence[int] = (2, 8), lora_rank: int = 16,

@@ -10,6 +10,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from tread.schema import compose
 from tread.training.setup import mixed_precision
+from tread.utils.device import why_unavailable
 from tread.utils.errors import UserError
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -42,7 +43,7 @@ def check_sets(sets: Sequence[str], reserved: Mapping[str, str], error: type[Use
 def check_device(device: str, error: type[UserError] = OverrideError) -> None:
     if device not in DEVICES:
         raise error(f"--device {device} is not a device; allowed: {', '.join(DEVICES)}")
-    if device == "cuda" and not torch.cuda.is_available():
+    if why_unavailable(device):
         raise error(f"--device {device} is not available here (no CUDA device); allowed: auto, cpu")
 
 

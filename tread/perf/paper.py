@@ -8,20 +8,24 @@ Its step, as its train.py runs it: `dit.get_model(arch, params)` (blocks and fin
 betas (0.9, 0.999), eps 1e-8, no weight decay)` as its config builds it (torch's default implementation for the
 device), and `utils.train_helper.update_ema` (decay 0.9999).
 
-Importing it: the paper's modules are top-level names (`dit`, `edm`, `routing_module`, `autoencoder`, and a
-`utils` package that clashes with ours), so they are imported with PAPER_DIR first on sys.path and our `utils`
-set aside, then ours is put back (the paper's modules keep what they bound). Its `utils/edm_helper.py` imports
-deepspeed for a ZeRO-3 EMA helper the step never calls; when deepspeed is not installed an empty stand-in module
-satisfies that import.
+Importing it: the paper's modules are top-level names (`dit`, `edm`, `routing_module`, and `utils`, a folder
+without __init__.py); ours all live under `tread`, so nothing clashes and they are imported under their own
+names, where they stay. While they import, a finder on sys.meta_path resolves PAPER_DIR's top-level names in
+PAPER_DIR, ahead of sys.path, so a `utils` package elsewhere cannot shadow the paper's. Its
+`utils/edm_helper.py` imports deepspeed for a ZeRO-3 EMA helper the step never calls; when deepspeed is not
+installed the same finder serves an empty `deepspeed` package written to a temporary folder. That stub has no
+package metadata, so accelerate and the other libraries that ask still find deepspeed not installed.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import importlib
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import tempfile
 import types
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -33,6 +37,7 @@ from tread.utils.errors import UserError
 
 PAPER_FILES = ("dit.py", "edm.py", "routing_module.py", "utils/train_helper.py", "utils/edm_helper.py")
 PAPER_MODULES = ("dit", "edm", "utils.train_helper")
+PAPER_TOP_LEVEL = ("dit", "edm", "routing_module", "autoencoder", "utils")   # what its step imports
 CLASS_DROP_PROB = 0.1          # its configs/config.yaml train.general.class_drop_prob
 LR, BETAS, EPS = 1e-4, (0.9, 0.999), 1e-8
 
@@ -49,53 +54,69 @@ def check_paper_dir(paper_dir: Path) -> None:
                              f"`git clone https://github.com/CompVis/tread`")
 
 
-def _stand_in_deepspeed() -> list[str]:
-    """Empty deepspeed modules for the paper's unused ZeRO-3 import (only when deepspeed is not installed)."""
-    try:
-        importlib.import_module("deepspeed")
-        return []
-    except ImportError:
-        pass
-    names = ["deepspeed", "deepspeed.runtime", "deepspeed.runtime.zero", "deepspeed.runtime.zero.partition_parameters"]
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-        sys.modules[name].__spec__ = importlib.machinery.ModuleSpec(name, None)   # find_spec works; no metadata
-    sys.modules["deepspeed.runtime.zero.partition_parameters"].ZeroParamStatus = None
-    return names
+# The paper's utils/edm_helper.py imports these for a ZeRO-3 helper its step never calls.
+DEEPSPEED_STUB = {"deepspeed/__init__.py": "", "deepspeed/runtime/__init__.py": "",
+                  "deepspeed/runtime/zero/__init__.py": "",
+                  "deepspeed/runtime/zero/partition_parameters.py": "ZeroParamStatus = None\n"}
 
 
-def _paper_utils(paper_dir: Path) -> types.ModuleType:
-    """The paper's utils package. Its folder has no __init__.py: a namespace package loses to any regular `utils`
-    on sys.path (ours, when the project root is there), so it is made by hand and its submodules resolve inside
-    PAPER_DIR/utils; inspect.getmodule (which torch.compile calls) needs it to have a __file__."""
-    spec = importlib.machinery.ModuleSpec("utils", None, is_package=True)
-    spec.submodule_search_locations = [str(paper_dir / "utils")]
-    module = importlib.util.module_from_spec(spec)
-    module.__file__ = str(paper_dir / "utils")
-    return module
+class _PaperFinder(importlib.abc.MetaPathFinder):
+    """Finds the paper's top-level modules (PAPER_TOP_LEVEL) in PAPER_DIR, ahead of sys.path (a regular `utils`
+    package elsewhere would otherwise win over the paper's utils folder, which has no __init__.py), and
+    `deepspeed` in `stubs` when given; every other name as usual (PAPER_DIR's datasets.py is no `datasets` for
+    the libraries imported meanwhile). Submodules resolve through their package's __path__."""
+
+    def __init__(self, paper_dir: Path, stubs: Optional[Path]):
+        self.folders = dict.fromkeys(PAPER_TOP_LEVEL, paper_dir)
+        if stubs is not None:
+            self.folders["deepspeed"] = stubs
+
+    def find_spec(self, fullname, path=None, target=None):
+        if "." in fullname or fullname not in self.folders:
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, [str(self.folders[fullname])])
 
 
 @contextlib.contextmanager
-def _paper_on_path(paper_dir: Path) -> Iterator[None]:
-    ours = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "utils" or k.startswith("utils.")}
-    stand_ins: list[str] = []
-    sys.path.insert(0, str(paper_dir))
-    try:
-        stand_ins = _stand_in_deepspeed()
-        sys.modules["utils"] = _paper_utils(paper_dir)
-        yield
-    finally:
-        sys.path.remove(str(paper_dir))
-        for k in [k for k in sys.modules if k == "utils" or k.startswith("utils.")] + stand_ins:
-            sys.modules.pop(k, None)
-        sys.modules.update(ours)
+def _paper_importable(paper_dir: Path) -> Iterator[None]:
+    """The paper's modules importable by their own names while the block runs, and, when deepspeed is not
+    installed, an empty `deepspeed` package from a temporary folder. The finder leaves afterwards; what was
+    imported stays imported under its name (none is ours: our code is the `tread` package)."""
+    with tempfile.TemporaryDirectory(prefix="paper_stubs_") as stubs:
+        need_stub = importlib.util.find_spec("deepspeed") is None
+        if need_stub:
+            for name, text in DEEPSPEED_STUB.items():
+                (Path(stubs) / name).parent.mkdir(parents=True, exist_ok=True)
+                (Path(stubs) / name).write_text(text)
+        finder = _PaperFinder(paper_dir, Path(stubs) if need_stub else None)
+        sys.meta_path.insert(0, finder)
+        try:
+            yield
+        finally:
+            sys.meta_path.remove(finder)
+
+
+def _imported_elsewhere(paper_dir: Path) -> list[str]:
+    """The paper's top-level modules imported before from somewhere else (a previous PAPER_DIR, another `dit`):
+    the import system hands out what is imported, so these would shadow the paper's."""
+    out = []
+    for name in PAPER_TOP_LEVEL:
+        module = sys.modules.get(name)
+        where = [getattr(module, "__file__", None)] + list(getattr(module, "__path__", []))
+        if module is not None and not any(w and Path(w).is_relative_to(paper_dir) for w in where):
+            out.append(f"{name} from {next((w for w in where if w), 'nowhere')}")
+    return out
 
 
 def import_paper(paper_dir: Path) -> types.SimpleNamespace:
-    """The paper's dit, edm and utils.train_helper modules from `paper_dir`."""
+    """The paper's dit, edm and utils.train_helper modules from `paper_dir`, imported under their own names."""
     paper_dir = Path(paper_dir).expanduser().resolve()
     check_paper_dir(paper_dir)
-    with _paper_on_path(paper_dir):
+    elsewhere = _imported_elsewhere(paper_dir)
+    if elsewhere:
+        raise PaperCodeError(f"the paper code in '{paper_dir}' cannot be imported beside modules of its names "
+                             f"imported before ({'; '.join(elsewhere)}); allowed: one PAPER_DIR per process")
+    with _paper_importable(paper_dir):
         try:
             mods = {name.split(".")[-1]: importlib.import_module(name) for name in PAPER_MODULES}
         except ImportError as err:

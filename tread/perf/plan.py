@@ -1,5 +1,5 @@
 """The route planner's logic: candidates under the paper's guidelines, their FLOPs, which to time and in what
-order, and the recommendation rule (tread/cli/plan_routes.py is the program; its docstring states the rules).
+order, and the recommendation rule (tread/perf/planner.py plans with them; docs/ablations.md states the rules).
 
 Candidates are single routes {ratio, start, end}; FLOPs come from tread.models.flops.forward_flops_with_routes on
 the model models.build_model builds from the composed config; timing goes through a time_fn (candidate row ->
@@ -224,7 +224,7 @@ def mark_same_cost(rows: list[dict], timed: list[dict]) -> None:
 
 def measure_candidates(rows: list[dict], k: int, time_fn: TimeFn, target: dict,
                        log: Callable[[str], None] = lambda s: None) -> list[dict]:
-    """Time at most k of the candidates that meet the target by FLOPs (order: tread/cli/plan_routes.py's docstring);
+    """Time at most k of the candidates that meet the target by FLOPs (order: docs/ablations.md, "Timing");
     fills step/speedup fields in place, logs progress with an estimate of the time left, and returns the
     timed rows in the order they were timed."""
     pending = [c for c in rows if c["meets_theory"]]

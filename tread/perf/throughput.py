@@ -10,7 +10,7 @@ import torch
 
 from tread.data import LatentDataset, LatentLoader, ensure_toy_dataset
 from tread.diffusion import EDM, RectifiedFlow
-from tread.evaluation.features import build_feature_extractor
+from tread.evaluation.extractors import feature_extractor
 from tread.perf.benchmark import StepBench, timed
 
 SAMPLERS = {EDM: "edm_heun", RectifiedFlow: "rf_euler"}
@@ -42,8 +42,8 @@ def eval_feature_throughput(features: str, image_size: int, batch: int, repeats:
                             cache_dir: str, inception_weights: Optional[str] = None) -> dict:
     """Images/s of the FID feature extractor's forward (forward_all: pool, spatial and logits when it has one)
     on random uint8 images; the median of `repeats` batches after one warm-up."""
-    ext = build_feature_extractor(features, inception_weights=inception_weights, cache_dir=cache_dir, device=device,
-                                  resolution=image_size)
+    ext = feature_extractor(features, inception_weights=inception_weights, cache_dir=cache_dir, device=device,
+                            resolution=image_size)
     fwd: Callable = getattr(ext, "forward_all", ext)
     gen = torch.Generator("cpu").manual_seed(0)
     imgs = torch.randint(0, 256, (batch, 3, image_size, image_size), generator=gen, dtype=torch.uint8).to(device)

@@ -137,30 +137,31 @@ class RoutingController:
 class RoutedBackbone(nn.Module):
     """Base of every routed backbone (DiT and the diffusers families).
 
-    `forward(x, noise_level, labels, force_keep=None, **cond)` plans the routes eagerly (the router's
-    generator draws here, and a force-keep mask's keep count is read here) and then runs `routed_forward`,
-    which the subclass implements with `run_blocks`. `compile()` compiles `routed_forward` alone, so the
-    compiled graph has no generator calls and no host syncs: one graph per route shape, no graph breaks.
-    Subclasses set `self.routing` (a RoutingController) and provide `num_tokens`.
+    `forward(x, noise_level, labels, force_keep=None, *, return_aux=False, **cond)` plans the routes eagerly
+    (the router's generator draws here, and a force-keep mask's keep count is read here) and then runs
+    `routed_forward`, which the subclass implements with `run_blocks`. `compile()` compiles `routed_forward`
+    alone, so the compiled graph has no generator calls and no host syncs: one graph per route shape, no graph
+    breaks. Subclasses set `self.routing` (a RoutingController) and provide `num_tokens`.
+
+    `return_aux=True` asks for (output, aux): aux is a dict of auxiliary outputs computed inside routed_forward
+    for a training loss (DiT's REPA tokens, tread/models/repa.py). Only backbones whose routed_forward takes
+    `return_aux` have any; the flag reaches routed_forward only when set, so every other call is unchanged.
     """
 
     routing: RoutingController
     last_route_plan: Optional[RoutePlan] = None   # the plan of the last forward (routes, keep counts)
-    aligned: Optional[tuple] = None               # REPA: (projected tokens, their ids or None) of the last forward
 
     def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
-                force_keep: Optional[torch.Tensor] = None, **cond: Any) -> torch.Tensor:
+                force_keep: Optional[torch.Tensor] = None, *, return_aux: bool = False, **cond: Any) -> Any:
         plan = self.routing.plan(x.shape[0], self.num_tokens, x.device, self.training, force_keep)
         self.last_route_plan = plan
         routed = self.__dict__.get("_compiled_routed_forward") or self.routed_forward
-        out = routed(x, noise_level, labels, plan, force_keep, **cond)
-        if isinstance(out, tuple):    # (output, projected tokens, ids): a training forward with a REPA head
-            out, *aligned = out
-            self.aligned = tuple(aligned)
-        return out
+        if return_aux:
+            cond["return_aux"] = True
+        return routed(x, noise_level, labels, plan, force_keep, **cond)
 
     def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
-                       force_keep: Optional[torch.Tensor] = None, **cond: Any) -> torch.Tensor:
+                       force_keep: Optional[torch.Tensor] = None, **cond: Any) -> Any:
         raise NotImplementedError
 
     def compile(self, *args: Any, **kwargs: Any) -> None:

@@ -23,7 +23,7 @@ def branch_flops(model: Any, guidance: Guidance, ratio: Any, cond: Optional[dict
     """Forward FLOPs of one pass of a branch: at a ratio (None: dense), or path-dropped (PATH_DROP: SPRINT's
     unconditional branch, its deep span skipped, at the main branch's routes)."""
     if ratio == PATH_DROP:
-        specs = guidance.routes(model, guidance.route_ratio)
+        specs = guidance.routes(model, guidance.selection_ratio)
         return float(model.forward_flops(resolve_routes(specs, model.depth) if specs else [], path_dropped=True))
     return forward_flops_with_routes(model, guidance.routes(model, ratio), cond)
 

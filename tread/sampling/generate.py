@@ -9,7 +9,7 @@ import torch
 
 from tread.data import COND_KEYS, has_model_conditioning
 from tread.diffusion import StackedRandomGenerator
-from tread.sampling.guidance import UNCOND, Guidance, denoiser, per_sample_routing
+from tread.sampling.guidance import UNCOND, Guidance, per_sample_routing
 
 CondFn = Callable[[list[int]], dict]   # seeds -> per-sample conditioning (text embeddings) for those seeds
 
@@ -69,7 +69,7 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
     net.eval()
     seeds = list(seeds)
     guidance = guidance if guidance is not None else Guidance()
-    denoise = denoiser(net, guidance, num_classes, stats)
+    denoise = guidance.denoiser(net, num_classes, stats)
     for i in range(0, len(seeds), batch_size):
         batch = seeds[i:i + batch_size]
         gen = StackedRandomGenerator(device, batch)

@@ -1,25 +1,20 @@
-"""Sampling-time guidance and routing: classifier-free guidance, inference-time routing and TREAD guidance.
+"""Sampling-time guidance and routing as small wrappers over a denoiser.
 
-Samplers (diffusion/) call a plain denoiser; this module turns a network into one (`denoiser`). One wrapper
-serves both samplers (EDM Heun and rectified-flow Euler). Per call, with noise level s (EDM: sigma,
-rectified flow: t) and conditional inputs c:
+A denoiser is `(x, noise, labels, **cond) -> prediction` (noise: EDM sigma or rectified-flow t); the samplers in
+tread/diffusion call nothing else. Each method below wraps a denoiser into another one, in a few lines:
 
-* main branch: the model at `route_ratio` (None: dense, as trained models are sampled by default; r: the
-  route spans of the checkpoint, or `route_spans`, at selection ratio r, the training router's semantics);
-* TREAD guidance (`tread_scale` = w != 1): a second conditional prediction of the same model at the higher
-  ratio `tread_weak_ratio`; cond = weak + w * (strong - weak). w = 0 gives the weak branch, w = 1 the strong
-  one. Both branches are conditional (the paper repo runs both unconditionally, so its guidance ignores the
-  class);
-* classifier-free guidance (`cfg_scale` != 1) on top: uncond + cfg * (cond - uncond), uncond taken at the
-  main branch's ratio in the same batched call as the strong conditional. The unconditional branch gets the
-  null label (the model's own unconditional input, as in training label dropout: text models zero their text
-  embeddings), or, where the per-sample conditioning carries an UNCOND entry (negative prompts), the real
-  labels with that entry's conditioning instead;
-* `interval` = (lo, hi): both guidances apply only where lo <= s <= hi (Kynkaenniemi et al. 2024); outside
-  it a step costs one conditional evaluation of the main branch.
+* `routed`: the network at a branch's inference routes (None: dense, the model's own inference behaviour);
+* `counted`: per-sample forward passes into `stats` (tread/sampling/cost.py turns them into FLOPs);
+* `cfg`: classifier-free guidance, uncond + s * (cond - uncond), both halves in one batched call;
+* `path_drop`: SPRINT's path-drop guidance, CFG's unconditional rows skip the model's deep span;
+* `tread_guidance`: weak + w * (strong - weak) on the conditional rows, the weak branch at a higher ratio;
+* `null_labels`: the paper code's unconditional TREAD guidance (both branches get the null label);
+* `interval`: guidance only where lo <= noise level <= hi (Kynkaenniemi et al. 2024), else a plain pass;
+* `conditional`: the plain conditional prediction (the negative prompts' UNCOND entry, there for CFG, dropped).
 
-The wrapper counts the per-sample forward passes at each ratio into `stats`, from which
-tread/sampling/cost.py gives the sampled FLOPs per image.
+`Guidance` (the sample.py / fid.py / eval.* settings) builds the stack in `Guidance.denoiser`; a new method is a new
+wrapper there. CFG tells the wrappers below it that its batch is [conditional rows; unconditional rows] with the
+COND_ROWS keyword, which `routed` never passes to the network. docs/routes.md describes the settings.
 """
 from __future__ import annotations
 
@@ -33,6 +28,10 @@ from tread.diffusion import Denoiser
 from tread.routing import RouteConfigError, resolve_routes
 from tread.utils.errors import UserError
 
+UNCOND = "uncond"         # key, inside the per-sample conditioning, of the unconditional branch's own conditioning
+PATH_DROP = "path_drop"   # the network's row mask of path-dropped rows, and their stats key (tread/sampling/cost.py)
+COND_ROWS = "cond_rows"   # keyword from CFG to the wrappers below it: how many leading rows are conditional
+
 
 class GuidanceError(UserError):
     """A sampling guidance / inference-routing setting that cannot work (reported before sampling)."""
@@ -41,9 +40,9 @@ class GuidanceError(UserError):
 @dataclass(frozen=True)
 class Guidance:
     cfg_scale: float = 1.0                    # classifier-free guidance scale (1 = none)
-    route_ratio: Optional[float] = None       # inference routing of the main branch (None: dense)
+    selection_ratio: Optional[float] = None   # the main branch's selection ratio at inference (None: dense)
     tread_scale: float = 1.0                  # TREAD guidance weight w (1 = none)
-    tread_weak_ratio: float = 0.5             # selection ratio of the weak branch (> the main branch's)
+    tread_weak_selection_ratio: float = 0.5   # selection ratio of the weak branch (> the main branch's)
     interval: Optional[tuple[float, float]] = None           # noise levels where guidance applies
     route_spans: Optional[tuple[tuple[int, int], ...]] = None  # spans for inference routing (None: checkpoint's)
     path_drop: bool = False                   # SPRINT: CFG's unconditional branch skips the deep span
@@ -52,17 +51,17 @@ class Guidance:
 
     @classmethod
     def from_settings(cls, cfg: Any) -> "Guidance":
-        """From a config node's cfg_scale / route_ratio / tread_scale / tread_weak_ratio / guidance_interval /
-        route_spans keys (sample.py, fid.py, in-training evaluation), already checked by the schema
-        (tread.schema.sampling.SamplingSettings)."""
+        """From a config node's sampling keys (configs/sampling/default.yaml: sample.py, fid.py, in-training
+        evaluation), already checked by the schema (tread.schema.sampling.SamplingSettings)."""
         def number(key: str, default: Any) -> Any:
             value = cfg.get(key, default)
             return None if value is None else float(value)
 
         interval = cfg.get("guidance_interval")
         spans = cfg.get("route_spans")
-        return cls(cfg_scale=number("cfg_scale", 1.0), route_ratio=number("route_ratio", None),
-                   tread_scale=number("tread_scale", 1.0), tread_weak_ratio=number("tread_weak_ratio", 0.5),
+        return cls(cfg_scale=number("cfg_scale", 1.0), selection_ratio=number("selection_ratio", None),
+                   tread_scale=number("tread_scale", 1.0),
+                   tread_weak_selection_ratio=number("tread_weak_selection_ratio", 0.5),
                    interval=None if interval is None else (float(interval[0]), float(interval[1])),
                    route_spans=None if spans is None else tuple((int(a), int(b)) for a, b in spans),
                    path_drop=bool(cfg.get("path_drop", False)), cfg_rule=str(cfg.get("cfg_rule", "any")),
@@ -75,7 +74,16 @@ class Guidance:
 
     @property
     def routes_at_inference(self) -> bool:
-        return self.route_ratio is not None or self.tread_scale != 1.0
+        return self.selection_ratio is not None or self.tread_scale != 1.0
+
+    @property
+    def guides(self) -> bool:
+        """Whether classifier-free guidance applies at this scale: any scale != 1, or with cfg_rule=above_one (the
+        paper code's rectified-flow sampler) only scales above 1 and 0 (the unconditional prediction; 0 < s < 1
+        then samples the plain conditional prediction)."""
+        if self.cfg_rule == "above_one":
+            return self.cfg_scale > 1.0 or self.cfg_scale == 0.0
+        return self.cfg_scale != 1.0
 
     def routes(self, model: Any, ratio: Optional[float]) -> Optional[list[dict]]:
         """Route specs for a branch at `ratio` on `model` (a backbone with `.routing`); None: dense."""
@@ -87,7 +95,7 @@ class Guidance:
             spans = tuple((r.start_layer_idx, r.end_layer_idx) for r in model.routing.routes)
             if not spans:
                 raise GuidanceError(
-                    "this checkpoint was trained without routes, so inference routing (route_ratio / tread_scale) "
+                    "this checkpoint was trained without routes, so inference routing (selection_ratio / tread_scale) "
                     "has no spans to use: give route_spans=[[start, end]], e.g. route_spans=[[2,-4]].")
         return [{"selection_ratio": ratio, "start_layer_idx": a, "end_layer_idx": b} for a, b in spans]
 
@@ -111,46 +119,133 @@ class Guidance:
 
     def ratios(self) -> list[Optional[float]]:
         """The branch ratios this guidance evaluates (None: dense)."""
-        out = [self.route_ratio]
+        out = [self.selection_ratio]
         if self.tread_scale != 1.0:
-            out.append(self.tread_weak_ratio)
+            out.append(self.tread_weak_selection_ratio)
         return out
 
     def describe(self) -> dict[str, Any]:
-        return {"cfg_scale": self.cfg_scale, "route_ratio": self.route_ratio, "tread_scale": self.tread_scale,
-                "tread_weak_ratio": self.tread_weak_ratio if self.tread_scale != 1.0 else None,
+        return {"cfg_scale": self.cfg_scale, "selection_ratio": self.selection_ratio, "tread_scale": self.tread_scale,
+                "tread_weak_selection_ratio": self.tread_weak_selection_ratio if self.tread_scale != 1.0 else None,
                 "guidance_interval": list(self.interval) if self.interval else None,
                 "route_spans": [list(s) for s in self.route_spans] if self.route_spans else None,
                 "path_drop": self.path_drop, "cfg_rule": self.cfg_rule, "tread_uncond": self.tread_uncond}
 
-    @property
-    def guides(self) -> bool:
-        """Whether classifier-free guidance applies at this scale: any scale != 1, or with cfg_rule=above_one (the
-        paper code's rectified-flow sampler) only scales above 1 and 0 (the unconditional prediction; 0 < s < 1
-        then samples the plain conditional prediction)."""
-        if self.cfg_rule == "above_one":
-            return self.cfg_scale > 1.0 or self.cfg_scale == 0.0
-        return self.cfg_scale != 1.0
+    def denoiser(self, net: Any, null_label: int, stats: Optional[dict] = None) -> Denoiser:
+        """What the samplers call for `net` under this guidance: the network itself when there is nothing to guide,
+        route or count, else the stack of wrappers. `stats`, when given, accumulates the per-sample forward passes
+        per branch ({ratio or None: count}, path-dropped rows under PATH_DROP)."""
+        if stats is None and self.is_plain:
+            return net
+        model = backbone(net)
 
+        def branch(ratio: Optional[float]) -> Denoiser:
+            inner = routed(net, model, self.routes(model, ratio))
+            return inner if stats is None else counted(inner, stats, ratio)
+
+        main = branch(self.selection_ratio)
+        guided = path_drop(main) if self.path_drop else main
+        if self.tread_scale != 1.0:
+            guided = tread_guidance(guided, branch(self.tread_weak_selection_ratio), self.tread_scale)
+            guided = null_labels(guided, null_label) if self.tread_uncond else guided
+        guided = cfg(guided, self.cfg_scale, null_label) if self.guides else conditional(guided)
+        return guided if self.interval is None else interval(guided, conditional(main), *self.interval)
+
+
+# ----------------------------------------------------------------------------- the wrappers
+
+def routed(net: Any, model: Any, specs: Optional[list[dict]]) -> Denoiser:
+    """`net` with its backbone `model` at inference routes `specs` (None: the model's own behaviour, dense at
+    inference). The network underneath every stack: the wrappers' COND_ROWS keyword stops here."""
+    def call(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+        cond.pop(COND_ROWS, None)
+        with model.routing.override(routes=specs) if specs is not None else contextlib.nullcontext():
+            return net(x, noise, labels, **cond)
+    return call
+
+
+def counted(inner: Denoiser, stats: dict, key: Any) -> Denoiser:
+    """Adds each call's per-sample forward passes to stats[key]; the rows `path_drop` marked (those from COND_ROWS
+    on) to stats[PATH_DROP]."""
+    def call(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+        out = inner(x, noise, labels, **cond)
+        # path_drop marks the rows from COND_ROWS on: counted from that, with no device sync to sum its mask
+        dropped = x.shape[0] - cond[COND_ROWS] if PATH_DROP in cond else 0
+        stats[key] = stats.get(key, 0) + x.shape[0] - dropped
+        if dropped:
+            stats[PATH_DROP] = stats.get(PATH_DROP, 0) + dropped
+        return out
+    return call
+
+
+def conditional(inner: Denoiser) -> Denoiser:
+    """The conditional prediction alone: the unconditional branch's conditioning (UNCOND) is not passed on."""
+    def call(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+        return inner(x, noise, labels, **split_uncond(cond)[0])
+    return call
+
+
+def cfg(inner: Denoiser, scale: float, null_label: int) -> Denoiser:
+    """Classifier-free guidance: uncond + scale * (cond - uncond), from one call on [conditional rows; unconditional
+    rows]. The unconditional rows get the null label (the model's own unconditional input, as in training label
+    dropout: text models zero their text embeddings), or, where the conditioning carries an UNCOND entry (negative
+    prompts), the real labels with that entry's conditioning."""
+    def call(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+        cond, uncond = split_uncond(cond)
+        uncond_labels = torch.full_like(labels, null_label) if uncond is None else labels
+        out = inner(torch.cat([x, x]), torch.cat([noise, noise]), torch.cat([labels, uncond_labels]),
+                    **{COND_ROWS: x.shape[0]}, **_joined(cond, cond if uncond is None else uncond))
+        cond_out, uncond_out = out.chunk(2)
+        return uncond_out + scale * (cond_out - uncond_out)
+    return call
+
+
+def path_drop(inner: Denoiser) -> Denoiser:
+    """SPRINT's path-drop guidance: the unconditional rows of CFG's batch (from COND_ROWS on) skip the model's deep
+    span (its `path_drop` row mask); without CFG every row is conditional and nothing is dropped."""
+    def call(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+        if cond.get(COND_ROWS) is None:
+            return inner(x, noise, labels, **cond)
+        mask = torch.arange(x.shape[0], device=x.device) >= cond[COND_ROWS]
+        return inner(x, noise, labels, **{PATH_DROP: mask}, **cond)
+    return call
+
+
+def tread_guidance(strong: Denoiser, weak: Denoiser, w: float) -> Denoiser:
+    """TREAD guidance: weak + w * (strong - weak) on the conditional rows (all rows without CFG; the unconditional
+    rows keep the strong prediction), the weak branch called on those rows only, after the strong one. w = 0 gives
+    the weak branch, w = 1 the strong one."""
+    def call(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+        out = strong(x, noise, labels, **cond)
+        rows = cond.pop(COND_ROWS, None)
+        if rows is not None:   # CFG's batch: its conditional rows
+            x, noise, labels, cond = x[:rows], noise[:rows], labels[:rows], _rows(cond, rows)
+        weak_out = weak(x, noise, labels, **cond)
+        guided = weak_out + w * (out[:len(x)] - weak_out)
+        return guided if rows is None else torch.cat([guided, out[rows:]])
+    return call
+
+
+def null_labels(inner: Denoiser, null_label: int) -> Denoiser:
+    """Every row with the null label (the paper code's TREAD guidance: both branches unconditional)."""
+    def call(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+        return inner(x, noise, torch.full_like(labels, null_label), **cond)
+    return call
+
+
+def interval(guided: Denoiser, plain: Denoiser, lo: float, hi: float) -> Denoiser:
+    """`guided` where lo <= noise level <= hi (the batch shares one level), else `plain`."""
+    def call(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
+        inside = lo <= float(noise.reshape(-1)[0]) <= hi
+        return (guided if inside else plain)(x, noise, labels, **cond)
+    return call
+
+
+# ----------------------------------------------------------------------------- rows and conditioning
 
 def backbone(net: Any) -> Any:
     """The routed backbone inside a preconditioner (EDMPrecond / RFModel) or the backbone itself."""
     return getattr(net, "model", net)
-
-
-@contextlib.contextmanager
-def routed(model: Any, specs: Optional[list[dict]]) -> Iterator[None]:
-    """Run `model` with inference routes `specs` (None: the model's own behaviour, dense at inference)."""
-    if specs is None:
-        yield
-        return
-    with model.routing.override(routes=specs):
-        yield
-
-
-
-UNCOND = "uncond"   # key, inside the per-sample conditioning, of the unconditional branch's own conditioning
-PATH_DROP = "path_drop"   # the stats key of path-dropped passes (SPRINT path-drop guidance; tread/sampling/cost.py)
 
 
 def _joined(first: dict, second: dict) -> dict:
@@ -160,6 +255,12 @@ def _joined(first: dict, second: dict) -> dict:
     return {k: (torch.cat([v, second.get(k, v)]) if isinstance(v, torch.Tensor) else
                 _joined(v, second.get(k, v)) if isinstance(v, dict) else v)
             for k, v in first.items()}
+
+
+def _rows(cond: dict, n: int) -> dict:
+    """The first n rows of per-sample conditioning (nested dicts key by key): the conditional half of _joined's."""
+    return {k: v[:n] if isinstance(v, torch.Tensor) else _rows(v, n) if isinstance(v, dict) else v
+            for k, v in cond.items()}
 
 
 def split_uncond(cond: dict) -> tuple[dict, Optional[dict]]:
@@ -174,52 +275,7 @@ def split_uncond(cond: dict) -> tuple[dict, Optional[dict]]:
     return {**cond, "cond": inner}, {**cond, "cond": uncond}
 
 
-def guided_denoiser(net: Any, guidance: Guidance, null_label: int,
-                    stats: Optional[dict] = None) -> Denoiser:
-    """Wrap net(x, noise, labels, **cond) with `guidance` (see the module docstring). `stats`, when given,
-    accumulates per-sample forward passes per branch ratio ({ratio or None: count})."""
-    model = backbone(net)
-    strong = guidance.routes(model, guidance.route_ratio)
-    weak = guidance.routes(model, guidance.tread_weak_ratio) if guidance.tread_scale != 1.0 else None
-    w, cfg_scale, interval = guidance.tread_scale, guidance.cfg_scale, guidance.interval
-
-    def count(ratio: Optional[float], n: int) -> None:
-        if stats is not None:
-            stats[ratio] = stats.get(ratio, 0) + n
-
-    def denoise(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
-        inside = interval is None or interval[0] <= float(noise.reshape(-1)[0]) <= interval[1]
-        use_cfg, use_tread = inside and guidance.guides, inside and w != 1.0
-        if use_tread and guidance.tread_uncond:   # the paper code's TREAD guidance: both branches unconditional
-            labels = torch.full_like(labels, null_label)
-        cond, uncond_cond = split_uncond(cond)
-        with routed(model, strong):
-            if use_cfg:   # one batched call: [conditional, unconditional]
-                if uncond_cond is None:   # the null label: the model's own unconditional input
-                    uncond_labels, uncond_cond = torch.full_like(labels, null_label), cond
-                else:                     # the unconditional branch's own conditioning (negative prompts)
-                    uncond_labels = labels
-                drop = {"path_drop": torch.arange(2 * x.shape[0], device=x.device) >= x.shape[0]} \
-                    if guidance.path_drop else {}   # SPRINT path-drop guidance: the unconditional rows skip the span
-                out = net(torch.cat([x, x]), torch.cat([noise, noise]), torch.cat([labels, uncond_labels]),
-                          **drop, **_joined(cond, uncond_cond))
-                cond_out, uncond = out.chunk(2)
-            else:
-                cond_out = net(x, noise, labels, **cond)
-        count(guidance.route_ratio, x.shape[0] * (1 if guidance.path_drop or not use_cfg else 2))
-        if use_cfg and guidance.path_drop:
-            count(PATH_DROP, x.shape[0])
-        if use_tread:
-            with routed(model, weak):
-                weak_out = net(x, noise, labels, **cond)
-            count(guidance.tread_weak_ratio, x.shape[0])
-            cond_out = weak_out + w * (cond_out - weak_out)
-        if use_cfg:
-            return uncond + cfg_scale * (cond_out - uncond)
-        return cond_out
-
-    return denoise
-
+# ----------------------------------------------------------------------------- entry points
 
 @contextlib.contextmanager
 def per_sample_routing(net: Any, seeds: Sequence[int], device: Any, guidance: Optional[Guidance]) -> Iterator[None]:
@@ -233,17 +289,9 @@ def per_sample_routing(net: Any, seeds: Sequence[int], device: Any, guidance: Op
         yield
 
 
-def denoiser(net: Any, guidance: Guidance, null_label: int, stats: Optional[dict] = None) -> Denoiser:
-    """What the samplers call for `net` under `guidance`: the network itself when there is nothing to
-    guide, route or count, else guided_denoiser."""
-    if stats is None and guidance.is_plain:
-        return net
-    return guided_denoiser(net, guidance, null_label, stats)
-
-
 def classifier_free_guidance(net: Any, cfg_scale: float, null_label: int) -> Denoiser:
     """net(x, noise, labels, **cond) -> uncond + cfg_scale * (cond - uncond), both branches in one batched
     call; cfg_scale == 1 is the plain conditional model. Per-sample conditioning tensors in `cond` (text
     embeddings, ...) are repeated for the unconditional half, whose null label tells the model to drop them,
     unless `cond` carries the unconditional half's own conditioning (UNCOND, see split_uncond)."""
-    return denoiser(net, Guidance(cfg_scale=cfg_scale), null_label)
+    return Guidance(cfg_scale=cfg_scale).denoiser(net, null_label)

@@ -1,5 +1,5 @@
 """Prompts in: the conditioning of a text-conditioned model from prompts, encoded by its family's own text
-encoders (tread/data/text.py, the family pipeline's encoding) the way its training data was encoded (the sequence
+encoders (tread/encoders/text.py, the family pipeline's encoding) the way its training data was encoded (the sequence
 length and encoder dtype that the data's meta.json records). Shared by sample.py prompts=[...] and the
 in-training validation prompts (eval.validation_prompts).
 
@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from tread.data.text import TextEncoderError, encode_prompts, load_text_encoders, resolve_text_encoder_paths
+from tread.encoders.text import TextEncoderError, encode_prompts, load_text_encoders, resolve_text_encoder_paths
 from tread.sampling.generate import CondFn, generate
 from tread.sampling.guidance import Guidance
 from tread.utils.errors import UserError

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Optional, Sequence
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, ValidationError
 
 from tread.utils.errors import UserError
+from tread.utils.renamed_keys import RENAMED_KEYS, renamed_message
 
 MISSING = "???"   # OmegaConf's mandatory-value marker, as to_container leaves it
 
@@ -90,7 +91,12 @@ def _walk(cls: type[BaseModel], loc: Sequence[Any]) -> tuple[Optional[type[BaseM
 
 
 def message(err: ValidationError, cls: type[BaseModel], prefix: str) -> str:
-    """The first error of a validation as one line: key, value, what is allowed."""
+    """The first error of a validation as one line: key, value, what is allowed. A renamed key comes first: it
+    names the key to use (and explains that key missing beside it, in a library caller's settings)."""
+    for e in err.errors():
+        renamed = _renamed(e, cls, prefix)
+        if renamed:
+            return renamed
     e = err.errors()[0]
     loc, kind, value = e["loc"], e["type"], e.get("input")
     name = dotted(prefix, loc)
@@ -105,6 +111,17 @@ def message(err: ValidationError, cls: type[BaseModel], prefix: str) -> str:
         return str(e["msg"]).split(", ", 1)[-1]
     _, desc = _walk(cls, loc)
     return f"{name}={show(value)} is not allowed; allowed: {desc or e['msg']}."
+
+
+def _renamed(e: dict, cls: type[BaseModel], prefix: str) -> Optional[str]:
+    """The refusal of an unknown key that was renamed (tread/utils/renamed_keys.py) to a key of its section."""
+    loc = e["loc"]
+    if e["type"] != "extra_forbidden" or not loc or loc[-1] not in RENAMED_KEYS:
+        return None
+    parent = _walk(cls, loc[:-1] + ("",))[0] if len(loc) > 1 else cls
+    if parent is None or RENAMED_KEYS[loc[-1]][0] not in parent.model_fields:
+        return None
+    return renamed_message(dotted(prefix, loc), show(e.get("input")))
 
 
 def show(value: Any) -> str:

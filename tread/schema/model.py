@@ -6,10 +6,11 @@ from typing import Any, Literal, Optional
 from pydantic import model_validator
 
 from tread.diffusion.rf import DynamicShift, RectifiedFlow
-from tread.models.dit import DIT_ARCHS, check_repa_block, parse_arch
+from tread.models.dit import DIT_ARCHS, parse_arch
 from tread.models.families import FAMILIES
 from tread.models.lora import ADAPTER_TYPES, LORA_KEYS, check_type_keys
 from tread.models.quantize import QUANTIZE_MODES, check_quantize
+from tread.models.repa import check_repa_block
 from tread.routing import SELECTION_MODES
 from tread.schema.base import (SEED_LIMIT, ConfigError, Flag, NonNegativeNumber, Number, PositiveNumber, Section, key,
                                one_of)

@@ -13,6 +13,7 @@ from tread.schema.sampling import (NEGATIVE_PROMPT, PROMPTS, TEXT_ENCODERS, Deco
                              SamplingSettings, check_guidance)
 from tread.schema.train import Paths
 from tread.schema.tree import container
+from tread.utils.device import cuda_count, why_unavailable
 
 SAMPLE_SEED_LIMIT = 2 ** 63      # a sample's seed seeds its own torch.Generator (64 bits)
 SampleSeed = Annotated[int, Field(ge=0, lt=SAMPLE_SEED_LIMIT)]
@@ -132,13 +133,8 @@ def check_seeds(seeds: Any, name: str = "seeds") -> None:
 
 def check_device(device: str, name: str = "device") -> None:
     """A CUDA device that this machine has (the form was checked by the schema)."""
-    if not device.startswith("cuda"):
-        return
-    import torch  # deferred: the schema itself does not need torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = int(device.split(":", 1)[1]) if ":" in device else 0
-    if index >= count:
-        have, allowed = ((f"CUDA devices 0..{count - 1}", f"auto, cpu, cuda or cuda:N with N < {count}") if count
-                         else ("no CUDA device", "auto or cpu"))
+    have = why_unavailable(device)
+    if have:
+        count = cuda_count()
+        allowed = f"auto, cpu, cuda or cuda:N with N < {count}" if count else "auto or cpu"
         raise ConfigError(f"{name}={device} is not available: this machine has {have}; allowed: {allowed}.")

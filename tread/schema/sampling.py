@@ -9,8 +9,8 @@ from typing import Annotated, Literal, Optional
 from annotated_types import Len
 from pydantic import Field
 
-from tread.data.vae import VAE_DTYPES
-from tread.evaluation.features import FEATURE_NAMES
+from tread.encoders.features import FEATURE_NAMES
+from tread.encoders.vae import VAE_DTYPES
 from tread.evaluation.metric_names import METRICS
 from tread.schema.base import ConfigError, Number, Section, check, key, one_of
 
@@ -27,11 +27,14 @@ class SamplingSettings(Section):
 
     num_steps: Optional[int] = key("null (the checkpoint's diffusion.num_steps) or an integer >= 1", ge=1)
     cfg_scale: Number = key("a number >= 0 (classifier-free guidance scale; 1 = none)", ge=0)
-    route_ratio: Optional[Number] = key("null (dense sampling) or a selection ratio in [0, 1)", ge=0, lt=1)
+    selection_ratio: Optional[Number] = key("null (dense sampling) or the main branch's selection ratio in [0, 1) "
+                                            "(the fraction of tokens dropped, as routing.routes[i].selection_ratio)",
+                                            ge=0, lt=1)
     route_spans: Optional[list[Annotated[list[int], Len(2, 2)]]] = key(
         "null (the checkpoint's route spans) or a non-empty list of [start, end] block indices", min_length=1)
     tread_scale: Number = key("a number (TREAD guidance weight; 1 = none)")
-    tread_weak_ratio: Number = key("a selection ratio in (0, 1) for the weak TREAD-guidance branch", gt=0, lt=1)
+    tread_weak_selection_ratio: Number = key("a selection ratio in (0, 1) for the weak TREAD-guidance branch",
+                                             gt=0, lt=1)
     guidance_interval: Optional[list[Number]] = key(
         "null or [lo, hi], two noise levels (EDM sigma, rectified-flow t) with 0 <= lo < hi", min_length=2, max_length=2)
     path_drop: bool = key("true or false (SPRINT models, model=sprint: CFG's unconditional branch skips the deep "
@@ -65,9 +68,10 @@ class MetricSettings(Section):
 
 def check_guidance(s: SamplingSettings, prefix: str) -> None:
     """The rules between guidance keys (each key's own range is in SamplingSettings)."""
-    if s.tread_scale != 1.0 and s.tread_weak_ratio <= (s.route_ratio or 0.0):
-        raise ConfigError(f"{prefix}tread_weak_ratio={s.tread_weak_ratio} must be above the main branch's ratio "
-                          f"({prefix}route_ratio={s.route_ratio}): the weak branch drops more tokens.")
+    if s.tread_scale != 1.0 and s.tread_weak_selection_ratio <= (s.selection_ratio or 0.0):
+        raise ConfigError(f"{prefix}tread_weak_selection_ratio={s.tread_weak_selection_ratio} must be above the main "
+                          f"branch's ratio ({prefix}selection_ratio={s.selection_ratio}): the weak branch drops more "
+                          f"tokens.")
     if s.guidance_interval is not None and not 0.0 <= s.guidance_interval[0] < s.guidance_interval[1]:
         raise ConfigError(f"{prefix}guidance_interval={list(s.guidance_interval)} is not allowed; allowed: "
                           f"[lo, hi] with 0 <= lo < hi.")

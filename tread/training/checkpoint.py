@@ -3,9 +3,10 @@ reading side: tread/utils/checkpoints.py), atomically, never with non-finite wei
 
 A checkpoint is written as step_XXXXXXX.tmp, checkpoint.json last, and renamed when complete, so a crash
 never leaves one that looks finished. Old checkpoints are pruned by renaming them to *.trash first, so a
-crash during pruning leaves nothing that looks like a checkpoint; `clean_run_dir` removes such leftovers
-at the next start. A failed write (disk full, permissions) removes its temp directory, keeps the previous
-checkpoint and ends the run with an error naming the path and the cause.
+crash during pruning leaves nothing that looks like a checkpoint; `clean_run_dir`
+(tread/runtime/run_dir.py) removes such leftovers at the next start. A failed write (disk full,
+permissions) removes its temp directory, keeps the previous checkpoint and ends the run with an error
+naming the path and the cause.
 """
 from __future__ import annotations
 
@@ -23,25 +24,16 @@ from tread.models.lora import adapter_state_dict, has_lora
 from tread.models.lora_export import diffusers_lora
 from tread.training.fsdp import gathered, is_sharded
 from tread.training.state import TrainingState
-from tread.utils.checkpoints import (FORMAT, LEGACY_FILE, META_FILE, TRAIN_FILE, WEIGHT_FILES, CheckpointError,
-                               checkpoint_dir, find_checkpoint, latest_legacy, list_checkpoints, load_model_file,
-                               rng_file, step_of)
+from tread.utils.checkpoints import (FORMAT, META_FILE, TRAIN_FILE, WEIGHT_FILES, checkpoint_dir, list_checkpoints,
+                                     rng_file, tmp_dir, trash_dir)
 from tread.utils.distributed import any_rank
 from tread.utils.errors import UserError
 from tread.utils.io import atomic_write_json
-from tread.utils.tensorfile import StateFileError, load_state, save_state, save_tensors
+from tread.utils.tensorfile import save_state, save_tensors
 
 
 class CheckpointWriteError(UserError):
     """A checkpoint that could not be written (disk full, permissions, non-finite weights)."""
-
-
-def tmp_dir(final: Path) -> Path:
-    return final.with_name(final.name + ".tmp")
-
-
-def trash_dir(ckpt: Path) -> Path:
-    return ckpt.with_name(ckpt.name + ".trash")
 
 
 def save_checkpoint(accelerator: Accelerator, run_dir: Path, state: TrainingState, config: dict, data_meta: dict,
@@ -147,50 +139,6 @@ def _remove(ckpt: Path) -> None:
         shutil.rmtree(trash)
     os.replace(ckpt, trash)
     shutil.rmtree(trash)
-
-
-def clean_run_dir(run_dir: Path) -> list[str]:
-    """Remove what interrupted launches leave in checkpoints/: temp dirs of unfinished writes, *.trash dirs of
-    unfinished pruning and step dirs without checkpoint.json (nor an old-format model.pt). Returns their names."""
-    root = Path(run_dir) / "checkpoints"
-    removed = []
-    for path in sorted(root.iterdir()) if root.is_dir() else []:
-        leftover = path.name.endswith((".tmp", ".trash")) or (
-            step_of(path) is not None and not (path / META_FILE).exists() and not (path / LEGACY_FILE).exists())
-        if leftover and path.is_dir():
-            shutil.rmtree(path)
-            removed.append(path.name)
-    return removed
-
-
-def read_checkpoint(ckpt: Path, rank: int) -> dict[str, Any]:
-    """Everything a resume needs from a checkpoint dir, read and checked before any of it is applied.
-    CheckpointError when a file is missing, truncated or corrupt, or the config names foreign code."""
-    model_file = load_model_file(ckpt)
-    try:
-        train = load_state(Path(ckpt) / TRAIN_FILE)
-        rng_path = Path(ckpt) / rng_file(rank)
-        rng = load_state(rng_path) if rng_path.is_file() else None
-    except StateFileError as err:
-        raise CheckpointError(f"checkpoint '{ckpt}': {err}") from None
-    return {**train, "model": model_file["model"], "ema": model_file["ema"], "rng": rng,
-            "adapter_only": bool(model_file.get("adapter_only")), "config": model_file["config"]}
-
-
-def resume_candidates(resume: Optional[str], run_dir: Path) -> list[Path]:
-    """`resume` (null | auto | PATH) -> checkpoint dirs to try, newest first (auto falls back to older ones
-    when the newest is corrupt); [] for a fresh run."""
-    if resume in (None, "", "null", "none"):
-        return []
-    if resume == "auto":
-        found = list_checkpoints(run_dir)
-        if not found and latest_legacy(run_dir) is not None:
-            find_checkpoint(run_dir, "resume")    # raises: old format, with the converter's command
-        return found[::-1]
-    try:
-        return [find_checkpoint(resume, "resume")]
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"{err} Use resume=auto to continue the latest checkpoint in hydra.run.dir.") from None
 
 
 # The EMA adapter of adapter runs, beside the checkpoint's weights. The first name is diffusers' default LoRA file

@@ -20,25 +20,25 @@ from tqdm.auto import tqdm
 from tread.evaluation.evaluator import Evaluator
 from tread.evaluation.metric_names import METRICS
 from tread.models.quantize import quantize_mode
+from tread.runtime.collectives import watch_collectives
+from tread.runtime.preempt import StopRequest, requeue_after, stop_on_signals
+from tread.runtime.run_dir import (check_changes, clean_run_dir, config_changes, describe_changes, lock_run_dir,
+                                   read_resume, resume_plan, shared_run_dir, trim_metrics)
 from tread.schema import check_train, check_train_files
-from tread.training.checkpoint import clean_run_dir, save_checkpoint
+from tread.training.checkpoint import save_checkpoint
 from tread.training.guard import NonFiniteGuard
-from tread.training.preempt import StopRequest, requeue_after, stop_on_signals
-from tread.training.run_dir import (check_changes, config_changes, describe_changes, lock_run_dir, read_resume,
-                              resume_plan, shared_run_dir, trim_metrics)
 from tread.training.run_log import RunLog
 from tread.training.setup import (TrainingParts, build_parts, ensure_dirs, make_accelerator, make_loader,
                                   mixed_precision, micro_batch_size, open_dataset, seed_streams, uses_loss_mask)
 from tread.training.state import TrainingState
 from tread.training.step import StepSettings, StepStats, TrainStep
 from tread.training.summary import RunSummary
-from tread.utils.collectives import watch_collectives
 
 
 def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] = None) -> dict[str, Any]:
     """Train per `cfg`, writing checkpoints, samples, metrics.jsonl and summary.json under `run_dir`;
     `overrides` (the command-line overrides, e.g. a sweep job's) are recorded in summary.json. A stop signal
-    ends the run at the next step with a checkpoint and status "preempted" (tread/training/preempt.py)."""
+    ends the run at the next step with a checkpoint and status "preempted" (tread/runtime/preempt.py)."""
     check_train(cfg)                                          # every key, before any work
     check_train_files(cfg)
     accelerator = make_accelerator(cfg.train)

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 from omegaconf import open_dict
 
-from tread.data import decode_to_uint8
-from tread.evaluation.encoders import build_patch_encoder
+from tread.data import decode_to_uint8, ensure_toy_classifier
+from tread.encoders.patch import REPA_TOY_SEED, build_patch_encoder
 from tread.evaluation.evaluator import decode_options
 from tread.models.errors import ModelConfigError
 from tread.models.repa import alignment_loss, patch_targets
@@ -23,27 +23,23 @@ from tread.models.repa import alignment_loss, patch_targets
 
 @dataclass
 class Repa:
-    """What the training step needs for REPA: the frozen encoder, the loss weight and the decode options."""
+    """What the training step needs for REPA: the frozen encoder, the loss weight, the decode options and the
+    model's token grid."""
 
     encoder: nn.Module
     weight: float
     decode: dict[str, Any]      # decode_to_uint8 options (eval.vae, vae_dtype, decode_batch_size)
-    last: Optional[torch.Tensor] = None   # the last alignment loss, detached (training records log it)
+    grid: Optional[tuple[int, int]] = None   # the model's token grid (rows, cols); set once the model is built
 
-    def loss(self, model: Any, x: torch.Tensor, meta: Mapping[str, Any]) -> torch.Tensor:
-        """The alignment loss of the last training forward of `model` (its projected tokens and their ids) against
-        the encoder's features of the clean latents x (B, C, H, W)."""
-        if model.aligned is None:
-            raise RuntimeError("REPA: the model's last forward left no aligned tokens (was it a training forward?)")
-        projected, ids = model.aligned
-        model.aligned = None
+    def loss(self, projected: torch.Tensor, ids: Optional[torch.Tensor], x: torch.Tensor,
+             meta: Mapping[str, Any]) -> torch.Tensor:
+        """The alignment loss of a training forward's projected tokens (B, K or N, C) and their ids (B, K) or
+        None (the backbone's auxiliary output under REPA_AUX) against the encoder's features of the clean
+        latents x (B, C, H, W)."""
         with torch.no_grad():
             images = decode_to_uint8(x.detach(), meta, **self.decode).permute(0, 3, 1, 2).float() / 127.5 - 1
-            side = model.input_size // model.patch_size
-            targets = patch_targets(self.encoder(images), (side, side))
-        loss = alignment_loss(projected, targets, ids)
-        self.last = loss.detach()
-        return loss
+            targets = patch_targets(self.encoder(images), self.grid)
+        return alignment_loss(projected, targets, ids)
 
 
 def build_repa(cfg: Any, device: torch.device) -> Optional[Repa]:
@@ -53,8 +49,10 @@ def build_repa(cfg: Any, device: torch.device) -> Optional[Repa]:
     spec = cfg.model.get("repa")
     if not spec:
         return None
-    encoder = build_patch_encoder(spec.encoder, weights=spec.get("encoder_weights"), cache_dir=str(cfg.paths.cache_dir),
-                                  device=device, resolution=int(cfg.data.resolution))
+    # The toy encoder is the toy classifier trained (once, cached) at the data's side with REPA's own seed.
+    weights = ensure_toy_classifier(str(cfg.paths.cache_dir), resolution=int(cfg.data.resolution),
+                                    seed=REPA_TOY_SEED) if spec.encoder == "toy" else spec.get("encoder_weights")
+    encoder = build_patch_encoder(spec.encoder, weights=weights, device=device)
     if spec.get("encoder_dim") is None:
         with open_dict(cfg):
             cfg.model.repa.encoder_dim = int(encoder.dim)

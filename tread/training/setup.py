@@ -105,6 +105,8 @@ def build_parts(cfg: Any, accelerator: Accelerator) -> TrainingParts:
     repa = build_repa(cfg, accelerator.device)              # the encoder first: it sizes the REPA head
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
+    if repa is not None:                                    # the targets' grid: the model's tokens
+        repa.grid = model.token_grid
     diffusion = build_diffusion(cfg.diffusion)
     net = diffusion.precondition(model)
     # A quantized frozen base (model.quantize) is shared by the EMA, not copied: it never changes.

@@ -17,6 +17,8 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 
 from tread.data import COND_KEYS, draw_latents
+from tread.diffusion.common import call_with_aux
+from tread.models.repa import REPA_AUX
 from tread.routing import resize_loss_mask
 from tread.training.ema import ema_decay_at, ema_update
 from tread.training.fsdp import full
@@ -82,10 +84,10 @@ class TrainStep:
             start = time.perf_counter()
             batch = next(batches)
             data_sec += time.perf_counter() - start   # the time the step waited for data (0 when prefetch keeps up)
-            loss = self.micro_step(batch, sync=micro == s.grad_accum_steps - 1)
+            loss, repa_loss = self.micro_step(batch, sync=micro == s.grad_accum_steps - 1)
             loss_sum += loss.detach() / s.grad_accum_steps
             if repa_sum is not None:
-                repa_sum += p.repa.last / s.grad_accum_steps
+                repa_sum += repa_loss.detach() / s.grad_accum_steps
             tokens += p.model.processed_fraction() / s.grad_accum_steps
         bad = nonfinite_flag(loss_sum, self.grad_norm())
         self.optimizer_step(bad)
@@ -113,8 +115,9 @@ class TrainStep:
             p.optimizer.step()
         p.optimizer.zero_grad(set_to_none=True)
 
-    def micro_step(self, batch: tuple, sync: bool) -> torch.Tensor:
-        """Forward and backward of one micro-batch; returns its (undivided) loss."""
+    def micro_step(self, batch: tuple, sync: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Forward and backward of one micro-batch; returns its (undivided) loss and its REPA term (None without
+        model.repa)."""
         p, s = self.parts, self.s
         x, y, extras = split_batch(batch, p.accelerator.device)
         x = draw_latents(x, s.data_meta)                   # moments data: one latent drawn per read (training RNG)
@@ -124,13 +127,17 @@ class TrainStep:
         kwargs: dict[str, Any] = {"cond": cond} if cond and self.takes_text else {}
         if mask is not None and s.force_keep:
             kwargs["force_keep"] = p.model.tokens_from_mask(mask)      # tokens > half under the mask
+        repa_loss = None
         with p.accelerator.no_sync(p.net) if not sync else contextlib.nullcontext():
             with p.accelerator.autocast():
-                loss = reduce_loss(p.diffusion.loss(p.net, x, y, **kwargs), mask)
-                if p.repa is not None:                  # REPA: align the model's tokens with the encoder's
-                    loss = loss + p.repa.weight * p.repa.loss(p.model, x, s.data_meta)
+                # REPA: the backbone also returns its projected tokens and their ids (tread/models/repa.py)
+                loss, aux = call_with_aux(p.diffusion.loss, p.net, x, y, return_aux=p.repa is not None, **kwargs)
+                loss = reduce_loss(loss, mask)
+                if aux is not None:                     # align the model's tokens with the encoder's
+                    repa_loss = p.repa.loss(*aux[REPA_AUX], x, s.data_meta)
+                    loss = loss + p.repa.weight * repa_loss
             p.accelerator.backward(loss / s.grad_accum_steps)
-        return loss
+        return loss, repa_loss
 
 
 def set_lr(optimizer: torch.optim.Optimizer, base: float, warmup_steps: int, step: int) -> float:

@@ -1,4 +1,5 @@
-"""The checkpoint directory layout, finding a checkpoint from what a user typed, and reading its weights.
+"""The checkpoint directory layout, finding a checkpoint from what a user typed, and reading it (weights for
+sampling, everything for a resume).
 
     <run dir>/checkpoints/step_0001200/
         model.safetensors        raw backbone weights        (safetensors: tensors only, no code)
@@ -9,6 +10,7 @@
         pytorch_lora_weights.safetensors  adapter runs: the EMA adapter as an exact LoRA for pipe.load_lora_weights
         checkpoint.json          step, the resolved config, the data's meta; written last: a step dir
                                  without it is incomplete
+    <run dir>/checkpoints/step_0001200.tmp/, .trash/   one being written, one being pruned (a leftover: a crash)
 
 Nothing here is a pickle, so reading a checkpoint can only make tensors and plain data. The config inside
 is data too: every `_target_` in it must be one of the project's builders (PROJECT_TARGETS), checked
@@ -26,8 +28,9 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from tread.utils.errors import UserError
+from tread.utils.renamed_keys import upgrade_keys
 from tread.utils.targets import PROJECT_TARGETS, check_targets, upgrade_targets
-from tread.utils.tensorfile import StateFileError, load_tensors
+from tread.utils.tensorfile import StateFileError, load_state, load_tensors
 
 PathLike = Union[str, Path]
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -37,6 +40,7 @@ TRAIN_FILE = "train_state.safetensors"
 LEGACY_FILE = "model.pt"              # the pickle format of earlier versions
 FORMAT = 2
 CONVERT = "python scripts/convert_checkpoint.py"
+TMP_SUFFIX, TRASH_SUFFIX = ".tmp", ".trash"    # a step dir being written, one being pruned
 
 
 class CheckpointError(UserError):
@@ -50,6 +54,16 @@ def checkpoint_dir(run_dir: PathLike, step: int) -> Path:
 
 def rng_file(rank: int) -> str:
     return f"rng_rank{rank}.safetensors"
+
+
+def tmp_dir(final: Path) -> Path:
+    """Where the checkpoint `final` is written before it is renamed into place (a leftover means a crash)."""
+    return final.with_name(final.name + TMP_SUFFIX)
+
+
+def trash_dir(ckpt: Path) -> Path:
+    """Where a pruned checkpoint is renamed before it is deleted (a leftover means a crash)."""
+    return ckpt.with_name(ckpt.name + TRASH_SUFFIX)
 
 
 def step_of(ckpt: PathLike) -> Optional[int]:
@@ -105,8 +119,9 @@ def run_dir_of(checkpoint: PathLike) -> Path:
 
 
 def read_meta(ckpt: PathLike) -> dict[str, Any]:
-    """checkpoint.json of a step dir: {"format", "step", "config", "data_meta", "adapter_only"}. Every
-    `_target_` in its config must be one of the project's builders, else TargetError."""
+    """checkpoint.json of a step dir: {"format", "step", "config", "data_meta", "adapter_only"}, its config in today's
+    names (pre-package `_target_`s, renamed sampling keys). Every `_target_` in it must be one of the project's
+    builders, else TargetError."""
     path = Path(ckpt) / META_FILE
     try:
         meta = json.loads(path.read_text())
@@ -116,7 +131,7 @@ def read_meta(ckpt: PathLike) -> dict[str, Any]:
         raise CheckpointError(f"'{path}' cannot be read ({err}); the checkpoint is corrupt.") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict) or "step" not in meta:
         raise CheckpointError(f"'{path}' is not a checkpoint description (needs step and config).")
-    check_targets(upgrade_targets(meta["config"]), PROJECT_TARGETS, f"checkpoint '{ckpt}'")
+    check_targets(upgrade_targets(upgrade_keys(meta["config"])), PROJECT_TARGETS, f"checkpoint '{ckpt}'")
     return meta
 
 
@@ -130,3 +145,33 @@ def load_model_file(ckpt: PathLike) -> dict[str, Any]:
     except StateFileError as err:
         raise CheckpointError(f"checkpoint '{path}': {err}") from None
     return {**meta, **weights}
+
+
+def read_checkpoint(ckpt: Path, rank: int) -> dict[str, Any]:
+    """Everything a resume needs from a checkpoint dir, read and checked before any of it is applied.
+    CheckpointError when a file is missing, truncated or corrupt, or the config names foreign code."""
+    model_file = load_model_file(ckpt)
+    try:
+        train = load_state(Path(ckpt) / TRAIN_FILE)
+        rng_path = Path(ckpt) / rng_file(rank)
+        rng = load_state(rng_path) if rng_path.is_file() else None
+    except StateFileError as err:
+        raise CheckpointError(f"checkpoint '{ckpt}': {err}") from None
+    return {**train, "model": model_file["model"], "ema": model_file["ema"], "rng": rng,
+            "adapter_only": bool(model_file.get("adapter_only")), "config": model_file["config"]}
+
+
+def resume_candidates(resume: Optional[str], run_dir: Path) -> list[Path]:
+    """`resume` (null | auto | PATH) -> checkpoint dirs to try, newest first (auto falls back to older ones
+    when the newest is corrupt); [] for a fresh run."""
+    if resume in (None, "", "null", "none"):
+        return []
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        if not found and latest_legacy(run_dir) is not None:
+            find_checkpoint(run_dir, "resume")    # raises: old format, with the converter's command
+        return found[::-1]
+    try:
+        return [find_checkpoint(resume, "resume")]
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err} Use resume=auto to continue the latest checkpoint in hydra.run.dir.") from None

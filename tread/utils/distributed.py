@@ -58,7 +58,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def rank_zero_call(fn: Callable[[], T]) -> T:
     """fn() on rank 0 only, its result on every rank; a user error it raises (tread.utils.errors.USER_ERRORS,
-    e.g. tread.utils.lock.RunDirLocked) is raised on every rank, so that none is left waiting in a later
+    e.g. tread.runtime.lock.RunDirLocked) is raised on every rank, so that none is left waiting in a later
     collective for a rank 0 that has ended. A collective: every rank must call it. Without a process group:
     fn()."""
     if not is_distributed():

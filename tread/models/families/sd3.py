@@ -15,7 +15,7 @@ SD3.5 blocks with dual attention (`dual_attention_layers`) run a second, image-o
 (`qk_norm: rms_norm`, SD3.5) acts per head and token, so it is unaffected by routing.
 
 Without T5 (`use_t5=False`): StableDiffusion3Pipeline with text_encoder_3=None feeds zeros in place of the T5
-output, i.e. the text embeddings' sequence positions after the 77 CLIP tokens (tread/data/text.py documents the
+output, i.e. the text embeddings' sequence positions after the 77 CLIP tokens (tread/encoders/text.py documents the
 layout). The family zeroes them in its conditioning, for training and sampling alike, so data encoded with T5
 trains (and samples) exactly as data encoded without it.
 
@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
 
-CLIP_TOKENS = 77   # the SD3 text embeddings: 77 CLIP positions, then the T5 output (tread/data/text.py)
+CLIP_TOKENS = 77   # the SD3 text embeddings: 77 CLIP positions, then the T5 output (tread/encoders/text.py)
 
 SD3_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 8 joint blocks, width 64. SD3.5-style: dual attention in the first

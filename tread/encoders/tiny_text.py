@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from .text import CLIP_DEFAULT_LENGTH, PathLike, family_spec
+from tread.encoders.text import CLIP_DEFAULT_LENGTH, PathLike, family_spec
 
 TINY_WORDS = ("a an the of photo picture image with on in and red green blue yellow magenta cyan orange white "
               "purple lime disc square triangle ring plus horizontal vertical stripes checkerboard diamond x cat "
@@ -75,6 +75,6 @@ def save_tiny_text_encoders(family: str, out_dir: PathLike, *, seed: int = 0,
             model.eval().save_pretrained(out / slot.model)
             tokenizer.save_pretrained(out / slot.tokenizer)
     index = {"_class_name": spec.pipeline,
-             "_note": "tiny random text encoders (tread.data.text.save_tiny_text_encoders)"}
+             "_note": "tiny random text encoders (tread.encoders.tiny_text.save_tiny_text_encoders)"}
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out

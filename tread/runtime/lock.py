@@ -5,38 +5,9 @@
             print(lock.note)
         ...                                 # train; the lock file goes away on leaving the block
 
-or explicitly: `note = lock.acquire()` ... `lock.release()` (idempotent; removes the file only while it is
-still ours). The API knows nothing of ranks: in a multi-process run exactly one process (the caller picks
-rank 0) takes the lock; the others never touch it.
-
-The lock is the file `<run_dir>/.lock`, JSON: {pid, host, started (ISO time), slurm_job_id (or null), argv,
-start_ticks, boot_id}. `start_ticks` (field 22 of /proc/<pid>/stat: the process's start time) and `boot_id`
-(/proc/sys/kernel/random/boot_id) tell a live holder from a dead one whose pid was reused, or one from
-before a reboot. Both are null where /proc does not have them.
-
-Acquiring: the full record is written to a private temp file and hard-linked to `.lock` (os.link fails if
-`.lock` exists, atomically, also on NFS), so of processes starting at the same moment exactly one wins and
-nobody ever reads a half-written lock. Filesystems without hard links fall back to O_CREAT|O_EXCL (a
-reader then retries a lock that is still being written for up to half a second).
-
-An existing lock is taken over (a note says why; it is also logged) when
-  * its holder ran on this host and is gone: no such pid (os.kill(pid, 0)), a zombie, a pid whose
-    start_ticks differ from the recorded ones (reused), or a different boot_id (rebooted);
-  * its holder ran on another host and its slurm_job_id equals this process's SLURM_JOB_ID (a requeued
-    SLURM job restarting, possibly on another node; the old processes of a requeued job are gone);
-  * this process left it (its holder is this very process and no RunDirLock of this process holds it).
-Otherwise `RunDirLocked` is raised, one line: the run dir, holder pid, host, since when, and what to do.
-A lock file that cannot be read or parsed is treated as held by an unknown holder (RunDirLocked naming it).
-
-Taking over is atomic too: the stale file is renamed to a private name and checked to be the very file
-(same inode) that was judged stale before our record is linked in; if another process won the race in
-between, the file it created is put back and we look again. Two processes racing for a stale lock: one
-wins. (With three or more racing for the same stale lock at the same microsecond, the restore can meet a
-third process's fresh lock; that window is not closed.)
-
-Limits: a holder on the same host but in another pid namespace (another container with the same hostname)
-looks dead. A holder on another host is never judged dead (nothing here can see its processes), except by
-the SLURM rule: delete the file by hand, as the error says, when such a process is known to be gone.
+The lock is `<run_dir>/.lock` (JSON: pid, host, start time, SLURM job id, argv, start_ticks, boot_id); one
+process of a run (rank 0) takes it. When a lock is stale and how taking it stays atomic, also on NFS:
+docs/reliability.md, "One launch per run directory".
 """
 from __future__ import annotations
 
@@ -51,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from tread.runtime.processes import boot_id, process_gone, process_start_ticks
 from tread.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -66,56 +38,7 @@ class RunDirLocked(UserError):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# This process and others on this host.
-
-def _proc_stat_fields(pid: int) -> Optional[list[str]]:
-    """The fields of /proc/<pid>/stat after the command name (field 3 = state is [0]), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    end = data.rfind(")")            # the command name may hold spaces and parentheses
-    return data[end + 2:].split() if end >= 0 else None
-
-
-def process_state(pid: int) -> Optional[str]:
-    """The state letter of process `pid` (R, S, D, T = stopped, Z = zombie, ...) from /proc, or None."""
-    fields = _proc_stat_fields(pid)
-    return fields[0] if fields else None
-
-
-def process_start_ticks(pid: int) -> Optional[int]:
-    """The start time of process `pid` in clock ticks after boot (/proc/<pid>/stat field 22), or None."""
-    fields = _proc_stat_fields(pid)
-    try:
-        return int(fields[19]) if fields else None
-    except (IndexError, ValueError):
-        return None
-
-
-def boot_id() -> Optional[str]:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
-    except OSError:
-        return None
-
-
-def process_gone(pid: int, start_ticks: Optional[int]) -> Optional[str]:
-    """Why process `pid` of this host (started at `start_ticks`, if known) is gone, or None if it is alive."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return "process gone"
-    except PermissionError:
-        pass                          # another user's live process
-    if process_state(pid) in ("Z", "X"):
-        return "process gone"         # exited, not yet reaped by its parent
-    now_ticks = process_start_ticks(pid)
-    if start_ticks is not None and now_ticks is not None and now_ticks != start_ticks:
-        return "process gone, its pid now belongs to another process"
-    return None
-
+# This process.
 
 def own_record() -> dict[str, Any]:
     """What this process writes into a lock."""
@@ -183,8 +106,8 @@ def _describe(record: dict[str, Any]) -> str:
 # The lock.
 
 class RunDirLock:
-    """A lock on `run_dir` (the file `<run_dir>/.lock`); see the module docstring. `note` is set by acquire()
-    when it took over a stale lock."""
+    """A lock on `run_dir` (the file `<run_dir>/.lock`; when a lock is stale: docs/reliability.md). `note` is
+    set by acquire() when it took over a stale lock."""
 
     def __init__(self, run_dir: Union[str, os.PathLike]):
         self.run_dir = Path(run_dir)

@@ -1,21 +1,19 @@
-"""An offline feature network for FID on the built-in toy_shapes data.
+"""An offline feature network for FID on the built-in toy_shapes data: the network, its training loop on given
+images, and its file (save, load, cache path).
 
 Inception weights need a download and say little about 32x32 coloured shapes, so the
 built-in data is scored with the penultimate features of a small CNN trained once,
 deterministically, to classify the shapes (300 images per class x 4 epochs of Adam: ~7 s on
 2 CPU cores, held-out accuracy 1.0). It is trained on freshly generated images (seed 12345),
-not on the training set (seed 0). Roughly, 500 samples against the dataset's reference give
+not on the training set (seed 0): tread/data/toy.py (ensure_toy_classifier) makes those images,
+trains it here and caches the file. Roughly, 500 samples against the dataset's reference give
 FID ~0.1 for real images, ~1 with Gaussian noise (sd 20/255), ~5-7 after a 3x3 blur, ~50-90
 with half the classes missing and ~200-260 for one class or pure noise: mode collapse and
 wrong looks are penalised strongly, pixel noise mildly (the classes are easy to tell apart).
-
-    python -m tread.evaluation.toy_classifier --cache-dir .cache     # (re)build the cached artefact
 """
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from pathlib import Path
 from typing import Union
 
@@ -23,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tread.data.toy import generate_toy_shapes
+from tread.encoders.errors import EncoderError, missing_weights
 from tread.utils.io import atomic_write, atomic_write_text
 
 # 64-d features: FID estimates a DxD covariance, and in-training evaluation uses only
@@ -31,6 +29,7 @@ from tread.utils.io import atomic_write, atomic_write_text
 # well conditioned and FID's small-sample bias stays low (128-d doubles both problems).
 FEATURE_DIM = 64
 DEFAULT_SEED = 12345
+REBUILD = "python scripts/toy_classifier.py --cache-dir DIR --resolution R --seed S"
 
 
 class ToyClassifier(nn.Module):
@@ -68,12 +67,6 @@ class ToyClassifier(nn.Module):
         return self.head(F.relu(self.features(x)))
 
 
-def _toy_uint8(num_per_class: int, resolution: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    images, labels = generate_toy_shapes(num_per_class, resolution, seed)
-    # The same [-1, 1] -> uint8 quantisation as decoding, so the net sees what it will be fed.
-    return ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8), labels.long()
-
-
 @torch.no_grad()
 def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 500) -> float:
     model.eval()
@@ -82,14 +75,15 @@ def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch
     return correct / len(images)
 
 
-def train_toy_classifier(resolution: int = 32, seed: int = DEFAULT_SEED, num_per_class: int = 300,
-                         epochs: int = 4, batch_size: int = 64, lr: float = 3e-3,
-                         verbose: bool = False) -> tuple[ToyClassifier, float]:
-    """Train on fresh toy_shapes (generator seed `seed`); return (model in eval mode, held-out accuracy)."""
+def train_toy_classifier(images: torch.Tensor, labels: torch.Tensor, val_images: torch.Tensor,
+                         val_labels: torch.Tensor, *, seed: int = DEFAULT_SEED, epochs: int = 4, batch_size: int = 64,
+                         lr: float = 3e-3, verbose: bool = False) -> tuple[ToyClassifier, float]:
+    """Train a ToyClassifier on uint8 (N, 3, R, R) `images` and int64 `labels` (seeding torch's global RNG with
+    `seed` first: the initialisation and the batch order follow from it); return (model in eval mode, its
+    accuracy on the held-out val_images / val_labels)."""
     torch.manual_seed(seed)
-    x, y = _toy_uint8(num_per_class, resolution, seed)
-    x_val, y_val = _toy_uint8(max(20, num_per_class // 4), resolution, seed + 1)  # held out: another seed
-    model = ToyClassifier(num_classes=int(y.max()) + 1, resolution=resolution)
+    x, y = images, labels
+    model = ToyClassifier(num_classes=int(y.max()) + 1, resolution=int(x.shape[-1]))
     steps_per_epoch = -(-len(x) // batch_size)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     # One-cycle LR: reaches high accuracy in a few epochs without tuning.
@@ -107,36 +101,13 @@ def train_toy_classifier(resolution: int = 32, seed: int = DEFAULT_SEED, num_per
             sched.step()
         if verbose:
             print(f"  toy classifier epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}", flush=True)
-    acc = accuracy(model, x_val, y_val)
+    acc = accuracy(model, val_images, val_labels)
     return model.eval(), acc
 
 
 def cache_path(cache_dir: Union[str, Path], resolution: int = 32, seed: int = DEFAULT_SEED) -> Path:
+    """Where the classifier trained at `resolution` with `seed` is cached under `cache_dir`."""
     return Path(cache_dir) / f"toy_classifier_r{resolution}_s{seed}.pt"
-
-
-def load_or_train_toy_classifier(cache_dir: Union[str, Path], resolution: int = 32, seed: int = DEFAULT_SEED,
-                                 verbose: bool = True) -> ToyClassifier:
-    """The cached classifier, training and caching it first if needed (atomic writes, so concurrent
-    processes at worst train it twice and never read a partial file)."""
-    path = cache_path(cache_dir, resolution, seed)
-    if path.is_file():
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        model = ToyClassifier(**ckpt["config"])
-        model.load_state_dict(ckpt["state_dict"])
-        return model.eval()
-    if verbose:
-        print(f"Training the toy-classifier feature network (one-off, cached at {path}) ...", flush=True)
-    start = time.time()
-    model, acc = train_toy_classifier(resolution, seed, verbose=verbose)
-    info = {"accuracy": acc, "train_seconds": round(time.time() - start, 1), "seed": seed,
-            "resolution": resolution, **model.config, "torch": str(torch.__version__)}
-    if verbose:
-        print(f"Toy classifier: held-out accuracy {acc:.4f}, {info['train_seconds']} s", flush=True)
-    if acc < 0.9:
-        print(f"WARNING: toy classifier accuracy is only {acc:.3f}; its FID features may be weak.", flush=True)
-    save_toy_classifier(model, path, info)
-    return model
 
 
 def save_toy_classifier(model: ToyClassifier, path: Union[str, Path], info: dict) -> Path:
@@ -148,19 +119,20 @@ def save_toy_classifier(model: ToyClassifier, path: Union[str, Path], info: dict
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Train and cache the toy-classifier FID feature network.")
-    parser.add_argument("--cache-dir", default=".cache")
-    parser.add_argument("--resolution", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    parser.add_argument("--force", action="store_true", help="retrain even if a cached artefact exists")
-    args = parser.parse_args()
-    path = cache_path(args.cache_dir, args.resolution, args.seed)
-    if args.force and path.exists():
-        path.unlink()
-    load_or_train_toy_classifier(args.cache_dir, args.resolution, args.seed)
-    print(f"Toy classifier at {path}")
-
-
-if __name__ == "__main__":
-    main()
+def load_toy_classifier(path: Union[str, Path]) -> ToyClassifier:
+    """The classifier saved at `path` (save_toy_classifier), in eval mode; EncoderError naming the path and how to
+    build it when it is missing or unreadable."""
+    path = Path(path).expanduser()
+    how = (f"it is trained (a few seconds on a CPU) and cached on first use by training and fid.py with "
+           f"features toy_classifier, or build it with `{REBUILD}` (the file is named "
+           f"toy_classifier_r<resolution>_s<seed>.pt in the cache directory, paths.cache_dir)")
+    if not path.is_file():
+        raise missing_weights("toy-classifier weights", path, how)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        model = ToyClassifier(**ckpt["config"])
+        model.load_state_dict(ckpt["state_dict"])
+    except Exception as err:  # noqa: BLE001 - a truncated or foreign file is reported the same way
+        raise EncoderError(f"the toy-classifier weights at '{path}' do not load ({type(err).__name__}: "
+                           f"{str(err).strip()[:200]}). Delete the file so that it is rebuilt: {how}") from None
+    return model.eval()

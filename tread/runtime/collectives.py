@@ -1,78 +1,11 @@
-"""Collective timeouts that name the rank that was waited for.
-
-A peer rank that is stopped (SIGSTOP, a frozen node) or lost (killed, crashed, its node gone) makes every
-other rank wait in its next collective. Inside `watch_collectives` that wait ends after
-`train.collective_timeout_min` minutes (may be fractional) as a `CollectiveTimeout` (a UserError) whose one
-line names the rank:
-
-    rank 0 waited 0.1 min (train.collective_timeout_min) in a collective for rank 1, which did not answer
-    (stopped: pid 4242 on host gpu-3); the run ends here
-
-Use: on every rank, once, right after the process group exists (after `Accelerator()`), around all the
-work that follows:
+"""Collective timeouts that name the rank that was waited for. On every rank, once, after the process group
+exists (after `Accelerator()`), around all the work that follows:
 
     with watch_collectives(cfg.train.collective_timeout_min):
-        ...                       # the run: a collective inside that fails for a peer -> CollectiveTimeout
+        ...      # a collective that fails for a peer -> CollectiveTimeout, one line naming the rank
 
-Without a process group (one process) it does nothing (a bad value is still refused: ValueError);
-`timeout_min=None` turns it off (torch's defaults stay: 30 min gloo, 10 min NCCL).
-
-The other messages (one line each, all ending "; the run ends here"):
-    rank 0 lost rank 1 in a collective: it did not answer (process gone: pid 4242 on host gpu-3)
-    rank 1 waited 0.1 min (...) in a collective, and rank 0, which hosts the rendezvous store at h:p, does
-        not answer (stopped or lost)
-    rank 0 waited 0.1 min (...) in a collective, but every rank is alive: one is busy elsewhere (a long
-        evaluation, checkpoint or data stall) or hung; raise train.collective_timeout_min if that work
-        legitimately takes longer
-    rank 1's collective failed after rank 0 had given up waiting in one (longer than 0.1 min, ...); if this
-        rank was busy that long (evaluation, checkpoint, data), raise train.collective_timeout_min
-    rank 1's collective failed after rank 0 ended with an error of its own (ValueError: ...)
-    rank 2's collective failed after rank 0 ended the run: <rank 0's message naming the rank>
-For a rank on this host the state comes from /proc (stopped, process gone); elsewhere "stopped or lost".
-
-How:
-
-* Timeout: `dist.set_timeout` on the default process group (every backend in it) once it exists, so it does
-  not matter who created the group (accelerate), and the start-up rendezvous keeps torch's long default
-  (ranks of a big job may start minutes apart). Gloo applies the timeout to each operation: a collective
-  waiting for a stopped peer raises RuntimeError ("Timed out waiting 6000ms for recv operation") after it;
-  one whose peer died raises at once ("Connection reset by peer").
-
-* Naming the rank: a heartbeat in the rendezvous TCPStore. Each rank's daemon thread increments its counter
-  `tread/collectives/<n>/beat/<rank>` every `heartbeat_period(timeout)` s (timeout/20, 0.1..5 s), over a
-  store connection of its own. When a collective raises inside the block, the rank marks itself as failed,
-  reads the other ranks' counters, waits `roll_call_sec(timeout)` (4 periods, at least 2 s) and reads them
-  again: a rank whose counter did not move is stopped or dead (every thread of a SIGSTOPped or killed
-  process stops; a busy or slow rank keeps beating). Its pid and host, published at start-up, are named.
-  Ranks that marked themselves as failed are not blamed: they gave up too. Each rank publishes its finding
-  (the first one is kept) so that a rank whose collective fails later, maybe after the store is gone,
-  cites it; the store's host (rank 0) stays until the live ranks have made theirs (at most a roll call and
-  two store timeouts). An exception of a rank's own (not a collective's) passes through untouched, but is
-  published first (rank 0 then stays two heartbeat periods), so that the others cite it.
-  At the end of the block the store's host likewise waits (at most 2 answer_sec and a period) for the other
-  ranks to leave it, so that no heartbeat finds the store gone (torch prints a C++ stack trace then).
-  Store calls are made in a helper thread given `answer_sec` (2 s or 2 periods): a TCPStore call to a
-  stopped store host blocks for good whatever its timeout. A store that does not answer names its host:
-  rank 0 (env:// and tcp:// rendezvous) or torchrun's agent (TORCHELASTIC_USE_AGENT_STORE).
-  Chosen over `dist.monitored_barrier` on a gloo side group: that names the missing ranks on rank 0 only
-  (the others read "check rank 0 logs"), waits a full timeout per missing rank in turn, and needs every
-  healthy rank to reach it within one timeout of rank 0; the heartbeat gives every rank the answer within
-  seconds, needs no collective, and does not depend on the backend of the failed collective.
-
-* Early notice: rank 0's heartbeat thread also watches every rank's counter (one multi_get a period), the
-  other ranks watch rank 0's (and whether the store answers); a counter still for half the timeout logs one
-  warning, "rank 0: rank 1 (pid 4242 on host gpu-3) has not answered for 0.05 min (stopped or lost?);
-  collectives waiting for it fail after 0.1 min (train.collective_timeout_min)". Silenced once a rank has
-  failed or left the block.
-
-NCCL: the timeout applies (set_timeout reaches the NCCL backend), but torch's watchdog
-(TORCH_NCCL_ASYNC_ERROR_HANDLING=3, the default) then aborts the whole process from a C++ thread: no Python
-exception reaches `watch_collectives`, the run ends with torch's "Watchdog caught collective operation
-timeout", and the early notice above is the line that names the rank. TORCH_NCCL_BLOCKING_WAIT=1 would make
-synchronous waits raise in Python, but the watchdog still races to tear the process down, and DDP's
-gradient all-reduces are never waited on by the CPU (a hang there shows in a later CUDA synchronisation), so
-it is not set here. Converted errors: `torch.distributed.DistError` and RuntimeErrors from gloo or NCCL (also
-as the cause of another exception).
+The design (the heartbeat in the rendezvous store, the roll call, every message, NCCL's behaviour, and why
+not dist.monitored_barrier) is in docs/reliability.md, "A stopped or lost rank".
 """
 from __future__ import annotations
 
@@ -90,8 +23,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
+from tread.runtime.processes import describe_process, process_start_ticks
 from tread.utils.errors import UserError
-from tread.utils.lock import process_gone, process_start_ticks, process_state
 
 log = logging.getLogger(__name__)
 
@@ -309,8 +242,8 @@ class CollectiveMonitor:
         self._ending = self._ending or store.add(self._key("ending"), 0) > 0
         if self._ending and self._first_failed is None and store.check([self._key("first_failed")]):
             self._first_failed = int(store.get(self._key("first_failed")))
-        if self._ending and self._verdict is None and store.check([self._key("verdict")]):
-            self._verdict = json.loads(store.get(self._key("verdict")))
+        if self._ending:
+            self._read_verdict(store)
         now = self._last_ok = time.monotonic()
         for r, value in zip(self._watched, values):
             if self._last.get(r) != value:
@@ -396,9 +329,15 @@ class CollectiveMonitor:
         gave_up = _timed(lambda: [r for r in silent if store.check([self._key("failed", r)])], wait)
         details = _timed(lambda: [f"rank {r}: {self._who(store, r, verdict=True)}"
                                   for r in silent if r not in gave_up][:MAX_NAMED], wait)
-        key = self._key("verdict")
-        self._verdict = _timed(lambda: json.loads(store.get(key)) if store.check([key]) else None, wait)
+        _timed(lambda: self._read_verdict(store), wait)
         return silent, gave_up, details
+
+    def _read_verdict(self, store: Any) -> None:
+        """The first finding a rank published, once there is one, and a note that this rank has read it (the
+        store's host waits for that after an error of its own)."""
+        if self._verdict is None and store.check([self._key("verdict")]):
+            self._verdict = json.loads(store.get(self._key("verdict")))
+            store.set(self._key("seen", self.rank), "1")
 
     def _after(self, other: int) -> str:
         """The message of a rank whose collective failed after rank `other` had given up (and ended)."""
@@ -417,7 +356,8 @@ class CollectiveMonitor:
                   mark: bool = False) -> None:
         """Publish this rank's finding (the first one stays) and count this rank as done. The rank hosting the
         store then stays a little, as the store ends with it: until the other live ranks (`alive` with this
-        one) are done with theirs, or, after an error of its own, long enough for their heartbeats to see it."""
+        one) are done with theirs, or, after an error of its own, until the others have read it (at most a roll
+        call: a stopped rank never does)."""
         def publish() -> int:
             if mark:
                 self._mark(store)
@@ -430,7 +370,10 @@ class CollectiveMonitor:
             if not self._hosts_store():
                 return
             if alive is None:
-                time.sleep(2 * self.period + 0.2)
+                others = [self._key("seen", r) for r in range(self.world) if r != self.rank]
+                deadline = time.monotonic() + roll_call_sec(self.timeout_sec)
+                while time.monotonic() < deadline and not _timed(lambda: store.check(others), self.answer_sec):
+                    time.sleep(self.period)
                 return
             deadline = time.monotonic() + roll_call_sec(self.timeout_sec) + 2 * self.answer_sec
             while done < alive and time.monotonic() < deadline:
@@ -452,16 +395,7 @@ class CollectiveMonitor:
         where = f"pid {who['pid']} on host {who['host']}"
         if not verdict:
             return where
-        state = "stopped or lost"
-        if who["host"] == self.host:
-            gone = process_gone(int(who["pid"]), who.get("start_ticks"))
-            if gone:
-                state = gone
-            elif process_state(int(who["pid"])) in ("T", "t"):
-                state = "stopped"
-            else:
-                state = "alive but not answering"
-        return f"{state}: {where}"
+        return f"{describe_process(int(who['pid']), who['host'], who.get('start_ticks'))}: {where}"
 
     def _store_host(self) -> str:
         addr = f" at {self.store_addr}" if self.store_addr else ""

@@ -1,13 +1,13 @@
 """The VAE (diffusers AutoencoderKL) behind "vae"-decoded latent data: loading (cached, offline-aware),
 encoding images to raw latents / posterior moments, and decoding model-space latents to uint8 pixels.
 
-Conventions (see tread/data/meta.py for the on-disk format):
+Conventions (tread/data/meta.py describes how a dataset records them):
     raw latents   what vae.encode() gives (mean or a draw of the posterior) and vae.decode() takes.
     model space   (raw - shift_factor) * scaling_factor; shift_factor is 0 for SD-VAE (FLUX's VAE has one).
 
 Loading never hangs on a machine without network: a local directory is loaded as is; a hub id is looked
 up in the local Hugging Face cache first, and only when it is not there (and HF_HUB_OFFLINE is unset and
-the hub answers within a few seconds) downloaded. Failures raise LatentDatasetError with the exact steps
+the hub answers within a few seconds) downloaded. Failures raise EncoderError with the exact steps
 to provide the weights.
 """
 from __future__ import annotations
@@ -23,9 +23,8 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
+from tread.encoders.errors import EncoderError
 from tread.utils.device import DeviceLike, resolve_device
-
-from .meta import LatentDatasetError
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 VAE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,7 +44,7 @@ def clear_vae_cache() -> None:
 def vae_dtype(name: str) -> torch.dtype:
     """"float32" | "bfloat16" | "float16" -> torch dtype; anything else raises naming the allowed values."""
     if name not in VAE_DTYPES:
-        raise LatentDatasetError(f"VAE dtype {name!r} is not supported; allowed: {list(VAE_DTYPES)}")
+        raise EncoderError(f"VAE dtype {name!r} is not supported; allowed: {list(VAE_DTYPES)}")
     return VAE_DTYPES[name]
 
 
@@ -75,10 +74,10 @@ def _local_dir(name: str) -> Optional[Path]:
     if path.is_dir():
         return path.absolute()
     if path.exists():
-        raise LatentDatasetError(f"VAE path '{name}' is a file; expected a diffusers AutoencoderKL directory "
+        raise EncoderError(f"VAE path '{name}' is a file; expected a diffusers AutoencoderKL directory "
                                  f"(config.json + weights, as written by save_pretrained). {how_to_provide(name)}")
     if not _looks_like_hub_id(name):
-        raise LatentDatasetError(f"VAE directory '{name}' does not exist (and it is not a hub id like "
+        raise EncoderError(f"VAE directory '{name}' does not exist (and it is not a hub id like "
                                  f"'{DEFAULT_VAE}'). {how_to_provide(name)}")
     return None
 
@@ -106,9 +105,9 @@ def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
         return False
 
 
-def _fail(name: str, subfolder: Optional[str], reason: str) -> LatentDatasetError:
+def _fail(name: str, subfolder: Optional[str], reason: str) -> EncoderError:
     where = f"'{name}'" + (f" (subfolder '{subfolder}')" if subfolder else "")
-    return LatentDatasetError(f"cannot load the VAE {where}: {reason}. {how_to_provide(name, subfolder)}")
+    return EncoderError(f"cannot load the VAE {where}: {reason}. {how_to_provide(name, subfolder)}")
 
 
 def _from_disk_or_hub(name: str, subfolder: Optional[str]):
@@ -150,11 +149,11 @@ def load_vae(name_or_path: str, *, subfolder: Optional[str] = None, device: Devi
     """A diffusers AutoencoderKL in eval mode without gradients, cached per process.
 
     The cache key is (name, subfolder, device, dtype); a second device or dtype of an already loaded VAE is
-    a copy of it, so the weights are read from disk (or the hub) once per process. Raises LatentDatasetError
+    a copy of it, so the weights are read from disk (or the hub) once per process. Raises EncoderError
     naming the VAE and how to provide it when it cannot be loaded.
     """
     if not isinstance(name_or_path, str) or not name_or_path:
-        raise LatentDatasetError(f"VAE name/path must be a non-empty string, got {name_or_path!r}")
+        raise EncoderError(f"VAE name/path must be a non-empty string, got {name_or_path!r}")
     torch_dtype, dev = vae_dtype(dtype), resolve_device(device)
     local = Path(name_or_path).expanduser()
     name = str(local.absolute()) if local.is_dir() else name_or_path
@@ -223,7 +222,7 @@ def decode_raw_to_uint8(vae, raw: torch.Tensor, batch_size: int = 32) -> torch.T
         raise ValueError(f"decode batch_size must be >= 1, got {batch_size}")
     device, dtype = _vae_device_dtype(vae)
     if raw.ndim != 4 or raw.shape[1] != vae.config.latent_channels:
-        raise LatentDatasetError(f"the VAE takes (B, {vae.config.latent_channels}, h, w) latents, got shape "
+        raise EncoderError(f"the VAE takes (B, {vae.config.latent_channels}, h, w) latents, got shape "
                                  f"{list(raw.shape)}: the data and the VAE do not match")
     out = []
     for start in range(0, len(raw), batch_size):

@@ -27,7 +27,7 @@ PixArt's optional caption cleaning (clean_caption, which needs bs4/ftfy) is not 
 as given. Weights are never downloaded: pass a local diffusers pipeline folder (text_encoder*/ and
 tokenizer*/ subfolders), e.g. fetched with
     hf download black-forest-labs/FLUX.1-dev --include 'text_encoder*/*' 'tokenizer*/*' --local-dir DIR
-or per-encoder folders. tread/data/tiny_text.py writes tiny random encoders (tests, offline trials).
+or per-encoder folders. tread/encoders/tiny_text.py writes tiny random encoders (tests, offline trials).
 """
 from __future__ import annotations
 
@@ -42,9 +42,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from tread.utils.errors import UserError
-
-from .images import read_name_value_file
+from tread.encoders.errors import EncoderError
 
 TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart")
 PathLike = Union[str, os.PathLike]
@@ -53,7 +51,7 @@ CLIP_DEFAULT_LENGTH = 77
 SD3_T5_WIDTH = 4096   # joint_attention_dim of every SD3 / SD3.5 transformer (T5-XXL's width)
 
 
-class TextEncoderError(UserError):
+class TextEncoderError(EncoderError):
     """A text encoder cannot be found / loaded, or prompts cannot be encoded; the message says what to do."""
 
 
@@ -443,22 +441,3 @@ def _encode_masked_t5(family: str, models: dict, tok: dict, prompts: list[str], 
     if family in ("wan", "auraflow"):  # padding positions zeroed (Wan keeps the first seq_len rows)
         hidden = hidden * mask[..., None].to(hidden.dtype)
     return {"text": hidden, "text_mask": mask.bool()}
-
-
-# ----------------------------------------------------------------------------- captions files
-
-def _json_caption(name: str, caption: Any) -> str:
-    if not isinstance(caption, str):
-        raise ValueError(f"the caption of '{name}' is {caption!r}; captions must be strings")
-    return caption
-
-
-def read_captions_file(path: PathLike) -> dict[str, str]:
-    """{file name (relative to the image folder, posix): caption} from a JSON object {"file": "caption"} or a
-    CSV/TSV file of `file name,caption` lines (tab-separated when the line has a tab; the caption is the rest of
-    the line, so it may contain commas, and may be quoted as in CSV). Blank lines, `#` comments and a
-    `file_name,caption` header are skipped."""
-    return read_name_value_file(path, what="caption", error_cls=TextEncoderError, split="first",
-                                header=(("file_name", "filename", "file", "path", "image"),
-                                        ("caption", "text", "prompt")),
-                                json_value=_json_caption, json_example='{"file name": "caption"}', say_where=True)

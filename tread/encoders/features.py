@@ -1,4 +1,5 @@
-"""Pluggable feature extractors for the ADM metric suite (FID, sFID, IS, precision/recall, KID).
+"""The metric feature networks (FID, sFID, IS, precision/recall, KID; FDD's DINOv2), frozen, built from explicit
+local files; tread/evaluation/extractors.py picks the files (and has the toy classifier built first).
 
 Every extractor is an nn.Module taking uint8 (B, 3, H, W) images (the torch-fidelity input convention):
 
@@ -31,14 +32,15 @@ import os
 import socket
 import tempfile
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Optional, Union
 
-import numpy as np
 import torch
 import torch.nn as nn
 
-from tread.evaluation.frechet import FeatureStats
-from tread.evaluation.toy_classifier import load_or_train_toy_classifier
+from tread.encoders.dinov2 import load_dinov2, weights_digest
+from tread.encoders.errors import EncoderError, missing_weights
+from tread.encoders.patch import DinoPatchEncoder
+from tread.encoders.toy_classifier import load_toy_classifier
 from tread.utils.device import resolve_device
 from tread.utils.io import atomic_write
 
@@ -56,7 +58,27 @@ def inception_cache_path() -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(INCEPTION_URL)
 
 
-def _download_inception_weights() -> Path:
+def inception_how_to_provide() -> str:
+    """The steps that make the Inception weights loadable on a machine without network."""
+    name = os.path.basename(INCEPTION_URL)
+    return (f"download {INCEPTION_URL} on a machine with network, then pass its path with "
+            f"eval.inception_weights=/path/to/{name} (training; fid.py: inception_weights=..., "
+            f"scripts/precompute_latents.py: --inception-weights ...), or copy it to {inception_cache_path()} (the "
+            f"torch hub cache torch-fidelity uses; set TORCH_HOME to move it). For the built-in data, "
+            f"features toy_classifier need no download.")
+
+
+def inception_weights_file(weights_path: Optional[Union[str, Path]] = None) -> Path:
+    """The Inception weights to load: `weights_path` (which must exist), else the torch hub cache's copy,
+    downloaded there first when missing. The download stays, as torch-fidelity and the VAE's hub lookup do it:
+    with network the standard weights simply appear; without, it fails within DOWNLOAD_TIMEOUT_S with
+    EncoderError saying how to provide the file."""
+    if weights_path is not None:
+        path = Path(weights_path).expanduser()
+        if not path.is_file():
+            raise missing_weights("Inception weights file (eval.inception_weights / inception_weights)", path,
+                                  inception_how_to_provide())
+        return path
     path = inception_cache_path()
     if path.is_file():
         return path
@@ -65,13 +87,9 @@ def _download_inception_weights() -> Path:
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # fail fast instead of hanging on a dead network
     try:
         torch.hub.download_url_to_file(INCEPTION_URL, str(path), progress=False)
-    except Exception as e:
-        raise RuntimeError(
-            f"Could not download the Inception-v3 FID weights ({path.name}) from {INCEPTION_URL}: {e!r}.\n"
-            f"Without network access, download that file on another machine and either pass its path with "
-            f"eval.inception_weights=/path/to/{path.name} (fid.py: inception_weights=...), or copy it to "
-            f"{path} (the torch hub cache torch-fidelity uses; set TORCH_HOME to move it). "
-            f"For the built-in data, eval.features=toy_classifier needs no download.") from e
+    except Exception as e:  # noqa: BLE001 - no network, a proxy, a full disk: all end the same way
+        raise EncoderError(f"Could not download the Inception-v3 FID weights ({path.name}) from {INCEPTION_URL} "
+                           f"({e!r}). To provide them: {inception_how_to_provide()}") from None
     finally:
         socket.setdefaulttimeout(old_timeout)
     return path
@@ -104,21 +122,17 @@ class InceptionFeatures(nn.Module):
     spatial_dim = INCEPTION_SPATIAL_SIDE ** 2 * SPATIAL_CHANNELS  # 2023
     num_logits = 1008
 
-    def __init__(self, weights_path: Optional[Union[str, Path]] = None):
+    def __init__(self, weights_path: Optional[Union[str, Path]] = None):  # None: the torch hub cache's copy
         super().__init__()
-        if weights_path is not None:
-            weights_path = Path(weights_path).expanduser()
-            if not weights_path.is_file():
-                raise FileNotFoundError(f"Inception weights file not found: {weights_path} "
-                                        f"(set by eval.inception_weights / inception_weights)")
-        else:
-            weights_path = _download_inception_weights()
+        weights_path = inception_weights_file(weights_path)
         try:
             self.net = _inception_class()("inception-v3-compat", ["2048", "logits_unbiased"],
                                           feature_extractor_weights_path=str(weights_path))
-        except Exception as e:  # unreadable file, or a state_dict of another architecture
-            raise RuntimeError(f"{weights_path} is not usable as torch-fidelity Inception-v3 weights (expected "
-                               f"{os.path.basename(INCEPTION_URL)} from {INCEPTION_URL}): {e}") from e
+        except Exception as e:  # noqa: BLE001 - unreadable file, or a state_dict of another architecture
+            raise EncoderError(f"'{weights_path}' is not usable as torch-fidelity Inception-v3 weights (expected "
+                               f"{os.path.basename(INCEPTION_URL)} from {INCEPTION_URL}: "
+                               f"{type(e).__name__}: {str(e).strip()[:300]}). To provide them: "
+                               f"{inception_how_to_provide()}") from None
         self._spatial: Optional[torch.Tensor] = None
         self._capture = False
         self.net.Mixed_6d.branch1x1.register_forward_hook(self._spatial_hook)
@@ -166,7 +180,7 @@ def save_random_inception_weights(path: Union[str, Path], seed: int = 0) -> Path
 
 
 class ToyClassifierFeatures(nn.Module):
-    """Features of the offline toy-shapes classifier (evaluation.toy_classifier):
+    """Features of the offline toy-shapes classifier (tread/encoders/toy_classifier.py):
 
     * pool    = the 64-d penultimate (pre-activation) embedding;
     * logits  = its class head (10 toy classes);
@@ -216,18 +230,26 @@ def forward_features(extractor: nn.Module, images: torch.Tensor, spatial: bool =
     return {"pool": extractor(images).float()}
 
 
-def build_feature_extractor(name: str, *, inception_weights: Optional[Union[str, Path]] = None,
-                            cache_dir: Union[str, Path] = ".cache", device: Union[str, torch.device] = "cpu",
-                            resolution: int = 32) -> nn.Module:
-    """A frozen extractor in eval mode on `device` ("auto": CUDA if available).
+def check_feature_name(name: str) -> str:
+    """`name` if it is a metric feature network (FEATURE_NAMES); else EncoderError saying which are."""
+    if name not in FEATURE_NAMES:
+        raise EncoderError(f"Unknown feature extractor eval.features={name!r}; choose one of {FEATURE_NAMES}")
+    return name
 
-    `resolution` picks the toy classifier trained at that image size (Inception resizes itself)."""
-    if name == "inception":
-        extractor = InceptionFeatures(inception_weights)
-    elif name == "toy_classifier":
-        extractor = ToyClassifierFeatures(load_or_train_toy_classifier(cache_dir, resolution=resolution))
+
+def build_feature_extractor(name: str, *, inception_weights: Optional[Union[str, Path]] = None,
+                            toy_classifier: Optional[Union[str, Path]] = None,
+                            device: Union[str, torch.device] = "cpu") -> nn.Module:
+    """The frozen extractor `name` in eval mode on `device` ("auto": CUDA if available), from explicit files:
+    "inception" from `inception_weights` (None: the torch hub cache's copy, see inception_weights_file),
+    "toy_classifier" from the classifier file `toy_classifier` (tread.data.ensure_toy_classifier makes it)."""
+    if check_feature_name(name) == "inception":
+        extractor: nn.Module = InceptionFeatures(inception_weights)
+    elif toy_classifier is None:
+        raise EncoderError("features toy_classifier need the classifier's file (toy_classifier=PATH); "
+                           "tread.evaluation.extractors.feature_extractor finds or builds it in the cache directory")
     else:
-        raise ValueError(f"Unknown feature extractor eval.features={name!r}; choose one of {FEATURE_NAMES}")
+        extractor = ToyClassifierFeatures(load_toy_classifier(toy_classifier))
     return extractor.to(resolve_device(device)).eval().requires_grad_(False)
 
 
@@ -235,17 +257,30 @@ def extractor_device(extractor: nn.Module) -> torch.device:
     return next(extractor.parameters()).device
 
 
-@torch.no_grad()
-def extract_features(extractor: nn.Module,
-                     images: Union[torch.Tensor, np.ndarray, Iterable[Union[torch.Tensor, np.ndarray]]],
-                     batch_size: int = 250, device: Optional[Union[str, torch.device]] = None,
-                     stats: Optional[FeatureStats] = None) -> FeatureStats:
-    """Feature statistics of uint8 (N, 3, H, W) images: one tensor/array or an iterable of batches."""
-    device = extractor_device(extractor) if device is None else resolve_device(device)
-    batches = images
-    if isinstance(images, (torch.Tensor, np.ndarray)):
-        batches = (images[i:i + batch_size] for i in range(0, len(images), batch_size))
-    stats = FeatureStats() if stats is None else stats
-    for batch in batches:
-        stats.update(extractor(torch.as_tensor(batch).to(device)))
-    return stats
+class DinoFeatures(nn.Module):
+    """FDD's feature network (Stein et al. 2023): the DINOv2 CLS token of uint8 (B, 3, H, W) images (the
+    metric extractors' input convention above). `name` carries a digest of the weights, so cached reference
+    statistics are never reused for other weights."""
+
+    def __init__(self, model: nn.Module, weights: Union[str, Path]):
+        super().__init__()
+        self.encoder = DinoPatchEncoder(model)
+        self.dim = self.spatial_dim = self.encoder.dim
+        self.name = f"dinov2_{weights_digest(weights)}"
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.forward_all(images)["pool"]
+
+    @torch.no_grad()
+    def forward_all(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """pool: the CLS token (FDD's features); spatial: the mean patch token (what a cached reference keeps
+        beside it; no metric reads it)."""
+        tokens = self.encoder.tokens(images.float() / 127.5 - 1).float()
+        return {"pool": tokens[:, 0], "spatial": tokens[:, self.encoder.skip:].mean(dim=1)}
+
+
+def build_dino_features(weights: Optional[Union[str, Path]], key: str, device: Union[str, torch.device] = "cpu"
+                        ) -> DinoFeatures:
+    """FDD's frozen DINOv2 feature network from a local folder (`key` names the config key in errors)."""
+    return DinoFeatures(load_dinov2(weights, key), weights).eval().requires_grad_(False).to(device)

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from tqdm.auto import tqdm
 
-from tread.training.checkpoint import read_checkpoint, resume_candidates
-from tread.training.preempt import requeued
-from tread.utils.checkpoints import CheckpointError, latest_legacy, list_checkpoints
+from tread.runtime.lock import RunDirLock, RunDirLocked
+from tread.runtime.preempt import requeued
+from tread.utils.checkpoints import (LEGACY_FILE, META_FILE, TMP_SUFFIX, TRASH_SUFFIX, CheckpointError, latest_legacy,
+                                     list_checkpoints, read_checkpoint, resume_candidates, step_of)
 from tread.utils.distributed import broadcast_object
 from tread.utils.errors import UserError
 from tread.utils.io import atomic_write_text
-from tread.utils.lock import RunDirLock, RunDirLocked
 
 # Model keys a resume may change: they do not change the weights' shapes or meaning.
 # Keys a resume may change: routes (e.g. a dense fine-tuning phase), memory settings, and the initialisation
@@ -42,7 +43,7 @@ def shared_run_dir(run_dir: Path) -> Path:
 
 @contextlib.contextmanager
 def lock_run_dir(run_dir: Path, is_main: bool) -> Iterator[None]:
-    """Hold the run dir's lock (tread/utils/lock.py) for the block: the main process takes it, and every process
+    """Hold the run dir's lock (tread/runtime/lock.py) for the block: the main process takes it, and every process
     fails alike when it is held by another launch."""
     lock, failure = RunDirLock(run_dir), None
     if is_main:
@@ -60,6 +61,20 @@ def lock_run_dir(run_dir: Path, is_main: bool) -> Iterator[None]:
     finally:
         if is_main:
             lock.release()
+
+
+def clean_run_dir(run_dir: Path) -> list[str]:
+    """Remove what interrupted launches leave in checkpoints/: temp dirs of unfinished writes, *.trash dirs of
+    unfinished pruning and step dirs without checkpoint.json (nor an old-format model.pt). Returns their names."""
+    root = Path(run_dir) / "checkpoints"
+    removed = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        leftover = path.name.endswith((TMP_SUFFIX, TRASH_SUFFIX)) or (
+            step_of(path) is not None and not (path / META_FILE).exists() and not (path / LEGACY_FILE).exists())
+        if leftover and path.is_dir():
+            shutil.rmtree(path)
+            removed.append(path.name)
+    return removed
 
 
 def resume_plan(run_dir: Path, resume: Any) -> list[Path]:

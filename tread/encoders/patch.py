@@ -1,0 +1,104 @@
+"""Frozen patch-feature encoders for REPA (model.repa.encoder): images (B, 3, H, W) in [-1, 1] -> patch features
+(B, dim, h, w), no gradients.
+
+* "dinov2": a local transformers Dinov2Model (model.repa.encoder_weights, a save_pretrained folder): the last
+  layer's patch tokens (CLS and register tokens dropped) on the patch grid, for 224 px inputs (ImageNet mean and
+  std, bicubic resize), as REPA uses them.
+* "toy": for the built-in data, the project's offline toy classifier (tread/encoders/toy_classifier.py) trained with
+  its own seed (REPA_TOY_SEED), NOT the network whose features the toy FID uses (that would align the model with
+  the evaluator itself): its last convolutional feature map (128 channels at 1/4 of the image side). The caller
+  passes the classifier's file (tread.data.ensure_toy_classifier(..., seed=REPA_TOY_SEED) builds it).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tread.encoders.dinov2 import DINO_SIZE, IMAGENET_MEAN, IMAGENET_STD, load_dinov2
+from tread.encoders.errors import EncoderError
+from tread.encoders.toy_classifier import load_toy_classifier
+
+ENCODERS = ("toy", "dinov2")
+REPA_TOY_SEED = 777              # another seed than the FID feature network's (toy_classifier.DEFAULT_SEED)
+
+
+class PatchEncoder(nn.Module):
+    """Base: frozen, eval mode; subclasses set `dim` and implement `features`."""
+
+    dim: int
+
+    def freeze(self) -> "PatchEncoder":
+        return self.eval().requires_grad_(False)
+
+    def train(self, mode: bool = True) -> "PatchEncoder":   # stays in eval mode (batch norm statistics frozen)
+        return super().train(False)
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.features(images.float())
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ToyPatchEncoder(PatchEncoder):
+    """The toy classifier's trunk up to its last conv block (before pooling)."""
+
+    LAST_CONV = 14    # index in classifier.trunk of the ReLU ending the 5th conv block
+
+    def __init__(self, classifier: nn.Module):
+        super().__init__()
+        self.classifier = classifier
+        self.dim = classifier.trunk[self.LAST_CONV - 2].out_channels
+        self.resolution = int(classifier.resolution)
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        x = images
+        if x.shape[-2:] != (self.resolution, self.resolution):
+            x = F.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear", antialias=True,
+                              align_corners=False)
+        return self.classifier.trunk[:self.LAST_CONV + 1](x)
+
+
+class DinoPatchEncoder(PatchEncoder):
+    """A transformers Dinov2Model's last-layer patch tokens on its patch grid."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.dim = int(model.config.hidden_size)
+        self.patch = int(model.config.patch_size)
+        self.skip = 1 + int(getattr(model.config, "num_register_tokens", 0) or 0)   # CLS (+ registers)
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+
+    def tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """The last layer's tokens (B, 1 + registers + patches, dim) of images in [-1, 1]: resized to 224 px
+        (bicubic) and normalised with ImageNet's mean and std."""
+        x = F.interpolate((images + 1) / 2, size=(DINO_SIZE, DINO_SIZE), mode="bicubic", align_corners=False)
+        return self.model(pixel_values=(x - self.mean) / self.std).last_hidden_state
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        tokens = self.tokens(images)[:, self.skip:]
+        side = DINO_SIZE // self.patch
+        return tokens.transpose(1, 2).reshape(tokens.shape[0], self.dim, side, side)
+
+
+def build_patch_encoder(name: str, *, weights: Optional[Union[str, Path]] = None,
+                        device: Union[str, torch.device] = "cpu") -> PatchEncoder:
+    """The frozen REPA encoder `name` on `device`, from `weights`: the toy classifier's file ("toy") or a
+    Dinov2Model folder ("dinov2", model.repa.encoder_weights)."""
+    if name == "toy":
+        if weights is None:
+            raise EncoderError("model.repa.encoder=toy needs the toy classifier's file (weights=PATH; "
+                               "tread.data.ensure_toy_classifier(cache_dir, resolution, seed=REPA_TOY_SEED) builds it)")
+        encoder: PatchEncoder = ToyPatchEncoder(load_toy_classifier(weights))
+    elif name == "dinov2":
+        encoder = DinoPatchEncoder(load_dinov2(weights, "model.repa.encoder_weights"))
+    else:
+        raise EncoderError(f"model.repa.encoder={name!r} is unknown; allowed: {', '.join(ENCODERS)}.")
+    return encoder.freeze().to(device)
