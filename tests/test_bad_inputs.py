@@ -304,6 +304,8 @@ SAMPLE_CASES = [
     sample("out_dir_has_samples", "out_dir={samples}", needles=("out_dir=", "{samples}", "already holds samples")),
     sample("route_spans_beyond_depth", "route_spans=[[0,40]]", "selection_ratio=0.5",
            needles=("end_layer_idx=40", "depth 12")),
+    sample("tread_weak_selection_ratio_above_one", "tread_scale=2", "tread_weak_selection_ratio=1.5",
+           needles=("tread_weak_selection_ratio=1.5 is not allowed",)),
     sample("route_ratio_renamed", "route_ratio=0.25", needles=("route_ratio was renamed: use selection_ratio=0.25",)),
     sample("tread_weak_ratio_renamed", "tread_scale=2", "+tread_weak_ratio=0.5",
            needles=("tread_weak_ratio was renamed: use tread_weak_selection_ratio=0.5",)),

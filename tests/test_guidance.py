@@ -331,11 +331,4 @@ def test_sample_cli_routes_guides_and_reports_flops(tiny_cfg, tmp_path, cache_di
     assert infos["guided"]["tread_scale"] == 1.5 and infos["routed"]["selection_ratio"] == 0.5
     a, b = (np.load(tmp_path / n / "samples.npz")["arr_0"] for n in ("dense", "routed"))
     assert a.shape == b.shape and not np.array_equal(a, b)
-    # Bad settings: one `error:` line naming the key, before any sampling writes anything.
-    for extra, msg in [(["tread_scale=2", "tread_weak_selection_ratio=1.5"],
-                        "tread_weak_selection_ratio=1.5 is not allowed"),
-                       (["selection_ratio=0.5", "route_spans=[[2,40]]"], "route_spans at ratio 0.5"),
-                       (["route_ratio=0.5"], "route_ratio was renamed: use selection_ratio=0.5")]:
-        proc, _ = run_cli(["sample.py", *common, f"out_dir={tmp_path / 'bad'}", *extra], cache_dir)
-        assert proc.returncode == 1 and msg in proc.stderr, proc.stderr[-2000:]
-        assert not (tmp_path / "bad").exists()
+    # Bad settings (one error line before work): tests/test_bad_inputs.py, sample/route_spans_beyond_depth ...
