@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup train test sample benchmark ablation ablation-seeds study precision example clean
+.PHONY: setup train test sample benchmark gpu-check gpu-wheels ablation ablation-seeds study precision example clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,18 @@ sample: $(STAMP)
 
 benchmark: $(STAMP)
 	$(BIN)/python scripts/benchmark.py $(ARGS)
+
+# The GPU figures (docs/benchmarks.md) on a bare GPU machine with its own torch: no venv (the registry may be out of
+# reach there), the repo on PYTHONPATH, missing dependencies from WHEELS (made here by `make gpu-wheels`), the paper
+# code from PAPER_DIR when set. Within 8 minutes on one H100; the report lands in outputs/gpu_check/report.md.
+GPU_PYTHON ?= python3
+WHEELS ?= .whl
+gpu-check:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) scripts/gpu_check.py --wheels $(WHEELS) \
+		$(if $(PAPER_DIR),--paper-dir $(PAPER_DIR)) $(ARGS)
+
+gpu-wheels: $(STAMP)
+	$(BIN)/python scripts/gpu_check.py --download-wheels $(WHEELS)
 
 # The worked result of docs/ablations.md: the selection-ratio sweep under equal training-time budgets (~30 min on a
 # 2-core CPU), then its table and plots into docs/ablation/ and the block of docs/ablations.md they fill.

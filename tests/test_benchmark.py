@@ -260,3 +260,29 @@ def test_benchmark_times_the_loops_step(tmp_path, cache_dir):
     assert state.keys() == weights.keys()
     for name, value in weights.items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+# ----------------------------------------------------------------------------- --fit-batch
+def test_fit_batch_takes_the_largest_candidate_that_does_not_run_out_of_memory():
+    from tread.perf.fit import largest_fitting
+    tried = []
+
+    def try_batch(b):
+        tried.append(b)
+        if b > 96:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert largest_fitting([64, 256, 128, 96, 128], try_batch) == (96, [256, 128])
+    assert tried == [256, 128, 96]
+    assert largest_fitting([512], try_batch) == (None, [512])
+    with pytest.raises(ValueError):       # only running out of memory means "does not fit"
+        largest_fitting([8], lambda b: (_ for _ in ()).throw(ValueError("a real bug")))
+
+
+def test_fit_batch_is_refused_without_cuda_and_checked_as_built():
+    with pytest.raises(BenchError, match="^--fit-batch 64 0 is not allowed; each must be an integer >= 1$"):
+        BenchRequest(fit_batch=(64, 0))
+    if not torch.cuda.is_available():
+        with pytest.raises(BenchError, match="^--fit-batch finds the largest batch .* no CUDA device; allowed here: "
+                                             "--batch N$"):
+            BenchRequest(fit_batch=(64, 128))

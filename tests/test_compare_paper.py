@@ -12,10 +12,11 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from tread.cli.compare_paper import main, our_overrides
 from conftest import compose_cfg
-from tread.perf.paper import PaperCodeError, import_paper
+from tread.perf.paper import PaperBench, PaperCodeError, import_paper
 
 STAND_IN = {
     "routing_module.py": "CALLS = []\n",
@@ -178,3 +179,13 @@ def test_our_side_is_train_py_with_our_defaults():
     assert cfg.train.compile == "auto" and cfg.train.grad_clip is None and cfg.train.label_dropout == 0.1
     assert cfg.optimizer.lr == 1e-4 and cfg.ema.decay == 0.9999 and cfg.model.arch == "DiT-S/2"
     assert "train.compile=false" in our_overrides("DiT-S/2", 16, 32, True, False, "false")
+
+
+def test_the_papers_model_and_ema_run_on_the_device_of_the_batch(paper_dir):
+    """On CUDA the batch is on the GPU: the paper's net and EMA must be there too (the meta device stands in for
+    it here: a model left on the CPU would keep CPU parameters)."""
+    paper = import_paper(paper_dir)
+    batch = (torch.empty(2, 4, 8, 8, device="meta"), torch.zeros(2, dtype=torch.long, device="meta"))
+    bench = PaperBench(paper, "DiT-S/2", 8, 4, batch, None, bf16=False)
+    devices = {p.device.type for p in [*bench.net.parameters(), *bench.ema.parameters()]}
+    assert devices == {"meta"} and bench.device.type == "meta"

@@ -15,6 +15,8 @@ from conftest import REPO, TINY
 from tread.schema import ConfigError, check_train
 from tread.training.fsdp import check_parallel
 from tread.training.loop import train
+from tread.utils.checkpoints import load_model_file
+from tread.utils.sharded_files import SHARDED_DIR
 
 QUIET = ["eval.every_steps=0", "eval.at_end=false"]
 LORA = "model.lora={rank: 4, target_modules: [to_q, to_k, to_v, to_out.0]}"
@@ -65,17 +67,23 @@ def test_schema_and_one_process_run_refuse_before_work(tiny_cfg, tmp_path):
 
 @pytest.mark.slow
 def test_dit_fsdp_matches_ddp_and_resumes_in_one_process(cache_dir, tmp_path):
-    """Tiny TREAD DiT, 2 processes: FSDP logs the DDP run's losses (rel. 1e-5; bit-equal on the dev machine), its
-    checkpoint holds the same full weights and EMA (abs. 1e-6; ema.decay=0.5 so the EMA moves), a single-process
-    resume of it logs what a resume of the DDP checkpoint logs, and a 2-process FSDP resume continues like DDP."""
+    """Tiny TREAD DiT, 2 processes: FSDP logs the DDP run's losses (rel. 1e-5; bit-equal on the dev machine). Its
+    checkpoint is sharded (checkpoint.layout=auto): each process wrote its own shards, and they hold the DDP
+    checkpoint's weights and EMA (abs. 1e-6; ema.decay=0.5 so the EMA moves). A single-process resume of it logs
+    what a resume of the DDP checkpoint logs, and a 2-process FSDP resume, each process reading its shards,
+    continues like DDP."""
     common = [*QUIET, "ema.decay=0.5", "train.max_steps=4", "checkpoint.every_steps=4"]
     torchrun(cache_dir, tmp_path / "fsdp", *common, "train.parallel=fsdp")
     torchrun(cache_dir, tmp_path / "ddp", *common)
     a, b = losses(tmp_path / "fsdp"), losses(tmp_path / "ddp")
     assert sorted(a) == [1, 2, 3, 4] and all(abs(a[s] - b[s]) <= 1e-5 * abs(b[s]) for s in a), (a, b)
     ckpt = "checkpoints/step_0000004"
-    for name in ("model.safetensors", "ema.safetensors"):
-        assert max_diff(tmp_path / "fsdp" / ckpt, tmp_path / "ddp" / ckpt, name) < 1e-6
+    assert sorted(p.name for p in (tmp_path / "fsdp" / ckpt / SHARDED_DIR).glob("*.distcp")) == \
+        ["__0_0.distcp", "__1_0.distcp"]
+    x, y = load_model_file(tmp_path / "fsdp" / ckpt), load_model_file(tmp_path / "ddp" / ckpt)
+    for key in ("model", "ema"):
+        assert sorted(x[key]) == sorted(y[key])
+        assert max(float((x[key][k] - y[key][k]).abs().max()) for k in x[key]) < 1e-6
     more = [*QUIET, "ema.decay=0.5", "train.max_steps=6", "checkpoint.every_steps=0"]
     for src in ("fsdp", "ddp"):
         torchrun(cache_dir, tmp_path / f"one_{src}", *more, f"resume={tmp_path / src / ckpt}", procs=1)
@@ -93,7 +101,10 @@ def test_flux_lora_checkpointing_fsdp_matches_ddp(cache_dir, tmp_path):
     losses and exported adapter as DDP (rel. 1e-5 / abs. 1e-6)."""
     common = [*QUIET, "model=flux", LORA, "model.gradient_checkpointing=true", "train.max_steps=3",
               "checkpoint.every_steps=0"]
-    torchrun(cache_dir, tmp_path / "fsdp", *common, "train.parallel=fsdp", "train.fsdp.reshard_after_forward=false")
+    # checkpoint.layout=single: the full weights gathered on rank 0 (the sharded layout: the test above); the
+    # adapter export gathers only the adapters' shards either way.
+    torchrun(cache_dir, tmp_path / "fsdp", *common, "train.parallel=fsdp", "train.fsdp.reshard_after_forward=false",
+             "checkpoint.layout=single")
     torchrun(cache_dir, tmp_path / "ddp", *common)
     a, b = losses(tmp_path / "fsdp"), losses(tmp_path / "ddp")
     assert sorted(a) == [1, 2, 3] and all(abs(a[s] - b[s]) <= 1e-5 * abs(b[s]) for s in a), (a, b)

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tokens", type=int, default=None, help="tokens per image (square); sets the resolution")
     add("--channels", type=int, default=None, help="latent channels (default: the arch's usual data)")
     add("--batch", type=int, default=32, help="global batch per step (train.batch_size)")
+    add("--fit-batch", type=int, nargs="+", default=[], metavar="B",
+        help="CUDA: candidate batches; the largest whose dense eager step fits in memory replaces --batch")
     add("--routes", nargs="+", default=["paper"],
         help="route configs: none/dense, a configs/routing preset, or a JSON list of routes; a dense baseline "
              "is added first when none is given")

@@ -1,7 +1,10 @@
 """Convert checkpoints of earlier versions (pickle files: model.pt, train_state.pt, rng_rank*.pt) to the
-safetensors format that train.py, sample.py and fid.py read.
+safetensors format that train.py, sample.py and fid.py read; or a checkpoint into the other layout
+(checkpoint.layout: single files, or every process's shards).
 
     python scripts/convert_checkpoint.py RUN_DIR_OR_STEP_DIR --trust [--remove-pickles]
+    python scripts/convert_checkpoint.py STEP_DIR --layout single --out NEW_STEP_DIR     # sharded -> single
+    python scripts/convert_checkpoint.py STEP_DIR --layout sharded --out NEW_STEP_DIR    # single -> sharded
 
 What --trust means: a pickle file can name code that runs when it is loaded. This converter loads with
 torch's restricted unpickler (tensors, plain containers, numbers and numpy arrays only) and refuses a file
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from tread.cli.errors import user_errors
+from tread.runtime.layouts import LAYOUTS, convert_layout
 from tread.runtime.legacy import convert, legacy_dirs
 from tread.utils.errors import UserError
 
@@ -29,11 +33,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("path", help="a run directory (all its old checkpoints) or a checkpoints/step_XXXXXXX directory")
     p.add_argument("--trust", action="store_true", help="you know where these files come from (see above)")
     p.add_argument("--remove-pickles", action="store_true", help="delete the old .pt files after converting")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="write PATH (a step dir, or a run dir's latest) in this layout as --out (no pickles read)")
+    p.add_argument("--out", default=None, help="the new step dir for --layout (must not exist)")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[Path]:
     args = parse_args(argv)
+    if args.layout is not None:
+        with user_errors():
+            if args.out is None:
+                raise ConvertError("--layout needs --out NEW_STEP_DIR (the source is never changed)")
+            done = [convert_layout(Path(args.path), Path(args.out), args.layout)]
+        print(f"converted {args.path} -> {done[0]} ({args.layout})")
+        return done
     with user_errors():
         dirs = legacy_dirs(Path(args.path))
         if not args.trust:

@@ -9,13 +9,14 @@ BenchRequest field per flag, same name; docs/benchmarks.md says what each figure
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
 
 from tread.models.families import FAMILIES
 from tread.perf.benchmark import StepBench, Timed, allow_compiled_configs, split_steps, step_records, time_interleaved
+from tread.perf.fit import largest_fitting
 from tread.perf.geometry import choose_geometry, resolution_for_tokens
 from tread.perf.memory import MemoryMeter
 from tread.perf.overrides import DEVICES, check_device, check_sets, compose_or_raise, precision_name, run_overrides
@@ -50,6 +51,7 @@ class BenchRequest:
     tokens: Optional[int] = None                  # tokens per image (square); sets the resolution
     channels: Optional[int] = None                # latent channels (None: the arch's usual data)
     batch: int = 32                               # global batch per step (train.batch_size)
+    fit_batch: tuple[int, ...] = ()               # candidate batches: the largest that fits on CUDA replaces batch
     routes: tuple[str, ...] = ("paper",)          # none/dense, a configs/routing preset, or a JSON list of routes
     sets: tuple[str, ...] = ()                    # Hydra overrides of the training config, as for train.py
     steps: int = 10                               # timed steps per config
@@ -78,6 +80,7 @@ class BenchRequest:
     def __post_init__(self):
         object.__setattr__(self, "routes", tuple(self.routes))
         object.__setattr__(self, "sets", tuple(self.sets))
+        object.__setattr__(self, "fit_batch", tuple(self.fit_batch or ()))
         check_request(self)
 
 
@@ -92,6 +95,11 @@ def check_request(args: BenchRequest) -> None:
                     "--threads": args.threads, "--sampling-steps": args.sampling_steps}.items():
         if v is not None and v < 1:
             raise BenchError(f"{flag} {v} is not allowed; it must be an integer >= 1")
+    if any(b < 1 for b in args.fit_batch):
+        raise BenchError(f"--fit-batch {' '.join(map(str, args.fit_batch))} is not allowed; each must be an integer >= 1")
+    if args.fit_batch and (args.device == "cpu" or not torch.cuda.is_available()):
+        raise BenchError("--fit-batch finds the largest batch that fits in a CUDA device's memory and this run has "
+                         "no CUDA device; allowed here: --batch N")
     if args.warmup < 0:
         raise BenchError(f"--warmup {args.warmup} is not allowed; it must be an integer >= 0")
     check_sets(args.sets, RESERVED, BenchError)
@@ -159,8 +167,31 @@ def config_overrides(args: BenchRequest, family: Optional[str]) -> tuple[list[tu
 
 
 # ----------------------------------------------------------------------------- one model, all configs
+def fitted(args: BenchRequest, family: Optional[str]) -> tuple[BenchRequest, Optional[dict]]:
+    """args with --fit-batch resolved into batch (tread/perf/fit.py): the dense config, eager, two steps per
+    candidate; and what was tried. Unchanged without --fit-batch."""
+    if not args.fit_batch:
+        return args, None
+
+    def try_batch(batch: int) -> None:
+        trial = replace(args, batch=batch, compile=False, fit_batch=())
+        dense = next(ov for _, ov, is_dense in config_overrides(trial, family)[0] if is_dense)
+        bench = StepBench(compose_or_raise(dense, BenchError))
+        bench.step()
+        bench.step()
+        torch.cuda.synchronize(bench.device)
+
+    batch, too_big = largest_fitting(args.fit_batch, try_batch)
+    if batch is None:
+        raise BenchError(f"--fit-batch: none of {', '.join(map(str, args.fit_batch))} fits in this GPU's memory "
+                         f"(the dense step ran out of memory at each); allowed: smaller candidates")
+    return replace(args, batch=batch, fit_batch=()), {"candidates": sorted(args.fit_batch), "out_of_memory": too_big,
+                                                       "chosen": batch}
+
+
 def bench_model(args: BenchRequest, family: Optional[str], peak: Optional[float]) -> dict:
     """Build every route config of one model, time them interleaved; records, model info and sampling."""
+    args, fit = fitted(args, family)
     configs, geometry, shared = config_overrides(args, family)
     allow_compiled_configs(len(configs))
     benches = [StepBench(compose_or_raise(overrides, BenchError)) for _, overrides, _ in configs]
@@ -177,7 +208,7 @@ def bench_model(args: BenchRequest, family: Optional[str], peak: Optional[float]
             "geometry": geometry.line(model.num_tokens, "timing", "--resolution/--tokens/--channels time others"),
             "flops_source": ("analytic (tread/models/flops.py, = DiT.forward_flops)" if hasattr(model, "forward_flops")
                              else "torch FlopCounterMode, one forward (tread/models/flops.py)"),
-            "overrides": shared, "cfg": cfg, "meter": meter.method, "device": dev}
+            "overrides": shared, "cfg": cfg, "meter": meter.method, "device": dev, "fit_batch": fit}
     out = {"info": info, "results": step_records(timed, base, peak, name, meter.method)}
     if args.sampling:
         out["sampling"] = sampling_throughput(timed[base].bench, args.sampling_steps, name)
@@ -193,7 +224,7 @@ def settings_of(args: BenchRequest, infos: list[dict], peak: Optional[float], no
         "resolution": first["resolution"], "channels": first["channels"], "tokens": first["tokens"],
         "depth": first["depth"], "params": first["params"], "geometry": first["geometry"],
         "models": [{k: v for k, v in i.items() if k not in ("cfg", "meter", "device")} for i in infos],
-        "overrides": first["overrides"], "batch": int(t.batch_size), "grad_accum_steps": int(t.grad_accum_steps),
+        "overrides": first["overrides"], "batch": int(t.batch_size), "fit_batch": first["fit_batch"], "grad_accum_steps": int(t.grad_accum_steps),
         "lr": float(cfg.optimizer.lr), "label_dropout": float(t.label_dropout), "grad_clip": t.grad_clip,
         "ema_decay": float(cfg.ema.decay), "device": str(first["device"]), "device_name": device_name(first["device"]),
         "threads": torch.get_num_threads(), "precision": precision_name(t, first["device"]),

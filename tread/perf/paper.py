@@ -6,7 +6,9 @@ Its step, as its train.py runs it: `dit.get_model(arch, params)` (blocks and fin
 `@torch.compile` they ship with; routes on when given), wrapped by `edm.EDMDiffusion().wrap_model_with_precond`,
 `get_training_loss(net, x, y, class_drop_prob=0.1).mean()` under autocast, `zero_grad`, `backward`, `AdamW(lr 1e-4,
 betas (0.9, 0.999), eps 1e-8, no weight decay)` as its config builds it (torch's default implementation for the
-device), and `utils.train_helper.update_ema` (decay 0.9999).
+device), and `utils.train_helper.update_ema` (decay 0.9999). On CUDA its fp32 matmuls and convolutions run in
+TF32, as its train.py sets (torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32); bf16 is autocast. Step
+times are taken between CUDA synchronisations (tread.perf.benchmark.timed).
 
 Importing it: the paper's modules are top-level names (`dit`, `edm`, `routing_module`, and `utils`, a folder
 without __init__.py); ours all live under `tread`, so nothing clashes and they are imported under their own
@@ -33,6 +35,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from tread.perf.benchmark import timed
+from tread.training.setup import set_tf32
 from tread.utils.errors import UserError
 
 PAPER_FILES = ("dit.py", "edm.py", "routing_module.py", "utils/train_helper.py", "utils/edm_helper.py")
@@ -134,7 +137,10 @@ class PaperBench:
         params = {"num_classes": 1000, "in_channels": channels, "input_size": resolution, "cond_mode": "adaln",
                   "enable_routing": bool(routes), "routes": [dict(r) for r in routes or []]}
         self.diffuser = paper.edm.EDMDiffusion()
-        self.net = self.diffuser.wrap_model_with_precond(paper.dit.get_model(arch, params))
+        device = batch[0].device
+        self.net = self.diffuser.wrap_model_with_precond(paper.dit.get_model(arch, params)).to(device)
+        if device.type == "cuda":     # its train.py: cudnn.allow_tf32 and cuda.matmul.allow_tf32 = True
+            set_tf32(True, device)
         self.ema = copy.deepcopy(self.net)
         self.ema.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)

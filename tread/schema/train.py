@@ -74,12 +74,17 @@ class EMA(Section):
     warmup: Flag
 
 
+CHECKPOINT_LAYOUTS = ("auto", "single", "sharded")
+
+
 class Checkpoint(Section):
     """checkpoint"""
 
     every_steps: int = key("an integer >= 0 (0 disables periodic checkpoints)", ge=0)
     keep_last: Optional[int] = key("null (keep all) or an integer >= 1", ge=1)
     adapter_only: Flag
+    layout: Literal[CHECKPOINT_LAYOUTS] = key(one_of(CHECKPOINT_LAYOUTS) + " (auto: sharded with train.parallel=fsdp, "
+                                              "else single)")
 
 
 class Wandb(Section):

@@ -1,5 +1,6 @@
-"""Checkpoints of a training run: TrainingState written as a directory of safetensors files (layout and the
-reading side: tread/utils/checkpoints.py), atomically, never with non-finite weights.
+"""Checkpoints of a training run: TrainingState written as a directory of safetensors files, or with the
+weights, EMA and optimizer as every process's shards (checkpoint.layout=sharded: tread/utils/sharded_files.py)
+(layout and the reading side: tread/utils/checkpoints.py), atomically, never with non-finite weights.
 
 A checkpoint is written as step_XXXXXXX.tmp, checkpoint.json last, and renamed when complete, so a crash
 never leaves one that looks finished. Old checkpoints are pruned by renaming them to *.trash first, so a
@@ -19,16 +20,18 @@ from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
+from torch.distributed.checkpoint.api import CheckpointException
 
-from tread.models.lora import adapter_state_dict, has_lora
+from tread.models.lora import adapter_state_dict, has_lora, is_adapter_param
 from tread.models.lora_export import diffusers_lora
-from tread.training.fsdp import gathered, is_sharded
+from tread.training.fsdp import gathered_params, is_sharded, local
 from tread.training.state import TrainingState
 from tread.utils.checkpoints import (FORMAT, META_FILE, TRAIN_FILE, WEIGHT_FILES, checkpoint_dir, list_checkpoints,
                                      rng_file, tmp_dir, trash_dir)
 from tread.utils.distributed import any_rank
 from tread.utils.errors import UserError
 from tread.utils.io import atomic_write_json
+from tread.utils.sharded_files import SHARDED_DIR, save_sharded
 from tread.utils.tensorfile import save_state, save_tensors
 
 
@@ -37,23 +40,25 @@ class CheckpointWriteError(UserError):
 
 
 def save_checkpoint(accelerator: Accelerator, run_dir: Path, state: TrainingState, config: dict, data_meta: dict,
-                    keep_last: Optional[int], trainable: Optional[set[str]]) -> Path:
-    """Every process saves its RNG; the main process writes the weights, the resume state and
-    checkpoint.json, renames the directory into place and prunes old checkpoints. `trainable`
-    (adapter-only checkpoints) limits the saved weights to those names. Every process raises
-    CheckpointWriteError if any process failed, after the partial directory is removed."""
+                    keep_last: Optional[int], trainable: Optional[set[str]], sharded: bool = False) -> Path:
+    """Every process saves its RNG (and with `sharded`, its shards of the weights, EMA and optimizer); the main
+    process writes the rest of the resume state, the weights of a single-file checkpoint and checkpoint.json,
+    renames the directory into place and prunes old checkpoints. `trainable` (adapter-only checkpoints) limits the
+    saved weights to those names. Every process raises CheckpointWriteError if any process failed, after the
+    partial directory is removed."""
     final = checkpoint_dir(run_dir, state.step)
     tmp = tmp_dir(final)
-    full = state.state_dict()
-    if trainable is not None:   # adapter-only: what is written is what is checked (a quantized base has no isfinite)
-        full.update({k: {n: v for n, v in full[k].items() if n in trainable} for k in WEIGHT_FILES})
-    agree_finite(full, state.step)
+    full, shards = checkpoint_state(state, trainable, sharded)
     accelerator.wait_for_everyone()
     failure = _try(lambda: _write_rng(tmp, full["rng"], accelerator.process_index), tmp)
-    # The adapter export reads the EMA module itself: a sharded one is gathered on every process first.
-    with gathered(state.ema_model, when=is_sharded(state.ema_model) and has_lora(state.model)):
+    if shards is not None and not any_rank(failure is not None):
+        failure = _try(lambda: save_sharded(shards, tmp / SHARDED_DIR), tmp)      # a collective
+    # The adapter export reads the EMA module itself: a sharded one's adapters are gathered on every process first.
+    adapters = [n for n, _ in state.ema_model.named_parameters() if is_adapter_param(n)] \
+        if is_sharded(state.ema_model) and has_lora(state.model) else []
+    with gathered_params(state.ema_model, adapters):
         if not any_rank(failure is not None) and accelerator.is_main_process:
-            failure = _try(lambda: _write_main(tmp, final, state, full, config, data_meta, trainable), tmp)
+            failure = _try(lambda: _write_main(tmp, state, full, config, data_meta, trainable), tmp)
     if any_rank(failure is not None):
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -66,11 +71,27 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, state: TrainingStat
     return final
 
 
+def checkpoint_state(state: TrainingState, trainable: Optional[set[str]], sharded: bool) -> tuple[dict, Optional[dict]]:
+    """(what the main process writes, the tensors every process writes into the sharded folder or None), checked
+    finite on every process first. Single-file: the full state (gathered on rank 0 under FSDP)."""
+    if sharded:
+        shards, plain = state.sharded_state(trainable)
+        agree_finite({k: {n: local(t) for n, t in shards[k].items()} for k in WEIGHT_FILES}, state.step)
+        return {**state.resume_state(), **plain}, shards
+    full = state.state_dict()
+    if trainable is not None:   # adapter-only: what is written is what is checked (a quantized base has no isfinite)
+        full.update({k: {n: v for n, v in full[k].items() if n in trainable} for k in WEIGHT_FILES})
+    agree_finite(full, state.step)
+    return full, None
+
+
 def _try(write, tmp: Path) -> Optional[str]:
     """None if write() succeeded, else what failed, for the error line."""
     try:
         write()
         return None
+    except CheckpointException as err:      # a sharded write: DCP gathers every process's failure
+        return f"could not write the sharded checkpoint '{tmp / SHARDED_DIR}': {str(err).splitlines()[0][:300]}"
     except OSError as err:
         cause = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EACCES: "permission denied",
                  errno.EROFS: "read-only file system"}.get(err.errno, err.strerror or str(err))
@@ -82,16 +103,21 @@ def _write_rng(tmp: Path, rng: dict, rank: int) -> None:
     save_state(rng, tmp / rng_file(rank))
 
 
-def _write_main(tmp: Path, final: Path, state: TrainingState, full: dict, config: dict, data_meta: dict,
+def _write_main(tmp: Path, state: TrainingState, full: dict, config: dict, data_meta: dict,
                 trainable: Optional[set[str]]) -> None:
-    for key, name in WEIGHT_FILES.items():
-        weights = full[key] if trainable is None else {n: v for n, v in full[key].items() if n in trainable}
-        save_tensors(weights, tmp / name)
-    save_state({k: full[k] for k in ("step", "train_sec", "optimizer", "loader", "world_size")}, tmp / TRAIN_FILE)
+    sharded = "optimizer_groups" in full
+    if not sharded:
+        for key, name in WEIGHT_FILES.items():
+            weights = full[key] if trainable is None else {n: v for n, v in full[key].items() if n in trainable}
+            save_tensors(weights, tmp / name)
+    keys = ("step", "train_sec", "loader", "world_size",
+            *(("optimizer_groups", "optimizer_params") if sharded else ("optimizer",)))
+    save_state({k: full[k] for k in keys}, tmp / TRAIN_FILE)
     if has_lora(state.model):  # the EMA adapter alone: for diffusers pipelines, and in peft's format
         export_adapter(state.ema_model, tmp)
     atomic_write_json(tmp / META_FILE, {"format": FORMAT, "step": state.step, "config": config,
-                                        "data_meta": data_meta, "adapter_only": trainable is not None})
+                                        "data_meta": data_meta, "adapter_only": trainable is not None,
+                                        "layout": "sharded" if sharded else "single"})
 
 
 def check_finite(full: dict[str, Any], step: int) -> None:

@@ -19,14 +19,17 @@ The EMA is sharded alongside (the same groups, resharded after forward): a full 
 bytes per parameter (48 GB for FLUX's 12B). It is updated shard by shard (tread/training/ema.py), and evaluation
 samples with it on every process in lockstep.
 
-Checkpoints stay the single-process format: `gather_full` all-gathers one tensor at a time and keeps the
-full tensor (on the CPU) on rank 0 only, so a checkpoint from an FSDP run loads in sample.py and in a
-single-process resume; `shard_state` cuts a full checkpoint into this process's shards to resume into FSDP.
+Checkpoints (checkpoint.layout): sharded by default here, each process writing and reading only its shards
+through torch.distributed.checkpoint (tread/utils/sharded_files.py; a resume at another number of processes, or in
+one process, reads the slices it needs). With checkpoint.layout=single, `gather_full` all-gathers one tensor at a
+time and keeps the full tensor (on the CPU) on rank 0 only; `shard_state` cuts such a full checkpoint into this
+process's shards to resume into FSDP. Both layouts load in sample.py and convert into each other
+(scripts/convert_checkpoint.py --layout).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -133,15 +136,21 @@ def _shard_like(value: torch.Tensor, like: Any) -> Any:
 
 
 @contextlib.contextmanager
-def gathered(module: nn.Module, when: bool = True) -> Iterator[None]:
-    """Every FSDP group of `module` all-gathered (plain full parameters) inside the block, resharded after: for
-    code that reads a module's weights on one rank (the LoRA adapter export). A collective on entry: every rank
-    enters it. It holds the whole module on each process meanwhile."""
-    groups = [m for m in module.modules() if isinstance(m, FSDPModule)] if when else []
-    for group in groups:
-        group.unshard()
+def gathered_params(module: nn.Module, names: Iterable[str]) -> Iterator[None]:
+    """The parameters `names` of `module` as full plain tensors inside the block, the sharded ones back after: for
+    code that reads some weights of a sharded module on one rank (the adapter export). One all-gather per sharded
+    parameter, in name order, so every rank enters it alike; only these are gathered (a 12B model's adapter export
+    gathers the adapters, never the frozen base), and no forward may run inside."""
+    swapped = []
+    for name in sorted(names):
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        param = owner._parameters[attr]
+        if isinstance(param, DTensor):
+            owner._parameters[attr] = nn.Parameter(param.full_tensor().detach(), requires_grad=False)
+            swapped.append((owner, attr, param))
     try:
         yield
     finally:
-        for group in groups:
-            group.reshard()
+        for owner, attr, param in swapped:
+            owner._parameters[attr] = param

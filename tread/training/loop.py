@@ -297,14 +297,17 @@ def evaluate(run: Run) -> None:
 
 
 def checkpoint(run: Run) -> Path:
-    """Save the run's state; adapter-only runs save the trainable weights alone. A quantized base
+    """Save the run's state (checkpoint.layout: sharded or one set of files); adapter-only runs save the trainable
+    weights alone. A quantized base
     (model.quantize) implies adapter-only: it never trains, and the seeded build of a resume or of sampling
     quantizes the same base again."""
     cfg = run.cfg
     adapter_only = cfg.checkpoint.adapter_only or quantize_mode(run.parts.model) is not None
     trainable = {n for n, p in run.parts.model.named_parameters() if p.requires_grad} if adapter_only else None
+    layout = cfg.checkpoint.get("layout", "auto")
+    sharded = layout == "sharded" or (layout == "auto" and cfg.train.parallel == "fsdp")
     return save_checkpoint(run.parts.accelerator, run.run_dir, run.state, OmegaConf.to_container(cfg, resolve=True),
-                           run.dataset.meta, cfg.checkpoint.keep_last, trainable)
+                           run.dataset.meta, cfg.checkpoint.keep_last, trainable, sharded)
 
 
 def time_budget_reached(state: TrainingState, budget_sec: float, every: int, accelerator: Accelerator) -> bool:

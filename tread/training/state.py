@@ -4,6 +4,7 @@ state_dict to disk and hands it back to load_state_dict."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch.nn as nn
 from tread.data import LatentLoader
 from tread.models.lora import load_weights
 from tread.training.fsdp import gather_full, is_sharded, shard_optimizer_state, shard_state
+from tread.utils.sharded_files import ShardedFileError, load_sharded, tensor_index
 
 
 def rng_state() -> dict[str, Any]:
@@ -53,20 +55,57 @@ class TrainingState:
                    "optimizer": self.optimizer.state_dict()}
         if is_sharded(self.model):
             weights = gather_full(weights)        # a collective: every process calls state_dict() at a checkpoint
-        return {**weights, "loader": self.loader.state_dict(), "step": self.step,
-                "train_sec": self.train_sec, "world_size": self.world_size,
-                "rng": {**rng_state(), "router": self.model.routing.router.state_dict()}}
+        return {**weights, **self.resume_state()}
+
+    def resume_state(self) -> dict[str, Any]:
+        """state_dict() without the weights and the optimizer: what a sharded checkpoint keeps beside its shards."""
+        return {"loader": self.loader.state_dict(), "step": self.step, "train_sec": self.train_sec,
+                "world_size": self.world_size, "rng": {**rng_state(), "router": self.model.routing.router.state_dict()}}
+
+    def sharded_state(self, trainable: Optional[set[str]]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the tensors of a sharded checkpoint as this process holds them: {"model", "ema", "optimizer": {index:
+        {exp_avg, ...}}}, with the optimizer's state keyed by parameter index as in its own state_dict; and its
+        param groups, with the parameters' names). `trainable` limits the weights (adapter-only). No communication."""
+        keep = (lambda name: True) if trainable is None else (lambda name: name in trainable)
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        named = optimizer_params(self.model, inner)
+        tensors = {"model": {k: v for k, v in self.model.state_dict().items() if keep(k)},
+                   "ema": {k: v for k, v in self.ema_model.state_dict().items() if keep(k)},
+                   "optimizer": {str(i): {k: v for k, v in inner.state[p].items() if torch.is_tensor(v)}
+                                 for i, (_, p) in enumerate(named) if p in inner.state}}
+        groups = inner.state_dict()["param_groups"]          # parameters as indices, in the optimizer's order
+        return tensors, {"optimizer_groups": groups, "optimizer_params": [n for n, _ in named]}
+
+    def load_sharded(self, folder: Path, plain: dict[str, Any], adapter_only: bool, where: str) -> None:
+        """Weights, EMA and optimizer moments from a sharded folder into this process's tensors (its shards, or
+        full tensors in a single process): each process reads only the slices it holds. An adapter-only folder
+        fills what it holds (load_sharded checks it is this model's)."""
+        index = tensor_index(folder)
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        named = optimizer_params(self.model, inner)
+        groups, names = plain["optimizer_groups"], plain.get("optimizer_params")
+        if sum(len(g["params"]) for g in groups) != len(named) or names not in (None, [n for n, _ in named]):
+            raise ShardedFileError(f"{where}: its optimizer holds other parameters than this model trains; was "
+                                   f"model.lora or the model changed?")
+
+        def weights(top: str, sd: dict) -> dict:
+            return {k: v for k, v in sd.items() if not adapter_only or (top, k) in index}
+
+        moments = {str(i): {path[2]: _like(p, shape_dtype) for path, shape_dtype in index.items()
+                            if len(path) == 3 and path[:2] == ("optimizer", str(i))} for i, (_, p) in enumerate(named)}
+        moments = {i: entries for i, entries in moments.items() if entries}
+        load_sharded({"model": weights("model", self.model.state_dict()),
+                      "ema": weights("ema", self.ema_model.state_dict()), "optimizer": moments}, folder)
+        self.optimizer.load_state_dict({"state": {int(i): m for i, m in moments.items()}, "param_groups": groups})
 
     def load_state_dict(self, state: dict[str, Any], adapter_only: bool = False, where: str = "checkpoint") -> None:
-        """Restore a state_dict(); `adapter_only` weights load over the freshly built base. Without "rng" (a
-        process that did not exist in the saved run), this process keeps the fresh streams it was seeded with."""
-        model, ema, optimizer = state["model"], state["ema"], state["optimizer"]
-        if is_sharded(self.model):                # full tensors -> this process's shards
-            model, ema = shard_state(self.model, model), shard_state(self.ema_model, ema)
-            optimizer = shard_optimizer_state(self.optimizer, optimizer)
-        load_weights(self.model, model, adapter_only, where)
-        load_weights(self.ema_model, ema, adapter_only, where)
-        self.optimizer.load_state_dict(optimizer)
+        """Restore a state_dict() (or, from a sharded checkpoint, what read_checkpoint gives: "sharded" names its
+        folder); `adapter_only` weights load over the freshly built base. Without "rng" (a process that did not
+        exist in the saved run), this process keeps the fresh streams it was seeded with."""
+        if state.get("sharded") is not None:
+            self.load_sharded(state["sharded"], state, adapter_only, where)
+        else:
+            self.load_full(state, adapter_only, where)
         self.loader.load_state_dict(state["loader"])
         self.step = int(state["step"])
         self.train_sec = float(state.get("train_sec", 0.0))
@@ -74,3 +113,28 @@ class TrainingState:
         if rng is not None:
             set_rng_state(rng)
             self.model.routing.router.load_state_dict(rng["router"])
+
+    def load_full(self, state: dict[str, Any], adapter_only: bool, where: str) -> None:
+        """Weights, EMA and optimizer from full tensors (a single-file checkpoint), cut into shards under FSDP."""
+        model, ema, optimizer = state["model"], state["ema"], state["optimizer"]
+        if is_sharded(self.model):                # full tensors -> this process's shards
+            model, ema = shard_state(self.model, model), shard_state(self.ema_model, ema)
+            optimizer = shard_optimizer_state(self.optimizer, optimizer)
+        load_weights(self.model, model, adapter_only, where)
+        load_weights(self.ema_model, ema, adapter_only, where)
+        self.optimizer.load_state_dict(optimizer)
+
+
+def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter]]:
+    """The optimizer's parameters with their names in `model` (the backbone), in the optimizer's order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _like(param: torch.Tensor, shape_dtype: tuple) -> torch.Tensor:
+    """A template for one optimizer entry: sharded like the parameter when it has the parameter's shape (moments),
+    a plain tensor otherwise (the step count)."""
+    shape, dtype = shape_dtype
+    if tuple(shape) == tuple(param.shape):
+        return torch.zeros_like(param.detach(), dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)

@@ -6,6 +6,9 @@ sampling, everything for a resume).
         ema.safetensors          EMA backbone weights
         train_state.safetensors  resume state: optimizer, data position, step, training time
         rng_rank{r}.safetensors  each process's random streams
+        sharded/                 checkpoint.layout=sharded, instead of model/ema.safetensors and the optimizer in
+                                 train_state: every process's shards of the weights, EMA and optimizer moments
+                                 (torch.distributed.checkpoint, read safely: tread/utils/sharded_files.py)
         adapter_model.safetensors  adapter runs: the EMA adapter in peft's format (LoRA, LoKr or LoHa)
         pytorch_lora_weights.safetensors  adapter runs: the EMA adapter as an exact LoRA for pipe.load_lora_weights
         checkpoint.json          step, the resolved config, the data's meta; written last: a step dir
@@ -29,6 +32,7 @@ from typing import Any, Optional, Union
 
 from tread.utils.errors import UserError
 from tread.utils.renamed_keys import upgrade_keys
+from tread.utils.sharded_files import SHARDED_DIR, ShardedFileError, full_tensors, tensor_index
 from tread.utils.targets import PROJECT_TARGETS, check_targets, upgrade_targets
 from tread.utils.tensorfile import StateFileError, load_state, load_tensors
 
@@ -137,28 +141,44 @@ def read_meta(ckpt: PathLike) -> dict[str, Any]:
 
 def load_model_file(ckpt: PathLike) -> dict[str, Any]:
     """What sampling needs from a checkpoint (step dir or a file in it), on the CPU: its meta plus the
-    "model" and "ema" weights. CheckpointError for incomplete, corrupt or code-naming checkpoints."""
+    "model" and "ema" weights (full tensors, from a sharded checkpoint too). CheckpointError for incomplete,
+    corrupt or code-naming checkpoints."""
     path = find_checkpoint(ckpt)
     meta = read_meta(path)
     try:
-        weights = {k: load_tensors(path / name) for k, name in WEIGHT_FILES.items()}
-    except StateFileError as err:
+        if is_sharded_checkpoint(path):
+            weights = full_tensors(path / SHARDED_DIR, tuple(WEIGHT_FILES))
+        else:
+            weights = {k: load_tensors(path / name) for k, name in WEIGHT_FILES.items()}
+    except (StateFileError, ShardedFileError) as err:
         raise CheckpointError(f"checkpoint '{path}': {err}") from None
     return {**meta, **weights}
 
 
+def is_sharded_checkpoint(ckpt: Path) -> bool:
+    """A step dir whose weights, EMA and optimizer are a torch.distributed.checkpoint folder (checkpoint.layout)."""
+    return (Path(ckpt) / SHARDED_DIR).is_dir()
+
+
 def read_checkpoint(ckpt: Path, rank: int) -> dict[str, Any]:
-    """Everything a resume needs from a checkpoint dir, read and checked before any of it is applied.
-    CheckpointError when a file is missing, truncated or corrupt, or the config names foreign code."""
-    model_file = load_model_file(ckpt)
+    """Everything a resume needs from a checkpoint dir, read and checked before any of it is applied (a sharded
+    checkpoint's tensors: its index is read and checked here, the tensors by each process as it loads them,
+    "sharded" naming the folder). CheckpointError when a file is missing, truncated or corrupt, or the config
+    names foreign code."""
+    meta = read_meta(ckpt)
+    sharded = is_sharded_checkpoint(Path(ckpt))
     try:
+        if sharded:
+            tensor_index(Path(ckpt) / SHARDED_DIR)            # its index is readable and lists tensors only
+            weights: dict[str, Any] = {"sharded": Path(ckpt) / SHARDED_DIR}
+        else:
+            weights = {k: v for k, v in load_model_file(ckpt).items() if k in WEIGHT_FILES}
         train = load_state(Path(ckpt) / TRAIN_FILE)
         rng_path = Path(ckpt) / rng_file(rank)
         rng = load_state(rng_path) if rng_path.is_file() else None
-    except StateFileError as err:
+    except (StateFileError, ShardedFileError) as err:
         raise CheckpointError(f"checkpoint '{ckpt}': {err}") from None
-    return {**train, "model": model_file["model"], "ema": model_file["ema"], "rng": rng,
-            "adapter_only": bool(model_file.get("adapter_only")), "config": model_file["config"]}
+    return {**train, **weights, "rng": rng, "adapter_only": bool(meta.get("adapter_only")), "config": meta["config"]}
 
 
 def resume_candidates(resume: Optional[str], run_dir: Path) -> list[Path]:
