@@ -2,17 +2,10 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-# One intra-op thread per process unless OMP_NUM_THREADS says otherwise, set before torch loads: the suite's
-# tensors are tiny, so a second thread costs more in synchronisation than it computes, and many tests run a
-# program beside the test process, which would put four threads on CI's two cores (the suite takes about 30%
-# longer with torch's default there: docs/tests.md). The programs inherit it.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 from transformers import Dinov2Config, Dinov2Model
 
 from bad_input_harness import refusal_report

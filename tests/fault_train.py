@@ -45,11 +45,11 @@ def inject(fault: str) -> None:
     elif kind == "kill_in_write":
         write = checkpoint._write_main
 
-        def write_then_die(tmp, final, state, *a, **k):
+        def write_then_die(tmp, state, *a, **k):
             if state.step == int(arg):
                 checkpoint.save_tensors(state.state_dict()["model"], tmp / "model.safetensors")
                 die()
-            return write(tmp, final, state, *a, **k)
+            return write(tmp, state, *a, **k)
         checkpoint._write_main = write_then_die
     elif kind == "kill_in_prune":
         finalize = checkpoint.finalize
