@@ -37,3 +37,9 @@ def test_quick_run_reports_every_step(tmp_path):
 def test_an_unknown_step_is_one_error_line(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"^error: --only nope is not a step; allowed: 'gpu tests', "):
         gpu_check.main(["--out", str(tmp_path), "--only", "nope"])
+
+
+def test_bad_batches_and_budget_are_one_error_line(tmp_path):
+    for flags in (["--xl-batches", "128", "0"], ["--budget", "0"]):
+        with pytest.raises(SystemExit, match=r"^error: --xl-batches .* allowed: batches >= 1 and a budget > 0"):
+            gpu_check.main(["--out", str(tmp_path), *flags])

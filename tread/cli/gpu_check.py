@@ -7,15 +7,16 @@
 It runs, each under its own time limit and in this order: the CUDA tests (`pytest -m gpu tests/test_gpu.py`); the
 DiT-XL/2 benchmark (256 tokens, dense and the paper route, compiled, bf16, at the largest of --xl-batches that fits,
 with sampling throughput); a FLUX `mid` routed step (eager, bf16, the largest batch of 32, 16, 8, 4 that fits);
-and scripts/compare_paper.py at DiT-B/2 and DiT-XL/2 in bf16 (when --paper-dir is given). Each step's output is kept in --out (step logs, JSON, the Markdown tables), and
---out/report.md gathers them with the device, torch and the commands. A step that fails or runs out of time is
+and scripts/compare_paper.py at DiT-B/2 and DiT-XL/2 in bf16 (when --paper-dir is given). Each step's output is
+kept in --out (step logs, JSON, the Markdown tables), and --out/report.md gathers them with the device, torch and
+the commands. A step that fails or runs out of time is
 reported and the next one runs; the exit status is 1 when any did.
 
 It needs only the Python standard library to start: the project's own dependencies that the machine lacks are
-listed first and installed from --wheels (pip --no-index into a temporary folder) when given; `--download-wheels DIR`, run
-where the project is installed and the registry is reachable, fetches exactly those wheels at the installed
-versions. --quick runs the same steps at tiny sizes (the way to try it without a GPU: the CUDA-only steps then say
-so and are skipped).
+listed first and installed from --wheels (pip --no-index into a temporary folder) when given;
+`--download-wheels DIR`, run where the project is installed and the registry is reachable, fetches exactly those
+wheels at the installed versions. --quick runs the same steps at tiny sizes (the way to try it without a GPU: the
+CUDA-only steps then say so and are skipped).
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ REPO = Path(__file__).resolve().parents[2]
 # standard scientific stack are the machine's; these are what the steps import.
 NEEDED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "antlr4": "antlr4-python3-runtime",
           "pydantic": "pydantic", "pydantic_core": "pydantic-core", "annotated_types": "annotated-types",
-          "typing_inspection": "typing-inspection", "diffusers": "diffusers", "importlib_metadata": "importlib-metadata",
+          "typing_inspection": "typing-inspection", "diffusers": "diffusers",
+          "importlib_metadata": "importlib-metadata",
           "accelerate": "accelerate", "transformers": "transformers", "peft": "peft", "safetensors": "safetensors",
           "psutil": "psutil", "tqdm": "tqdm", "PIL": "pillow", "scipy": "scipy", "pytest": "pytest"}
 
@@ -96,6 +98,9 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
                                "--rounds", "1" if q else "2", "--json", str(out / "compare_paper.json")],
              420, cuda=not q),
     ]
+    if any(b < 1 for b in args.xl_batches) or args.budget <= 0:
+        raise SystemExit(f"error: --xl-batches {' '.join(map(str, args.xl_batches))} / --budget {args.budget:g}: "
+                         f"allowed: batches >= 1 and a budget > 0 seconds")
     unknown = sorted(set(args.only or ()) - {s.name for s in out_steps})
     if unknown:
         raise SystemExit(f"error: --only {', '.join(unknown)} is not a step; allowed: "
@@ -216,7 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     missing, site = missing_modules(), None
     if missing:
         print(f"gpu-check: this Python lacks {', '.join(NEEDED[m] for m in missing)}; they travel as wheels "
-              f"(`python scripts/gpu_check.py --download-wheels .whl` where the registry is reachable, then --wheels .whl)")
+              f"(`python scripts/gpu_check.py --download-wheels .whl` where the registry is reachable, then "
+              f"--wheels .whl)")
         if not args.wheels:
             return 1
         site = Path(tempfile.mkdtemp(prefix="gpu_check_site_"))       # beside nothing the report keeps

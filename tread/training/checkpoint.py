@@ -58,7 +58,8 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, state: TrainingStat
         if is_sharded(state.ema_model) and has_lora(state.model) else []
     with gathered_params(state.ema_model, adapters):
         if not any_rank(failure is not None) and accelerator.is_main_process:
-            failure = _try(lambda: _write_main(tmp, state, full, config, data_meta, trainable), tmp)
+            failure = _try(lambda: _write_main(tmp, state, full, config, data_meta, trainable is not None,
+                                                       shards is not None), tmp)
     if any_rank(failure is not None):
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -104,19 +105,18 @@ def _write_rng(tmp: Path, rng: dict, rank: int) -> None:
 
 
 def _write_main(tmp: Path, state: TrainingState, full: dict, config: dict, data_meta: dict,
-                trainable: Optional[set[str]]) -> None:
-    sharded = "optimizer_groups" in full
+                adapter_only: bool, sharded: bool) -> None:
+    """The main process's files; `full` as checkpoint_state gives it (adapter-only weights already limited)."""
     if not sharded:
         for key, name in WEIGHT_FILES.items():
-            weights = full[key] if trainable is None else {n: v for n, v in full[key].items() if n in trainable}
-            save_tensors(weights, tmp / name)
+            save_tensors(full[key], tmp / name)
     keys = ("step", "train_sec", "loader", "world_size",
             *(("optimizer_groups", "optimizer_params") if sharded else ("optimizer",)))
     save_state({k: full[k] for k in keys}, tmp / TRAIN_FILE)
     if has_lora(state.model):  # the EMA adapter alone: for diffusers pipelines, and in peft's format
         export_adapter(state.ema_model, tmp)
     atomic_write_json(tmp / META_FILE, {"format": FORMAT, "step": state.step, "config": config,
-                                        "data_meta": data_meta, "adapter_only": trainable is not None,
+                                        "data_meta": data_meta, "adapter_only": adapter_only,
                                         "layout": "sharded" if sharded else "single"})
 
 

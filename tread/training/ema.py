@@ -16,8 +16,8 @@ def ema_update(ema: nn.Module, model: nn.Module, decay: float, skip: Optional[to
     shared with the EMA); buffers are copied. `skip` (a 0/1 tensor on the device, the non-finite guard's flag)
     leaves the EMA unchanged when 1, without a host sync: the weight stays a device tensor, given once per parameter
     (foreach lerp's tensor-list form; its scalar form would read the tensor back to the host, a sync per step on
-    CUDA, and the tensor-list form computes the same bits: tests/test_ema.py). Sharded modules (train.parallel=fsdp: EMA and model
-    sharded alike) are averaged shard by shard, with no communication."""
+    CUDA, and the tensor-list form computes the same bits: tests/test_host_syncs.py). Sharded modules
+    (train.parallel=fsdp: EMA and model sharded alike) are averaged shard by shard, with no communication."""
     pairs = [(e, p) for e, p in zip(ema.parameters(), model.parameters()) if p.requires_grad]
     ema_params = [local(e) for e, _ in pairs]
     model_params = [local(p.detach()) for _, p in pairs]

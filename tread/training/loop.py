@@ -304,7 +304,7 @@ def checkpoint(run: Run) -> Path:
     cfg = run.cfg
     adapter_only = cfg.checkpoint.adapter_only or quantize_mode(run.parts.model) is not None
     trainable = {n for n, p in run.parts.model.named_parameters() if p.requires_grad} if adapter_only else None
-    layout = cfg.checkpoint.get("layout", "auto")
+    layout = cfg.checkpoint.layout
     sharded = layout == "sharded" or (layout == "auto" and cfg.train.parallel == "fsdp")
     return save_checkpoint(run.parts.accelerator, run.run_dir, run.state, OmegaConf.to_container(cfg, resolve=True),
                            run.dataset.meta, cfg.checkpoint.keep_last, trainable, sharded)

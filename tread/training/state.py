@@ -95,7 +95,7 @@ class TrainingState:
                             if len(path) == 3 and path[:2] == ("optimizer", str(i))} for i, (_, p) in enumerate(named)}
         moments = {i: entries for i, entries in moments.items() if entries}
         load_sharded({"model": weights("model", self.model.state_dict()),
-                      "ema": weights("ema", self.ema_model.state_dict()), "optimizer": moments}, folder)
+                      "ema": weights("ema", self.ema_model.state_dict()), "optimizer": moments}, folder, index)
         self.optimizer.load_state_dict({"state": {int(i): m for i, m in moments.items()}, "param_groups": groups})
 
     def load_state_dict(self, state: dict[str, Any], adapter_only: bool = False, where: str = "checkpoint") -> None:

@@ -17,7 +17,7 @@ import pathlib
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -126,11 +126,11 @@ def save_sharded(state: Mapping[str, Any], folder: Path) -> None:
         dcp.save(dict(state), storage_writer=FileSystemWriter(folder), no_dist=not _distributed())
 
 
-def load_sharded(template: Mapping[str, Any], folder: Path) -> None:
+def load_sharded(template: Mapping[str, Any], folder: Path, index: Optional[dict] = None) -> None:
     """Fill `template` (a nested dict of tensors or DTensors, in place) from `folder`, after checking that the
-    folder declares each of them as a tensor of the same full shape; dtypes are converted. Every process calls it
-    when a process group is up."""
-    index = tensor_index(folder)
+    folder declares each of them as a tensor of the same full shape (`index`: its tensor_index when the caller
+    has read it); dtypes are converted. Every process calls it when a process group is up."""
+    index = tensor_index(folder) if index is None else index
     for path, tensor in leaves(template):
         name = ".".join(map(str, path))
         if path not in index:
