@@ -9,6 +9,7 @@ import torch
 from transformers import Dinov2Config, Dinov2Model
 
 from bad_input_harness import refusal_report
+from bad_input_table import make_world
 from tread.encoders.dinov2 import DINO_SIZE
 from tread.schema import compose
 
@@ -107,3 +108,10 @@ def pytest_terminal_summary(terminalreporter):
     if times["refusal_secs"] or times["real_refusal_secs"]:
         terminalreporter.write_sep("-", "bad-input refusal times (a figure, not a limit)")
         terminalreporter.write_line(refusal_report(times["refusal_secs"], times["real_refusal_secs"]))
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory, request):
+    """The bad-input tables' world (tests/bad_input_table.py): a finished tiny run, its dataset, broken copies,
+    and every selected case of every tests/test_bad_inputs*.py module queued in the fork-server harness."""
+    yield from make_world(tmp_path_factory, request)

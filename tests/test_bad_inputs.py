@@ -7,79 +7,25 @@ long it took: each case's seconds are recorded (record_property "refusal_secs") 
 them as a figure at the end of the session.
 
 The cases run through tests/bad_input_harness.py (a fork server that has the programs' imports loaded: about
-0.3 s a case instead of 4.5 s; two at a time, queued when the module starts, each test waiting for its own);
-test_harness_matches_the_real_program runs some of them as real subprocesses to show that the harness gives what
-the programs give.
-
-Placeholders in a case's arguments and needles: {run} a finished tiny training run, {data} its (pristine)
-dataset, {bad} the folder of broken copies of it (see BAD_DATA), {empty} an empty folder, {imgs} a folder of
-three PNGs, {ref} a small existing .npz, {samples} a folder with an earlier samples.npz, {missing} a path that
-does not exist, {out} the case's own folder.
+0.3 s a case instead of 4.5 s; two at a time, every module's cases queued when the session's `world` is built,
+each test waiting for its own); test_harness_matches_the_real_program runs some of them as real subprocesses to
+show that the harness gives what the programs give. The machinery, the placeholders ({run}, {data}, {bad}, ...)
+and the rules: tests/bad_input_table.py. More tables: tests/test_bad_inputs_*.py.
 """
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import subprocess
-import sys
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import pytest
-import torch
 
-from bad_input_harness import HANG_SECS, REPO, Harness, digest, fingerprint, leftover_work, run_dir_lock
+from bad_input_harness import digest, leftover_work
+from bad_input_table import (PRECOMPUTE, PROGRESS, REGISTRY, bad_data, check_refused, copy_run, fid, plant_pickle,
+                             precompute, refused, sample, train)
 
 pytestmark = pytest.mark.slow   # 40-70 s on a 2-core machine: ~110 program runs and a tiny training run
-
-PRECOMPUTE = "scripts/precompute_latents.py"
-PREFIX = {"train.py": "", "sample.py": "sample/", "fid.py": "fid/", PRECOMPUTE: "precompute/"}
-# A tqdm bar ("train:   0%|", "sampling: 25%|"): the program got to its loop (train.py: the training steps).
-PROGRESS = re.compile(r"\d+%\|")
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    program: str                      # train.py | sample.py | fid.py | scripts/precompute_latents.py
-    args: tuple[str, ...]
-    needles: tuple[str, ...]          # each in the error line: the key or file, and the value
-    xfail: Optional[str] = None       # known not to be refused cleanly yet: where the fix lies
-
-    @property
-    def name(self) -> str:
-        """The test id: the case id, after the program for those of sample.py, fid.py and the precompute script."""
-        return PREFIX[self.program] + self.id
-
-    def param(self):
-        marks = [pytest.mark.xfail(strict=True, reason=self.xfail)] if self.xfail else []
-        return pytest.param(self, id=self.name, marks=marks)
-
-
-def train(id: str, *args: str, needles: tuple[str, ...] = (), xfail: Optional[str] = None) -> Case:
-    """A train.py case; without needles, the last argument (key=value) is the needle (sample, fid: the same)."""
-    return Case(id, "train.py", args, needles or (args[-1],), xfail)
-
-
-def sample(id: str, *args: str, needles: tuple[str, ...] = (), ckpt: bool = True,
-           xfail: Optional[str] = None) -> Case:
-    return Case(id, "sample.py", (("checkpoint={run}",) if ckpt else ()) + args, needles or (args[-1],), xfail)
-
-
-def fid(id: str, *args: str, needles: tuple[str, ...] = (), xfail: Optional[str] = None) -> Case:
-    return Case(id, "fid.py", args, needles or (args[-1],), xfail)
-
-
-def precompute(id: str, *args: str, needles: tuple[str, ...], xfail: Optional[str] = None) -> Case:
-    return Case(id, PRECOMPUTE, args, needles, xfail)
-
 
 
 CONFIG_CASES = [
@@ -155,17 +101,6 @@ CONFIG_CASES = [
     train("unresolvable_interpolation", "train.seed=${{oops}}", needles=("train.seed", "oops")),
 ]
 
-# Broken copies of the pristine dataset: name -> how it is broken (given the copy's folder).
-BAD_DATA: dict[str, Callable[[Path], Any]] = {}
-
-
-def bad_data(name: str, *needles: str):
-    def register(edit: Callable[[Path], Any]) -> Case:
-        BAD_DATA[name] = edit
-        return train(f"data_{name}", "data.builtin=null", f"data.path={{bad}}/{name}", needles=needles)
-    return register
-
-
 def _meta(d: Path, **changes: Any) -> None:
     meta = json.loads((d / "meta.json").read_text())
     (d / "meta.json").write_text(json.dumps({**meta, **changes}))
@@ -222,71 +157,46 @@ CHECKPOINT_PATH_CASES = [
     fid("bench_no_checkpoint", "mode=bench", "checkpoints={empty}", "ref={ref}", needles=("checkpoints=", "{empty}")),
 ]
 
-# ---- Checkpoint contents: a copy of the finished run ({out}/run) broken by CHECKPOINT_SETUP[case id] first.
+def _foreign_target(out: Path, places: dict) -> None:
+    meta_file = copy_run(out, places) / "checkpoint.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["model"] = {"_target_": "pathlib.Path.write_text", "self": str(Path(places["run"]).parent /
+                                                                                  "payload_ran"), "data": "x"}
+    meta_file.write_text(json.dumps(meta))
+
+
+def _truncate(out: Path, places: dict) -> None:
+    weights = copy_run(out, places) / "ema.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+
+def _incomplete(out: Path, places: dict) -> None:
+    (copy_run(out, places) / "checkpoint.json").unlink()
+
+
+# ---- Checkpoint contents: a copy of the finished run ({out}/run) broken by the case's setup first.
 # A planted pickle payload would create {base}/payload_ran: a new file in the world, which every case checks for.
 CHECKPOINT_CASES = [
-    sample("pickle_payload", "checkpoint={out}/run", ckpt=False, needles=("model.pt", "old pickle format", "--trust")),
-    sample("foreign_target", "checkpoint={out}/run", ckpt=False,
+    sample("pickle_payload", "checkpoint={out}/run", ckpt=False, setup=plant_pickle, needles=("model.pt", "old pickle format", "--trust")),
+    sample("foreign_target", "checkpoint={out}/run", ckpt=False, setup=_foreign_target,
            needles=("model._target_='pathlib.Path.write_text'", "not one of the project's builders")),
-    sample("truncated_weights", "checkpoint={out}/run", ckpt=False, needles=("ema.safetensors", "truncated")),
+    sample("truncated_weights", "checkpoint={out}/run", ckpt=False, setup=_truncate, needles=("ema.safetensors", "truncated")),
     sample("incomplete_checkpoint", "checkpoint={out}/run/checkpoints/step_0000001", ckpt=False,
+           setup=_incomplete,
            needles=("step_0000001", "no checkpoint")),
-    fid("bench_pickle_payload", "mode=bench", "checkpoints={out}/run", "ref={ref}",
+    fid("bench_pickle_payload", "mode=bench", "checkpoints={out}/run", "ref={ref}", setup=plant_pickle,
         needles=("model.pt", "old pickle format")),
-    fid("bench_foreign_target", "mode=bench", "checkpoints={out}/run", "ref={ref}",
+    fid("bench_foreign_target", "mode=bench", "checkpoints={out}/run", "ref={ref}", setup=_foreign_target,
         needles=("model._target_='pathlib.Path.write_text'",)),
-    train("resume_pickle_payload", "resume={out}/run", needles=("model.pt", "old pickle format", "--trust")),
-    train("resume_foreign_target", "resume={out}/run", needles=("model._target_='pathlib.Path.write_text'",)),
+    train("resume_pickle_payload", "resume={out}/run", setup=plant_pickle,
+          needles=("model.pt", "old pickle format", "--trust")),
+    train("resume_foreign_target", "resume={out}/run", setup=_foreign_target,
+          needles=("model._target_='pathlib.Path.write_text'",)),
     train("resume_other_architecture", "resume={run}", "model.arch=DiT-S/4",
           needles=("model.arch: 'DiT-T/4' -> 'DiT-S/4'", "architecture")),
     train("keep_last_minus_one", "checkpoint.keep_last=-1"),
 ]
 
-
-class _Payload:
-    """Unpickling this runs a shell command: what a planted checkpoint does."""
-
-    def __init__(self, command: str):
-        self.command = command
-
-    def __reduce__(self):
-        return os.system, (self.command,)
-
-
-def _copy_run(out: Path, run: Path) -> Path:
-    shutil.copytree(run, out / "run", ignore=shutil.ignore_patterns(".lock"))
-    return next((out / "run" / "checkpoints").iterdir())
-
-
-def _plant_pickle(out: Path, run: Path) -> None:
-    """An old-format checkpoint (model.pt) whose unpickling would run `touch <base>/payload_ran`."""
-    step = _copy_run(out, run)
-    for f in step.iterdir():
-        f.unlink()
-    torch.save({"config": {}, "x": _Payload(f"touch {run.parent / 'payload_ran'}")}, step / "model.pt")
-
-
-def _foreign_target(out: Path, run: Path) -> None:
-    meta_file = _copy_run(out, run) / "checkpoint.json"
-    meta = json.loads(meta_file.read_text())
-    meta["config"]["model"] = {"_target_": "pathlib.Path.write_text", "self": str(run.parent / "payload_ran"),
-                               "data": "x"}
-    meta_file.write_text(json.dumps(meta))
-
-
-def _truncate(out: Path, run: Path) -> None:
-    weights = _copy_run(out, run) / "ema.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
-
-
-def _incomplete(out: Path, run: Path) -> None:
-    (_copy_run(out, run) / "checkpoint.json").unlink()
-
-
-CHECKPOINT_SETUP: dict[str, Callable[[Path, Path], Any]] = {
-    "pickle_payload": _plant_pickle, "bench_pickle_payload": _plant_pickle, "resume_pickle_payload": _plant_pickle,
-    "foreign_target": _foreign_target, "bench_foreign_target": _foreign_target,
-    "resume_foreign_target": _foreign_target, "truncated_weights": _truncate, "incomplete_checkpoint": _incomplete}
 
 SAMPLE_CASES = [
     sample("num_samples_zero", "num_samples=0"),
@@ -372,153 +282,6 @@ REAL = ["seed_string", "data_labels_out_of_range", "sample/device_unknown", "fid
         "precompute/kind_unknown", "resume_missing"]
 
 
-BY_ID = {c.name: c for c in CASES}
-assert len(BY_ID) == len(CASES), "case ids must be unique"
-
-
-# ----------------------------------------------------------------------------- the world the cases run in
-
-@dataclass
-class World:
-    base: Path                          # everything made before the cases: no case may change any of it
-    harness: Harness
-    env: dict[str, str]
-    places: dict[str, str]
-    stats: dict[str, tuple[int, ...]]   # fingerprint(base) before the cases (updated after a change is reported)
-    hashes: dict[str, str]              # digest(base) before the cases, compared after all of them
-    forked: dict[str, tuple[Future, Path]] = field(default_factory=dict)   # case name -> (its result, its folder)
-    real: dict[str, Future] = field(default_factory=dict)    # case name -> (result, folder) of the real program
-    made: dict[str, Any] = field(default_factory=dict)       # the launch that trained {run}: what work looks like
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def fill(self, text: str, out: Path) -> str:
-        return text.format(**self.places, out=str(out))
-
-    def args(self, case: Case, out: Path) -> list[str]:
-        args = [self.fill(a, out) for a in case.args]
-        if case.program == "train.py":
-            common = ["debug=tiny", "train.compile=false", f"paths.output_dir={out}/outputs"]
-            if not any(a.startswith("hydra.run.dir=") for a in args):
-                common.append(f"hydra.run.dir={out}/run")
-            return common + args
-        if case.program == "sample.py":
-            return [*args, f"hydra.run.dir={out}/hydra"]
-        if case.program == "fid.py":
-            return [*args, f"hydra.run.dir={out}/hydra", f"paths.output_dir={out}/outputs"]
-        return args
-
-    def finished(self, result: dict[str, Any], out: Path, before: dict[str, tuple[int, ...]]) -> None:
-        """As a program ends: the work it left in its own folder (`before`: that folder as it started), and what
-        differs in base since the last check (so a change is blamed on the case that made it, or one running
-        beside it). New files only count outside Hydra's record of a launch into the run dir (run/.hydra/<time>/:
-        a refused launch adds its record, it never rewrites an earlier one); the run dir's lock is not looked at
-        (a case beside one that launches into {run} sees it held; test_nothing_written... checks the end)."""
-        result["work"] = leftover_work(out, before)
-        with self.lock:
-            now = {k: v for k, v in fingerprint(self.base).items() if not run_dir_lock(k)}
-            result["changes"] = ([f"{k}: changed" for k in self.stats if k in now and now[k] != self.stats[k]] +
-                                 [f"{k}: removed" for k in self.stats if k not in now] +
-                                 [f"{k}: new" for k in now if k not in self.stats and not k.startswith("run/.hydra")])
-            if result["changes"]:
-                self.stats = now
-
-    def start(self, case: Case, out: Path) -> None:
-        """Queue the case in the harness (its result: self.forked[case.name])."""
-        out.mkdir(parents=True, exist_ok=True)
-        if case.id in CHECKPOINT_SETUP:
-            CHECKPOINT_SETUP[case.id](out, Path(self.places["run"]))
-        before = fingerprint(out)
-        future = self.harness.submit(case.program, self.args(case, out), out / "log", timeout=HANG_SECS,
-                                     on_done=lambda result: self.finished(result, out, before))
-        self.forked[case.name] = future, out
-
-
-def selected(request, test: str, param: str) -> list[Any]:
-    """The parameters of the selected tests of one function, in the order they run."""
-    return [item.callspec.params[param] for item in request.session.items if item.originalname == test]
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory, request) -> World:
-    """The finished run, its dataset and the other folders the cases name; then every selected case is queued
-    in the harness (two at a time: the tests only wait for their results) and the selected real programs are
-    started one at a time beside them."""
-    from PIL import Image
-
-    base = tmp_path_factory.mktemp("bad_inputs")
-    cache = base / "cache"
-    env = {**os.environ, "TREAD_CACHE_DIR": str(cache), "TREAD_OUTPUT_DIR": str(base / "outputs"),
-           "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    harness = Harness(env=env, jobs=2)
-    try:
-        run = base / "run"
-        made = harness.run("train.py", ["debug=tiny", "train.compile=false", "train.max_steps=1",
-                                        "checkpoint.every_steps=0", "eval.every_steps=0", "eval.at_end=false",
-                                        f"hydra.run.dir={run}"], tmp_path_factory.mktemp("setup"))
-        assert made["rc"] == 0, made["stderr"][-3000:]
-        data = next(cache.glob("toy_shapes_*"))
-        for name, edit in BAD_DATA.items():
-            shutil.copytree(data, base / "bad" / name)
-            edit(base / "bad" / name)
-        (base / "empty").mkdir()
-        (base / "imgs" / "cls0").mkdir(parents=True)
-        for i in range(3):
-            Image.fromarray(np.full((16, 16, 3), 40 * i, np.uint8)).save(base / "imgs" / "cls0" / f"{i}.png")
-        (base / "refs").mkdir()
-        np.savez(base / "refs" / "ref.npz", mu=np.zeros(4), sigma=np.eye(4))
-        (base / "samples").mkdir()
-        np.savez(base / "samples" / "samples.npz", arr_0=np.zeros((2, 16, 16, 3), np.uint8))
-        places = {"run": str(run), "data": str(data), "bad": str(base / "bad"), "empty": str(base / "empty"),
-                  "imgs": str(base / "imgs"), "ref": str(base / "refs" / "ref.npz"), "samples": str(base / "samples"),
-                  "missing": str(base / "missing")}
-        world = World(base, harness, env, places, fingerprint(base), digest(base), made=made)
-        real = [BY_ID[name] for name in selected(request, "test_harness_matches_the_real_program", "name")]
-        for case in selected(request, "test_bad_input_is_refused", "case") + real:
-            if case.name not in world.forked:
-                world.start(case, tmp_path_factory.mktemp("case") / "case")
-        # The real programs take ~4.5 s each (imports): one at a time, beside the harness.
-        with ThreadPoolExecutor(1) as pool:
-            for case in real:
-                world.real[case.name] = pool.submit(run_real, world, case, tmp_path_factory.mktemp("real") / "case")
-            yield world
-    finally:
-        harness.close()
-
-
-def run_real(world: World, case: Case, out: Path) -> tuple[dict[str, Any], Path]:
-    """`python <program> <args>` from the repo root, as a user runs it (killed if it hangs)."""
-    out.mkdir(parents=True)
-    start = time.monotonic()
-    try:
-        proc = subprocess.run([sys.executable, case.program, *world.args(case, out)], cwd=REPO, env=world.env,
-                              capture_output=True, text=True, timeout=HANG_SECS)
-        result = {"rc": proc.returncode, "timed_out": False, "stdout": proc.stdout, "stderr": proc.stderr}
-    except subprocess.TimeoutExpired as hung:                 # what it printed so far comes as bytes
-        stdout, stderr = (x.decode(errors="replace") if x else "" for x in (hung.stdout, hung.stderr))
-        result = {"rc": None, "timed_out": True, "stdout": stdout, "stderr": stderr}
-    result["secs"] = time.monotonic() - start
-    world.finished(result, out, {})
-    return result, out
-
-
-def check_refused(world: World, case: Case, result: dict[str, Any], out: Path) -> str:
-    """The acceptance rules, on what happened (never on how long it took); returns the error line (the case's
-    folder written as {out})."""
-    text = result["stdout"] + result["stderr"]
-    assert not result["timed_out"], (f"hung: still running after {result['secs']:.0f} s (the hang guard; a refusal "
-                                      f"takes about a second), killed: {text[-2000:]}")
-    assert result["rc"] != 0, f"exit status 0: {text[-2000:]}"
-    assert "Traceback" not in text, text[-3000:]
-    assert not PROGRESS.search(text), f"a progress bar: got to its loop before refusing: {text[-2000:]}"
-    assert not result["work"], f"work done before refusing (in the case's folder {out}): {result['work']}"
-    lines = [line for line in result["stderr"].splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, f"{len(lines)} lines start with error: in stderr:\n{result['stderr'][-3000:]}"
-    for needle in case.needles:
-        assert world.fill(needle, out) in lines[0], f"{world.fill(needle, out)!r} not in {lines[0]!r}"
-    assert not result["changes"], f"changed while this case ran (beside at most one other): {result['changes']}"
-    return lines[0].replace(str(out), "{out}")
-
 
 def test_the_table_is_big_enough():
     assert len(CASES) >= 70
@@ -527,17 +290,14 @@ def test_the_table_is_big_enough():
 
 @pytest.mark.parametrize("case", [c.param() for c in CASES])
 def test_bad_input_is_refused(world, case, record_property):
-    future, out = world.forked[case.name]
-    result = future.result()
-    record_property("refusal_secs", result["secs"])      # a figure for the session's report, not a limit
-    check_refused(world, case, result, out)
+    refused(world, case, record_property)
 
 
 @pytest.mark.parametrize("name", REAL)
 def test_harness_matches_the_real_program(world, name, record_property):
     """The case as a real `python <program> ...` subprocess: refused the same way, with the same status and error
     line as in the harness."""
-    case = BY_ID[name]
+    case = REGISTRY[name]
     real, real_out = world.real[name].result()
     record_property("real_refusal_secs", real["secs"])   # imports included (~3.5 s): the time a user waits
     forked, out = world.forked[name]
@@ -556,8 +316,8 @@ def test_the_checks_see_a_training_step(world):
 
 
 def test_nothing_written_before_was_changed(world):
-    """After all the cases (last in this file): every file made before them has the same bytes, and the only new
-    ones are Hydra's records of launches into {run} (no lock left held)."""
+    """After all the cases (of every module: all are queued when `world` is built): every file made before them
+    has the same bytes, and the only new ones are Hydra's records of launches into {run} (no lock left held)."""
     for future, _ in world.forked.values():
         future.exception()                                     # wait for every queued case
     for future in world.real.values():
