@@ -5,11 +5,14 @@
     python train.py -m routing.routes.0.selection_ratio=0,0.25,0.5
     python train.py -m hydra/launcher=slurm hydra.launcher.partition=<p> ... # SLURM sweep, one job per run
 """
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 import tread.cli.train
 from tread.cli.errors import hydra_errors
+from tread.cli.writable_dirs import with_dir_check
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
@@ -18,5 +21,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    with hydra_errors(sampling_section="eval"):   # Hydra's composition errors (unknown key, bad override): one line
+    sys.argv = with_dir_check(sys.argv)   # an unwritable run dir: one error line before Hydra writes into it
+    with tread.cli.train.interrupt_exits(), hydra_errors(sampling_section="eval"):   # Ctrl-C; Hydra's errors
         main()

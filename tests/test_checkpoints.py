@@ -23,7 +23,8 @@ from tread.training.guard import NonFiniteError
 from tread.training.loop import train
 from tread.training.run_log import read_metrics
 from tread.training.setup import OPTIMIZERS
-from tread.utils.checkpoints import CheckpointError, find_checkpoint, list_checkpoints, load_model_file, tmp_dir
+from tread.utils.checkpoints import (CheckpointError, find_checkpoint, list_checkpoints, load_model_file, step_of,
+                                     tmp_dir)
 from tread.utils.targets import PROJECT_TARGETS, TargetError
 from tread.utils.tensorfile import StateFileError, load_state, save_state
 
@@ -199,11 +200,13 @@ def data_at(path: Path) -> list[str]:
 
 
 def test_one_nan_sample_is_skipped_and_never_checkpointed(trained, tiny_cfg, cache_dir, tmp_path):
+    """With data.allow_nonfinite=true (a start refuses such data otherwise: tests/test_dataset_integrity.py) the
+    guard skips the steps that draw the NaN sample."""
     data = nan_data(cache_dir, tmp_path, index=int(np.random.default_rng(0).integers(400)))
     run = tmp_path / "nan_run"
     with pytest.warns(UserWarning, match="latents.npy"):
-        summary = train(tiny_cfg(*QUIET, *data_at(data), "train.max_steps=60", "checkpoint.every_steps=10",
-                                 "checkpoint.keep_last=2"), run)
+        summary = train(tiny_cfg(*QUIET, *data_at(data), "data.allow_nonfinite=true", "train.max_steps=60",
+                                 "checkpoint.every_steps=10", "checkpoint.keep_last=2"), run)
     assert summary["status"] == "completed" and summary["nonfinite_skips"] >= 1
     records = [r for r in read_metrics(run) if r["type"] == "train"]
     assert sum(r["nonfinite_skips"] for r in records) == summary["nonfinite_skips"]
@@ -236,10 +239,11 @@ def legacy_checkpoint(step_dir: Path, payload: object | None = None) -> None:
     src = find_checkpoint(step_dir.parent.parent)
     model = load_model_file(src)
     step_dir.mkdir(parents=True)
-    torch.save(payload if payload is not None else {k: model[k] for k in ("step", "config", "data_meta", "model",
-                                                                          "ema", "adapter_only")},
+    step = step_of(step_dir)              # the step its directory names (a converted checkpoint is checked for it)
+    torch.save(payload if payload is not None else {**{k: model[k] for k in ("config", "data_meta", "model", "ema",
+                                                                            "adapter_only")}, "step": step},
                step_dir / "model.pt")
-    torch.save({**load_state(src / "train_state.safetensors")}, step_dir / "train_state.pt")
+    torch.save({**load_state(src / "train_state.safetensors"), "step": step}, step_dir / "train_state.pt")
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                step_dir / "rng_rank0.pt")
 
@@ -269,7 +273,7 @@ def test_old_checkpoints_are_refused_then_converted(trained, tmp_path, tiny_cfg)
     assert sorted(p.name for p in (only_old / "checkpoints" / old.name).iterdir()) == [
         "model.pt", "rng_rank0.pt", "train_state.pt"]
     convert(old)
-    assert find_checkpoint(run) == old and load_model_file(old)["step"] == 4
+    assert find_checkpoint(run) == old and load_model_file(old)["step"] == 8
     converted, original = load_model_file(old)["model"], weights(trained)
     assert converted.keys() == original.keys() and all(torch.equal(converted[k], original[k]) for k in original)
 

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 from tread.cli.errors import user_errors
 from tread.runtime.layouts import LAYOUTS, convert_layout
-from tread.runtime.legacy import convert, legacy_dirs
+from tread.runtime.legacy import convert, legacy_dirs, rank_files
 from tread.utils.errors import UserError
 
 
@@ -55,6 +55,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[Path]:
                                f"format. Pickles can name code to run; the converter reads them with torch's "
                                f"restricted unpickler, but the result is a checkpoint you will train and sample from. "
                                f"Add --trust if you know where these files come from.")
+        for d in dirs:              # every step dir's file names, before any is converted
+            rank_files(d)
         done = [convert(d, args.remove_pickles) for d in dirs]
     for d in done:
         print(f"converted {d}")

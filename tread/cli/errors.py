@@ -5,9 +5,11 @@ import contextlib
 import os
 import re
 import sys
+import traceback
 from typing import Iterator, Optional
 
 from tread.utils.errors import USER_ERRORS
+from tread.utils.io import file_in_the_way
 from tread.utils.renamed_keys import renamed_message
 
 
@@ -46,11 +48,31 @@ def hydra_errors(sampling_section: str = "") -> Iterator[None]:
         if wanted:
             raise
         sys.exit(f"error: {hydra_message(err, sampling_section)}")
+    except OSError as err:
+        if wanted or not hydra_made_it(err):
+            raise
+        sys.exit(f"error: {run_dir_message(err)}")
     finally:
         if wanted is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = wanted
+
+
+def hydra_made_it(err: BaseException) -> bool:
+    """Whether an error came from Hydra itself (making the run directory before the program's code runs): no
+    frame of it lies in this package."""
+    package, here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.abspath(__file__)
+    files = {os.path.abspath(frame.filename) for frame in traceback.extract_tb(err.__traceback__)} - {here}
+    return not any(f.startswith(package + os.sep) for f in files)
+
+
+def run_dir_message(err: OSError) -> str:
+    """Hydra could not make the run directory (hydra.run.dir, by default under paths.output_dir): which, why."""
+    blocker = file_in_the_way(err.filename) if err.filename else None
+    why = f"'{blocker}' is a file, not a directory" if blocker else (err.strerror or str(err))
+    return (f"hydra.run.dir='{err.filename}' cannot be made: {why}. Set paths.output_dir (or hydra.run.dir) to a "
+            f"directory path whose existing parts are directories.")
 
 
 # Hydra's refusal of an override of a key the config lacks: the key, and the override's value.

@@ -4,27 +4,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
-from PIL import Image
 from tqdm.auto import tqdm
 
 from tread.cli.errors import user_errors
-from tread.data import model_shape, read_meta
+from tread.data import LatentDataset, model_shape, read_meta
 from tread.encoders.errors import EncoderError
 from tread.evaluation.checkpoint_fid import (BenchError, append_row, bench_settings, benchmark_checkpoint,
                                        expand_checkpoints, min_samples, read_rows, settings_key)
 from tread.evaluation.evaluator import decode_options
 from tread.evaluation.extractors import feature_extractor
-from tread.evaluation.images import image_files, iter_image_folder, iter_npz_batches, npz_array_info
+from tread.evaluation.images import check_image_folder, image_files, iter_image_folder, npz_images_shape
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
-from tread.evaluation.reference import build_reference, load_reference_full
+from tread.evaluation.reference import build_reference, load_reference_full, read_reference_file
 from tread.sampling import Guidance, parse_seeds
 from tread.schema import check_fid
+from tread.schema.saved import check_checkpoint_config
 from tread.utils.checkpoints import load_model_file
 from tread.utils.io import atomic_write_json
+from tread.utils.readers import image_size, iter_npz_batches, read_npz
 
 
 def main(cfg: DictConfig) -> None:
@@ -56,9 +56,11 @@ def validate(cfg: DictConfig) -> None:
         if cfg[key] is not None and Path(str(cfg[key])).expanduser().exists():
             raise FileExistsError(f"{key}={cfg[key]} already exists; refusing to overwrite it. Delete it or choose "
                                   f"another path.")
+    check_inputs(cfg)
     if cfg.mode != "bench":
         return
-    expand_checkpoints(cfg.checkpoints)
+    for ckpt in expand_checkpoints(cfg.checkpoints):
+        check_checkpoint_config(ckpt)            # every checkpoint's config (the launch's schema), before any work
     try:
         seeds = parse_seeds(cfg.seeds, cfg.num_samples)
     except ValueError as err:
@@ -69,6 +71,25 @@ def validate(cfg: DictConfig) -> None:
     if len(seeds) < need:
         raise BenchError(f"{len(seeds)} images (num_samples/seeds) are too few for metrics={list(cfg.metrics)}: "
                          f"need at least {need} (ADM reports 50000)")
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """The formats of the files this mode reads, before any network is loaded: the reference .npz (calc, bench),
+    the images (calc: every image's header, or the .npz's arr_0 header) and the source (ref)."""
+    if cfg.mode in ("calc", "bench"):
+        read_reference_file(Path(str(cfg.ref)).expanduser())
+    key = {"ref": "source", "calc": "images", "bench": None}[cfg.mode]
+    path = Path(str(cfg[key])).expanduser() if key else None
+    if path is None:
+        return
+    if key == "source" and (path / "meta.json").is_file():
+        LatentDataset(str(path))                  # a latent dataset: meta.json and every array file
+    elif path.is_dir():
+        check_image_folder(path, key)
+    elif path.suffix == ".npz":
+        npz_images_shape(path, key)
+    else:
+        raise BenchError(f"{key}={path} is neither an image folder nor an .npz file (arr_0 = uint8 NHWC images)")
 
 
 def existing(cfg: DictConfig, key: str) -> Path:
@@ -92,8 +113,7 @@ def run_ref(cfg: DictConfig, extractor, state=None) -> dict[str, Any]:
     source, out = Path(cfg.source), Path(cfg.out)
     build_reference(out, extractor, source, max_images=cfg.max_images, store_images=cfg.store_images,
                     batch_size=cfg.batch_size, decode_kwargs=decode_options(cfg))
-    with np.load(out) as data:
-        num = int(data["num_images"])
+    num = int(read_npz(out, "reference", keys=("num_images",))["num_images"])
     print(f"Reference ({extractor.name}, {num} images from {source}) written to {out}")
     return {"out": str(out), "num_images": num, "features": extractor.name}
 
@@ -104,10 +124,7 @@ def iter_images(path: Path, batch_size: int) -> tuple[int, Any]:
     if path.is_dir():
         return len(image_files(path)), iter_image_folder(path, batch_size)
     if path.suffix == ".npz":
-        shape, dtype = npz_array_info(path, "arr_0")
-        if str(dtype) != "uint8" or len(shape) != 4 or shape[-1] != 3:
-            raise BenchError(f"images={path}: arr_0 must be uint8 (N, H, W, 3) images, got {dtype} {tuple(shape)}")
-        return int(shape[0]), iter_npz_batches(path, "arr_0", batch_size)
+        return int(npz_images_shape(path, "images")[0]), iter_npz_batches(path, "arr_0", batch_size, "images")
     raise BenchError(f"images={path} is neither an image folder nor an .npz file (arr_0 = uint8 NHWC images)")
 
 
@@ -178,6 +195,5 @@ def image_side(cfg: DictConfig) -> int:
     if cfg.features != "toy_classifier":
         return 32  # unused: Inception resizes to 299 itself
     if source.is_dir():
-        with Image.open(image_files(source)[0]) as im:
-            return im.size[1]
-    return int(npz_array_info(source, "arr_0")[0][1])
+        return image_size(image_files(source)[0], "image")[1]
+    return int(npz_images_shape(source, "images" if cfg.mode == "calc" else "source")[1])

@@ -18,6 +18,7 @@ from tread.evaluation.images import write_samples
 from tread.sampling import Guidance, generate, load_for_inference, parse_seeds, sampling_cost, text_conditioning
 from tread.sampling.prompts import encode_for_model, generate_for_prompts, read_prompts_file
 from tread.schema import ConfigError, check_sample
+from tread.schema.saved import check_checkpoint_config
 from tread.utils.checkpoints import run_dir_of
 from tread.utils.device import resolve_device
 
@@ -34,6 +35,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     prompts = read_prompts_file(cfg.prompts_file) if cfg.prompts_file is not None else cfg.prompts
     guidance = Guidance.from_settings(cfg)
     device = resolve_device(cfg.device)
+    check_checkpoint_config(cfg.checkpoint)
     net, diffusion, meta, config = load_for_inference(cfg.checkpoint, cfg.use_ema, device)
     guidance.check(net.model)                    # spans against this model's depth, before sampling
     decode = decode_options(cfg)

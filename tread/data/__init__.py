@@ -8,6 +8,7 @@ from typing import Any, Mapping, Union
 
 from .decode import check_decodable, decode_to_uint8
 from .images import ImageFolderError, center_crop_arr, list_image_folder
+from .integrity import check_dataset, check_integrity, record_integrity
 from .loader import LatentLoader, ShardedBatchSampler
 from .meta import (COND_KEYS, EXTRA_KEYS, LatentDatasetError, LatentDatasetExistsError, draw_latents,
                    has_model_conditioning, latent_kind, model_shape, read_meta, shift_factor)
@@ -28,7 +29,8 @@ __all__ = ["BUILTINS", "FORMATS", "WDS_KEYS", "LatentDataset", "LatentDatasetErr
            "decode_to_uint8", "draw_latents", "ensure_toy_classifier", "ensure_toy_dataset", "latent_kind",
            "model_shape", "LatentDatasetWriter", "shift_factor", "ImageFolderError", "center_crop_arr",
            "list_image_folder", "generate_toy_shapes", "read_meta", "write_latent_dataset", "WebDatasetLatents",
-           "COND_KEYS", "EXTRA_KEYS", "has_model_conditioning"]
+           "COND_KEYS", "EXTRA_KEYS", "has_model_conditioning", "check_dataset", "check_integrity",
+           "record_integrity"]
 
 
 def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, WebDatasetLatents]:

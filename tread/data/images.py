@@ -16,10 +16,11 @@ Image files: .png .jpg .jpeg .webp .bmp .tif .tiff (any case); hidden folders ar
 file (another extension, or hidden like .DS_Store) is skipped and can be listed (list_image_folder's `skipped`).
 Order is deterministic: classes by folder name, files by relative path.
 
-Checking images (`unreadable_images`) decodes each one fully (`Image.open` + `load()`, what `load_image` does
-before cropping), with PIL's default ImageFile.LOAD_TRUNCATED_IMAGES = False. `Image.verify()` alone is not
-enough: it checks PNG chunk CRCs but reads no JPEG data, so it passed every truncated JPEG tried (cut at 30% to
-99.9%, or only the last 2 bytes), which a full decode rejects ("image file is truncated"). Measured on 1000 small
+Checking images (`unreadable_images`) decodes each one fully (tread.utils.readers.image_problem: `Image.open` +
+`load()`, what `load_image` does before cropping; 16-bit and float images are refused), with PIL's default
+ImageFile.LOAD_TRUNCATED_IMAGES = False. `Image.verify()` alone is not enough: it checks PNG chunk CRCs but
+reads no JPEG data, so it passed every truncated JPEG tried (cut at 30% to 99.9%, or only the last 2 bytes),
+which a full decode rejects ("image file is truncated"). Measured on 1000 small
 images (96-320 px, one CPU thread): verify 0.03 ms (JPEG) / 0.07 ms (PNG) per image, full decode 0.34 / 1.0 ms,
 against 1.5 / 2.2 ms for load_image's decode + crop at 256 px; 500x375 JPEGs (ImageNet-like) decode in 1.0 ms.
 So the check adds about 25% (JPEG) to 45% (PNG) to the image reading that encoding does anyway, spread over the
@@ -29,7 +30,6 @@ it; not used, so that the check is exactly the decode that encoding does.)
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 from concurrent.futures import Executor
@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
+
+from tread.utils.readers import image_problem, parse_json, read_image
 
 from .meta import LatentDatasetError
 
@@ -128,10 +130,7 @@ def read_name_value_file(path: PathLike, *, what: str, error_cls: type[Exception
     text = path.read_text(encoding="utf-8-sig")
     entries: list[tuple[str, str, str]] = []  # (name, value, where)
     if path.suffix.lower() == ".json":
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise error_cls(f"{what}s file '{path}': invalid JSON ({err})") from None
+        obj = parse_json(text, f"{what}s file '{path}'", f"a JSON object {json_example}", error_cls)
         if not isinstance(obj, dict):
             raise error_cls(f"{what}s file '{path}': expected a JSON object {json_example}, got {type(obj).__name__}")
         for name, value in obj.items():
@@ -263,24 +262,7 @@ def center_crop_arr(pil_image: Image.Image, resolution: int) -> np.ndarray:
 
 def load_image(path: PathLike, resolution: int) -> np.ndarray:
     """One image file -> center-cropped uint8 (resolution, resolution, 3); unreadable files raise naming it."""
-    try:
-        with Image.open(path) as im:
-            im.load()
-            return center_crop_arr(im, resolution)
-    except (OSError, ValueError, Image.DecompressionBombError) as err:
-        raise ImageFolderError(f"cannot read image '{path}': {err}") from None
-
-
-def _decode_error(path: Path) -> Optional[str]:
-    """None if `path` decodes fully (what load_image reads), else why not, in one short line."""
-    try:
-        with Image.open(path) as im:
-            im.load()
-    except UnidentifiedImageError:
-        return "not an image PIL can identify"
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        return " ".join(str(err).split()) or type(err).__name__
-    return None
+    return center_crop_arr(read_image(path, "cannot read image", error=ImageFolderError), resolution)
 
 
 def unreadable_images(paths: Sequence[Path], pool: Optional[Executor] = None,
@@ -290,7 +272,7 @@ def unreadable_images(paths: Sequence[Path], pool: Optional[Executor] = None,
     bad = []
     for start in range(0, len(paths), 1024):
         chunk = paths[start:start + 1024]
-        reasons = pool.map(_decode_error, chunk) if pool else map(_decode_error, chunk)
+        reasons = pool.map(image_problem, chunk) if pool else map(image_problem, chunk)  # None: decodes fully
         bad.extend((start + i, r) for i, r in enumerate(reasons) if r is not None)
         if progress is not None:
             progress(len(chunk))

@@ -6,7 +6,10 @@ schema and its checks, and the latent kinds ("sample" | "moments") with the draw
                   {"type": "vae", "vae": "<hub id or path>", "subfolder": null|"vae", "scaling_factor": s,
                    "shift_factor": null|f}, "source": "...", "class_names": [...] | null,
                   "files": {"latents": "latents.npy", "labels": "labels.npy"},
-                  "latent_kind": "sample" | "moments"   (optional, default "sample"), ...extra keys}
+                  "latent_kind": "sample" | "moments"   (optional, default "sample"),
+                  "integrity": {...}   (optional: each file's size, mtime, digest and non-finite samples, which
+                                        the writer records and training checks: tread/data/integrity.py),
+                  ...extra keys}
     latents.npy  (N, C, H, W) of `dtype`; model-space latents are stored values * latent_scale.
                  latent_kind "moments": (N, 2C, H, W) VAE posterior moments (mean, logvar) in raw VAE
                  units; every read draws one latent, mean + exp(logvar / 2) * eps, then shifts and scales it.
@@ -49,7 +52,6 @@ Writing: tread/data/writer.py; reading: tread/data/reader.py; decoding to pixels
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -58,6 +60,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from tread.utils.errors import UserError
+from tread.utils.readers import read_json
 
 FORMAT, VERSION = "tread-latents", 1
 DTYPES = ("float16", "float32")
@@ -71,6 +74,8 @@ EXTRA_FILES = {"text_embeds": "text_embeds.npy", "text_mask": "text_mask.npy", "
 EXTRA_KEYS = ("text", "text_mask", "pooled", "loss_mask", "reference")
 EXTRA_FILE_OF = {"text": "text_embeds", "text_mask": "text_mask", "pooled": "pooled_embeds",
                  "loss_mask": "loss_mask", "reference": "reference_latents"}
+# The optional meta key of each file's size, mtime, digest and non-finite samples (tread/data/integrity.py).
+INTEGRITY_KEY = "integrity"
 # The extras that are the model's per-sample conditioning (cond=...): text embeddings, Kontext reference latents.
 COND_KEYS = ("text", "text_mask", "pooled", "reference")
 # Top-level meta.json keys and the JSON types they must have (checked in detail in read_meta).
@@ -229,10 +234,7 @@ def read_meta(path: PathLike) -> dict:
     if not meta_path.is_file():
         raise LatentDatasetError(f"Latent dataset at '{root}' has no meta.json (expected '{meta_path}'). "
                                  f"The directory is not a latent dataset or was not written completely. {REBUILD}")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise LatentDatasetError(f"{meta_path}: invalid JSON ({err}). {FIX_META}") from None
+    meta = read_json(meta_path, "", "a JSON object (the dataset's description)", LatentDatasetError, FIX_META)
     return validate_meta(meta, str(meta_path))
 
 

@@ -13,11 +13,11 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from PIL import Image
 
 from tread.encoders.text import default_max_length, encode_prompts, family_slots
 from tread.encoders.vae import encode
 from tread.utils.io import atomic_write
+from tread.utils.readers import image_size, read_image
 
 from .images import center_crop_arr, load_image, short_list
 from .meta import EXTRA_KEYS
@@ -73,19 +73,13 @@ class Encoder:
 def load_image_and_mask(image_path: Path, mask_path: Path, resolution: int) -> tuple[np.ndarray, np.ndarray]:
     """An image and its loss mask, both center-cropped alike: uint8 (R, R, 3) and (R, R) (grayscale, 255 = in)."""
     image = load_image(image_path, resolution)
-    try:
-        with Image.open(image_path) as im:
-            size = im.size
-        with Image.open(mask_path) as m:
-            m.load()
-            if m.size != size:
-                raise PrecomputeError(f"loss mask '{mask_path}' is {m.size[0]}x{m.size[1]} but its image "
-                                      f"'{image_path}' is {size[0]}x{size[1]}; a mask must have its image's size")
-            # The RGB copy of the gray mask goes through the very same ADM crop; every channel equals the gray one.
-            mask = center_crop_arr(m.convert("L"), resolution)[..., 0]
-    except (OSError, ValueError, Image.DecompressionBombError) as err:
-        raise PrecomputeError(f"cannot read loss mask '{mask_path}': {err}") from None
-    return image, np.ascontiguousarray(mask)
+    size = image_size(image_path, "cannot read image", PrecomputeError, verify=False)
+    m = read_image(mask_path, "cannot read loss mask", mode="L", error=PrecomputeError)
+    if m.size != size:
+        raise PrecomputeError(f"loss mask '{mask_path}' is {m.size[0]}x{m.size[1]} but its image "
+                              f"'{image_path}' is {size[0]}x{size[1]}; a mask must have its image's size")
+    # The RGB copy of the gray mask goes through the very same ADM crop; every channel equals the gray one.
+    return image, np.ascontiguousarray(center_crop_arr(m, resolution)[..., 0])
 
 
 def iter_images(plan: Plan, start: int, stop: int, batch_size: int, pool: Optional[ThreadPoolExecutor],

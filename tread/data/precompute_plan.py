@@ -13,6 +13,7 @@ import numpy as np
 
 from tread.encoders.text import resolve_text_encoder_paths
 from tread.utils.io import atomic_write_json
+from tread.utils.readers import parse_json, read_json, read_npz
 
 from .captions import read_captions_file
 from .images import IMAGE_EXTS, ImageFolderError, images_under, list_image_folder, short_list
@@ -231,11 +232,8 @@ def check_parts_settings(plan: Plan) -> None:
     file = plan.parts / SETTINGS_FILE
     if not file.is_file() or not any(plan.parts.glob("shard_*.npz")):
         return  # nothing finished yet: nothing to lose, the settings file is simply rewritten
-    try:
-        old = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise PrecomputeError(f"'{file}' is not valid JSON: the parts folder is damaged. "
-                              f"{_delete_parts_advice(plan)}.") from None
+    old = read_json(file, "", "the settings JSON an earlier run wrote", PrecomputeError,
+                    f"The parts folder is damaged. {_delete_parts_advice(plan)}.")
     if settings_text(old) != settings_text(plan.settings):
         raise PrecomputeError(f"the unfinished run in '{plan.parts}' used other settings ({_diff(old, plan.settings)})."
                               f" {_delete_parts_advice(plan)}.")
@@ -253,14 +251,15 @@ def read_shard(plan: Plan, shard: int, arrays: bool = True) -> Optional[dict]:
     if not file.is_file():
         return None
     start, stop = plan.shard_range(shard)
-    try:
-        with np.load(file, allow_pickle=False) as z:
-            settings = json.loads(str(z["settings"]))
-            indices = z["indices"]
-            content = {k: z[k] for k in z.files} if arrays else {}
-    except (OSError, ValueError, KeyError, EOFError) as err:
-        raise PrecomputeError(f"shard file '{file}' is unreadable ({err}); delete it to encode that shard again"
-                              ) from None
+    hint = "Delete it to encode that shard again."
+    z = read_npz(file, "shard file", None if arrays else ("settings", "indices"), PrecomputeError, hint)
+    lacking = [k for k in ("settings", "indices") if k not in z]
+    if lacking:
+        raise PrecomputeError(f"shard file '{file}' has no {lacking} array(s): it was not written by this program. "
+                              f"{hint}")
+    settings = parse_json(str(z["settings"]), f"shard file '{file}' settings", "the settings JSON", PrecomputeError,
+                          hint)
+    indices, content = z["indices"], z if arrays else {}
     if settings_text(settings) != settings_text(plan.settings):
         raise PrecomputeError(f"shard file '{file}' was written with other settings ({_diff(settings, plan.settings)})."
                               f" {_delete_parts_advice(plan)}.")

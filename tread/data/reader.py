@@ -14,8 +14,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .meta import (DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, REBUILD, LatentDatasetError, PathLike, latent_kind, model_shape,
-                   read_meta)
+from tread.utils.readers import read_npy
+
+from .meta import (DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, INTEGRITY_KEY, REBUILD, LatentDatasetError, PathLike,
+                   latent_kind, model_shape, read_meta)
 
 
 def _open_npy(file: Path, key: str) -> np.ndarray:
@@ -23,11 +25,7 @@ def _open_npy(file: Path, key: str) -> np.ndarray:
     if not file.is_file():
         raise LatentDatasetError(f"missing {key} file '{file}' (meta.json files.{key}='{file.name}'): the "
                                  f"dataset is incomplete. {REBUILD}")
-    try:
-        return np.load(file, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as err:
-        raise LatentDatasetError(f"cannot read {key} file '{file}' as a .npy array ({err}): it is corrupt or "
-                                 f"truncated. {REBUILD}") from None
+    return read_npy(file, f"cannot read {key} file", mmap=True, error=LatentDatasetError, hint=REBUILD)
 
 
 def warn_non_finite(batch: np.ndarray, indices: np.ndarray, reported: set[int], where: Callable[[int], str]) -> None:
@@ -160,8 +158,10 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         return self._latents, self._labels
 
     def __getstate__(self) -> dict:
-        # Pickle only the path and meta: a worker re-maps the files instead of receiving a copy of them.
-        return {**self.__dict__, "_latents": None, "_labels": None, "_extras": None}
+        # Pickle only the path and meta: a worker re-maps the files instead of receiving a copy of them. The meta's
+        # integrity record (tread/data/integrity.py) stays behind: only the start-up check reads it.
+        meta = {k: v for k, v in self._meta.items() if k != INTEGRITY_KEY}
+        return {**self.__dict__, "_meta": meta, "_latents": None, "_labels": None, "_extras": None}
 
     def _validate_files(self) -> None:
         latents, labels = self._open()

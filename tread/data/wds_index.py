@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Callable, Optional, Sequence, Union
 import numpy as np
 
 from tread.utils.io import atomic_write
+from tread.utils.readers import FileFormatError, parse_npy, read_npz
 
 from .meta import LatentDatasetError
 
@@ -53,7 +54,7 @@ class _NumpyUnpickler(pickle.Unpickler):
 def decode_latent(raw: bytes, ext: str) -> np.ndarray:
     """Bytes of a `.latent.npy` (np.save) or `.latent` (pickled ndarray) member -> array."""
     if ext == "latent.npy":
-        return np.load(io.BytesIO(raw), allow_pickle=False)
+        return parse_npy(raw, "the .latent.npy member")
     arr = _NumpyUnpickler(io.BytesIO(raw)).load()
     if not isinstance(arr, np.ndarray):
         raise pickle.UnpicklingError(f"the pickle holds a {type(arr).__name__}, not a numpy array")
@@ -257,9 +258,8 @@ def index_path(shards: Sequence[Path], index_dir: Union[str, os.PathLike]) -> Pa
 
 def _load_index(file: Path, fingerprint: list[list]) -> Optional[dict[str, np.ndarray]]:
     try:
-        with np.load(file, allow_pickle=False) as z:
-            index = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError, KeyError):
+        index = read_npz(file, "shard index")
+    except (FileFormatError, FileNotFoundError):
         return None  # missing, partial or foreign: rebuilt
     try:
         same = (int(index["version"]) == INDEX_VERSION and index["shard_paths"].tolist() == [f[0] for f in fingerprint]

@@ -12,8 +12,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .meta import (DEFAULT_FILES, EXTRA_FILE_OF, EXTRA_FILES, EXTRA_KEYS, FORMAT, VERSION, LatentDatasetError,
-                   LatentDatasetExistsError, PathLike, model_shape, validate_meta)
+from .integrity import integrity_record
+from .meta import (DEFAULT_FILES, EXTRA_FILE_OF, EXTRA_FILES, EXTRA_KEYS, FORMAT, INTEGRITY_KEY, VERSION,
+                   LatentDatasetError, LatentDatasetExistsError, PathLike, model_shape, validate_meta)
 
 
 def _exists_error(root: Path) -> LatentDatasetExistsError:
@@ -124,8 +125,9 @@ class LatentDatasetWriter:
     seq_len/dim/mask come from the arrays.
 
     Pieces go into memory-mapped files in a temporary sibling directory; leaving the block without an error
-    checks that every sample was written and renames the directory into place (commit()); an error removes
-    it (abort()). Raises LatentDatasetExistsError if `path` exists and is not an empty directory.
+    checks that every sample was written, records each file's size, mtime, digest and non-finite samples in
+    meta.json "integrity" (tread/data/integrity.py: training trusts it instead of reading the data again) and
+    renames the directory into place (commit()); an error removes it (abort()). Raises LatentDatasetExistsError if `path` exists and is not an empty directory.
     """
 
     def __init__(self, path: PathLike, *, shape: Sequence[int], num_samples: int, num_classes: int,
@@ -142,10 +144,11 @@ class LatentDatasetWriter:
                      "latent_scale": float(latent_scale), "decode": dict(decode or {"type": "identity"}),
                      "source": source, "class_names": None if class_names is None else list(class_names),
                      "files": dict(DEFAULT_FILES), **(extra_meta or {})}
-        clash = sorted({"conditioning", "loss_mask"} & set(extra_meta or {}))
+        clash = sorted({"conditioning", "loss_mask", INTEGRITY_KEY} & set(extra_meta or {}))
         if clash:
             raise LatentDatasetError(f"extra_meta for '{root}' sets {clash}: describe conditioning and loss masks "
-                                     f"with text_shape/text_mask/pooled_dim/loss_mask_shape/conditioning_meta")
+                                     f"with text_shape/text_mask/pooled_dim/loss_mask_shape/conditioning_meta (the "
+                                     f"writer records '{INTEGRITY_KEY}' itself)")
         extra, self._specs = _conditioning_layout(root, dtype, text_shape, text_mask, pooled_dim, loss_mask_shape,
                                                   conditioning_meta)
         self.meta.update(extra)
@@ -279,6 +282,7 @@ class LatentDatasetWriter:
             for array in self._maps.values():
                 array.flush()
             self._maps.clear()
+            self.meta[INTEGRITY_KEY] = integrity_record(tmp, self.meta["files"])   # digests and finiteness, read back
             (tmp / "meta.json").write_text(json.dumps(self.meta, indent=2) + "\n")
             for f in tmp.iterdir():  # data on disk before the rename publishes it
                 with open(f, "rb+") as fh:

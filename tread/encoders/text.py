@@ -32,7 +32,6 @@ or per-encoder folders. tread/encoders/tiny_text.py writes tiny random encoders 
 from __future__ import annotations
 
 import html
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 
 from tread.encoders.errors import EncoderError
+from tread.utils.readers import FileFormatError, read_json
 
 TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart")
 PathLike = Union[str, os.PathLike]
@@ -205,10 +205,12 @@ def _model_class(family: str, slot: EncoderSlot, folder: Path):
     if slot.kind == "clip_proj":
         return transformers.CLIPTextModelWithProjection
     try:
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    except (OSError, json.JSONDecodeError) as err:
+        config = read_json(folder / "config.json", f"{family} text encoder '{slot.model}' config",
+                           "a transformers config (JSON object)", TextEncoderError)
+    except FileNotFoundError as err:
         raise TextEncoderError(f"{family} text encoder '{slot.model}': cannot read '{folder / 'config.json'}' "
-                               f"({err})") from None
+                               f"({err.strerror})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
     classes = {"t5": transformers.T5EncoderModel, "umt5": transformers.UMT5EncoderModel}
     if model_type not in classes:
         raise TextEncoderError(f"{family} text encoder '{slot.model}' at '{folder}' is a {model_type!r} model; "
@@ -257,8 +259,8 @@ def sd3_t5_width(paths: Union[PathLike, Mapping[str, PathLike], None]) -> Option
         return None
     for sub, name in (("transformer", "joint_attention_dim"), ("text_encoder_3", "d_model")):
         try:
-            value = json.loads((Path(pipe).expanduser() / sub / "config.json").read_text()).get(name)
-        except (OSError, json.JSONDecodeError, AttributeError):
+            value = read_json(Path(pipe).expanduser() / sub / "config.json", "config").get(name)
+        except (OSError, FileFormatError, AttributeError):
             continue
         if isinstance(value, int) and value > 0:
             return value
@@ -274,9 +276,9 @@ def default_max_length(family: str, paths: Union[PathLike, Mapping[str, PathLike
     pipe = paths if isinstance(paths, (str, os.PathLike)) else paths.get("pipeline")
     index = Path(pipe).expanduser() / "model_index.json" if pipe else None
     try:
-        if index is not None and "Sigma" in str(json.loads(index.read_text()).get("_class_name", "")):
+        if index is not None and "Sigma" in str(read_json(index, "model index").get("_class_name", "")):
             return PIXART_SIGMA_LENGTH
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except (OSError, FileFormatError, AttributeError):
         pass
     return spec.max_length
 

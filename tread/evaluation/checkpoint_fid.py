@@ -30,6 +30,7 @@ from tread.utils.checkpoints import find_checkpoint, step_of
 from tread.utils.distributed import all_reduce_max, barrier, rank, world_size
 from tread.utils.errors import UserError
 from tread.utils.io import atomic_write
+from tread.utils.readers import parse_json, read_npy
 from tread.utils.renamed_keys import rename_keys
 
 TABLE_JSONL, TABLE_CSV = "metrics.jsonl", "metrics.csv"
@@ -108,7 +109,8 @@ def read_rows(out_dir: Path) -> list[dict[str, Any]]:
     path = Path(out_dir) / TABLE_JSONL
     if not path.is_file():
         return []
-    return [rename_keys(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    return [rename_keys(parse_json(line, f"{path} line {number}", "a JSON object (one table row)", BenchError))
+            for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
 
 
 SETTINGS = ("checkpoint", "use_ema", "num_samples", "seeds", "cfg_scale", "num_steps", "features", "reference",
@@ -229,7 +231,7 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
     scores = compute_metrics(acc, reference, metrics, **metric_kwargs)
     barrier()
     if rank() == 0 and keep_npz:
-        arr = np.load(buf_path, mmap_mode="r")
+        arr = read_npy(buf_path, "sample buffer", mmap=True)
         write_npz_streaming(npz_path, {"arr_0": arr, "arr_1": labels.numpy()})
         del arr
         os.remove(buf_path)

@@ -16,7 +16,7 @@ from tread.evaluation.fdd import FDD, FddScorer, without_fdd
 from tread.evaluation.extractors import feature_extractor
 from tread.evaluation.images import save_image_grid
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
-from tread.evaluation.reference import load_reference_full, reference_for_dataset
+from tread.evaluation.reference import load_reference_full, read_reference_file, reference_for_dataset
 from tread.evaluation.validation import ValidationPrompts
 from tread.sampling import Guidance, generate, text_conditioning_for_seeds
 from tread.utils.distributed import all_gather_rows
@@ -50,14 +50,16 @@ class Evaluator:
         check_decodable(dataset.meta, **self.decode, device=self.device)
         zeros = torch.zeros(1, *dataset.shape, device=self.device)
         self.image_shape = tuple(decode_to_uint8(zeros, dataset.meta, **self.decode).shape[1:])  # (H, W, 3)
+        ref = eval_cfg.get("reference")
+        if ref:                 # a given reference: its file is checked before any feature network is made
+            if not Path(ref).is_file():
+                raise FileNotFoundError(f"eval.reference={ref!r} does not exist; build one with `python fid.py mode=ref ...`.")
+            read_reference_file(ref)
         self.extractor = feature_extractor(
             eval_cfg.features, inception_weights=eval_cfg.get("inception_weights"),
             cache_dir=str(cache_dir), device=str(self.device),
             resolution=self.image_shape[0])
-        ref = eval_cfg.get("reference")
         if ref:
-            if not Path(ref).is_file():
-                raise FileNotFoundError(f"eval.reference={ref!r} does not exist; build one with `python fid.py mode=ref ...`.")
             self.ref_path = Path(ref)
         else:
             name = dataset.root.name

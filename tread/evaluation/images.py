@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import math
-import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
@@ -12,6 +10,9 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from tread.utils.io import atomic_write
+from tread.utils.readers import image_size, npz_names, read_image, read_npz
+# Streaming one array of an .npz (ADM samples, references) lives in tread.utils.readers; named here too.
+from tread.utils.readers import iter_npz_batches, npz_array_info  # noqa: F401
 
 ImagesLike = Union[torch.Tensor, np.ndarray]
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")
@@ -138,14 +139,37 @@ def read_image_files(files: list[Path], first: Optional[Path] = None,
     size of the image file `first`, if given; else the first file's)."""
     images = []
     for f in files:
-        with Image.open(f) as im:
-            images.append(np.asarray(im.convert("RGB")))
+        images.append(np.asarray(read_image(f, "image", hint=f"Fix or remove it from {f.parent}.")))
         if first_shape is None:
             first, first_shape = f, images[-1].shape
         if images[-1].shape != first_shape:
             raise ValueError(f"image sizes differ in {f.parent}: {first.name} is {first_shape[:2]}, "
                              f"{f.name} is {images[-1].shape[:2]}")
     return np.stack(images) if images else np.zeros((0, *(first_shape or (0, 0, 3))), np.uint8)
+
+
+def check_image_folder(folder: Union[str, Path], what: str = "images") -> tuple[int, tuple[int, int]]:
+    """(count, (height, width)) of an image folder's images, every header (and PNG's chunks) checked and every
+    size compared without decoding the pixels: a corrupt, empty (0x0) or odd-sized image is refused (FileFormatError
+    / ValueError naming it) before any feature is computed."""
+    files = image_files(folder)
+    first = image_size(files[0], "image", hint=f"Fix or remove it from {what}={folder}.")
+    for f in files[1:]:
+        size = image_size(f, "image", hint=f"Fix or remove it from {what}={folder}.")
+        if size != first:
+            raise ValueError(f"{what}={folder}: image sizes differ: {files[0].name} is {first[0]}x{first[1]}, "
+                             f"{f.name} is {size[0]}x{size[1]}; all images must have one size")
+    return len(files), (first[1], first[0])
+
+
+def npz_images_shape(path: Union[str, Path], what: str = "images") -> tuple[int, ...]:
+    """(N, H, W, 3) of an .npz's arr_0 images, from its header; ValueError naming `what` and the file unless they
+    are uint8 NHWC RGB images of at least 1x1 pixels (FileFormatError if it is no readable .npz)."""
+    shape, dtype = npz_array_info(path, "arr_0", what)
+    if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3 or min(shape[1:3]) < 1:
+        raise ValueError(f"{what}={path}: arr_0 must be uint8 (N, H, W, 3) images of at least 1x1 pixels, got "
+                         f"{dtype} {tuple(shape)}")
+    return tuple(shape)
 
 
 def iter_image_folder(folder: Union[str, Path], batch_size: int = 250,
@@ -163,62 +187,6 @@ def iter_image_folder(folder: Union[str, Path], batch_size: int = 250,
         yield batch
 
 
-def _read_exactly(f, size: int, what: str) -> bytearray:
-    data = bytearray()
-    while len(data) < size:
-        chunk = f.read(size - len(data))
-        if not chunk:
-            raise ValueError(f"{what}: file ends after {len(data)} of {size} bytes")
-        data += chunk
-    return data  # a bytearray, so np.frombuffer gives a writable array
-
-
-def npz_array_info(path: Union[str, Path], key: str = "arr_0") -> tuple[tuple[int, ...], np.dtype]:
-    """(shape, dtype) of one array in an .npz, read from its header without loading it."""
-    with _npz_member(path, key) as f:
-        shape, _, dtype = _npy_header(f)
-    return shape, dtype
-
-
-@contextmanager
-def _npz_member(path: Union[str, Path], key: str):
-    with zipfile.ZipFile(path) as zf:
-        if f"{key}.npy" not in zf.namelist():
-            raise ValueError(f"{path} has no '{key}' array (keys: {[n[:-4] for n in zf.namelist()]})")
-        with zf.open(f"{key}.npy") as f:
-            yield f
-
-
-def _npy_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
-    version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-        return np.lib.format.read_array_header_1_0(f)
-    if version == (2, 0):
-        return np.lib.format.read_array_header_2_0(f)
-    raise ValueError(f"unsupported .npy format version {version}")
-
-
-def iter_npz_batches(path: Union[str, Path], key: str = "arr_0", batch_size: int = 250) -> Iterator[np.ndarray]:
-    """Consecutive row batches of one array of an .npz (compressed or not), streamed from the zip member so
-    that e.g. 50K 256 px images (~10 GB) never sit in memory at once (as ADM's evaluator reads them)."""
-    with _npz_member(path, key) as f:
-        try:
-            shape, fortran, dtype = _npy_header(f)
-        except ValueError:
-            fortran, shape, dtype = True, None, None
-        if fortran or dtype.hasobject or not shape:  # rare layouts: load the whole array
-            with np.load(path) as data:
-                arr = data[key]
-            for i in range(0, len(arr), batch_size):
-                yield arr[i:i + batch_size]
-            return
-        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-        for i in range(0, shape[0], batch_size):
-            n = min(batch_size, shape[0] - i)
-            data = _read_exactly(f, n * row_bytes, f"{key} in {path}")
-            yield np.frombuffer(data, dtype=dtype).reshape(n, *shape[1:])
-
-
 def load_images(path: Union[str, Path]) -> np.ndarray:
     """uint8 (N, H, W, 3) images from an image folder (sorted by name) or an .npz with arr_0."""
     path = Path(path)
@@ -227,10 +195,10 @@ def load_images(path: Union[str, Path]) -> np.ndarray:
     if path.is_dir():
         return read_image_files(image_files(path))
     if path.suffix == ".npz":
-        with np.load(path) as data:
-            if "arr_0" not in data:
-                raise ValueError(f"{path} has no 'arr_0' image array (keys: {list(data.keys())})")
-            return to_nhwc_uint8(data["arr_0"], what=f"arr_0 in {path}")
+        data = read_npz(path, "images", keys=("arr_0",))
+        if "arr_0" not in data:
+            raise ValueError(f"{path} has no 'arr_0' image array (keys: {npz_names(path)})")
+        return to_nhwc_uint8(data["arr_0"], what=f"arr_0 in {path}")
     raise ValueError(f"{path} is neither an image folder nor an .npz file")
 
 

@@ -20,13 +20,19 @@ import tread.data as data_mod
 from tread.encoders.features import extractor_device, forward_features
 from tread.evaluation.extractors import extract_features
 from tread.evaluation.frechet import FeatureStats
-from tread.evaluation.images import (ImagesLike, image_files, iter_image_folder, iter_npz_batches, npz_array_info,
-                               to_nhwc_uint8)
+from tread.evaluation.images import (ImagesLike, image_files, iter_image_folder, npz_images_shape, to_nhwc_uint8)
 from tread.evaluation.metric_names import ROW_METRICS, check_metrics
 from tread.utils.distributed import all_gather_rows, is_distributed
+from tread.utils.errors import UserError
 from tread.utils.io import atomic_write
+from tread.utils.readers import iter_npz_batches, npz_names, read_npz
 
 PathLike = Union[str, Path]
+
+
+class ReferenceFileError(UserError, ValueError):
+    """A reference .npz that cannot serve this evaluation (its features, resolution, statistics or images): one
+    line naming the file, in every program (a ValueError too, as the metric code's other input errors)."""
 
 
 def subset_indices(total: int, max_images: Optional[int], seed: int = 0) -> np.ndarray:
@@ -59,7 +65,7 @@ def save_reference(path: PathLike, stats: FeatureStats, extractor_name: str,
 
 def _check_feature(path: Path, data, extractor: nn.Module) -> None:
     if "feature" in data and str(data["feature"]) != extractor.name:
-        raise ValueError(f"reference {path} holds statistics of '{data['feature']}' features, but the evaluation "
+        raise ReferenceFileError(f"reference {path} holds statistics of '{data['feature']}' features, but the evaluation "
                          f"uses '{extractor.name}': rebuild it with `python fid.py mode=ref features=...` "
                          f"or pick the matching features")
 
@@ -96,18 +102,23 @@ class Reference:
 _REF_HINT = "`python fid.py mode=ref source=<image folder | .npz | dataset dir> out={path}`"
 
 
-def _resolution_of(data, files: set) -> Optional[tuple[int, int]]:
-    if "resolution" in files:
-        r = np.asarray(data["resolution"]).reshape(-1)
-        return (int(r[0]), int(r[-1]))
-    return None
+def _resolution_of(path: Path, data: dict) -> Optional[tuple[int, int]]:
+    """(H, W) from the optional 'resolution' key: the side of square images, or [H, W]."""
+    if "resolution" not in data:
+        return None
+    r = np.asarray(data["resolution"]).reshape(-1)
+    if r.size not in (1, 2) or not np.issubdtype(r.dtype, np.number) or not np.all((r >= 1) & (r == np.round(r))):
+        raise ReferenceFileError(f"reference {path}: key 'resolution' is {r.tolist()} ({r.dtype}); expected the image size: "
+                         f"one positive integer (square images) or [H, W]. Rebuild it with "
+                         f"{_REF_HINT.format(path=path)}")
+    return (int(r[0]), int(r[-1]))
 
 
 def _check_resolution(path: Path, res: Optional[tuple[int, int]], extractor: nn.Module) -> None:
     """A feature network trained at one image size (the toy classifier) must not score another size."""
     side = getattr(extractor, "resolution", None)
     if res is not None and side is not None and res != (side, side):
-        raise ValueError(f"reference {path} (key 'resolution') is for {res[0]}x{res[1]} images but the "
+        raise ReferenceFileError(f"reference {path} (key 'resolution') is for {res[0]}x{res[1]} images but the "
                          f"'{extractor.name}' features are for {side}x{side} images: rebuild the reference with "
                          f"{_REF_HINT.format(path=path)} from images of that size, or score images of its size")
 
@@ -118,36 +129,45 @@ def _load_stats(path: Path, data, files: set, keys: tuple[str, str], dim: Option
         return None, None
     mu, sigma = data[mu_key].astype(np.float64), data[sigma_key].astype(np.float64)
     if dim is not None and (mu.shape != (dim,) or sigma.shape != (dim, dim)):
-        raise ValueError(f"reference {path} has {mu_key} of shape {mu.shape} and {sigma_key} of shape "
+        raise ReferenceFileError(f"reference {path} has {mu_key} of shape {mu.shape} and {sigma_key} of shape "
                          f"{sigma.shape}, but '{extractor.name}' gives {dim}-d features there (statistics from "
                          f"another feature network?): rebuild it with {_REF_HINT.format(path=path)} features="
                          f"{extractor.name}")
     return mu, sigma
 
 
-def _arr0_shape(path: Path, files: set) -> Optional[tuple[int, ...]]:
-    """The shape of the reference's arr_0 images (None without them); they must be uint8 (N, H, W, 3)."""
-    if "arr_0" not in files:
-        return None
-    arr_shape, arr_dtype = npz_array_info(path, "arr_0")
-    if arr_dtype != np.uint8 or len(arr_shape) != 4 or arr_shape[-1] != 3:
-        raise ValueError(f"arr_0 in reference {path}: expected uint8 (N, H, W, 3) images, got {arr_dtype} "
-                         f"{arr_shape}")
-    return arr_shape
+def read_reference_file(path: PathLike) -> tuple[dict[str, np.ndarray], set[str], Optional[tuple[int, ...]]]:
+    """What a reference .npz holds besides its images, every format checked before any feature network is
+    loaded: (its other arrays, loaded; the names of all its arrays; the shape of its arr_0 images, None without
+    them). FileFormatError for a file that is no readable .npz, ValueError naming the key for a bad 'resolution',
+    'num_images' or arr_0 (uint8 (N, H, W, 3) images of at least 1x1 pixels)."""
+    path = Path(path)
+    files = set(npz_names(path, "reference"))
+    data = read_npz(path, "reference", keys=files - {"arr_0"})
+    _resolution_of(path, data)
+    bad = [k for k in ("mu", "sigma", "mu_s", "sigma_s") if k in data and np.issubdtype(data[k].dtype, np.number)
+           and not np.isfinite(data[k]).all()]
+    if bad:
+        raise ReferenceFileError(f"reference {path}: key '{bad[0]}' holds NaN or inf (non-finite feature statistics score "
+                         f"nothing); rebuild it with {_REF_HINT.format(path=path)}")
+    count = data.get("num_images")
+    if count is not None and (count.size != 1 or not np.issubdtype(count.dtype, np.integer)):
+        raise ReferenceFileError(f"reference {path}: key 'num_images' is {count.tolist()!r}; expected one integer (the "
+                         f"images behind mu/sigma)")
+    arr_shape = npz_images_shape(path, "reference") if "arr_0" in files else None
+    return data, files, arr_shape
 
 
 def _read_reference(path: Path, extractor: nn.Module) -> tuple[Reference, set]:
     """The Reference with what the npz stores (checked against `extractor`), and the npz's keys."""
-    with np.load(path) as data:
-        files = set(data.files)
-        _check_feature(path, data, extractor)
-        resolution = _resolution_of(data, files)
-        _check_resolution(path, resolution, extractor)
-        mu, sigma = _load_stats(path, data, files, ("mu", "sigma"), extractor.dim, extractor)
-        spatial_dim = getattr(extractor, "spatial_dim", None)
-        mu_s, sigma_s = _load_stats(path, data, files, ("mu_s", "sigma_s"), spatial_dim, extractor)
-        num_images = int(data["num_images"]) if "num_images" in files else None
-    arr_shape = _arr0_shape(path, files)
+    data, files, arr_shape = read_reference_file(path)
+    _check_feature(path, data, extractor)
+    resolution = _resolution_of(path, data)
+    _check_resolution(path, resolution, extractor)
+    mu, sigma = _load_stats(path, data, files, ("mu", "sigma"), extractor.dim, extractor)
+    spatial_dim = getattr(extractor, "spatial_dim", None)
+    mu_s, sigma_s = _load_stats(path, data, files, ("mu_s", "sigma_s"), spatial_dim, extractor)
+    num_images = int(data["num_images"]) if "num_images" in files else None
     if arr_shape is not None and resolution is None:
         resolution = (int(arr_shape[1]), int(arr_shape[2]))
         _check_resolution(path, resolution, extractor)
@@ -166,7 +186,7 @@ def _add_image_features(ref: Reference, extractor: nn.Module, batch_size: int, w
     pool = FeatureStats(extractor.dim, device) if want_pool else None
     spatial = FeatureStats(extractor.spatial_dim, device) if want_spatial else None
     rows = []
-    for batch in iter_npz_batches(ref.path, "arr_0", batch_size):
+    for batch in iter_npz_batches(ref.path, "arr_0", batch_size, "reference"):
         x = torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2).to(device)
         feats = forward_features(extractor, x, spatial=want_spatial, logits=False)
         if pool is not None:
@@ -177,7 +197,7 @@ def _add_image_features(ref: Reference, extractor: nn.Module, batch_size: int, w
             rows.append(feats["pool"].float().cpu())
     for what, stats in (("fid", pool), ("sfid", spatial)):
         if stats is not None and stats.n < 2:
-            raise ValueError(f"{what}: reference {ref.path} has {stats.n} arr_0 images, need at least 2 for "
+            raise ReferenceFileError(f"{what}: reference {ref.path} has {stats.n} arr_0 images, need at least 2 for "
                              f"statistics")
     if pool is not None:
         ref.mu, ref.sigma = pool.mean(), pool.cov()
@@ -207,7 +227,7 @@ def load_reference_full(path: PathLike, extractor: nn.Module, batch_size: int = 
     if "arr_0" not in files:
         lacking = ", ".join(w for w, on in (("mu/sigma (fid)", want_pool), ("mu_s/sigma_s (sfid)", want_spatial),
                                             ("reference images (precision/recall/kid)", want_rows)) if on)
-        raise ValueError(f"reference {path} has no arr_0 images, so it cannot provide {lacking}: rebuild it "
+        raise ReferenceFileError(f"reference {path} has no arr_0 images, so it cannot provide {lacking}: rebuild it "
                          f"with {_REF_HINT.format(path=path)} (it stores mu/sigma, mu_s/sigma_s and arr_0 "
                          f"images), or leave those metrics out")
     if want_spatial and getattr(extractor, "spatial_dim", None) is None:
@@ -359,21 +379,17 @@ def _cached_reference_ok(path: Path, extractor: nn.Module, num_images: int, sour
     if not path.is_file():
         return False
     try:
-        with np.load(path) as data:
-            files = set(data.files)
-            if not {"mu", "sigma", "mu_s", "sigma_s", "arr_0", "feature", "source", "num_images"} <= files:
-                return False  # e.g. an older cache without sFID statistics or images: rebuild
-            stored_decode = str(data["decode"]) if "decode" in files else ""
-            ok = (str(data["feature"]) == extractor.name and str(data["source"]) == source
-                  and int(data["num_images"]) == num_images and stored_decode == decode
-                  and data["mu"].shape == (extractor.dim,)
-                  and data["mu_s"].shape == (getattr(extractor, "spatial_dim", None),))
-        if ok:
-            kept = num_images if store_images is None else min(store_images, num_images)
-            ok = npz_array_info(path, "arr_0")[0][0] == kept
-        return bool(ok)
-    except (OSError, ValueError, KeyError):
-        return False
+        data, files, arr_shape = read_reference_file(path)
+    except ValueError:            # FileFormatError (not an .npz) too
+        return False  # damaged or foreign: rebuilt
+    if not {"mu", "sigma", "mu_s", "sigma_s", "arr_0", "feature", "source", "num_images"} <= files:
+        return False  # e.g. an older cache without sFID statistics or images: rebuild
+    stored_decode = str(data["decode"]) if "decode" in files else ""
+    kept = num_images if store_images is None else min(store_images, num_images)
+    return (str(data["feature"]) == extractor.name and str(data["source"]) == source
+            and int(data["num_images"]) == num_images and stored_decode == decode
+            and data["mu"].shape == (extractor.dim,)
+            and data["mu_s"].shape == (getattr(extractor, "spatial_dim", None),) and arr_shape[0] == kept)
 
 
 def _latents(dataset, indices: np.ndarray) -> torch.Tensor:
@@ -426,13 +442,10 @@ def build_reference(out: PathLike, extractor: nn.Module, source: PathLike, *, ma
         chosen = subset_indices(total, max_images)
         batches = iter_image_folder(source, batch_size, chosen)
     elif source.suffix == ".npz":
-        shape, dtype = npz_array_info(source, "arr_0")
-        if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3:
-            raise ValueError(f"arr_0 in {source}: expected uint8 (N, H, W, 3) images, got {dtype} {shape}")
-        chosen = subset_indices(shape[0], max_images)
-        batches = _select_rows(iter_npz_batches(source, "arr_0", batch_size), chosen)
+        chosen = subset_indices(npz_images_shape(source, "source")[0], max_images)
+        batches = _select_rows(iter_npz_batches(source, "arr_0", batch_size, "source"), chosen)
     else:
-        raise ValueError(f"reference source {source} is neither an image folder, an .npz file nor a latent "
+        raise ReferenceFileError(f"reference source {source} is neither an image folder, an .npz file nor a latent "
                          f"dataset directory (with meta.json)")
     builder = ReferenceBuilder(extractor, len(chosen), store_images)
     done = 0

@@ -10,7 +10,6 @@ train_flops_per_step x step) and loss.png; update_readme fills the block between
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 from tread.evaluation.seed_groups import Group, comparison_table, comparisons, fid_at, group_table, seed_groups
 from tread.utils.errors import UserError
+from tread.utils.readers import FileFormatError, parse_json, read_json
 
 COLUMNS = ["run", "status", "overrides", "selection_ratio", "routes", "phases", "tokens_fraction", "final_step", "final_fid",
            "best_fid", "steps_per_sec", "images_per_sec", "train_flops_per_step", "train_flops_total", "train_sec",
@@ -43,16 +43,16 @@ def load_runs(sweep: Path) -> list[dict[str, Any]]:
         if "report" in path.relative_to(sweep).parts[:-1]:
             continue
         try:
-            summary = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            summary = {"status": "failed", "error": f"unreadable summary.json ({err})"}
+            summary = read_json(path, "summary.json")
+        except FileFormatError as err:
+            summary = {"status": "failed", "error": f"unreadable {err}"}
         records = []
         metrics = path.parent / "metrics.jsonl"
         if metrics.is_file():
-            for line in metrics.read_text().splitlines():
+            for number, line in enumerate(metrics.read_text().splitlines(), 1):
                 try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
+                    records.append(parse_json(line, f"{metrics} line {number}"))
+                except FileFormatError:
                     continue  # a line cut short by a crash
         name = str(path.parent.relative_to(sweep)) if path.parent != sweep else sweep.name
         runs.append({"run": name, "dir": path.parent, "summary": summary, "records": records})

@@ -12,11 +12,13 @@ type only (TYPE_KEYS) are an error with another, so a setting is never silently 
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
+import torch
 import torch.nn as nn
 
 from tread.models.errors import ModelConfigError
+from tread.utils.finite import first_nonfinite
 
 ADAPTER_TYPES = ("lora", "lokr", "loha")
 COMMON_KEYS = ("type", "rank", "alpha", "target_modules", "init")
@@ -146,6 +148,25 @@ def adapter_state_dict(module: nn.Module) -> dict:
     from peft import get_peft_model_state_dict  # deferred: see peft_config
     # From the live parameters, not state_dict(): under FSDP (gathered for the export) state_dict() gives shards.
     return get_peft_model_state_dict(module, state_dict=dict(module.named_parameters()))
+
+
+def weights_mismatch(weights: Any, expected: Mapping[str, torch.Tensor], adapter_only: bool) -> Optional[str]:
+    """The first tensor of `weights` missing from `expected` (a model's state_dict), unexpected, of another shape,
+    or holding non-finite values (None: they fit). Adapter-only weights need only the adapters."""
+    if not isinstance(weights, Mapping):
+        return "holds no weights"
+    unexpected = [k for k in weights if k not in expected]
+    lacking = [k for k in expected if k not in weights and (not adapter_only or is_adapter_param(k))]
+    if unexpected or lacking:
+        return f"tensor '{(unexpected or lacking)[0]}' is {'not in the model' if unexpected else 'missing'}"
+    for name, tensor in weights.items():
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(expected[name].shape):
+            return f"tensor '{name}' has shape {list(getattr(tensor, 'shape', []))}, the model's is " \
+                   f"{list(expected[name].shape)}"
+        if tensor.is_floating_point() != expected[name].is_floating_point():
+            return f"tensor '{name}' is {tensor.dtype}, the model's is {expected[name].dtype}"
+    bad = first_nonfinite(weights)
+    return None if bad is None else f"tensor '{bad}' holds non-finite values"
 
 
 def load_weights(model: nn.Module, weights: dict, adapter_only: bool = False, where: str = "checkpoint") -> None:

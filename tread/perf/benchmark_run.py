@@ -8,7 +8,6 @@ BenchRequest field per flag, same name; docs/benchmarks.md says what each figure
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
@@ -26,6 +25,7 @@ from tread.perf.throughput import eval_feature_throughput, loader_throughput, sa
 from tread.schema import CONFIG_DIR
 from tread.utils.device import cpu_threads
 from tread.utils.errors import UserError
+from tread.utils.readers import parse_json
 
 DENSE_NAMES = ("none", "dense")
 FAMILY_CHOICES = ("dit", "all", *FAMILIES)
@@ -126,11 +126,8 @@ def routing_spec(spec: str) -> list[str]:
     if spec in presets:
         routing = compose_or_raise([f"routing={spec}"], BenchError).routing
         return [f"routing={spec}"] if routing.enabled and routing.routes else ["routing=none"]
-    try:
-        routes = json.loads(spec)
-    except json.JSONDecodeError as err:
-        raise BenchError(f"--routes {spec!r} is neither none/dense, a preset ({', '.join(presets)}) nor JSON: "
-                         f"{err}") from None
+    routes = parse_json(spec, f"--routes {spec!r}", f"none/dense, a preset ({', '.join(presets)}) or a JSON list of "
+                        f"routes", BenchError)
     try:
         return routing_overrides([routes] if isinstance(routes, dict) else routes)
     except (KeyError, TypeError):

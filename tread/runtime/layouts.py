@@ -7,7 +7,6 @@ complete; OUT must not exist.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from tread.utils.checkpoints import (META_FILE, TRAIN_FILE, WEIGHT_FILES, CheckpointError, find_checkpoint,
                                      is_sharded_checkpoint, load_model_file, read_meta, tmp_dir)
 from tread.utils.io import atomic_write_json
+from tread.utils.readers import read_json
 from tread.utils.sharded_files import SHARDED_DIR, ShardedFileError, full_tensors, save_sharded
 from tread.utils.tensorfile import StateFileError, load_state, save_state, save_tensors
 
@@ -44,7 +44,7 @@ def convert_layout(source: Path, out: Path, layout: str) -> Path:
         for pattern in KEPT_AS_IS:
             for f in src.glob(pattern):
                 shutil.copy2(f, tmp / f.name)
-        meta = json.loads((src / META_FILE).read_text())
+        meta = read_json(src / META_FILE, "", "a checkpoint description (JSON)", CheckpointError)
         atomic_write_json(tmp / META_FILE, {**meta, "layout": layout})
     except (StateFileError, ShardedFileError) as err:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -11,6 +11,7 @@ docs/reliability.md, "One launch per run directory".
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -24,6 +25,8 @@ from typing import Any, Optional, Union
 
 from tread.runtime.processes import boot_id, process_gone, process_start_ticks
 from tread.utils.errors import UserError
+from tread.utils.io import create_new, writing
+from tread.utils.readers import FileFormatError, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +68,9 @@ def _same_process(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def _parse(data: bytes) -> dict[str, Any]:
     """The record in a lock file; ValueError naming what is wrong."""
     try:
-        record = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError("not JSON" if data.strip() else "empty") from err
+        record = parse_json(data, "its content", "a JSON object")
+    except FileFormatError as err:
+        raise ValueError(str(err).rstrip(".") if data.strip() else "empty") from err
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
     pid = record.get("pid")
@@ -130,18 +133,21 @@ class RunDirLock:
 
     def acquire(self) -> Optional[str]:
         """Take the lock (creating run_dir if needed). Returns a note if a stale lock was taken over (also
-        logged), else None. Raises RunDirLocked if another live process holds it or the file is unreadable."""
+        logged), else None. Raises RunDirLocked if another live process holds it or the file is unreadable, and
+        WriteError (tread/utils/io.py) if the lock cannot be written; no temp file is left either way."""
         if self.held:
             return self.note
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         record = own_record()
         data = (json.dumps(record, indent=2) + "\n").encode()
         tmp = self.run_dir / f"{LOCK_NAME}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}.tmp"
-        tmp.write_bytes(data)
-        try:
-            note = self._acquire_loop(tmp, data, record)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with writing(self.path):       # a disk that is full or read-only: one WriteError naming the lock file
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            create_new(tmp, data)      # gone again if it could not be written whole
+            try:
+                note = self._acquire_loop(tmp, data, record)
+            finally:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
         self._record, self.note = record, note
         with _HELD_MUTEX:
             _HELD.add(str(self.path.resolve()))
@@ -185,14 +191,8 @@ class RunDirLock:
         except FileExistsError:
             return False
         except OSError:
-            pass                      # no hard links on this filesystem
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return True
+            pass                      # no hard links on this filesystem (or it cannot be written: said next)
+        return create_new(self.path, data)
 
     def _stale_reason(self, holder: dict[str, Any], record: dict[str, Any]) -> Optional[str]:
         """Why `holder`'s lock may be taken over, or None if it must be respected."""
@@ -252,5 +252,9 @@ class RunDirLock:
         try:
             self.path.unlink()
         except FileNotFoundError:
+            return False
+        except OSError as err:        # the run dir became read-only: the next launch takes the stale lock over
+            log.warning("%s: could not remove the lock (%s); the next launch takes it over as stale", self.path,
+                        err.strerror or err)
             return False
         return True

@@ -1,10 +1,15 @@
-"""Preemption: SIGTERM, SIGUSR1 and SIGUSR2 end a run at the next step boundary with a checkpoint.
+"""Preemption and Ctrl-C: SIGTERM, SIGUSR1, SIGUSR2 and SIGINT end a run at the next step boundary with a
+checkpoint.
 
 A cluster stops a job by signalling it (SLURM: SIGTERM on preemption, `scancel` and `scontrol requeue`, then
-SIGKILL after KillWait; a time-limit warning chosen with `--signal`, SIGUSR2 under submitit's launcher).
-The handler only records the signal; the loop finishes the current step, writes a checkpoint and
-summary.json with status "preempted", and train.py exits with EXIT_PREEMPTED. With several processes the
-ranks agree on the stop step with one small CPU all-reduce per step, so they all stop at the same one.
+SIGKILL after KillWait; a time-limit warning chosen with `--signal`, SIGUSR2 under submitit's launcher); a
+person presses Ctrl-C (SIGINT). The handler only records the signal; the loop finishes the current step,
+writes a checkpoint and summary.json with status "preempted" ("interrupted" for SIGINT), and train.py exits
+with EXIT_PREEMPTED (EXIT_INTERRUPTED). With several processes the ranks agree on the stop step with one small
+CPU all-reduce per step, so they all stop at the same one.
+
+The first SIGINT also gives SIGINT back its default action, so a second Ctrl-C ends the process at once (killed
+by SIGINT, no checkpoint of this step), even when the run hangs where Python cannot run a handler.
 
 Inside a SLURM job with train.slurm_requeue=true, a time-limit warning (SIGUSR1/SIGUSR2) also requeues the
 job after the checkpoint (`scontrol requeue`); SIGTERM is not requeued here: preemption and `scontrol
@@ -26,8 +31,21 @@ import torch.distributed as dist
 from tread.utils.distributed import is_distributed
 
 EXIT_PREEMPTED = 75          # EX_TEMPFAIL: "try again later"; train.py's exit status after a preemption
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+EXIT_INTERRUPTED = 130       # 128 + SIGINT, as a shell reports Ctrl-C; train.py's exit status after one
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 TIME_LIMIT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+INTERRUPTED_NOTE = (b"\nSIGINT: stopping after this step with a checkpoint (resume=auto continues); "
+                    b"Ctrl-C again stops at once, without one\n")
+
+
+def stop_status(signal_name: str) -> str:
+    """summary.json's status after the stop signal `signal_name`: "interrupted" for Ctrl-C, else "preempted"."""
+    return "interrupted" if signal_name == signal.SIGINT.name else "preempted"
+
+
+def stop_exit_status(status: str) -> int:
+    """train.py's exit status for summary.json's `status` (0 when the run was not stopped by a signal)."""
+    return {"preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}.get(status, 0)
 
 
 class StopRequest:
@@ -37,13 +55,19 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None
+        self.pid = os.getpid()   # a forked child (a DataLoader worker) inherits the handler: it does nothing there
         self.group = None
         if is_distributed():
             self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
 
     def handle(self, signum: int, _frame) -> None:
+        if os.getpid() != self.pid:
+            return
         if self.signum is None:
             self.signum = signum
+        if signum == signal.SIGINT:   # the next Ctrl-C: the default action, which the kernel carries out
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.write(2, INTERRUPTED_NOTE)   # not print(): the handler may run inside a print of the loop
 
     @property
     def name(self) -> Optional[str]:

@@ -11,10 +11,9 @@ and what changed in the config since.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from tqdm.auto import tqdm
 
@@ -25,6 +24,7 @@ from tread.utils.checkpoints import (LEGACY_FILE, META_FILE, TMP_SUFFIX, TRASH_S
 from tread.utils.distributed import broadcast_object
 from tread.utils.errors import UserError
 from tread.utils.io import atomic_write_text
+from tread.utils.readers import parse_json
 
 # Model keys a resume may change: they do not change the weights' shapes or meaning.
 # Keys a resume may change: routes (e.g. a dense fine-tuning phase), memory settings, and the initialisation
@@ -91,25 +91,35 @@ def resume_plan(run_dir: Path, resume: Any) -> list[Path]:
     return candidates
 
 
-def read_resume(candidates: list[Path], rank: int) -> tuple[Optional[Path], Optional[dict]]:
-    """(checkpoint dir, its contents) of the newest readable candidate; rank 0 chooses, the others read the
-    same one. A corrupt checkpoint is reported and the previous one tried; none readable -> CheckpointError."""
-    chosen, read, errors = None, None, []
+def read_resume(candidates: list[Path], rank: int, check: Callable[[dict, Path], None] = lambda read, ckpt: None
+                ) -> tuple[Optional[Path], Optional[dict]]:
+    """(checkpoint dir, its contents) of the newest candidate that reads and passes `check` (CheckpointError:
+    values that do not fit the run built; any other UserError, e.g. ResumeError for another architecture, ends
+    the launch on every process); rank 0 chooses, the others read (and check) the same one. A corrupt checkpoint
+    is reported and the previous one tried; none usable -> CheckpointError."""
+    chosen, read, errors, fatal = None, None, [], None
     if rank == 0:
         for ckpt in candidates:
             try:
                 read = read_checkpoint(ckpt, rank)
+                check(read, ckpt)
                 chosen = ckpt
                 break
             except CheckpointError as err:
                 errors.append(str(err))
                 tqdm.write(f"warning: {err}" + ("; trying the previous checkpoint" if ckpt != candidates[-1] else ""))
-    chosen_name = broadcast_object(str(chosen) if chosen else None)
+            except UserError as err:
+                fatal = err
+                break
+    chosen_name, failed = broadcast_object((str(chosen) if chosen else None, str(fatal) if fatal else None))
+    if failed is not None:
+        raise fatal if fatal is not None else ResumeError(failed)
     if candidates and chosen_name is None:
         raise CheckpointError(f"no checkpoint of the run can be read: {'; '.join(errors)}")
     if chosen_name is not None and rank != 0:
         chosen = Path(chosen_name)
         read = read_checkpoint(chosen, rank)
+        check(read, chosen)
     return chosen, read
 
 
@@ -150,9 +160,9 @@ def trim_metrics(run_dir: Path, step: int) -> int:
     if not path.is_file():
         return 0
     kept, dropped = [], 0
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
-            record = json.loads(line)
+            record = parse_json(line, f"{path} line {number}")
         except ValueError:
             dropped += bool(line.strip())
             continue

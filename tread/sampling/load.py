@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 from tread.data import LatentDatasetError, build_dataset
 from tread.diffusion.build import build_diffusion
 from tread.models import build_model
-from tread.models.lora import load_weights
+from tread.models.lora import load_weights, weights_mismatch
 from tread.sampling.generate import CondFn, text_conditioning_for_seeds
-from tread.utils.checkpoints import find_checkpoint, load_model_file
+from tread.utils.checkpoints import WEIGHT_FILES, CheckpointError, find_checkpoint, load_model_file
 
 
 def load_for_inference(checkpoint: str | Path, use_ema: bool = True, device: str | torch.device = "cpu"):
@@ -23,7 +23,12 @@ def load_for_inference(checkpoint: str | Path, use_ema: bool = True, device: str
     config = OmegaConf.create(state["config"])
     torch.manual_seed(int(config.train.seed))  # the training's initialisation: the base of adapter-only checkpoints
     model = build_model(config.model)
-    load_weights(model, state["ema" if use_ema else "model"], bool(state.get("adapter_only")), str(path))
+    which = "ema" if use_ema else "model"
+    problem = weights_mismatch(state[which], model.state_dict(), bool(state.get("adapter_only")))
+    if problem:
+        raise CheckpointError(f"'{path / WEIGHT_FILES[which]}': {problem}; it is not a checkpoint of the model its "
+                              f"config builds, or it is corrupt")
+    load_weights(model, state[which], bool(state.get("adapter_only")), str(path))
     diffusion = build_diffusion(config.diffusion)
     net = diffusion.precondition(model).to(device).eval().requires_grad_(False)
     return net, diffusion, state["data_meta"], config

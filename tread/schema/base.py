@@ -12,11 +12,13 @@ The YAML files stay the single source of defaults: the schema states types and r
 from __future__ import annotations
 
 import typing
-from typing import Annotated, Any, Optional, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Mapping, Optional, Sequence
 
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, ValidationError
 
 from tread.utils.errors import UserError
+from tread.utils.io import file_in_the_way
 from tread.utils.renamed_keys import RENAMED_KEYS, renamed_message
 
 MISSING = "???"   # OmegaConf's mandatory-value marker, as to_container leaves it
@@ -125,16 +127,23 @@ def _renamed(e: dict, cls: type[BaseModel], prefix: str) -> Optional[str]:
 
 
 def show(value: Any) -> str:
-    """A value as the config spells it: true / false / null for booleans and None, repr otherwise."""
+    """A value as the user types it in Hydra's syntax: true / false / null for booleans and None, inside lists and
+    mappings too ([1, true], {start: 2, end: -3}); strings and numbers as repr spells them ('abc', 0.5)."""
     if isinstance(value, bool):
         return str(value).lower()
-    return "null" if value is None else repr(value)
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(show(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {show(v)}" for k, v in value.items()) + "}"
+    return repr(value)
 
 
 def check(cls: type[BaseModel], value: Any, prefix: str) -> BaseModel:
     """cls.model_validate(value), any failure as a ConfigError naming prefix + key."""
     if not isinstance(value, dict):
-        raise ConfigError(f"{prefix}={value!r} is not allowed; allowed: a mapping of keys ({cls.__doc__}).")
+        raise ConfigError(f"{prefix}={show(value)} is not allowed; allowed: a mapping of keys ({cls.__doc__}).")
     try:
         return cls.model_validate(value)
     except ValidationError as err:
@@ -148,6 +157,23 @@ def missing_keys(tree: Any, prefix: str = "") -> list[str]:
     if isinstance(tree, list):
         return [k for i, v in enumerate(tree) for k in missing_keys(v, dotted(prefix, [i]))]
     return [prefix] if tree == MISSING else []
+
+
+def check_dirs(dirs: Mapping[str, Any], files: Optional[Mapping[str, Any]] = None) -> None:
+    """Refuse, naming the key, a directory key (`dirs`: key -> path or None) or an output file key (`files`:
+    its folder) that lies at or below a regular file, before any work (making the directory would fail later)."""
+    keys = [(n, v, False) for n, v in dirs.items()] + [(n, v, True) for n, v in (files or {}).items()]
+    for name, value, folder in keys:
+        if value is None or str(value) == "":
+            continue
+        path = Path(str(value)).expanduser()
+        blocker = file_in_the_way(path.parent if folder else path)
+        if blocker is None:
+            continue
+        where = "is a file" if blocker == path else f"lies below '{blocker}', which is a file"
+        allowed = "a file path in a directory" if folder else "a directory path"
+        raise ConfigError(f"{name}={show(str(value))} {where}, not a directory; allowed: {allowed} (every existing "
+                          f"part of it a directory).")
 
 
 def one_of(values: Sequence[Any]) -> str:

@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional, Union
 from tread.data.meta import LATENT_KINDS
 from tread.encoders.text import TEXT_FAMILIES
 from tread.models.dit import DIT_ARCHS
-from tread.schema.base import SEED_LIMIT, ConfigError, Number, Section, check, key, one_of
+from tread.schema.base import SEED_LIMIT, ConfigError, Flag, Number, Section, check, key, one_of
 
 
 class ToyArgs(Section):
@@ -44,6 +44,9 @@ class DataCommon(Section):
     num_classes: int = key("a positive integer (labels lie in [0, num_classes))", ge=1)
     dit_arch: Optional[Literal[tuple(DIT_ARCHS)]] = key(f"null or {one_of(DIT_ARCHS)} (model=dit/tread's default "
                                                         f"size for this data)", default=None)
+    allow_nonfinite: Flag = key("false (a dataset holding NaN/inf is refused at start-up, naming the file and the "
+                                "first sample) or true (train anyway with a warning: train.nonfinite skips each step "
+                                "such a sample spoils)")
 
 
 class LatentsData(DataCommon):

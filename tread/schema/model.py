@@ -1,19 +1,21 @@
 """The `routing`, `model`, `diffusion` and `optimizer` sections of the training config."""
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Optional
 
 from pydantic import model_validator
 
 from tread.diffusion.rf import DynamicShift, RectifiedFlow
 from tread.models.dit import DIT_ARCHS, parse_arch
-from tread.models.families import FAMILIES
+from tread.models.families import FAMILIES, family_module
 from tread.models.lora import ADAPTER_TYPES, LORA_KEYS, check_type_keys
 from tread.models.quantize import QUANTIZE_MODES, check_quantize
 from tread.models.repa import check_repa_block
+from tread.models.sprint import sprint_span
 from tread.routing import SELECTION_MODES
 from tread.schema.base import (SEED_LIMIT, ConfigError, Flag, NonNegativeNumber, Number, PositiveNumber, Section, key,
-                               one_of)
+                               one_of, show)
 
 
 class Selection(Section):
@@ -123,30 +125,79 @@ class Sprint(Section):
                                  "deep path (path-drop guidance learns from it)", ge=0, lt=1, default=0.1)
 
 
+SPRINT_TARGET = "tread.models.build_sprint"
+
+
 class DiTModel(Backbone):
     """model=dit|tread|sprint"""
 
     target: Literal["tread.models.build_dit", "tread.models.build_sprint"] = key(
         "tread.models.build_dit or tread.models.build_sprint", alias="_target_")
-    sprint: Optional[Sprint] = key("{start, end, path_drop_prob} (model=sprint only)", default=None)
+    sprint: Optional[Sprint] = key("{start, end, path_drop_prob} (model=sprint, tread.models.build_sprint, only)",
+                                   default=None)
     init: Literal["adaln_zero", "paper"] = key("adaln_zero (DiT's adaLN-Zero) or paper (CompVis/tread's code: "
                                                "Xavier-uniform over the zeroed adaLN and final layers)",
                                                default="adaln_zero")
     arch: Literal[tuple(DIT_ARCHS)] = key(one_of(DIT_ARCHS))
     repa: Optional[Repa] = key("null or {weight, block, encoder, encoder_weights, encoder_dim, projector_dim} "
                                "(repa=toy|dinov2)", default=None)
-    # DiT arguments a research run may override (+model.depth=6, ...)
-    depth: Optional[int] = key("an integer >= 1", ge=1, default=None)
-    hidden_size: Optional[int] = key("an integer >= 1", ge=1, default=None)
-    num_heads: Optional[int] = key("an integer >= 1", ge=1, default=None)
-    mlp_ratio: Optional[Number] = key("a number > 0", gt=0, default=None)
+    # DiT arguments a research run may override (+model.depth=6, ...); null: model.arch's. The rules between them
+    # (divisibility) are check_geometry's.
+    depth: Optional[int] = key("an integer in [1, 128] (transformer blocks)", ge=1, le=128, default=None)
+    hidden_size: Optional[int] = key("a multiple of 4 in [8, 16384] (token width; the 2-D sin-cos position "
+                                     "embedding splits it in four)", ge=8, le=16384, default=None)
+    num_heads: Optional[int] = key("an integer in [1, 256] dividing the hidden size (attention heads)", ge=1, le=256,
+                                   default=None)
+    patch_size: Optional[int] = key("an integer in [1, 16] dividing model.input_size (latent cells per token side)",
+                                    ge=1, le=16, default=None)
+    mlp_ratio: Optional[Number] = key("a number in [0.25, 16] (MLP width = mlp_ratio x hidden size; DiT: 4)",
+                                      ge=0.25, le=16, default=None)
 
     @model_validator(mode="after")
-    def check_repa_block(self) -> "DiTModel":
-        """REPA's block lies in the model (checked here, before the encoder is built or trained)."""
+    def check_model(self) -> "DiTModel":
+        """The overrides fit together, model.sprint belongs to model=sprint, and REPA's block and SPRINT's span lie
+        in the model (checked here, before anything is built)."""
+        depth = check_geometry(self)
+        check_sprint_key(self, depth)
         if self.repa is not None:
-            check_repa_block(self.repa.block, self.depth or parse_arch(self.arch)[0])
+            check_repa_block(self.repa.block, depth)
         return self
+
+
+def check_geometry(m: DiTModel) -> int:
+    """The DiT's block count; hidden size, heads and patch (overridden or model.arch's) that DiT cannot build
+    are refused naming the key."""
+    depth, *named = parse_arch(m.arch)
+    values, shown = {}, {}
+    for key, arch_value in zip(("hidden_size", "num_heads", "patch_size"), named):
+        given = getattr(m, key)
+        values[key] = arch_value if given is None else given
+        shown[key] = f"model.{key}={values[key]}" + ("" if given is not None else f" ({m.arch}'s)")
+    hidden, heads, patch = values.values()
+    if hidden % heads:
+        raise ValueError(f"{shown['num_heads']} does not divide {shown['hidden_size']}; allowed: a number of heads "
+                         f"dividing the hidden size (each head gets hidden_size / num_heads channels).")
+    if hidden % 4:
+        raise ValueError(f"{shown['hidden_size']} is not allowed; allowed: a multiple of 4 (the 2-D sin-cos position "
+                         f"embedding splits the width in four).")
+    if m.input_size % patch:
+        raise ValueError(f"{shown['patch_size']} does not divide model.input_size={m.input_size} (data.resolution); "
+                         f"allowed: a patch size dividing the latent side.")
+    return depth if m.depth is None else m.depth
+
+
+def check_sprint_key(m: DiTModel, depth: int) -> None:
+    """model.sprint is model=sprint's (tread.models.build_sprint): needed there, refused elsewhere; its span lies
+    in the model."""
+    if m.target != SPRINT_TARGET and m.sprint is not None:
+        raise ValueError(f"model.sprint={show(m.sprint.model_dump(exclude_unset=True))} is a key of model=sprint "
+                         f"(model._target_={SPRINT_TARGET}); model._target_={m.target} does not take it. Allowed: "
+                         f"model=sprint, or no model.sprint.")
+    if m.target == SPRINT_TARGET:
+        if m.sprint is None:
+            raise ValueError(f"model.sprint is missing; model._target_={SPRINT_TARGET} needs model.sprint={{start, "
+                             f"end, path_drop_prob}} (configs/model/sprint.yaml).")
+        sprint_span(m.sprint.model_dump(), depth)
 
 
 FAMILY_ONLY = {"guidance": "flux", "kontext": "flux", "use_t5": "sd3", "frames": "wan", "expand_timesteps": "wan",
@@ -192,10 +243,55 @@ class FamilyModel(Backbone):
                              f"implemented for DiT models (model=dit|tread|sprint); allowed here: repa=null.")
         return self
 
+    @model_validator(mode="after")
+    def check_config(self) -> "FamilyModel":
+        """model.config's geometry keys in their ranges and at least one block, before the routes are checked
+        against the depth (a preset the family lacks, or model.pretrained, is the builder's to refuse)."""
+        if self.config and not self.pretrained:
+            check_family_config(self.family, self.preset, self.config)
+        return self
+
     def check_family_keys(self) -> None:
         for name, family in FAMILY_ONLY.items():
             if name in self.model_fields_set and family != self.family:
                 raise ConfigError(f"model.{name} is a {family} key; model.family={self.family} does not take it.")
+
+
+# model.config keys of the families' diffusers configs (where a family has them) and their allowed ranges. Block
+# counts are the preset keys named num_*layers (LAYER_KEY), each in [0, 256] and together at least 1.
+FAMILY_CONFIG_RANGES = {"num_attention_heads": (1, 256), "attention_head_dim": (1, 1024), "patch_size": (1, 16),
+                        "mlp_ratio": (0.25, 16.0), "ffn_dim": (1, 1 << 16)}
+LAYER_RANGE = (0, 256)
+LAYER_KEY = re.compile(r"^num_\w*layers$")
+
+
+def check_family_config(family: str, preset: str, config: dict[str, Any]) -> None:
+    """model.config over the preset: each geometry key in its range (naming it), and the blocks not all gone."""
+    presets = family_module(family).PRESETS
+    if preset not in presets:
+        return
+    chosen = {**presets[preset], **config}
+    layers = sorted(k for k, v in chosen.items() if LAYER_KEY.match(k) and isinstance(v, int))
+    for name, value in config.items():
+        bounds = LAYER_RANGE if name in layers or LAYER_KEY.match(name) else FAMILY_CONFIG_RANGES.get(name)
+        if bounds is not None:
+            _check_range(f"model.config.{name}", value, *bounds)
+    if layers and sum(chosen[k] for k in layers) < 1:
+        shown = " and ".join(f"model.config.{k}={chosen[k]}" for k in layers)
+        raise ValueError(f"{shown} {'leaves' if len(layers) == 1 else 'leave'} the {family} transformer without "
+                         f"blocks; allowed: at least one block "
+                         f"({' + '.join(layers)} >= 1).")
+
+
+def _check_range(name: str, value: Any, low: Any, high: Any) -> None:
+    """A number (an integer where the bounds are integers), or a list of them (patch sizes per axis), in
+    [low, high]."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    kind = int if isinstance(low, int) else (int, float)
+    if not items or not all(isinstance(v, kind) and not isinstance(v, bool) and low <= v <= high for v in items):
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name}={show(value)} is not allowed; allowed: {what} in [{low}, {high}]"
+                         f"{' (or a list of them, one per axis)' if name.endswith('patch_size') else ''}.")
 
 
 MODELS = {"tread.models.build_dit": DiTModel, "tread.models.build_sprint": DiTModel,

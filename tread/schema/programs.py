@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 from pydantic import Field
 
 from tread.evaluation.metric_names import METRICS
-from tread.schema.base import SEED_LIMIT, ConfigError, Flag, PositiveInt, check, key, show
+from tread.schema.base import SEED_LIMIT, ConfigError, Flag, PositiveInt, check, check_dirs, key, show
 from tread.schema.sampling import (NEGATIVE_PROMPT, PROMPTS, TEXT_ENCODERS, DecodeSettings, MetricSettings, Prompt,
                              SamplingSettings, check_guidance)
 from tread.schema.train import Paths
@@ -16,6 +16,9 @@ from tread.schema.tree import container
 from tread.utils.device import cuda_count, why_unavailable
 
 SAMPLE_SEED_LIMIT = 2 ** 63      # a sample's seed seeds its own torch.Generator (64 bits)
+# Images one launch samples (seeds it names): 20x ADM's 50K. The seed list alone of 10**11 seeds would need
+# terabytes (a MemoryError long after start); sample.py keeps every image in memory too.
+MAX_SEEDS = 1_000_000
 SampleSeed = Annotated[int, Field(ge=0, lt=SAMPLE_SEED_LIMIT)]
 Seeds = Union[None, SampleSeed, str, Annotated[list[SampleSeed], Field(min_length=1)]]
 SEEDS = "null (0..num_samples-1), 'a-b', '1,5,7' or a non-empty list of integers >= 0"
@@ -85,9 +88,10 @@ WHAT = {"source": "image folder | samples .npz | latent dataset dir", "out": "re
 def check_sample(cfg: Union[DictConfig, dict]) -> SampleConfig:
     s = check(SampleConfig, container(cfg), "")
     check_guidance(s, "")
-    check_seeds(s.seeds)
+    check_seeds(s.seeds, num_samples=s.num_samples)
     check_device(s.device)
     check_prompt_keys(s)
+    check_dirs({"out_dir": s.out_dir})
     return s
 
 
@@ -112,16 +116,22 @@ def check_fid(cfg: Union[DictConfig, dict]) -> FidConfig:
         raise ConfigError(f"metrics={list(s.metrics)}: fdd is computed by in-training evaluation (eval.metrics) and "
                           f"not yet by fid.py; allowed here: {[m for m in METRICS if m != 'fdd']}.")
     check_guidance(s, "")
-    check_seeds(s.seeds)
+    check_seeds(s.seeds, num_samples=s.num_samples if s.mode == "bench" else None)
     check_device(s.device)
     for name in NEEDS[s.mode]:
         if getattr(s, name) is None:
             raise ConfigError(f"mode={s.mode} needs {name}=<{WHAT[name]}>")
+    check_dirs({"cache_dir": s.cache_dir, **({"out_dir": s.out_dir} if s.mode == "bench" else {})},
+               files={"ref": {"out": s.out}, "calc": {"out_json": s.out_json}, "bench": {}}[s.mode])
     return s
 
 
-def check_seeds(seeds: Any, name: str = "seeds") -> None:
-    """A seeds string: comma-separated integers >= 0 and ranges a-b with a <= b (null and lists are typed)."""
+def check_seeds(seeds: Any, name: str = "seeds", num_samples: Optional[int] = None) -> None:
+    """A seeds string: comma-separated integers >= 0 and ranges a-b with a <= b (null and lists are typed), naming
+    at most MAX_SEEDS seeds; seeds=null stands for num_samples seeds (when given)."""
+    if seeds is None and num_samples is not None and num_samples > MAX_SEEDS:
+        raise ConfigError(f"num_samples={num_samples} is more than {MAX_SEEDS} images (seeds=null: one seed each); "
+                          f"allowed: at most {MAX_SEEDS}. Split the work over several launches (seeds='a-b').")
     if not isinstance(seeds, str):
         return
     parts = [SEED_PART.match(part) for part in seeds.split(",")]
@@ -129,6 +139,10 @@ def check_seeds(seeds: Any, name: str = "seeds") -> None:
             any(int(n) >= SAMPLE_SEED_LIMIT for p in parts for n in p.groups() if n is not None):
         raise ConfigError(f"{name}={show(seeds)} is not allowed; allowed: {SEEDS} (ranges a-b with a <= b, "
                           f"every seed below 2**63).")
+    count = sum(int(p.group(2)) - int(p.group(1)) + 1 if p.group(2) is not None else 1 for p in parts)
+    if count > MAX_SEEDS:
+        raise ConfigError(f"{name}={show(seeds)} names {count} seeds; allowed: at most {MAX_SEEDS} seeds (images) "
+                          f"in one launch. Split the work over several launches (e.g. {name}='0-{MAX_SEEDS - 1}').")
 
 
 def check_device(device: str, name: str = "device") -> None:

@@ -6,7 +6,8 @@ from typing import Any, Literal, Optional, Union
 
 from omegaconf import DictConfig
 
-from tread.schema.base import SEED_LIMIT, ConfigError, Flag, Number, PositiveNumber, Section, check, key, one_of
+from tread.schema.base import (SEED_LIMIT, ConfigError, Flag, Number, PositiveNumber, Section, check, check_dirs, key,
+                               one_of, show)
 from tread.schema.data import DATA
 from tread.schema.model import DIFFUSIONS, MODELS, OPTIMIZERS, FamilyModel, Routing
 from tread.schema.sampling import (NEGATIVE_PROMPT, PROMPTS, DecodeSettings, MetricSettings, Prompt, SamplingSettings,
@@ -137,10 +138,11 @@ def check_train(cfg: Union[DictConfig, dict]) -> dict[str, Any]:
         raise ConfigError(f"{unknown[0]} is not a known key; the training config takes {list(TOP_KEYS)}.")
     resume = tree.get("resume")
     if resume is not None and not (isinstance(resume, str) and resume):
-        raise ConfigError(f"resume={resume!r} is not allowed; allowed: null (fresh run), auto (the latest checkpoint "
+        raise ConfigError(f"resume={show(resume)} is not allowed; allowed: null (fresh run), auto (the latest checkpoint "
                           f"in the run dir) or a checkpoint / run directory path.")
     out = {name: check(pick(kind, tree.get(name), name), tree.get(name), name) for name, kind in SECTIONS.items()}
     _cross_checks(out)
+    check_dirs({"paths.cache_dir": out["paths"].cache_dir, "paths.output_dir": out["paths"].output_dir})
     return out
 
 

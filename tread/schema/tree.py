@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from tread.schema.base import MISSING, ConfigError, Section, missing_keys
+from tread.schema.base import MISSING, ConfigError, Section, missing_keys, show
 
 # What to pass for a mandatory key, where the config cannot say it itself.
 HINTS = {"data.path": "/path/to/dataset (a directory with meta.json, latents.npy, labels.npy, or .tar shards)",
@@ -38,5 +38,5 @@ def pick(kind: Any, value: Any, name: str) -> type[Section]:
     field = "format" if name == "data" else "_target_"
     tag = value.get(field) if isinstance(value, dict) else None
     if tag not in kind:
-        raise ConfigError(f"{name}.{field}={tag!r} is not allowed; allowed: {' or '.join(kind)}.")
+        raise ConfigError(f"{name}.{field}={show(tag)} is not allowed; allowed: {' or '.join(kind)}.")
     return kind[tag]

@@ -30,6 +30,7 @@ from tread.utils.checkpoints import (FORMAT, META_FILE, TRAIN_FILE, WEIGHT_FILES
                                      rng_file, tmp_dir, trash_dir)
 from tread.utils.distributed import any_rank
 from tread.utils.errors import UserError
+from tread.utils.finite import first_nonfinite
 from tread.utils.io import atomic_write_json
 from tread.utils.sharded_files import SHARDED_DIR, save_sharded
 from tread.utils.tensorfile import save_state, save_tensors
@@ -96,7 +97,7 @@ def _try(write, tmp: Path) -> Optional[str]:
     except OSError as err:
         cause = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EACCES: "permission denied",
                  errno.EROFS: "read-only file system"}.get(err.errno, err.strerror or str(err))
-        return f"could not write checkpoint '{err.filename or tmp}': {cause} ({err})"
+        return f"could not write checkpoint '{err.filename or tmp}': {cause} ({err.strerror or err})"
 
 
 def _write_rng(tmp: Path, rng: dict, rank: int) -> None:
@@ -124,10 +125,8 @@ def check_finite(full: dict[str, Any], step: int) -> None:
     """Refuse to write weights or EMA weights with NaN/inf (the run stops; earlier checkpoints stay). One host
     sync per state dict."""
     for key in ("model", "ema"):
-        names = [n for n, t in full[key].items() if t.is_floating_point()]
-        finite = torch.stack([torch.isfinite(full[key][n]).all() for n in names]).cpu() if names else None
-        if finite is not None and not finite.all():
-            name = names[int((~finite).nonzero()[0])]
+        name = first_nonfinite(full[key])
+        if name is not None:
             raise CheckpointWriteError(
                 f"not writing the checkpoint of step {step}: the {key} weight '{name}' holds non-finite values "
                 f"(see train.nonfinite); the earlier checkpoints are kept.")

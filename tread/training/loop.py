@@ -22,23 +22,26 @@ from tread.evaluation.metric_names import METRICS
 from tread.models.quantize import quantize_mode
 from tread.runtime.collectives import watch_collectives
 from tread.runtime.preempt import StopRequest, requeue_after, stop_on_signals
-from tread.runtime.run_dir import (check_changes, clean_run_dir, config_changes, describe_changes, lock_run_dir,
+from tread.runtime.run_dir import (clean_run_dir, config_changes, describe_changes, lock_run_dir,
                                    read_resume, resume_plan, shared_run_dir, trim_metrics)
 from tread.schema import check_train, check_train_files
 from tread.training.checkpoint import save_checkpoint
 from tread.training.guard import NonFiniteGuard
+from tread.training.resume_check import check_resume
 from tread.training.run_log import RunLog
 from tread.training.setup import (TrainingParts, build_parts, ensure_dirs, make_accelerator, make_loader,
                                   mixed_precision, micro_batch_size, open_dataset, seed_streams, uses_loss_mask)
 from tread.training.state import TrainingState
 from tread.training.step import StepSettings, StepStats, TrainStep
 from tread.training.summary import RunSummary
+from tread.utils.io import WriteError, atomic_write_text
 
 
 def train(cfg: DictConfig, run_dir: str | Path, overrides: Optional[list[str]] = None) -> dict[str, Any]:
     """Train per `cfg`, writing checkpoints, samples, metrics.jsonl and summary.json under `run_dir`;
     `overrides` (the command-line overrides, e.g. a sweep job's) are recorded in summary.json. A stop signal
-    ends the run at the next step with a checkpoint and status "preempted" (tread/runtime/preempt.py)."""
+    ends the run at the next step with a checkpoint and status "preempted" ("interrupted" for Ctrl-C)
+    (tread/runtime/preempt.py)."""
     check_train(cfg)                                          # every key, before any work
     check_train_files(cfg)
     accelerator = make_accelerator(cfg.train)
@@ -53,19 +56,21 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Optional[list[str]], accel
     candidates = resume_plan(run_dir, cfg.resume)
     parts = build_parts(cfg, accelerator)                     # routes are validated here, within seconds
     dataset = open_dataset(cfg, parts.model)
-    resume_from, resumed = read_resume(candidates, accelerator.process_index)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    changes = config_changes(resumed["config"], config) if resumed else {}
-    check_changes(changes, resume_from)
-    if accelerator.is_main_process:
-        prepare_run_dir(run_dir, cfg, resumed)
-    evaluator = Evaluator(cfg.eval, dataset, cfg.paths.cache_dir, accelerator, parts.model, cfg.model) \
-        if eval_on(cfg) else None
     state = TrainingState(parts.model, parts.ema.model, parts.optimizer, make_loader(cfg, dataset, accelerator),
                           accelerator.num_processes)
+    # Every value of the checkpoint is checked against this run (a bad one: the previous checkpoint), and loaded,
+    # before anything in the run dir is written.
+    config = OmegaConf.to_container(cfg, resolve=True)
+    resume_from, resumed = read_resume(candidates, accelerator.process_index,
+                                       lambda read, ckpt: check_resume(state, read, ckpt, config))
+    changes = config_changes(resumed["config"], config) if resumed else {}
+    evaluator = Evaluator(cfg.eval, dataset, cfg.paths.cache_dir, accelerator, parts.model, cfg.model) \
+        if eval_on(cfg) else None
     seed_streams(cfg, parts.model, accelerator.process_index)
     if resumed is not None:
         state.load_state_dict(resumed, adapter_only=resumed["adapter_only"], where=str(resume_from))
+    if accelerator.is_main_process:
+        prepare_run_dir(run_dir, cfg, resumed)
     parts.prepare()
     use_mask = uses_loss_mask(cfg, dataset)
     step = TrainStep(parts, StepSettings.from_config(cfg, use_mask, dataset.meta, parts.model.routing.enabled))
@@ -98,6 +103,15 @@ def eval_on(cfg: Any) -> bool:
 def prepare_run_dir(run_dir: Path, cfg: DictConfig, resumed: Optional[dict]) -> None:
     """Main process: remove what an interrupted launch left, cut metrics.jsonl back to the resumed step, write
     config.yaml."""
+    try:
+        _prepare_run_dir(run_dir, cfg, resumed)
+    except WriteError:
+        raise
+    except OSError as err:              # a full or read-only disk: one line naming the file (or the run dir)
+        raise WriteError(err.errno, err.strerror or str(err), str(err.filename or run_dir)) from err
+
+
+def _prepare_run_dir(run_dir: Path, cfg: DictConfig, resumed: Optional[dict]) -> None:
     ensure_dirs(run_dir)
     for name in clean_run_dir(run_dir):
         tqdm.write(f"removed {run_dir / 'checkpoints' / name} (left by an interrupted launch)")
@@ -106,7 +120,7 @@ def prepare_run_dir(run_dir: Path, cfg: DictConfig, resumed: Optional[dict]) -> 
     if dropped:
         tqdm.write(f"metrics.jsonl: dropped {dropped} record(s) after step {step} (logged by an interrupted launch "
                    f"after its last checkpoint; those steps are trained and logged again)")
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))   # whole, or WriteError
 
 
 @dataclass
@@ -199,13 +213,16 @@ def loop_steps(run: Run, step_fn: TrainStep, stop: StopRequest, bar: tqdm) -> No
         if run.budget_sec is not None:
             run.out_of_time = time_budget_reached(state, run.budget_sec, cfg.train.log_every_steps, acc)
         stopping = stop.agreed()
-        last = state.step == cfg.train.max_steps or run.out_of_time or stopping
+        ends = state.step == cfg.train.max_steps or run.out_of_time
+        last = ends or stopping
         if state.step % cfg.train.log_every_steps == 0 or last:
             log_record(run, window, stats, bar)
         paused = time.time()
-        if run.evaluator is not None and not stopping and due(cfg.eval.every_steps, state.step,
-                                                              last and cfg.eval.at_end):
-            evaluate(run)   # a preempted run leaves evaluation to the launch that finishes it
+        if run.evaluator is not None and due(cfg.eval.every_steps, state.step, ends and cfg.eval.at_end):
+            if stopping:   # a stop signal wants the checkpoint now; an evaluation can take longer than its grace
+                skip_evaluation(run, stop.name or "a stop signal on another process")
+            else:
+                evaluate(run)
         if due(cfg.checkpoint.every_steps, state.step, last):
             run.nonfinite_skips += run.guard.check(state.step)    # never checkpoint past a stop condition
             checkpoint(run)
@@ -294,6 +311,18 @@ def evaluate(run: Run) -> None:
         run.log.wandb.log({"eval/validation": wandb.Image(record["validation_grid"])}, step=state.step)
     if "fid" in record:
         run.summary.add_fid(state.step, record["fid"])
+
+
+def skip_evaluation(run: Run, reason: str) -> None:
+    """The evaluation due at this step, skipped because the run stops here: recorded in metrics.jsonl (type
+    "eval_skipped") and summary.json ("eval_skipped"); the step's checkpoint is written, so `fid.py mode=bench`
+    can evaluate it later."""
+    step = run.state.step
+    run.log.log({"type": "eval_skipped", "step": step, "reason": reason})
+    run.summary.skip_eval(step, reason)
+    if run.parts.accelerator.is_main_process:
+        tqdm.write(f"step {step}: evaluation skipped ({reason}: stopping); the checkpoint of this step is written, "
+                   f"fid.py mode=bench can evaluate it")
 
 
 def checkpoint(run: Run) -> Path:

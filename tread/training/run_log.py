@@ -6,10 +6,13 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+from tread.utils.io import append_whole
+
 
 class RunLog:
-    """Appends one JSON object per line to run_dir/metrics.jsonl on the main process, and mirrors the records
-    to wandb when wandb.mode is offline or online."""
+    """Appends one JSON object per line to run_dir/metrics.jsonl on the main process (a line that cannot be
+    written whole is not written: WriteError), and mirrors the records to wandb when wandb.mode is offline or
+    online."""
 
     def __init__(self, run_dir: Path, is_main: bool, wandb_cfg: Optional[dict] = None, config: Optional[dict] = None):
         self.is_main = is_main
@@ -27,8 +30,7 @@ class RunLog:
         if not self.is_main:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
+        append_whole(self.path, (json.dumps(clean) + "\n").encode())   # a whole line, or WriteError and none
         if self.wandb is not None:
             kind = record.get("type", "train")
             self.wandb.log({f"{kind}/{k}": v for k, v in record.items() if k not in ("type", "step")},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -15,13 +16,14 @@ import torch.nn as nn
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from tread.data import LatentLoader, build_dataset
+from tread.data import LatentLoader, build_dataset, check_dataset
 from tread.diffusion.build import build_diffusion
 from tread.models import build_model
 from tread.models.quantize import frozen_base
 from tread.schema import ConfigError
 from tread.training.fsdp import check_parallel, shard_backbone
 from tread.training.repa import Repa, build_repa
+from tread.utils.distributed import rank
 from tread.utils.targets import build_target
 
 OPTIMIZERS = {"torch.optim.AdamW": torch.optim.AdamW}
@@ -169,7 +171,9 @@ def micro_batch_size(train_cfg: Any, world_size: int) -> int:
 
 
 def open_dataset(cfg: Any, model: nn.Module):
-    """The run's dataset (a built-in one is made first), checked against the model's input."""
+    """The run's dataset (a built-in one is made first), checked against the model's input, then its files against
+    their integrity record (tread/data/integrity.py: a stat per file when unchanged; a scan for older datasets):
+    NaN/inf data is refused, naming the file and the first sample, unless data.allow_nonfinite."""
     dataset = build_dataset(cfg.data)
     if (dataset.channels, dataset.resolution) != (model.in_channels, model.input_size):
         raise ConfigError(
@@ -177,6 +181,11 @@ def open_dataset(cfg: Any, model: nn.Module):
             f"expects {model.in_channels}x{model.input_size}x{model.input_size} (model.in_channels/model.input_size).")
     if hasattr(model, "check_text_data"):      # text-conditioned families: the embedding widths
         model.check_text_data(getattr(dataset, "conditioning", None) or {}, f"'{cfg.data.path}'")
+    notes, warned = check_dataset(dataset, cfg.data.allow_nonfinite)
+    for text in warned:
+        warnings.warn(text, UserWarning, stacklevel=2)
+    for text in notes if rank() == 0 else ():
+        print(text, flush=True)
     return dataset
 
 

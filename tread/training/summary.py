@@ -3,6 +3,7 @@ sweep records its error there too, and the sweep goes on."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -11,7 +12,8 @@ from typing import Any, Optional
 from tread.data import COND_KEYS, has_model_conditioning
 from tread.models.flops import forward_flops_with_routes, train_step_flops
 from tread.routing import tokens_processed_fraction
-from tread.utils.io import atomic_write_json
+from tread.runtime.preempt import stop_status
+from tread.utils.io import WriteError, atomic_write_json
 
 
 def sample_conditioning(model: Any, dataset) -> Optional[dict]:
@@ -72,14 +74,19 @@ class RunSummary:
     def add_fid(self, step: int, fid: float) -> None:
         self.data.setdefault("fid", []).append((step, fid))
 
+    def skip_eval(self, step: int, reason: str) -> None:
+        """An evaluation due at `step` that a stop signal (`reason`: its name) skipped."""
+        self.data.setdefault("eval_skipped", []).append({"step": step, "reason": reason})
+
     def finish(self, step: int, train_sec_total: float, train_sec: float, out_of_time: bool, cfg: Any,
                is_main: bool, preempted: Optional[str] = None, nonfinite_skips: int = 0) -> dict[str, Any]:
         """Complete the summary (training-only throughput, FLOPs spent, final and best FID, skipped steps);
-        `preempted`: the stop signal's name. The main process writes it."""
+        `preempted`: the stop signal's name (status "interrupted" for SIGINT, else "preempted"). The main
+        process writes it."""
         steps_run = step - self.data["start_step"]
         per_sec = (lambda n: n / train_sec if train_sec else None)
         self.data.update({
-            "status": "preempted" if preempted else "completed", "final_step": step,
+            "status": stop_status(preempted) if preempted else "completed", "final_step": step,
             "wall_sec": time.time() - self.start,
             "stop_reason": preempted or ("time_budget" if out_of_time else "max_steps"), "signal": preempted,
             "nonfinite_skips": nonfinite_skips,
@@ -93,13 +100,17 @@ class RunSummary:
             atomic_write_json(self.run_dir / "summary.json", self.data)
         return self.data
 
-
     def fail(self, err: BaseException, step: int, is_main: bool) -> None:
-        """summary.json of a launch that stopped with an error at `step` (the main process writes it)."""
+        """summary.json of a launch that stopped with an error at `step` (the main process writes it). When it
+        cannot be written either (the disk that failed a checkpoint is full), a warning says so and `err`, the
+        cause, stays the error to report; summary.json keeps what it held."""
         self.data.update({"status": "failed", "final_step": step, "wall_sec": time.time() - self.start,
                           "error": f"{type(err).__name__}: {err}"})
         if is_main:
-            atomic_write_json(self.run_dir / "summary.json", self.data)
+            try:
+                atomic_write_json(self.run_dir / "summary.json", self.data)
+            except WriteError as failed:
+                print(f"warning: {failed}; it still holds what it held before this launch failed", file=sys.stderr)
 
 
 def record_failure(run_dir: str | Path, overrides: list[str], err: BaseException) -> Path:

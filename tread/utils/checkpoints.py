@@ -25,12 +25,12 @@ step directory or a file in it; `find_checkpoint` is the one place that turns th
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from tread.utils.errors import UserError
+from tread.utils.readers import read_json
 from tread.utils.renamed_keys import upgrade_keys
 from tread.utils.sharded_files import SHARDED_DIR, ShardedFileError, full_tensors, tensor_index
 from tread.utils.targets import PROJECT_TARGETS, check_targets, upgrade_targets
@@ -128,13 +128,18 @@ def read_meta(ckpt: PathLike) -> dict[str, Any]:
     builders, else TargetError."""
     path = Path(ckpt) / META_FILE
     try:
-        meta = json.loads(path.read_text())
+        meta = read_json(path, "", "a checkpoint description (JSON)", CheckpointError, "The checkpoint is corrupt.")
     except FileNotFoundError:
         raise CheckpointError(f"'{path}' is missing: '{ckpt}' is not a complete checkpoint.") from None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"'{path}' cannot be read ({err}); the checkpoint is corrupt.") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict) or "step" not in meta:
         raise CheckpointError(f"'{path}' is not a checkpoint description (needs step and config).")
+    step, named = meta["step"], step_of(ckpt)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or (named is not None and step != named):
+        raise CheckpointError(f"'{path}': step={step!r} is not allowed; allowed: the step of its directory "
+                              f"({named if named is not None else 'an integer >= 0'}); the checkpoint is corrupt.")
+    if meta.get("format", FORMAT) != FORMAT:
+        raise CheckpointError(f"'{path}': format={meta.get('format')!r} is not one this version reads (format "
+                              f"{FORMAT}); it was written by another version of this project, or is corrupt.")
     check_targets(upgrade_targets(upgrade_keys(meta["config"])), PROJECT_TARGETS, f"checkpoint '{ckpt}'")
     return meta
 
@@ -178,7 +183,10 @@ def read_checkpoint(ckpt: Path, rank: int) -> dict[str, Any]:
         rng = load_state(rng_path) if rng_path.is_file() else None
     except (StateFileError, ShardedFileError) as err:
         raise CheckpointError(f"checkpoint '{ckpt}': {err}") from None
-    return {**train, **weights, "rng": rng, "adapter_only": bool(meta.get("adapter_only")), "config": meta["config"]}
+    if not isinstance(train, dict):
+        raise CheckpointError(f"'{Path(ckpt) / TRAIN_FILE}' holds no resume state (a mapping); it is corrupt.")
+    return {**train, **weights, "rng": rng, "adapter_only": bool(meta.get("adapter_only")), "config": meta["config"],
+            "checkpoint_step": meta["step"]}
 
 
 def resume_candidates(resume: Optional[str], run_dir: Path) -> list[Path]:

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from tread.utils.errors import UserError
+from tread.utils.readers import parse_json
 
 PathLike = Union[str, Path]
 TREE_KEY = "tree"
@@ -125,8 +126,9 @@ def load_state(path: PathLike) -> Any:
     tensors, metadata = load_tensors(path, with_metadata=True)
     if TREE_KEY not in metadata:
         raise StateFileError(f"'{path}' is a safetensors file without this project's state layout.")
+    tree = parse_json(metadata[TREE_KEY], f"'{path}' state layout", "the JSON tree save_state writes", StateFileError)
     try:
-        return _decode(json.loads(metadata[TREE_KEY]), tensors)
+        return _decode(tree, tensors)
     except (KeyError, ValueError, TypeError) as err:
         raise StateFileError(f"'{path}' has a damaged state layout ({err}).") from None
 

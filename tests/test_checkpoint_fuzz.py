@@ -1,0 +1,243 @@
+"""A fuzz test of the resume path: a real tiny run's newest checkpoint, mutated hundreds of ways (values, types,
+nesting depth, deleted keys, NaNs, shapes, truncated and garbage files), is read as train.py reads it
+(read_resume with check_resume against the run built from its config). Each mutation must end one of three
+ways: refused with one line naming a file or key (a UserError), the previous checkpoint used instead (a
+warning naming the newest), or accepted; an accepted one loads into the run without an exception. Nothing of
+the run but the mutated copy changes. The outcome counts are recorded as a figure (record_property)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+from bad_input_harness import digest
+from tread.runtime.run_dir import read_resume
+from tread.training.loop import train
+from tread.training.resume_check import check_resume
+from tread.training.setup import build_parts, make_accelerator, make_loader, open_dataset
+from tread.training.state import TrainingState
+from tread.utils.checkpoints import list_checkpoints
+from tread.utils.errors import UserError
+from tread.utils.tensorfile import load_state, load_tensors, save_state, save_tensors
+
+QUIET = ["eval.every_steps=0", "eval.at_end=false", "checkpoint.keep_last=null", "train.compile=false"]
+MUTATIONS = int(os.environ.get("TREAD_FUZZ_MUTATIONS", 150))
+VALUES: list[Any] = [-1, 0, 10**15, 2**70, "abc", "", None, 1.5, math.nan, math.inf, True, [], {}, [1, [2]],
+                     {"x": 1}, -0.0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny run with checkpoints at steps 2 and 4, and the config it was trained with."""
+    from conftest import TINY, compose_cfg, shared_cache
+
+    cfg = compose_cfg("train", TINY + [f"paths.cache_dir={shared_cache(tmp_path_factory)}", *QUIET])
+    path = tmp_path_factory.mktemp("fuzz") / "run"
+    train(cfg, path)
+    return path, cfg
+
+
+def leaves(tree: Any, prefix: tuple = ()) -> list[tuple]:
+    """Paths to every leaf of a nested dict/list/tuple tree (tensors and arrays are leaves)."""
+    if isinstance(tree, dict):
+        return [p for k, v in tree.items() for p in leaves(v, (*prefix, k))] or [prefix]
+    if isinstance(tree, (list, tuple)):
+        return [p for i, v in enumerate(tree) for p in leaves(v, (*prefix, i))] or [prefix]
+    return [prefix]
+
+
+def set_leaf(tree: Any, path: tuple, value: Any, delete: bool = False) -> Any:
+    """`tree` with the leaf at `path` replaced (or deleted); tuples are rebuilt."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(tree, tuple):
+        items = list(tree)
+        items[head] = set_leaf(items[head], rest, value, delete)
+        return tuple(items)
+    if delete and not rest:
+        del tree[head]
+        return tree
+    tree[head] = set_leaf(tree[head], rest, value, delete)
+    return tree
+
+
+def mutate_tree(rng: random.Random, tree: Any) -> tuple[Any, str]:
+    path = rng.choice(leaves(tree))
+    if path and rng.random() < 0.15:
+        return set_leaf(tree, path, None, delete=True), f"delete {path}"
+    value = DEEP if rng.random() < 0.05 else rng.choice(VALUES)   # DEEP: written as JSON nested 100,000 deep
+    return set_leaf(tree, path, value), f"{path} = {str(value)[:40]}"
+
+
+DEEP = "__deep__"
+NESTED = "[" * 100_000 + "]" * 100_000
+
+
+def deepen(path: Path) -> None:
+    """Replace the DEEP marker in a JSON file, or in a safetensors file's JSON tree metadata, by NESTED."""
+    if path.suffix == ".json":
+        path.write_text(path.read_text().replace(json.dumps(DEEP), NESTED))
+        return
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    header["__metadata__"]["tree"] = header["__metadata__"]["tree"].replace(json.dumps(DEEP), NESTED)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(len(head).to_bytes(8, "little") + head + data[8 + size:])
+
+
+def mutate_common(rng: random.Random, folder: Path, broken: float) -> tuple[Path, str]:
+    """A random file of `folder`; with probability `broken` cut short or replaced by garbage, and a JSON file
+    mutated as a tree. Returns (the file, what was done: "" when the caller is to mutate it its own way)."""
+    path = rng.choice(sorted(p for p in folder.iterdir() if p.is_file()))
+    kind = rng.random()
+    if kind < broken * 2 / 3:
+        data = path.read_bytes()
+        path.write_bytes(data[:rng.randrange(len(data))])
+        return path, f"truncate {path.name}"
+    if kind < broken:
+        path.write_bytes(rng.randbytes(rng.randrange(1, 300)))
+        return path, f"garbage {path.name}"
+    if path.suffix == ".json":
+        tree, what = mutate_tree(rng, json.loads(path.read_text()))
+        path.write_text(json.dumps(tree))
+        deepen(path)
+        return path, f"{path.name} {what}"
+    return path, ""
+
+
+def mutate_file(rng: random.Random, step: Path) -> str:
+    """One mutation of one file of the checkpoint dir `step`; returns what was done."""
+    path, what = mutate_common(rng, step, 0.15)
+    if what:
+        return what
+    if path.name in ("model.safetensors", "ema.safetensors"):
+        return mutate_weights(rng, path)
+    tree, what = mutate_tree(rng, load_state(path))
+    save_state(tree, path)
+    deepen(path)
+    return f"{path.name} {what}"
+
+
+def mutate_weights(rng: random.Random, path: Path) -> str:
+    tensors = load_tensors(path)
+    name = rng.choice(sorted(tensors))
+    edits: dict[str, Callable[[torch.Tensor], Any]] = {
+        "nan": lambda t: t.clone().view(-1).index_fill_(0, torch.tensor([0]), math.nan).view(t.shape),
+        "shape": lambda t: t.reshape(-1)[: max(1, t.numel() // 2)].clone(),
+        "dtype": lambda t: t.to(torch.int32), "delete": lambda t: None}
+    kind = rng.choice(sorted(edits))
+    value = edits[kind](tensors[name])
+    tensors = {k: v for k, v in tensors.items() if k != name} if value is None else {**tensors, name: value}
+    save_tensors(tensors, path)
+    return f"{path.name} {kind} {name}"
+
+
+def outcome(state: TrainingState, candidates: list[Path], config: dict, capsys) -> str:
+    """What reading the mutated newest checkpoint came to: refused, fell back or accepted (and loaded)."""
+    try:
+        chosen, read = read_resume(candidates, 0, lambda r, c: check_resume(state, r, c, config))
+    except UserError as err:
+        assert "\n" not in str(err) and ("'" in str(err) or "=" in str(err)), str(err)
+        return "refused"
+    if chosen == candidates[0]:
+        state.load_state_dict(read, adapter_only=read["adapter_only"], where=str(chosen))
+        return "accepted"
+    warned = capsys.readouterr().out
+    assert str(candidates[0]) in warned and warned.count("\n") == 1, warned
+    return "fell back"
+
+
+def test_mutated_checkpoints_are_refused_fall_back_or_load(run, tmp_path, capsys, record_property):
+    from omegaconf import OmegaConf
+
+    path, cfg = run
+    accelerator = make_accelerator(cfg.train)
+    parts = build_parts(cfg, accelerator)
+    dataset = open_dataset(cfg, parts.model)
+    state = TrainingState(parts.model, parts.ema.model, parts.optimizer, make_loader(cfg, dataset, accelerator))
+    config = OmegaConf.to_container(cfg, resolve=True)
+    before = digest(path)
+    rng, counts, seen = random.Random(0), {"refused": 0, "fell back": 0, "accepted": 0}, []
+    for i in range(MUTATIONS):
+        copy = tmp_path / f"m{i}"
+        shutil.copytree(path, copy)
+        older, newest = list_checkpoints(copy)[-2:]
+        what = mutate_file(rng, newest)
+        result = outcome(state, [newest, older], config, capsys)
+        counts[result] += 1
+        seen.append(f"{result}: {what}")
+        shutil.rmtree(copy)
+    record_property("fuzz_outcomes", json.dumps(counts))
+    print(f"checkpoint fuzz: {MUTATIONS} mutations: {counts}")
+    if os.environ.get("TREAD_FUZZ_LIST"):
+        print("\n".join(seen))
+    assert digest(path) == before
+    assert counts["fell back"] > MUTATIONS // 3 and counts["accepted"] > 0, (counts, seen[:20])
+
+
+# ----------------------------------------------------------------------------- the dataset
+
+DATA_MUTATIONS = int(os.environ.get("TREAD_FUZZ_DATA_MUTATIONS", 120))
+
+
+def mutate_dataset(rng: random.Random, root: Path) -> str:
+    """One mutation of one file of a latent dataset directory; returns what was done."""
+    path, what = mutate_common(rng, root, 0.2)
+    if what:
+        return what
+    array = np.load(path, mmap_mode="r+")
+    index = rng.randrange(array.shape[0])
+    value = rng.choice([math.nan, math.inf, -1, 10**6]) if array.dtype.kind == "f" else rng.choice([-1, 10**6, 10])
+    array[index] = value
+    array.flush()
+    del array
+    return f"{path.name}[{index}] = {value}"
+
+
+def data_outcome(cfg, model) -> str:
+    """Opening the mutated dataset as training does: refused in one line, or accepted with batches that read."""
+    try:
+        dataset = open_dataset(cfg, model)
+        batch = dataset.__getitems__(list(range(min(len(dataset), 16))))
+    except UserError as err:
+        assert "\n" not in str(err) and "'" in str(err), str(err)
+        return "refused"
+    assert torch.isfinite(batch[0]).all(), "non-finite data accepted without data.allow_nonfinite"
+    return "accepted"
+
+
+def test_mutated_datasets_are_refused_or_read(run, tmp_path, capsys, record_property):
+    from omegaconf import OmegaConf
+
+    path, cfg = run
+    model = build_parts(cfg, make_accelerator(cfg.train)).model
+    source = Path(str(open_dataset(cfg, model).root))
+    before = digest(source)
+    rng, counts, seen = random.Random(1), {"refused": 0, "accepted": 0}, []
+    for i in range(DATA_MUTATIONS):
+        copy = tmp_path / f"d{i}"
+        shutil.copytree(source, copy)
+        what = mutate_dataset(rng, copy)
+        mutated = OmegaConf.merge(cfg, {"data": {"builtin": None, "path": str(copy)}})
+        result = data_outcome(mutated, model)
+        counts[result] += 1
+        seen.append(f"{result}: {what}")
+        shutil.rmtree(copy)
+    capsys.readouterr()
+    record_property("data_fuzz_outcomes", json.dumps(counts))
+    print(f"dataset fuzz: {DATA_MUTATIONS} mutations: {counts}")
+    if os.environ.get("TREAD_FUZZ_LIST"):
+        print("\n".join(seen))
+    assert digest(source) == before
+    assert counts["refused"] > DATA_MUTATIONS // 3, (counts, seen[:20])

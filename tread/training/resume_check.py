@@ -1,0 +1,132 @@
+"""Everything a resume would take from a checkpoint, checked against the run built for it before any of it is
+applied and before anything in the run dir is written: the step and data position
+(tread/utils/resume_values.py), the random streams (this process's structure), the saved config (the launch's
+schema), the weights' names, shapes and finiteness against the model built from the config, and the optimizer's
+groups and moments against the parameters it trains. A failure is a CheckpointError naming the file and the
+key: tread/runtime/run_dir.py:read_resume then tries the previous checkpoint, as for a corrupt file.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tread.models.lora import is_adapter_param, weights_mismatch
+from tread.runtime.run_dir import check_changes, config_changes
+from tread.schema.saved import check_saved_config
+from tread.training.state import TrainingState, optimizer_params, rng_state
+from tread.utils.checkpoints import TRAIN_FILE, WEIGHT_FILES, CheckpointError, step_of
+from tread.utils.finite import first_nonfinite
+from tread.utils.resume_values import ResumeValueError, check_plain, check_rng, check_router, check_step
+from tread.utils.sharded_files import tensor_index
+
+
+def check_resume(state: TrainingState, read: dict[str, Any], ckpt: Path, config: dict) -> None:
+    """CheckpointError unless `read` (read_checkpoint's dict) can be loaded into `state` as it is; ResumeError
+    (not a corrupt checkpoint: no fallback) when the launch's `config` would change the architecture."""
+    check_saved_config(read["config"], ckpt)
+    check_changes(config_changes(read["config"], config), ckpt)
+    where = Path(ckpt) / TRAIN_FILE
+    try:
+        check_step(read, {"step": read.get("checkpoint_step")}, ckpt, step_of(ckpt))
+        check_plain(read)
+        if read.get("rng") is not None:
+            template = {k: v for k, v in rng_state().items() if k != "cuda"}
+            check_rng({k: v for k, v in read["rng"].items() if k != "router"}, template)
+            check_router(read["rng"].get("router"))
+        if read.get("sharded") is None:
+            check_optimizer(state, read.get("optimizer"))
+    except ResumeValueError as err:
+        raise CheckpointError(f"'{where}': {err}; the checkpoint is corrupt") from None
+    adapter_only = bool(read.get("adapter_only"))
+    if read.get("sharded") is not None:
+        check_index(state, read["sharded"], adapter_only, read.get("optimizer_groups"))
+        return
+    for top, module in (("model", state.model), ("ema", state.ema_model)):
+        problem = weights_mismatch(read.get(top), module.state_dict(), adapter_only)
+        if problem:
+            raise CheckpointError(f"'{Path(ckpt) / WEIGHT_FILES[top]}': {problem}; it is not a checkpoint of the "
+                                  f"model its config builds, or it is corrupt")
+
+
+def check_optimizer(state: TrainingState, saved: Any) -> None:
+    """Its param groups hold as many parameters as this run's optimizer, and each moment has its parameter's
+    shape and finite values (the step count may be a scalar)."""
+    inner = getattr(state.optimizer, "optimizer", state.optimizer)
+    named = optimizer_params(state.model, inner)
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not isinstance(saved.get("state"), dict):
+        raise ResumeValueError("optimizer is not an optimizer state (state and param_groups)")
+    check_groups(groups, inner.param_groups, "optimizer.param_groups")
+    for index, entries in saved["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(named) or not isinstance(entries, dict):
+            raise ResumeValueError(f"optimizer.state has an entry {index!r} for no parameter")
+    kinds = {tuple(sorted(e)) for e in saved["state"].values()}
+    if len(kinds) > 1:
+        raise ResumeValueError(f"optimizer.state entries hold different moments ({sorted(kinds)[:2]})")
+    for index, entries in saved["state"].items():
+        name, param = named[index]
+        for key, value in entries.items():
+            if not isinstance(value, torch.Tensor) or (value.numel() > 1 and value.shape != param.shape):
+                raise ResumeValueError(f"optimizer.state[{index}].{key} ({name}) does not fit the parameter's shape "
+                                       f"{list(param.shape)}")
+    moments = {f"optimizer.state[{i}].{k} ({named[i][0]})": v for i, e in saved["state"].items() for k, v in e.items()}
+    bad = first_nonfinite(moments)
+    if bad is not None:
+        raise ResumeValueError(f"{bad} holds non-finite values")
+
+
+def check_index(state: TrainingState, folder: Path, adapter_only: bool, groups: Any) -> None:
+    """A sharded folder's weights have the model's names and shapes (their values are read by each process as it
+    loads its slices); its optimizer groups fit this run's."""
+    index = tensor_index(folder)
+    for top, module in (("model", state.model), ("ema", state.ema_model)):
+        saved = {path[1]: tuple(size) for path, (size, _) in index.items() if path[0] == top and len(path) == 2}
+        wanted = {k: tuple(v.shape) for k, v in module.state_dict().items()
+                  if not adapter_only or is_adapter_param(k) or k in saved}
+        wrong = [k for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+        if wrong:
+            raise CheckpointError(f"'{folder}': {top} tensor '{wrong[0]}' has shape {saved.get(wrong[0])}, the "
+                                  f"model's is {wanted.get(wrong[0])} (None: absent); it is not a checkpoint of the "
+                                  f"model its config builds")
+    inner = getattr(state.optimizer, "optimizer", state.optimizer)
+    try:
+        check_groups(groups, inner.param_groups, "optimizer_groups")
+    except ResumeValueError as err:
+        raise CheckpointError(f"'{Path(folder).parent / TRAIN_FILE}': {err}") from None
+
+
+def check_groups(saved: Any, groups: list[dict], name: str) -> None:
+    """Saved param groups as torch's state_dict writes them for `groups`: the parameters numbered 0, 1, ... in
+    order, group by group, and each hyperparameter this optimizer has of its kind (a finite number, a tuple of
+    them, a flag)."""
+    sizes = [len(g["params"]) for g in groups]
+    if not isinstance(saved, list) or [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in saved] != sizes:
+        raise ResumeValueError(f"{name} do not hold param groups of {sizes} parameters as this run trains; was "
+                               f"model.lora or the model changed?")
+    start = 0
+    for i, (group, live) in enumerate(zip(saved, groups)):
+        if list(group["params"]) != list(range(start, start + len(live["params"]))):
+            raise ResumeValueError(f"{name}[{i}].params are not the parameter numbers {start}..")
+        start += len(live["params"])
+        for key, value in group.items():
+            if key != "params" and key in live and not same_kind(value, live[key]):
+                raise ResumeValueError(f"{name}[{i}].{key}={value!r} is not allowed (this optimizer's is "
+                                       f"{live[key]!r})")
+
+
+def same_kind(value: Any, like: Any) -> bool:
+    """A hyperparameter of the kind of `like`: a finite number for a number, a tuple of them for a tuple, a flag for
+    a flag or an unset (None) choice."""
+    if isinstance(like, bool) or like is None:
+        return value is None or isinstance(value, bool)
+    if isinstance(like, (int, float)):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(like, (tuple, list)):
+        return isinstance(value, (tuple, list)) and len(value) == len(like) and all(
+            same_kind(v, w) for v, w in zip(value, like))
+    if isinstance(like, torch.Tensor):
+        return isinstance(value, torch.Tensor) and value.shape == like.shape
+    return isinstance(value, type(like))
