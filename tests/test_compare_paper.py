@@ -149,6 +149,11 @@ def test_both_steps_are_timed_interleaved_and_reported(paper_dir, tmp_path, caps
     from tread.training import setup
     monkeypatch.setattr(setup, "compile_by_default", lambda device: False)   # auto stays eager: a quick test
     monkeypatch.setattr(compare_paper, "mixed_precision", lambda setting, device: ("bf16", "auto: native bf16"))
+    # Our compiled steps through dynamo's eager backend: traced and run compiled, without an inductor build per
+    # precision and route (most of this test's time; inductor itself: tests/test_compile.py).
+    overrides = compare_paper.our_overrides
+    monkeypatch.setattr(compare_paper, "our_overrides",
+                        lambda *a, **k: [*overrides(*a, **k), "train.compile_backend=eager"])
     out = main([str(paper_dir), "--sizes", "DiT-T/4:8:2", "--precisions", "fp32", "bf16", "--steps", "2",
                 "--warmup", "1", "--rounds", "2", "--compile", "false", "default", "--json", str(tmp_path / "c.json")])
     calls = sys.modules["routing_module"].CALLS
