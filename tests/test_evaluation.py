@@ -201,7 +201,7 @@ def test_npz_round_trip_and_bad_npz(tmp_path):
 
 
 def test_npz_streaming_reader(tmp_path):
-    from tread.evaluation.images import iter_npz_batches, npz_array_info
+    from tread.utils.readers import iter_npz_batches, npz_array_info
 
     images = blob_images(7, 8)
     for save in (np.savez, np.savez_compressed):

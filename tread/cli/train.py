@@ -35,8 +35,9 @@ def main(cfg: DictConfig) -> None:
                 print(f"job {hc.job.num} failed ({type(err).__name__}: {err}); recorded in {run_dir}/summary.json",
                       file=sys.stderr)
                 return
-    if stop_exit_status(summary["status"]):   # checkpoint written: resume=auto (or the requeued job) continues
-        sys.exit(stop_exit_status(summary["status"]))
+    status = stop_exit_status(summary["status"])
+    if status:                              # checkpoint written: resume=auto (or the requeued job) continues
+        sys.exit(status)
 
 
 @contextlib.contextmanager

@@ -10,9 +10,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from tread.utils.io import atomic_write
-from tread.utils.readers import image_size, npz_names, read_image, read_npz
-# Streaming one array of an .npz (ADM samples, references) lives in tread.utils.readers; named here too.
-from tread.utils.readers import iter_npz_batches, npz_array_info  # noqa: F401
+from tread.utils.readers import image_size, npz_array_info, npz_names, read_image, read_npz
 
 ImagesLike = Union[torch.Tensor, np.ndarray]
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")

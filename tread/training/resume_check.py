@@ -17,7 +17,7 @@ from tread.models.lora import is_adapter_param, weights_mismatch
 from tread.runtime.run_dir import check_changes, config_changes
 from tread.schema.saved import check_saved_config
 from tread.training.state import TrainingState, optimizer_params, rng_state
-from tread.utils.checkpoints import TRAIN_FILE, WEIGHT_FILES, CheckpointError, step_of
+from tread.utils.checkpoints import TRAIN_FILE, WEIGHT_FILES, CheckpointError
 from tread.utils.finite import first_nonfinite
 from tread.utils.resume_values import ResumeValueError, check_plain, check_rng, check_router, check_step
 from tread.utils.sharded_files import tensor_index
@@ -30,7 +30,7 @@ def check_resume(state: TrainingState, read: dict[str, Any], ckpt: Path, config:
     check_changes(config_changes(read["config"], config), ckpt)
     where = Path(ckpt) / TRAIN_FILE
     try:
-        check_step(read, {"step": read.get("checkpoint_step")}, ckpt, step_of(ckpt))
+        check_step(read, read["checkpoint_step"])
         check_plain(read)
         if read.get("rng") is not None:
             template = {k: v for k, v in rng_state().items() if k != "cuda"}

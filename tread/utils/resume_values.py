@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -38,13 +37,12 @@ def check_int(value: Any, name: str, low: int, high: int) -> int:
     return int(value)
 
 
-def check_step(train: dict, meta: dict, ckpt: Path, dir_step: Optional[int]) -> int:
-    """The step of train_state, the same in checkpoint.json and (when it is named step_XXXXXXX) the dir's name."""
+def check_step(train: dict, saved_step: int) -> int:
+    """The step of train_state, the same as checkpoint.json's (which read_meta has checked against the step its
+    directory names)."""
     step = check_int(train.get("step"), "step", 0, STEP_LIMIT)
-    named = {"checkpoint.json step": meta.get("step"), "the directory's name": dir_step}
-    for where, other in named.items():
-        if other is not None and other != step:
-            raise ResumeValueError(f"step={step} but {where} says {other!r}")
+    if step != saved_step:
+        raise ResumeValueError(f"step={step} but checkpoint.json step says {saved_step!r}")
     return step
 
 
