@@ -6,6 +6,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 PYTEST_ARGS ?=
+# Tests run on two pytest-xdist workers (CI has 2 cores; one pytest process keeps about one busy): a file, or the
+# files sharing a session fixture (tests/conftest.py), stays on one worker. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup train test sample benchmark gpu-check gpu-wheels ablation ablation-seeds study precision example clean
 
@@ -21,7 +24,7 @@ train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 sample: $(STAMP)
 	$(BIN)/python sample.py $(ARGS)

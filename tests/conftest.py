@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 # A few-second training config: configs/debug/tiny.yaml (tiny DiT, a small built-in dataset, cheap evaluation).
 TINY = ["debug=tiny"]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a multi-process test's rendezvous: two such tests may run at once (one per
+    pytest-xdist worker), so none may rely on torch.distributed's default 29500."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def compose_cfg(config_name: str = "train", overrides: list[str] | None = None):
@@ -85,15 +94,38 @@ def blob_images(n, size=32, seed=0):
     return images
 
 
+# Test files that share one session fixture run on one pytest-xdist worker (make test: -n 2 --dist loadgroup):
+# the bad-input tables share `world` (a trained run and the harness); every other file is a group of its own, so
+# module fixtures (a trained toy run, tiny encoders) are built once and a file's tests never race each other.
+SHARED_GROUPS = {"test_bad_inputs": "bad_inputs"}
+
+
+def xdist_group(path: Path) -> str:
+    stem = path.stem
+    return next((group for prefix, group in SHARED_GROUPS.items() if stem.startswith(prefix)), stem)
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA: skipped (and reported as such) on machines without it, such as CI."""
+    """Each test's xdist group (its file's, see SHARED_GROUPS); `gpu` tests need CUDA: skipped (and reported as
+    such) on machines without it, such as CI."""
     import torch
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item.path)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker, and every program its tests start, computes on one intra-op thread: two
+    workers share the two cores, and a second thread per process would only oversubscribe them (OpenMP threads
+    spin while they wait). A test may still set its programs' OMP_NUM_THREADS itself."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, free_port
 from hang_guard import communicate
 
 from tread.runtime.collectives import CollectiveTimeout, heartbeat_period, is_comm_error, roll_call_sec, timeout_delta
@@ -67,12 +67,6 @@ except CollectiveTimeout as err:
 print("done", flush=True)
 os._exit(0)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_ranks(action: str, victim: int = 1, *extra: str) -> list[subprocess.Popen]:

@@ -92,6 +92,7 @@ FAMILIES = {
                        ("cross_attention_dim=32", {"config": {"cross_attention_dim": 32}}),
                        # width 64: not a multiple of 3
                        ("use_additional_conditions=true", {"config": {"use_additional_conditions": True}}))),
+    # -- new families above this line --
 }
 
 

@@ -188,7 +188,7 @@ def test_kontext_key_is_checked_by_the_schema():
     assert compose_cfg("train", ["model=flux_kontext"]).model.kontext is True
     assert compose_cfg("train", ["model=flux"]).model.kontext is False
     check_train(compose_cfg("train", ["model=flux_kontext"]))
-    with pytest.raises(ConfigError, match="model.kontext is a flux key; model.family=sd3 does not take it"):
+    with pytest.raises(ConfigError, match="model.kontext is a key of model.family=flux; model.family=sd3 does not take it"):
         check_train(compose_cfg("train", ["model=sd3", "+model.kontext=true"]))
     with pytest.raises(ConfigError, match="model.kontext='maybe' is not allowed; allowed: true or false"):
         check_train(compose_cfg("train", ["model=flux_kontext", "model.kontext=maybe"]))

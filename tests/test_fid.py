@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO, TINY, blob_images, compose_cfg, shared_cache
+from conftest import REPO, TINY, blob_images, compose_cfg, free_port, shared_cache
 from tread.evaluation.images import save_npz, save_png_folder
 
 ALL = ["fid", "sfid", "is", "precision", "recall", "kid"]
@@ -180,7 +180,8 @@ def test_bench_two_processes_equal_one(toy_run, tmp_path):
     # accelerate 1.15's `launch --cpu --num_processes 2` starts ONE process; --multi_gpu on a machine without
     # GPUs runs torchrun with gloo on the CPU (device=cpu makes fid.py stay on the CPU).
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port())]
     two = run_fid_cli(toy_run["cache"], *common, f"out_dir={tmp_path / 'two'}", launcher=launcher, timeout=1200)
     assert two.returncode == 0, two.stderr[-3000:]
     r1, r2 = (json.loads((tmp_path / d / "metrics.jsonl").read_text()) for d in ("one", "two"))

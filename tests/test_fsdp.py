@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, free_port
 from tread.schema import ConfigError, check_train
 from tread.training.fsdp import check_parallel
 from tread.training.loop import train
@@ -29,8 +29,8 @@ def losses(run: Path) -> dict[int, float]:
 
 def torchrun(cache_dir: Path, run: Path, *overrides: str, procs: int = 2) -> None:
     """train.py on `procs` CPU processes (torchrun; a process group of several makes accelerate use gloo)."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs)] if procs > 1 else \
-        [sys.executable]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs),
+                "--master_port", str(free_port())] if procs > 1 else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([*launcher, "train.py", *TINY, f"paths.cache_dir={cache_dir}", f"hydra.run.dir={run}",
                            *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)

@@ -4,13 +4,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import REPO, TINY
+from conftest import REPO, TINY, free_port
 from tread.schema import compose
 from tread.runtime.slurm import export_slurm_env, first_host, master_port, slurm_dist_env, tasks_per_node
 
@@ -224,9 +223,7 @@ def test_tasks_per_node_and_port():
 def test_srun_tasks_join_one_accelerate_run(tmp_path):
     """Two processes started the way srun starts tasks (SLURM variables only) run train.py as one 2-process
     accelerate run (gloo on CPU): export_slurm_env() in train.py's task function forms the process group."""
-    with socket.socket() as s:  # a free port (the job-id-derived one could be taken on a shared machine)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # the job-id-derived one could be taken on a shared machine
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS and not k.startswith("SLURM")}
     env.update(TREAD_CACHE_DIR=str(tmp_path / "cache"), SLURM_JOB_ID="4242", SLURM_STEP_NUM_TASKS="2",

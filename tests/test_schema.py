@@ -77,7 +77,7 @@ def test_a_missing_eval_reference_is_refused_before_work():
 @pytest.mark.parametrize("overrides,message", [
     (["model=flux", "model.lora={rank:0,target_modules:[to_q]}"], "model.lora.rank=0 is not allowed"),
     (["model=flux", "model.lora={rank:2,target_modules:[to_q],bad:1}"], "model.lora.bad is not a known key"),
-    (["model=flux", "+model.frames=2"], "model.frames is a wan key; model.family=flux does not take it"),
+    (["model=flux", "+model.frames=2"], "model.frames is a key of model.family=wan; model.family=flux does not take it"),
     (["data=imagenet256_wds"], "data.path is not set (the config leaves it ???): pass data.path="),
     (["data=imagenet256_wds", "data.path=/x", "data.builtin=toy_shapes"], "data.builtin='toy_shapes' is not allowed"),
     (["eval=inception"], "eval.reference is not set"),

@@ -111,7 +111,7 @@ def test_use_t5_false_ignores_the_t5_part_of_the_data():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["model=flux", "+model.use_t5=false"], r"^model.use_t5 is a sd3 key; model.family=flux does not take it.$"),
+    (["model=flux", "+model.use_t5=false"], r"^model.use_t5 is a key of model.family=sd3; model.family=flux does not take it.$"),
     (["model=sd3", "model.use_t5=no"], r"^model.use_t5='no' is not allowed; allowed: true or false \(SD3"),
 ])
 def test_config_errors(overrides, match):

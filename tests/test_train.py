@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, free_port
 from tread.training.loop import train
 from tread.training.run_log import read_metrics
 
@@ -122,7 +122,7 @@ def test_two_process_gloo_training(tmp_path, cache_dir):
     # accelerate 1.15's `launch --cpu --num_processes 2` starts ONE process (multi-CPU needs an MPI hostfile);
     # `--multi_gpu` on a machine without GPUs, with train.cpu=true, runs torchrun + gloo on the CPU.
     args = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-            "--dynamo_backend", "no", "train.py", *TINY, "train.cpu=true", f"paths.cache_dir={cache_dir}",
+            "--dynamo_backend", "no", "--main_process_port", str(free_port()), "train.py", *TINY, "train.cpu=true", f"paths.cache_dir={cache_dir}",
             f"hydra.run.dir={run}"]
     launcher = [sys.executable, "-m", "accelerate.commands.launch"]
     proc, _ = run_cli(args, cache_dir, timeout=1200, launcher=launcher)

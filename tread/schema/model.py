@@ -200,8 +200,9 @@ def check_sprint_key(m: DiTModel, depth: int) -> None:
         sprint_span(m.sprint.model_dump(), depth)
 
 
-FAMILY_ONLY = {"guidance": "flux", "kontext": "flux", "use_t5": "sd3", "frames": "wan", "expand_timesteps": "wan",
-               "vae_scale_factor": "pixart"}
+# model keys only some families take: key -> those families (a family module adds itself where it takes one).
+FAMILY_ONLY = {"guidance": ("flux",), "kontext": ("flux",), "use_t5": ("sd3",), "frames": ("wan",),
+               "expand_timesteps": ("wan",), "vae_scale_factor": ("pixart",)}
 
 
 class FamilyModel(Backbone):
@@ -252,9 +253,10 @@ class FamilyModel(Backbone):
         return self
 
     def check_family_keys(self) -> None:
-        for name, family in FAMILY_ONLY.items():
-            if name in self.model_fields_set and family != self.family:
-                raise ConfigError(f"model.{name} is a {family} key; model.family={self.family} does not take it.")
+        for name, families in FAMILY_ONLY.items():
+            if name in self.model_fields_set and self.family not in families:
+                raise ConfigError(f"model.{name} is a key of model.family={' | '.join(families)}; "
+                                  f"model.family={self.family} does not take it.")
 
 
 # model.config keys of the families' diffusers configs (where a family has them) and their allowed ranges. Block
