@@ -6,6 +6,7 @@ Tiny FLUX and SD3 pipelines are built offline from configs with random weights (
 tread/encoders/tiny_text.py::save_tiny_text_encoders, a one-level VAE, the flow-matching scheduler)."""
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -29,9 +30,10 @@ ADAPTERS = {   # tiny widths (64, 256) make peft pick full and decomposed Kronec
 }
 
 
-def adapted(family: str, adapter: str, seed: int = 0):
-    """A tiny family model with the adapter, its weights randomly perturbed so the update is far from 0."""
-    model = make(family, lora={**ADAPTERS[adapter], "target_modules": TARGETS[family]}).eval()
+def adapted(family: str, adapter: str, seed: int = 0, targets=None):
+    """A tiny family model with the adapter (on `targets`, default TARGETS[family]), its weights randomly perturbed
+    so the update is far from 0."""
+    model = make(family, lora={**ADAPTERS[adapter], "target_modules": targets or TARGETS[family]}).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.transformer.parameters():
@@ -72,6 +74,48 @@ def test_pipeline_loads_the_exact_adapter(family, adapter, encoders, tmp_path):
         ours = model(x, noise, labels)
         theirs = base.reference_forward(x, noise, labels, transformer=pipe.transformer)
     assert (ours - plain).abs().max() > 0.05            # the adapter matters ...
+    torch.testing.assert_close(theirs, ours, atol=2e-5, rtol=1e-5)   # ... and the pipeline applies it exactly
+
+
+# The newer families' pipelines, built with the transformer and a scheduler only (every other component None):
+# load_lora_weights touches the transformer alone. Targets: each family's attention and feed-forward projections.
+NEW_PIPELINES = {
+    "chroma": ("ChromaPipeline", ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_mlp",
+                                  "proj_out"]),
+    "sana": ("SanaPipeline", ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q",
+                              "attn2.to_out.0", "proj_out"]),
+    "flux2": ("Flux2Pipeline", ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "to_qkv_mlp_proj",
+                                "ff.linear_in"]),
+    "hidream": ("HiDreamImagePipeline", ["to_q", "to_k", "to_v", "to_out", "to_q_t", "to_out_t"]),
+    "qwen_image": ("QwenImagePipeline", ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out",
+                                         "img_mlp.net.2"]),
+    "lumina2": ("Lumina2Pipeline", ["to_q", "to_k", "to_v", "to_out.0", "linear_1"]),
+    "z_image": ("ZImagePipeline", ["to_q", "to_k", "to_v", "to_out.0", "feed_forward.w2"]),
+}
+
+
+@pytest.mark.parametrize("family", list(NEW_PIPELINES))
+@pytest.mark.parametrize("adapter", ["lora", "lokr"])
+def test_family_pipeline_loads_the_exact_adapter(family, adapter, tmp_path):
+    """The exported LoRA / LoKr (as an exact plain LoRA) loads with the family pipeline's load_lora_weights and
+    gives what our adapted model gives."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipeline_name, targets = NEW_PIPELINES[family]
+    model = adapted(family, adapter, targets=targets)
+    export_adapter(model, tmp_path)
+    base = make(family)
+    cls = getattr(diffusers, pipeline_name)
+    kw = {k: None for k in inspect.signature(cls.__init__).parameters if k != "self"}
+    pipe = cls(**{**kw, "transformer": base.pristine_transformer(), "scheduler": FlowMatchEulerDiscreteScheduler()})
+    x, noise, labels = inputs(model)
+    with torch.no_grad():
+        plain = base.reference_forward(x, noise, labels, transformer=pipe.transformer)
+        pipe.load_lora_weights(tmp_path)
+        ours = model(x, noise, labels)
+        theirs = base.reference_forward(x, noise, labels, transformer=pipe.transformer)
+    assert (ours - plain).abs().max() > 0.02            # the adapter matters ...
     torch.testing.assert_close(theirs, ours, atol=2e-5, rtol=1e-5)   # ... and the pipeline applies it exactly
 
 

@@ -175,6 +175,9 @@ def test_kontext_errors_name_what_is_missing():
         model.check_text_data({"text": None, "reference": None}, "'/d'")
     with pytest.raises(FamilyConfigError, match=r"model.kontext=false would ignore them: use model=flux_kontext"):
         fc.make(FAMILY).check_text_data({"text": None, "reference": (4, 8, 8)}, "'/d'")
+    for family in ("sd3", "wan", "sana", "z_image"):    # families that take no references refuse such data too
+        with pytest.raises(FamilyConfigError, match=rf"model.family={family} takes none; use model=flux_kontext"):
+            fc.make(family).check_text_data({"text": None, "reference": (4, 8, 8)}, "'/d'")
     with pytest.raises(FamilyConfigError, match=r"model.kontext='yes' is not allowed"):
         fc.make(FAMILY, kontext="yes")
     with pytest.raises(PromptError, match=r"prompts are not supported for a FLUX Kontext model .*reference image"):
@@ -188,7 +191,7 @@ def test_kontext_key_is_checked_by_the_schema():
     assert compose_cfg("train", ["model=flux_kontext"]).model.kontext is True
     assert compose_cfg("train", ["model=flux"]).model.kontext is False
     check_train(compose_cfg("train", ["model=flux_kontext"]))
-    with pytest.raises(ConfigError, match="model.kontext is a key of model.family=flux; model.family=sd3 does not take it"):
+    with pytest.raises(ConfigError, match="model.kontext is a key of model.family=flux \\| flux2 \\| qwen_image; model.family=sd3 does not take it"):
         check_train(compose_cfg("train", ["model=sd3", "+model.kontext=true"]))
     with pytest.raises(ConfigError, match="model.kontext='maybe' is not allowed; allowed: true or false"):
         check_train(compose_cfg("train", ["model=flux_kontext", "model.kontext=maybe"]))

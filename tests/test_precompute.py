@@ -488,10 +488,11 @@ def test_changed_captions_refuse_the_parts_folder(tmp_path, class_folder, vae_di
 
 @pytest.mark.parametrize("argv, message", [
     (["--captions", "{captions}"], r"--captions/--caption-from-class need --text-family \(one of flux, sd3, wan, "
-                                   r"auraflow, pixart\)"),
+                                   r"auraflow, pixart, flux2, qwen_image, chroma, sana, z_image, lumina2\)"),
     (["--captions", "{missing}"], r"--captions='.*missing' is not valid: no such file"),
     (["--text-family", "pixart"], r"--text-family pixart needs captions: --captions FILE and/or --caption-from-class"),
-    (["--text-family", "sdxl", "--captions", "{captions}"], r"--text-family='sdxl' .*flux, sd3, wan, auraflow, pixart"),
+    (["--text-family", "sdxl", "--captions", "{captions}"],
+     r"--text-family='sdxl' .*flux, sd3, wan, auraflow, pixart, flux2, qwen_image, chroma, sana, z_image, lumina2"),
     (["--text-family", "pixart", "--captions", "{captions}"],
      r"--text-family pixart needs its text encoders: --text-encoders DIR.*hf download PixArt-alpha/PixArt-XL-2-512x512 "
      r"--include 'text_encoder\*/\*' 'tokenizer\*/\*' --local-dir DIR"),

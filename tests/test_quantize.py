@@ -48,10 +48,15 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3"])
-@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+# Every mode on FLUX and SD3; the other families (their Linear layers are the same kind) with int8.
+QUANTIZED = [(f, m) for f in ("flux", "sd3") for m in QUANTIZE_MODES] + \
+    [(f, "int8") for f in ("chroma", "sana", "flux2", "hidream", "qwen_image", "lumina2", "z_image")]
+
+
+@pytest.mark.parametrize("family,mode", QUANTIZED)
 def test_adapters_learn_over_a_frozen_quantized_base_with_routing(family, mode):
-    model = make(family, ROUTE, quantize=mode, lora=LORA).train()
+    lora = {**LORA, "target_modules": ["to_q", "to_k", "to_v", "to_out"]} if family == "hidream" else LORA
+    model = make(family, ROUTE, quantize=mode, lora=lora).train()
     base = quantized_tensors(model)
     assert quantize_mode(model) == mode and len(base) >= 2 * len(model.routable_blocks())
     adapted = [m.get_base_layer() for m in model.modules() if hasattr(m, "lora_A")]

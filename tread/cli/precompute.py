@@ -25,7 +25,8 @@ processes. --ref-out also writes reference statistics (FID) of the same center-c
 Text-to-image data (optional): --captions FILE (CSV/TSV `file name,caption` lines, the caption being the rest of
 the line, or a JSON object {file name: caption}; names relative to --images, e.g. cls/x.png for class folders)
 and/or --caption-from-class 'a photo of a {class}' (captions the images the file does not, from their class
-name), encoded with --text-family {flux,sd3,wan,auraflow,pixart} by the text encoders of a local diffusers
+name), encoded with --text-family NAME (tread.encoders.text.TEXT_FAMILIES: flux, sd3, wan, auraflow, pixart, flux2,
+qwen_image, chroma, sana, z_image, lumina2) by the text encoders of a local diffusers
 pipeline folder (--text-encoders DIR; `hf download <repo> --include 'text_encoder*/*' 'tokenizer*/*'
 --local-dir DIR`) or per-encoder folders (--text-encoder-path text_encoder_2=/models/t5), exactly as that
 family's pipeline encodes prompts (tread/encoders/text.py). Each image's caption is encoded once (its flipped copy
@@ -58,6 +59,7 @@ from tread.data.precompute_plan import Plan
 from tread.data.precompute_request import DEFAULT_VAE, PrecomputeError, PrecomputeRequest
 from tread.data.precompute_run import collective, encode_dataset, prepare
 from tread.encoders.errors import EncoderError
+from tread.encoders.text import TEXT_FAMILIES
 from tread.evaluation.extractors import feature_extractor
 from tread.evaluation.reference import ReferenceBuilder
 
@@ -135,14 +137,15 @@ def _conditioning_args(p: argparse.ArgumentParser) -> None:
                                                                        "(or all) from their class name, e.g. "
                                                                        "'a photo of a {class}'")
     cond.add_argument("--text-family", metavar="NAME", help="encode captions as this model family's pipeline "
-                                                            "does: flux | sd3 | wan | auraflow | pixart")
+                                                            f"does: {' | '.join(TEXT_FAMILIES)}")
     cond.add_argument("--text-encoders", metavar="DIR", help="local diffusers pipeline folder with the family's "
                                                              "text_encoder*/ and tokenizer*/ sub-folders")
     cond.add_argument("--text-encoder-path", metavar="KEY=PATH", action="append", default=[],
                       help="folder of one encoder or tokenizer, overriding --text-encoders (repeatable; KEY: "
                            "text_encoder, tokenizer, text_encoder_2, tokenizer_2, ...)")
     cond.add_argument("--max-text-length", type=int, metavar="N",
-                      help="T5 sequence length (default: the family pipeline's, e.g. flux 512, pixart 120)")
+                      help="text sequence length (default: the family pipeline's, e.g. flux 512, pixart 120, "
+                           "sana 300)")
     cond.add_argument("--no-t5", action="store_true", help="sd3 only: encode without T5 (not loaded; its part of "
                                                            "the embeddings is zeros, as the pipeline with "
                                                            "text_encoder_3=None)")

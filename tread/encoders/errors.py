@@ -12,6 +12,10 @@ class EncoderError(UserError):
     message names the path (or key) and how to provide it."""
 
 
+class TextEncoderError(EncoderError):
+    """A text encoder cannot be found / loaded, or prompts cannot be encoded; the message says what to do."""
+
+
 def missing_weights(what: str, path: Union[str, Path], how: str) -> EncoderError:
     """One line: no `what` at `path`, and the steps that put it there (`how`)."""
     return EncoderError(f"no {what} at '{path}'. To provide it: {how}")

@@ -21,8 +21,18 @@ text_embeds.npy, text_mask.npy, pooled_embeds.npy). Families (encoders by diffus
               text (B, 120, D): last hidden state (mask passed); 300 tokens for PixArt-Sigma (detected from
                    the folder's model_index.json); text_mask (B, L)
 
-Every tokenizer pads to max_length and truncates; CLIP tokenizers use their model_max_length (77). "mask" is
+Their tokenizers pad to max_length and truncate; CLIP tokenizers use their model_max_length (77). "mask" is
 the tokenizer's attention mask (True = real token), stored for the families whose pipelines compute one.
+
+Families encoded by their pipeline's own encode_prompt (tread/encoders/text_pipelines.py): one text_encoder +
+tokenizer each, no pooled embedding; L is the pipeline's max_sequence_length (counting its template's tokens):
+    flux2       Mistral3ForConditionalGeneration + AutoProcessor   text (B, 512, 3 x hidden), no mask
+    qwen_image  Qwen2_5_VLForConditionalGeneration                 text (B, 512, D) zero-padded + text_mask
+    chroma      T5EncoderModel                                     text (B, 512, D) + text_mask (+ first pad)
+    sana        Gemma2Model                                        text (B, 300, D) + text_mask
+    z_image     Qwen3Model                                         text (B, 512, D) zero-padded + text_mask
+    lumina2     Gemma2Model                                        text (B, 256, D) + text_mask
+
 PixArt's optional caption cleaning (clean_caption, which needs bs4/ftfy) is not applied: prompts are used
 as given. Weights are never downloaded: pass a local diffusers pipeline folder (text_encoder*/ and
 tokenizer*/ subfolders), e.g. fetched with
@@ -41,18 +51,16 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from tread.encoders.errors import EncoderError
+from tread.encoders.errors import TextEncoderError
+from tread.encoders.text_pipelines import encode_via_pipeline
 from tread.utils.readers import FileFormatError, read_json
 
-TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart")
+TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart", "flux2", "qwen_image", "chroma", "sana", "z_image",
+                 "lumina2")
 PathLike = Union[str, os.PathLike]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
 CLIP_DEFAULT_LENGTH = 77
 SD3_T5_WIDTH = 4096   # joint_attention_dim of every SD3 / SD3.5 transformer (T5-XXL's width)
-
-
-class TextEncoderError(EncoderError):
-    """A text encoder cannot be found / loaded, or prompts cannot be encoded; the message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +68,9 @@ class EncoderSlot:
     """One text encoder of a family: its pipeline subfolders and what it is."""
     model: str        # subfolder of the model in a diffusers pipeline folder, e.g. "text_encoder_2"
     tokenizer: str    # subfolder of its tokenizer, e.g. "tokenizer_2"
-    kind: str         # "clip" (CLIPTextModel) | "clip_proj" (CLIPTextModelWithProjection) | "t5" (T5/UMT5 encoder)
+    kind: str         # "clip" (CLIPTextModel) | "clip_proj" (CLIPTextModelWithProjection) | a key of MODEL_TYPES
     what: str         # for messages
+    processor: bool = False   # the tokenizer folder is loaded with AutoProcessor (as the pipeline's tokenizer is)
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class FamilySpec:
     pooled: bool      # whether encode_prompts returns "pooled"
     repo: str         # a hub repo with these encoders (for the download advice)
     pipeline: str     # diffusers pipeline class (model_index.json of save_tiny_text_encoders)
+    via_pipeline: bool = False   # encoded by the pipeline's own encode_prompt (text_pipelines.py)
 
 
 _CLIP_L = EncoderSlot("text_encoder", "tokenizer", "clip", "CLIP-L (CLIPTextModel)")
@@ -91,7 +101,33 @@ FAMILIES: dict[str, FamilySpec] = {
     "pixart": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "T5 (T5EncoderModel)"),), 120, mask=True,
                          pooled=False, repo="PixArt-alpha/PixArt-XL-2-512x512", pipeline="PixArtAlphaPipeline"),
 }
+FAMILIES.update({
+    "flux2": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "mistral3", "Mistral-Small 3 "
+                                     "(Mistral3ForConditionalGeneration)", processor=True),), 512, mask=False,
+                        pooled=False, repo="black-forest-labs/FLUX.2-dev", pipeline="Flux2Pipeline", via_pipeline=True),
+    "qwen_image": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "qwen2_5_vl", "Qwen2.5-VL "
+                                          "(Qwen2_5_VLForConditionalGeneration)"),), 512, mask=True, pooled=False,
+                             repo="Qwen/Qwen-Image", pipeline="QwenImagePipeline", via_pipeline=True),
+    "chroma": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "T5 (T5EncoderModel)"),), 512, mask=True,
+                         pooled=False, repo="lodestones/Chroma1-HD", pipeline="ChromaPipeline", via_pipeline=True),
+    "sana": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "gemma2", "Gemma-2 (Gemma2Model)"),), 300, mask=True,
+                       pooled=False, repo="Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers",
+                       pipeline="SanaPipeline", via_pipeline=True),
+    "z_image": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "qwen3", "Qwen3 (Qwen3Model)"),), 512, mask=True,
+                          pooled=False, repo="Tongyi-MAI/Z-Image-Turbo", pipeline="ZImagePipeline", via_pipeline=True),
+    "lumina2": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "gemma2", "Gemma-2 (Gemma2Model)"),), 256,
+                          mask=True, pooled=False, repo="Alpha-VLLM/Lumina-Image-2.0", pipeline="Lumina2Pipeline",
+                          via_pipeline=True),
+})
 PIXART_SIGMA_LENGTH = 300
+# transformers model classes by encoder kind and config.json model_type (the classes the pipelines load)
+MODEL_TYPES: dict[str, dict[str, str]] = {
+    "t5": {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel"},
+    "mistral3": {"mistral3": "Mistral3ForConditionalGeneration"},
+    "qwen2_5_vl": {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},
+    "gemma2": {"gemma2": "Gemma2Model"},
+    "qwen3": {"qwen3": "Qwen3Model"},
+}
 
 
 def family_spec(family: str) -> FamilySpec:
@@ -106,8 +142,9 @@ def family_slots(family: str, t5: bool = True) -> tuple[EncoderSlot, ...]:
     if t5:
         return slots
     if family != "sd3":
-        raise TextEncoderError(f"t5=False (no T5 encoder) is for sd3 only; {family}'s text embeddings are its T5's "
-                               f"output. Allowed: t5=True for {family}.")
+        source = "its T5's output" if any(s.kind == "t5" for s in slots) else f"the output of {slots[0].what}"
+        raise TextEncoderError(f"t5=False (no T5 encoder) is for sd3 only; {family}'s text embeddings are {source}. "
+                               f"Allowed: t5=True for {family}.")
     return tuple(s for s in slots if s.kind != "t5")
 
 
@@ -211,22 +248,33 @@ def _model_class(family: str, slot: EncoderSlot, folder: Path):
         raise TextEncoderError(f"{family} text encoder '{slot.model}': cannot read '{folder / 'config.json'}' "
                                f"({err.strerror})") from None
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    classes = {"t5": transformers.T5EncoderModel, "umt5": transformers.UMT5EncoderModel}
+    classes = MODEL_TYPES[slot.kind]
     if model_type not in classes:
+        allowed = " or ".join(repr(t) for t in classes)
         raise TextEncoderError(f"{family} text encoder '{slot.model}' at '{folder}' is a {model_type!r} model; "
-                               f"expected {slot.what} (config.json model_type 't5' or 'umt5')")
-    return classes[model_type]
+                               f"expected {slot.what} (config.json model_type {allowed})")
+    return getattr(transformers, classes[model_type])
+
+
+def _load_tokenizer(family: str, slot: EncoderSlot, folder: Path):
+    """The slot's tokenizer (AutoTokenizer), or its processor (AutoProcessor) where the pipeline takes one."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    try:
+        return (AutoProcessor if slot.processor else AutoTokenizer).from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise TextEncoderError(f"{family} tokenizer '{slot.tokenizer}': cannot load it from '{folder}' "
+                               f"({err}). {_advice(family, slot)}") from None
 
 
 def load_text_encoders(family: str, paths: Union[PathLike, Mapping[str, PathLike]], device: Any = "cpu",
                        dtype: torch.dtype = torch.float32, *, t5: bool = True) -> TextEncoders:
-    """Load `family`'s text encoders (transformers CLIPTextModel / CLIPTextModelWithProjection /
-    T5EncoderModel / UMT5EncoderModel + AutoTokenizer) from local folders (see resolve_text_encoder_paths),
-    on `device` in `dtype`, in eval mode without gradients. Never downloads: missing files raise
-    TextEncoderError saying how to provide them. t5=False (sd3 only): T5 is not loaded (nor needed); its part
-    of the embeddings will be zeros (encode_prompts)."""
-    from transformers import AutoTokenizer
-
+    """Load `family`'s text encoders (the transformers class its pipeline uses: CLIPTextModel(WithProjection),
+    T5EncoderModel / UMT5EncoderModel, or by config.json model_type the MODEL_TYPES class of its kind) and
+    tokenizers (AutoTokenizer; AutoProcessor where the pipeline takes a processor) from local folders (see
+    resolve_text_encoder_paths), on `device` in `dtype`, in eval mode without gradients. Never downloads:
+    missing files raise TextEncoderError saying how to provide them. t5=False (sd3 only): T5 is not loaded (nor
+    needed); its part of the embeddings will be zeros (encode_prompts)."""
     spec = family_spec(family)
     found = resolve_text_encoder_paths(family, paths, t5=t5)
     models, tokenizers = {}, {}
@@ -239,11 +287,7 @@ def load_text_encoders(family: str, paths: Union[PathLike, Mapping[str, PathLike
             raise TextEncoderError(f"{family} text encoder '{slot.model}' ({slot.what}): cannot load it from "
                                    f"'{folder}' ({err}). {_advice(family, slot)}") from None
         models[slot.model] = model.to(device).eval().requires_grad_(False)
-        try:
-            tokenizers[slot.tokenizer] = AutoTokenizer.from_pretrained(tok_folder, local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise TextEncoderError(f"{family} tokenizer '{slot.tokenizer}': cannot load it from '{tok_folder}' "
-                                   f"({err}). {_advice(family, slot)}") from None
+        tokenizers[slot.tokenizer] = _load_tokenizer(family, slot, tok_folder)
     length = default_max_length(family, paths)
     return TextEncoders(family, models, tokenizers, {k: str(v) for k, v in found.items()},
                         None if length == spec.max_length else length, t5=t5,
@@ -338,14 +382,30 @@ def _as_encoders(family: str, encoders: Union[TextEncoders, Mapping[str, Any]], 
     return enc, use_t5
 
 
+def _placed(enc: TextEncoders, slots: Sequence[EncoderSlot], device: torch.device, dtype: Optional[torch.dtype]
+            ) -> dict[str, Any]:
+    """The slots' models on `device` in `dtype` (None: theirs), moved only where they are elsewhere."""
+    models = {}
+    for key, model in enc.models.items():
+        if key not in {s.model for s in slots}:
+            continue
+        if model.device != device:
+            model = model.to(device)
+        if dtype is not None and model.dtype != dtype:  # only then: a cast would undo T5's fp32-kept layers
+            model = model.to(dtype=dtype)
+        models[key] = model
+    return models
+
+
 def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]], prompts: Union[str, Sequence[str]],
                    *, max_length: Optional[int] = None, device: Any = "cpu",
                    dtype: Optional[torch.dtype] = torch.float32, t5: Optional[bool] = None) -> dict[str, np.ndarray]:
     """Encode `prompts` as `family`'s pipeline does (see the module doc): {"text": float32 (B, L, D),
-    "text_mask": bool (B, L) (wan, auraflow, pixart), "pooled": float32 (B, P) (flux, sd3)} as numpy arrays.
+    "text_mask": bool (B, L) (FAMILIES[family].mask), "pooled": float32 (B, P) (flux, sd3)} as numpy arrays.
 
     `encoders`: load_text_encoders' result, or a dict {pipeline subfolder name: model or tokenizer}.
-    max_length: the T5-type sequence length (default: the family's; 300 for PixArt-Sigma weights). The
+    max_length: the text sequence length L (the T5 part's for sd3; default: the family's; 300 for PixArt-Sigma
+    weights); for the pipeline-delegated families it is the pipeline's max_sequence_length. The
     models run on `device` in `dtype`, without gradients; models elsewhere are moved (in place: load them
     there with load_text_encoders to avoid it; dtype None keeps theirs). t5 (sd3 only for False): False
     encodes without T5 (its part is zeros, as StableDiffusion3Pipeline with text_encoder_3=None); None: as the
@@ -362,17 +422,11 @@ def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]]
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
         raise TextEncoderError(f"max_length={length!r} must be a positive integer (tokens)")
     device = torch.device(device)
-    models = {}
-    for key, model in enc.models.items():
-        if key not in {s.model for s in family_slots(family, use_t5)}:
-            continue
-        if model.device != device:
-            model = model.to(device)
-        if dtype is not None and model.dtype != dtype:  # only then: a cast would undo T5's fp32-kept layers
-            model = model.to(dtype=dtype)
-        models[key] = model
+    models = _placed(enc, family_slots(family, use_t5), device, dtype)
     with torch.inference_mode():
-        if family == "flux":
+        if spec.via_pipeline:
+            out = encode_via_pipeline(family, spec, models, enc.tokenizers, prompts, length, device, enc.paths)
+        elif family == "flux":
             out = _encode_flux(models, enc.tokenizers, prompts, length, device)
         elif family == "sd3":
             out = _encode_sd3(models, enc.tokenizers, prompts, length, device, _zeros_width(enc, use_t5))

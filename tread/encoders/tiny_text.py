@@ -1,6 +1,11 @@
 """Tiny randomly initialised text encoders and word-level tokenizers per family, saved as a diffusers-style
 pipeline folder: offline stand-ins for tests, the built-in text data and the CPU worked example (their
-embeddings mean nothing; scripts/tiny_text_encoders.py writes them)."""
+embeddings mean nothing; scripts/tiny_text_encoders.py writes them).
+
+The language-model encoders (flux2, qwen_image, sana, z_image, lumina2) are tiny configs of the classes their
+pipelines load (tread.encoders.text.MODEL_TYPES), with word-level tokenizers whose special tokens are the real
+ones (chat markers, bos / pad) and a chat template of our own where the pipeline calls apply_chat_template;
+punctuation and line breaks are tokens, so Qwen-Image's template prefix is 34 tokens, as the pipeline drops."""
 from __future__ import annotations
 
 import json
@@ -9,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from tread.encoders.text import CLIP_DEFAULT_LENGTH, PathLike, family_spec
+from tread.encoders.text import CLIP_DEFAULT_LENGTH, EncoderSlot, PathLike, family_spec
 
 TINY_WORDS = ("a an the of photo picture image with on in and red green blue yellow magenta cyan orange white "
               "purple lime disc square triangle ring plus horizontal vertical stripes checkerboard diamond x cat "
@@ -41,15 +46,144 @@ def _tiny_tokenizer(style: str, words: Sequence[str], max_length: int):
                                    model_max_length=max_length, **kwargs), vocab
 
 
-def save_tiny_text_encoders(family: str, out_dir: PathLike, *, seed: int = 0,
-                            words: Sequence[str] = TINY_WORDS) -> Path:
-    """Write tiny randomly initialised text encoders + word-level tokenizers for `family` as a diffusers-style
-    pipeline folder (text_encoder*/, tokenizer*/, model_index.json) at `out_dir`; returns it. For tests and
-    offline trials only: the embeddings mean nothing. Widths fit each family's tiny preset (text 32, pooled 32):
-    CLIP-L 32 (flux) or CLIP-L 16 + CLIP-G 16 (sd3), T5 32; 2 layers each. Leaves the global RNG alone."""
+# Chat templates (ours, minimal): the markers the real ones put around a system and a user message.
+MISTRAL_CHAT = ("{{ bos_token }}{% for m in messages %}{% set c = m['content'] if m['content'] is string else "
+                "m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+                "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ c }}[/SYSTEM_PROMPT]"
+                "{% elif m['role'] == 'user' %}[INST]{{ c }}[/INST]{% else %}{{ c }}{{ eos_token }}{% endif %}"
+                "{% endfor %}")
+QWEN_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# style: (special tokens in id order, bos, eos, pad, unk, chat template)
+CHAT_STYLES = {
+    "mistral": (("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
+                 "[IMG_BREAK]", "[IMG_END]", "<pad>"), "<s>", "</s>", "<pad>", "<unk>", MISTRAL_CHAT),
+    "qwen": (("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+              "<|video_pad|>", "<unk>"), None, "<|im_end|>", "<|endoftext|>", "<unk>", QWEN_CHAT),
+    "gemma": (("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"), "<bos>", "<eos>", "<pad>",
+              "<unk>", None),
+}
+LM_LENGTH = 4096   # tokenizer model_max_length and model positions of the language-model encoders
+
+
+def _tiny_chat_tokenizer(style: str, words: Sequence[str]):
+    """A word-level tokenizer with `style`'s special tokens (bos prepended where the real one adds it);
+    punctuation runs and line breaks are tokens of their own."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    special, bos, eos, pad, unk, chat = CHAT_STYLES[style]
+    vocab = {t: i for i, t in enumerate(special)}
+    for w in list(words) + [",", ".", ":", "\n"]:
+        vocab.setdefault(w.lower(), len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, vocab[bos])])
+    named = {"bos_token": bos, "eos_token": eos, "pad_token": pad, "unk_token": unk}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=LM_LENGTH,
+                                        extra_special_tokens=[t for t in special if t not in named.values()],
+                                        **{k: v for k, v in named.items() if v})
+    if chat:
+        tokenizer.chat_template = chat
+    return tokenizer, vocab
+
+
+def _lm_sizes(vocab: dict) -> dict:
+    """The common tiny decoder sizes: width 32, 4 heads of 8 (2 key/value heads), 2 layers."""
+    return dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=LM_LENGTH)
+
+
+def _tiny_mistral3(words: Sequence[str]):
+    """flux2: Mistral3ForConditionalGeneration (30 text layers: the pipeline stacks hidden states 10, 20, 30;
+    a 1-layer Pixtral vision tower) + a PixtralProcessor (the pipeline's tokenizer is an AutoProcessor)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessor, PixtralProcessor
+
+    tokenizer, vocab = _tiny_chat_tokenizer("mistral", words)
+    text = dict(_lm_sizes(vocab), model_type="mistral", num_hidden_layers=30, bos_token_id=vocab["<s>"],
+                eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
+    vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, head_dim=8, patch_size=8, image_size=64)
+    model = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision,
+                                                            image_token_index=vocab["[IMG]"], spatial_merge_size=2))
+    processor = PixtralProcessor(image_processor=PixtralImageProcessor(size={"longest_edge": 64}, patch_size=8),
+                                 tokenizer=tokenizer, patch_size=8, spatial_merge_size=2, chat_template=MISTRAL_CHAT)
+    return model, processor
+
+
+def _tiny_qwen2_5_vl(words: Sequence[str]):
+    """qwen_image: Qwen2_5_VLForConditionalGeneration (multimodal RoPE sections of the 8-wide heads: 2 + 1 + 1;
+    a 1-block vision tower)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer, vocab = _tiny_chat_tokenizer("qwen", words)
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1]}
+    text = dict(_lm_sizes(vocab), rope_parameters=rope, bos_token_id=None, eos_token_id=vocab["<|im_end|>"],
+                pad_token_id=vocab["<|endoftext|>"])
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  fullatt_block_indexes=[0], patch_size=14)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=vocab["<|image_pad|>"],
+                              video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
+                              vision_end_token_id=vocab["<|vision_end|>"])
+    return Qwen2_5_VLForConditionalGeneration(config), tokenizer
+
+
+def _tiny_gemma2(words: Sequence[str]):
+    """sana, lumina2: Gemma2Model."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    tokenizer, vocab = _tiny_chat_tokenizer("gemma", words)
+    config = Gemma2Config(**_lm_sizes(vocab), pad_token_id=vocab["<pad>"], eos_token_id=vocab["<eos>"],
+                          bos_token_id=vocab["<bos>"])
+    return Gemma2Model(config), tokenizer
+
+
+def _tiny_qwen3(words: Sequence[str]):
+    """z_image: Qwen3Model."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    tokenizer, vocab = _tiny_chat_tokenizer("qwen", words)
+    config = Qwen3Config(**_lm_sizes(vocab), bos_token_id=None, eos_token_id=vocab["<|im_end|>"],
+                         pad_token_id=vocab["<|endoftext|>"])
+    return Qwen3Model(config), tokenizer
+
+
+LM_BUILDERS = {"mistral3": _tiny_mistral3, "qwen2_5_vl": _tiny_qwen2_5_vl, "gemma2": _tiny_gemma2,
+               "qwen3": _tiny_qwen3}
+
+
+def _tiny_encoder(family: str, slot: EncoderSlot, words: Sequence[str], clip_widths):
+    """(model, tokenizer or processor) for one encoder of `family`."""
     from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel,
                               UMT5Config, UMT5EncoderModel)
 
+    if slot.kind in LM_BUILDERS:
+        return LM_BUILDERS[slot.kind](words)
+    if slot.kind in ("clip", "clip_proj"):
+        tokenizer, vocab = _tiny_tokenizer("clip", words, CLIP_DEFAULT_LENGTH)
+        width = next(clip_widths)
+        config = CLIPTextConfig(hidden_size=width, intermediate_size=37, num_hidden_layers=2,
+                                num_attention_heads=4, vocab_size=len(vocab), projection_dim=width,
+                                max_position_embeddings=CLIP_DEFAULT_LENGTH, bos_token_id=0, eos_token_id=1,
+                                pad_token_id=1)
+        return (CLIPTextModel if slot.kind == "clip" else CLIPTextModelWithProjection)(config), tokenizer
+    tokenizer, vocab = _tiny_tokenizer("t5", words, 512)
+    kwargs = dict(d_model=32, d_ff=37, num_layers=2, num_heads=4, d_kv=8, vocab_size=len(vocab),
+                  pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    umt5 = family in ("wan", "auraflow")
+    return (UMT5EncoderModel(UMT5Config(**kwargs)) if umt5 else T5EncoderModel(T5Config(**kwargs))), tokenizer
+
+
+def save_tiny_text_encoders(family: str, out_dir: PathLike, *, seed: int = 0,
+                            words: Sequence[str] = TINY_WORDS) -> Path:
+    """Write tiny randomly initialised text encoders + word-level tokenizers for `family` as a diffusers-style
+    pipeline folder (text_encoder*/, tokenizer*/, model_index.json naming the pipeline class) at `out_dir`;
+    returns it. For tests and offline trials only: the embeddings mean nothing. Widths fit each family's tiny
+    preset: text 32 (CLIP-L 32 for flux's pooled, CLIP-L 16 + CLIP-G 16 for sd3's; T5, Qwen2.5-VL, Gemma-2,
+    Qwen3 32 wide), but flux2's text is 96 wide (3 stacked layers of a 32-wide Mistral3; 30 layers); 2 layers
+    otherwise. Leaves the global RNG alone."""
     spec = family_spec(family)
     out = Path(out_dir).expanduser().absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -57,21 +191,7 @@ def save_tiny_text_encoders(family: str, out_dir: PathLike, *, seed: int = 0,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for slot in spec.slots:
-            if slot.kind in ("clip", "clip_proj"):
-                tokenizer, vocab = _tiny_tokenizer("clip", words, CLIP_DEFAULT_LENGTH)
-                width = next(clip_widths)
-                config = CLIPTextConfig(hidden_size=width, intermediate_size=37, num_hidden_layers=2,
-                                        num_attention_heads=4, vocab_size=len(vocab), projection_dim=width,
-                                        max_position_embeddings=CLIP_DEFAULT_LENGTH, bos_token_id=0, eos_token_id=1,
-                                        pad_token_id=1)
-                model = (CLIPTextModel if slot.kind == "clip" else CLIPTextModelWithProjection)(config)
-            else:
-                tokenizer, vocab = _tiny_tokenizer("t5", words, 512)
-                width = 32
-                kwargs = dict(d_model=width, d_ff=37, num_layers=2, num_heads=4, d_kv=8, vocab_size=len(vocab),
-                              pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-                umt5 = family in ("wan", "auraflow")
-                model = (UMT5EncoderModel(UMT5Config(**kwargs)) if umt5 else T5EncoderModel(T5Config(**kwargs)))
+            model, tokenizer = _tiny_encoder(family, slot, words, clip_widths)
             model.eval().save_pretrained(out / slot.model)
             tokenizer.save_pretrained(out / slot.tokenizer)
     index = {"_class_name": spec.pipeline,

@@ -90,7 +90,7 @@ def static_bytes(parts: TrainingParts) -> int:
 # AdamW's two fp32 moments. Activations are not counted (they depend on batch, tokens, routes and checkpointing).
 FP32 = 4
 ADAM_STATES = 2
-LORA_TARGETS = {"dit": ("attn.qkv", "attn.proj"), "family": ("to_q", "to_k", "to_v", "to_out.0")}
+LORA_TARGETS = {"dit": ("attn.qkv", "attn.proj")}   # a family's: its class's lora_targets
 # Stored bits per quantized weight value and the values one fp32 scale covers (int8: one per output row, set
 # per layer; int4/nf4: blocks of 64 as bitsandbytes' nf4 / int4 kernels store them).
 QUANT_BITS = {"int8": (8, None), "int4": (4, 64), "nf4": (4, 64)}
@@ -194,7 +194,8 @@ def memory_rows(worlds: Sequence[int] = (2, 8), lora_rank: int = 16,
     rows = []
     for family, preset in presets or table_presets():
         model = build_on_meta(family, preset)
-        counts = count_params(model, lora_rank, LORA_TARGETS["dit" if family == "dit" else "family"])
+        targets = LORA_TARGETS["dit"] if family == "dit" else family_module(family).FAMILY.lora_targets
+        counts = count_params(model, lora_rank, targets)
         row = {"model": preset if family == "dit" else f"{family} {preset}", "params": counts.total,
                "lora_params": counts.lora}
         for mode, lora in (("full", False), ("lora", True)):

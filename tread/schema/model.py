@@ -201,7 +201,8 @@ def check_sprint_key(m: DiTModel, depth: int) -> None:
 
 
 # model keys only some families take: key -> those families (a family module adds itself where it takes one).
-FAMILY_ONLY = {"guidance": ("flux",), "kontext": ("flux",), "use_t5": ("sd3",), "frames": ("wan",),
+FAMILY_ONLY = {"guidance": ("flux", "sana", "flux2"), "kontext": ("flux", "flux2", "qwen_image"), "use_t5": ("sd3",),
+               "frames": ("wan",),
                "expand_timesteps": ("wan",), "vae_scale_factor": ("pixart",)}
 
 
@@ -223,9 +224,9 @@ class FamilyModel(Backbone):
     text_encoders: Optional[str] = key("null or a local diffusers pipeline folder with the family's text_encoder*/ "
                                        "and tokenizer*/ subfolders (prompts: sample.py, eval.validation_prompts)",
                                        default=None)
-    guidance: Optional[Number] = key("null or a number (FLUX guidance-distilled models)", default=None)
-    kontext: bool = key("true or false (FLUX Kontext: the data's reference latents, reference_latents.npy, "
-                        "condition every sample as never-routed image tokens)", default=False)
+    guidance: Optional[Number] = key("null or a number (FLUX / Sana-Sprint guidance-distilled models)", default=None)
+    kontext: bool = key("true or false (FLUX Kontext, FLUX.2 and Qwen-Image-Edit: the data's reference latents, "
+                        "reference_latents.npy, condition every sample as never-routed image tokens)", default=False)
     use_t5: bool = key("true or false (SD3: false zeroes the T5 part of the text embeddings, the positions after "
                        "the 77 CLIP tokens, as StableDiffusion3Pipeline with text_encoder_3=None)", default=True)
     frames: Optional[int] = key("a positive integer (Wan latent frames)", ge=1, default=None)
@@ -264,7 +265,7 @@ class FamilyModel(Backbone):
 FAMILY_CONFIG_RANGES = {"num_attention_heads": (1, 256), "attention_head_dim": (1, 1024), "patch_size": (1, 16),
                         "mlp_ratio": (0.25, 16.0), "ffn_dim": (1, 1 << 16)}
 LAYER_RANGE = (0, 256)
-LAYER_KEY = re.compile(r"^num_\w*layers$")
+LAYER_KEY = re.compile(r"^n(?:um)?_\w*layers$")   # n_*layers: Z-Image (n_layers, n_refiner_layers)
 
 
 def check_family_config(family: str, preset: str, config: dict[str, Any]) -> None:

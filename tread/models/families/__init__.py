@@ -9,7 +9,9 @@ from tread.models.lora import apply_lora
 from tread.models.quantize import check_quantize, quantize_base
 
 # family name -> module under models.families; each module defines FAMILY (the class) and PRESETS.
-FAMILY_MODULES = {"flux": "flux", "sd3": "sd3", "wan": "wan", "auraflow": "auraflow", "pixart": "pixart"}
+FAMILY_MODULES = {"flux": "flux", "sd3": "sd3", "wan": "wan", "auraflow": "auraflow", "pixart": "pixart",
+                  "flux2": "flux2", "qwen_image": "qwen_image", "chroma": "chroma", "sana": "sana",
+                  "hidream": "hidream", "z_image": "z_image", "lumina2": "lumina2"}
 FAMILIES = tuple(FAMILY_MODULES)
 
 

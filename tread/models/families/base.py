@@ -117,6 +117,14 @@ class RoutedFamily(RoutedBackbone):
     # How the absolute position table (config pos_embed_max_size) is sized from the data's token grid:
     # "side" (SD3: the grid side), "area" (AuraFlow: side^2 positions) or "" (no such table).
     pos_table: ClassVar[str] = ""
+    # The attention projections a LoRA usually targets (the memory table's LoRA rows count these).
+    lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    # Reference latents (edit pairs: the data's reference_latents.npy, cond["reference"]): the families that take
+    # them (FLUX Kontext, FLUX.2, Qwen-Image-Edit) set takes_references and self.kontext (model.kontext), and
+    # say how to use such data (reference_advice).
+    takes_references: ClassVar[bool] = False
+    reference_advice: ClassVar[str] = "set model.kontext=true"
+    kontext: bool = False
 
     def __init__(self, transformer: nn.Module, *, input_size: int, in_channels: int, num_classes: int,
                  routing: Optional[Mapping[str, Any]] = None, text_len: int = 8, arch: str = "",
@@ -268,6 +276,22 @@ class RoutedFamily(RoutedBackbone):
                 f"the pooled text embeddings of the data at {where} are {pooled} wide, but model.config."
                 f"{self.pooled_dim_key}={self.pooled_dim} ({self.family}): encode the captions with this model's "
                 f"text encoders, or set model.config.{self.pooled_dim_key}={pooled} for a fresh model.")
+        self.check_references(conditioning.get("reference") is not None, where)
+
+    def check_references(self, has_ref: bool, where: str) -> None:
+        """The data has reference latents exactly when this model conditions on them: references the model would
+        not read mean a different task (text-to-image) learnt silently."""
+        if self.kontext and not has_ref:
+            raise FamilyConfigError(
+                f"model.kontext=true but the data at data.path={where} has no reference latents (missing "
+                f"reference_latents.npy, meta.json files.reference_latents): build the dataset with "
+                f"scripts/precompute_latents.py --reference-images DIR, or set model.kontext=false.")
+        if has_ref and not self.kontext:
+            how = self.reference_advice if self.takes_references else \
+                f"model.family={self.family} takes none; use model=flux_kontext, flux2 or qwen_image with model.kontext=true"
+            raise FamilyConfigError(
+                f"the data at data.path={where} has reference latents (reference_latents.npy, edit pairs) but "
+                f"model.kontext=false would ignore them: {how}, or use data without reference_latents.npy.")
 
     def to_model_layout(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) image latents -> (B, C, 1, H, W) for video families; identity otherwise."""
@@ -318,6 +342,21 @@ def cond32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if t is None or not t.is_floating_point() or torch.is_autocast_enabled(t.device.type):
         return t
     return t.float()
+
+
+def pack_cells(x: torch.Tensor, p: int) -> torch.Tensor:
+    """(B, C, H, W) latents -> (B, H/p * W/p, C*p*p) tokens, row-major, features ordered (C, p, p): the packing of
+    the FLUX, FLUX.2 and Qwen-Image pipelines."""
+    B, C, H, W = x.shape
+    x = x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(B, (H // p) * (W // p), C * p * p)
+
+
+def unpack_cells(tokens: torch.Tensor, h: int, w: int, p: int) -> torch.Tensor:
+    """(B, h*w, C*p*p) tokens with features ordered (C, p, p) -> (B, C, h*p, w*p): the inverse of pack_cells."""
+    B = tokens.shape[0]
+    x = tokens.reshape(B, h, w, -1, p, p).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(B, -1, h * p, w * p)
 
 
 def unpack_patches(x: torch.Tensor, grid: Sequence[int], patch: Sequence[int], channels: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32
+from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, pack_cells, unpack_cells
 
 FLUX_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 2 double + 6 single blocks, width 64 (paper route = blocks 2..4).
@@ -112,6 +112,8 @@ class FluxFamily(RoutedFamily):
     text_dim_key = "joint_attention_dim"
     pooled_dim_key = "pooled_projection_dim"
     PACK = 2   # the FLUX pipeline packs 2x2 latent cells into one token
+    takes_references = True
+    reference_advice = "use model=flux_kontext (or model.kontext=true)"
 
     @classmethod
     def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -161,17 +163,12 @@ class FluxFamily(RoutedFamily):
 
     # -- packing and ids (the FLUX pipeline's conventions) -----------------------------------------
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        B, C, H, W = x.shape
-        p = self.PACK
-        x = x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(B, (H // p) * (W // p), C * p * p)
+        return pack_cells(x, self.PACK)
 
     def unpack(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, N, C*2*2) with features ordered (C, 2, 2) -> (B, C, H, W): the inverse of pack."""
         _, h, w = self.token_grid
-        p, B = self.PACK, tokens.shape[0]
-        x = tokens.reshape(B, h, w, -1, p, p).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(B, -1, h * p, w * p)
+        return unpack_cells(tokens, h, w, self.PACK)
 
     def image_ids(self, device: torch.device) -> torch.Tensor:
         _, h, w = self.token_grid
@@ -205,22 +202,6 @@ class FluxFamily(RoutedFamily):
                 f"{list(want)} (B, data.channels, data.resolution, data.resolution), got {got}: train on data with "
                 f"reference_latents.npy (precompute --reference-images DIR), or set model.kontext=false.")
         return {**text, "reference": ref}
-
-    def check_text_data(self, conditioning: Mapping[str, Any], where: str) -> None:
-        """RoutedFamily's width checks, and that the data has reference latents exactly when kontext is on:
-        references with kontext off would be dropped silently, i.e. a different task (text-to-image) learnt."""
-        super().check_text_data(conditioning, where)
-        has_ref = conditioning.get("reference") is not None
-        if self.kontext and not has_ref:
-            raise FamilyConfigError(
-                f"model.kontext=true but the data at data.path={where} has no reference latents (missing "
-                f"reference_latents.npy, meta.json files.reference_latents): build the dataset with "
-                f"scripts/precompute_latents.py --reference-images DIR, or use model=flux.")
-        if has_ref and not self.kontext:
-            raise FamilyConfigError(
-                f"the data at data.path={where} has reference latents (reference_latents.npy, edit pairs) but "
-                f"model.kontext=false would ignore them: use model=flux_kontext (or model.kontext=true), or data "
-                f"without reference_latents.npy.")
 
     def _guidance(self, batch: int, device: torch.device) -> Optional[torch.Tensor]:
         if not self.transformer.config.guidance_embeds:

@@ -1,0 +1,190 @@
+"""Prompts -> text embeddings for the families whose encoding is delegated to their diffusers pipeline's own
+encode_prompt (tread/encoders/text_pipelines.py): flux2, qwen_image, chroma, sana, z_image, lumina2. Tiny random
+encoders of the pipelines' real classes (tread.encoders.tiny_text) stand in for the real ones; nothing touches the
+network."""
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tread.encoders.text import (FAMILIES, TEXT_FAMILIES, TextEncoderError, encode_prompts, load_text_encoders,
+                                 resolve_text_encoder_paths)
+from tread.encoders.tiny_text import save_tiny_text_encoders
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = ("flux2", "qwen_image", "chroma", "sana", "z_image", "lumina2")
+PROMPTS = ["a photo of a red disc", "", "a cat and a dog on a tree with stripes"]
+# max_length per family: flux2's and lumina2's count their system prompt's tokens (about 30 here)
+LENGTH = {"flux2": 64, "qwen_image": 20, "chroma": 16, "sana": 16, "z_image": 24, "lumina2": 48}
+WIDTH = {"flux2": 96, "qwen_image": 32, "chroma": 32, "sana": 32, "z_image": 32, "lumina2": 32}
+MODEL = {"flux2": "Mistral3ForConditionalGeneration", "qwen_image": "Qwen2_5_VLForConditionalGeneration",
+         "chroma": "T5EncoderModel", "sana": "Gemma2Model", "z_image": "Qwen3Model", "lumina2": "Gemma2Model"}
+ZERO_PADDED = ("qwen_image", "z_image")  # variable-length pipeline outputs, zero-padded to max_length here
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text_pipelines")
+    return {family: save_tiny_text_encoders(family, root / family) for family in NEW}
+
+
+@pytest.fixture(scope="module")
+def loaded(folders):
+    return {family: load_text_encoders(family, folders[family]) for family in NEW}
+
+
+def test_families_are_registered():
+    assert TEXT_FAMILIES[-6:] == NEW and all(FAMILIES[f].via_pipeline and not FAMILIES[f].pooled for f in NEW)
+    assert {f: FAMILIES[f].max_length for f in NEW} == {"flux2": 512, "qwen_image": 512, "chroma": 512, "sana": 300,
+                                                       "z_image": 512, "lumina2": 256}
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_tiny_folder_loads_the_pipelines_classes(folders, loaded, family):
+    import diffusers
+    import transformers
+
+    spec, enc = FAMILIES[family], loaded[family]
+    assert json.loads((folders[family] / "model_index.json").read_text())["_class_name"] == spec.pipeline
+    model, tokenizer = enc.models["text_encoder"], enc.tokenizers["tokenizer"]
+    assert type(model) is getattr(transformers, MODEL[family])
+    annotation = inspect.signature(getattr(diffusers, spec.pipeline).__init__).parameters["text_encoder"].annotation
+    assert isinstance(model, annotation)  # the class the pipeline declares (Z-Image: any PreTrainedModel)
+    if family == "flux2":  # the pipeline's tokenizer is an AutoProcessor
+        assert isinstance(tokenizer, transformers.PixtralProcessor) and tokenizer.chat_template
+    if family == "z_image":  # the pipeline applies the chat template
+        assert tokenizer.chat_template
+    assert enc.paths == {"text_encoder": str(folders[family] / "text_encoder"),
+                         "tokenizer": str(folders[family] / "tokenizer")}
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_encode_prompts_shapes_masks_determinism(loaded, family):
+    enc, length = loaded[family], LENGTH[family]
+    out = encode_prompts(family, enc, PROMPTS, max_length=length)
+    assert list(out) == ["text"] + (["text_mask"] if family != "flux2" else [])
+    text = out["text"]
+    assert text.shape == (3, length, WIDTH[family]) and text.dtype == np.float32 and np.isfinite(text).all()
+    assert not np.allclose(text[0], text[2])
+    if family != "flux2":
+        mask = out["text_mask"]
+        assert mask.dtype == bool and mask.shape == (3, length)
+        n = mask.sum(1)
+        assert n[1] < n[0] < n[2] < length  # prompts of different lengths, padding left over
+        for row, count in zip(mask, n):  # real positions first, then padding (False)
+            assert row[:count].all() and not row[count:].any()
+        if family in ZERO_PADDED:
+            assert not text[~mask].any()
+    again = encode_prompts(family, enc, PROMPTS, max_length=length)
+    np.testing.assert_array_equal(again["text"], text)
+    alone = encode_prompts(family, enc, PROMPTS[2:], max_length=length)  # independent of the batch
+    np.testing.assert_allclose(alone["text"][0], text[2], rtol=1e-5, atol=1e-5)
+    if family != "flux2":
+        np.testing.assert_array_equal(alone["text_mask"][0], out["text_mask"][2])
+
+
+@pytest.mark.parametrize("family", ["chroma", "z_image", "lumina2"])
+def test_default_length_is_the_pipelines(loaded, family):
+    out = encode_prompts(family, loaded[family], "a cat")
+    assert out["text"].shape[1] == FAMILIES[family].max_length == out["text_mask"].shape[1]
+
+
+def _pipeline(family, enc):
+    import diffusers
+
+    cls = getattr(diffusers, FAMILIES[family].pipeline)
+    return cls(text_encoder=enc.models["text_encoder"], tokenizer=enc.tokenizers["tokenizer"], vae=None,
+               transformer=None, scheduler=diffusers.FlowMatchEulerDiscreteScheduler())
+
+
+def _reference(family, pipe, length):
+    """The pipeline's own encode_prompt, as its __call__ calls it: (text (B, L', D) or per-sample rows, mask or
+    None)."""
+    import diffusers
+
+    prompts = list(PROMPTS)
+    if family == "flux2":
+        return pipe.encode_prompt(prompts, device="cpu", max_sequence_length=length)[0], None
+    if family == "qwen_image":
+        return pipe.encode_prompt(prompts, device="cpu", max_sequence_length=length)
+    if family == "chroma":
+        r = pipe.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False, max_sequence_length=length)
+        return r[0], r[2]
+    if family == "sana":
+        instruction = inspect.signature(diffusers.SanaPipeline.__call__).parameters["complex_human_instruction"]
+        r = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=length,
+                               complex_human_instruction=instruction.default)
+        return r[0], r[1]
+    if family == "z_image":
+        return pipe.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False,
+                                  max_sequence_length=length)[0], None
+    r = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=length)
+    return r[0], r[1]
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_encode_prompts_matches_the_diffusers_pipeline(loaded, family):
+    enc, length = loaded[family], LENGTH[family]
+    ours = encode_prompts(family, enc, PROMPTS, max_length=length)
+    with torch.inference_mode():
+        text, mask = _reference(family, _pipeline(family, enc), length)
+    if isinstance(text, list):  # Z-Image: one row per prompt, its real tokens only
+        mask = torch.stack([torch.arange(length) < len(row) for row in text])
+        text = torch.stack([torch.cat([row, row.new_zeros(length - len(row), row.shape[1])]) for row in text])
+    elif family == "qwen_image":  # padded to the batch's longest prompt; mask None when nothing is padding
+        assert text.shape[1] < length
+        mask = torch.ones(text.shape[:2], dtype=torch.bool) if mask is None else mask.bool()
+        mask = torch.cat([mask, mask.new_zeros(3, length - text.shape[1])], dim=1)
+        text = torch.cat([text, text.new_zeros(3, length - text.shape[1], text.shape[2])], dim=1)
+    np.testing.assert_allclose(ours["text"], text.float().numpy(), rtol=1e-5, atol=1e-6)
+    if mask is None:
+        assert "text_mask" not in ours
+    else:
+        np.testing.assert_array_equal(ours["text_mask"], mask.bool().numpy())
+
+
+def _other_model(family):
+    return "sana" if family == "chroma" else "chroma"  # a Gemma-2 folder for chroma, a T5 folder for the rest
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_errors_name_family_encoder_and_path(folders, family, tmp_path):
+    spec, slot = FAMILIES[family], FAMILIES[family].slots[0]
+    what = slot.what.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")
+    advice = rf"hf download {spec.repo.replace('.', '[.]')} --include 'text_encoder\*/\*' 'tokenizer\*/\*'"
+    with pytest.raises(TextEncoderError, match=rf"{family} text encoders: the pipeline folder '.*missing' does not "
+                                               rf"exist.*{advice}"):
+        load_text_encoders(family, tmp_path / "missing")
+    with pytest.raises(TextEncoderError, match=rf"{family} text encoder 'text_encoder' \({what}\): no model at "
+                                               rf"'.*nowhere/text_encoder' \(no such folder\).*{advice}"):
+        load_text_encoders(family, {"text_encoder": tmp_path / "nowhere/text_encoder",
+                                    "tokenizer": folders[family] / "tokenizer"})
+    with pytest.raises(TextEncoderError, match=rf"{family} tokenizer 'tokenizer' of text encoder 'text_encoder' "
+                                               rf"\({what}\): no tokenizer files .* in '.*{family}/text_encoder'"):
+        resolve_text_encoder_paths(family, {"text_encoder": folders[family] / "text_encoder"})
+    other = folders[_other_model(family)]
+    with pytest.raises(TextEncoderError, match=rf"{family} text encoder 'text_encoder' at '{other}/text_encoder' is "
+                                               rf"a '(t5|gemma2)' model; expected {what} \(config.json model_type "
+                                               rf"'[a-z0-9_]+'"):
+        load_text_encoders(family, {"text_encoder": other / "text_encoder", "tokenizer": other / "tokenizer"})
+
+
+def test_a_tokenizer_without_its_chat_template_is_named(folders, tmp_path):
+    broken = tmp_path / "z_image"
+    shutil.copytree(folders["z_image"], broken)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (broken / "tokenizer" / name).unlink(missing_ok=True)
+    config = json.loads((broken / "tokenizer" / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (broken / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(config))
+    enc = load_text_encoders("z_image", broken)
+    with pytest.raises(TextEncoderError, match=rf"z_image text encoder 'text_encoder' \(Qwen3 \(Qwen3Model\)\) at "
+                                               rf"'{broken}/text_encoder' with tokenizer '{broken}/tokenizer': "
+                                               rf"ZImagePipeline\.encode_prompt fails on them .*chat template"):
+        encode_prompts("z_image", enc, ["a cat"], max_length=8)

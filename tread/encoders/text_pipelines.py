@@ -1,0 +1,127 @@
+"""Text conditioning of the families whose prompt encoding is delegated to their diffusers (0.42) pipeline:
+encode_prompts (tread/encoders/text.py) builds the family's pipeline with only its text components (vae=None,
+transformer=None, a FlowMatchEulerDiscreteScheduler()) around the loaded encoders and calls the pipeline's own
+`encode_prompt(...)` (num_images_per_prompt=1, no classifier-free guidance), so templates, system prompts,
+dropped tokens and hidden-state choices are the pipeline's, not a copy of them. What each returns, and what is
+stored (text (B, L, D) float32; text_mask (B, L) bool where the pipeline computes one; no pooled embedding):
+
+    flux2       Flux2Pipeline: Mistral3ForConditionalGeneration + its AutoProcessor; chat template with the
+                pipeline's system message, padded to max_length; hidden states of layers (10, 20, 30) stacked on
+                the feature axis: D = 3 x hidden. No mask (the pipeline passes none on).
+    qwen_image  QwenImagePipeline: Qwen2.5-VL; the pipeline's prompt template, its first 34 tokens dropped, the last
+                hidden state of the real tokens only, padded to the batch's longest and cut to max_length. Stored
+                zero-padded to max_length (a fixed width for a dataset) with the mask (False on the padding).
+    chroma      ChromaPipeline: T5 with the attention mask; the mask returned is the pipeline's: the real tokens and
+                the first padding token.
+    sana        SanaPipeline: Gemma-2 (last hidden state) on the complex human instruction (SanaPipeline.__call__'s
+                default, read from its signature) + the lower-cased prompt; token 0 and the last max_length - 1
+                positions; the tokenizer's mask over them.
+    z_image     ZImagePipeline: Qwen3 on the chat template (generation prompt), the penultimate hidden state of each
+                prompt's real tokens (a list of variable-length rows); stored zero-padded to max_length + mask.
+    lumina2     Lumina2Pipeline: Gemma-2 on "<system prompt> <Prompt Start> <prompt>", penultimate hidden state;
+                the tokenizer's mask. max_length counts the system prompt's tokens too.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from tread.encoders.errors import TextEncoderError
+
+Rows = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def sana_instruction() -> list[str]:
+    """SanaPipeline.__call__'s default complex human instruction (encode_prompt's own default is none)."""
+    from diffusers import SanaPipeline
+
+    return list(inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default)
+
+
+def _flux2(pipe, prompts: list[str], length: int, device) -> tuple[Rows, Optional[torch.Tensor]]:
+    text, _ = pipe.encode_prompt(prompts, device=device, num_images_per_prompt=1, max_sequence_length=length)
+    return text, None
+
+
+def _qwen_image(pipe, prompts: list[str], length: int, device) -> tuple[Rows, Optional[torch.Tensor]]:
+    return pipe.encode_prompt(prompts, device=device, num_images_per_prompt=1, max_sequence_length=length)
+
+
+def _chroma(pipe, prompts: list[str], length: int, device) -> tuple[Rows, Optional[torch.Tensor]]:
+    out = pipe.encode_prompt(prompts, device=device, num_images_per_prompt=1, do_classifier_free_guidance=False,
+                             max_sequence_length=length)
+    return out[0], out[2]
+
+
+def _sana(pipe, prompts: list[str], length: int, device) -> tuple[Rows, Optional[torch.Tensor]]:
+    text, mask, _, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, num_images_per_prompt=1,
+                                          device=device, clean_caption=False, max_sequence_length=length,
+                                          complex_human_instruction=sana_instruction())
+    return text, mask
+
+
+def _z_image(pipe, prompts: list[str], length: int, device) -> tuple[Rows, Optional[torch.Tensor]]:
+    rows, _ = pipe.encode_prompt(list(prompts), device=device, do_classifier_free_guidance=False,
+                                 max_sequence_length=length)  # a copy: the pipeline rewrites the list in place
+    return rows, None
+
+
+def _lumina2(pipe, prompts: list[str], length: int, device) -> tuple[Rows, Optional[torch.Tensor]]:
+    text, mask, _, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, num_images_per_prompt=1,
+                                          device=device, max_sequence_length=length)
+    return text, mask
+
+
+CALLS: dict[str, Callable[..., tuple[Rows, Optional[torch.Tensor]]]] = {
+    "flux2": _flux2, "qwen_image": _qwen_image, "chroma": _chroma, "sana": _sana, "z_image": _z_image,
+    "lumina2": _lumina2}
+
+
+def build_pipeline(pipeline: str, models: dict[str, Any], tokenizers: dict[str, Any]):
+    """The diffusers pipeline class `pipeline` holding only its text encoder and tokenizer (no VAE, no
+    transformer)."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline)
+    return cls(text_encoder=models["text_encoder"], tokenizer=tokenizers["tokenizer"], vae=None, transformer=None,
+               scheduler=diffusers.FlowMatchEulerDiscreteScheduler())
+
+
+def fixed_length(rows: Rows, mask: Optional[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(text (B, length, D), mask (B, length) bool): a per-sample list of (L_i, D) rows (Z-Image) or a batch
+    (B, L, D) with its mask (None: every position is real) zero-padded at the end to `length` positions."""
+    if isinstance(rows, torch.Tensor):
+        valid = mask.bool() if mask is not None else torch.ones(rows.shape[:2], dtype=torch.bool, device=rows.device)
+        rows = list(rows)
+        valid = list(valid)
+    else:
+        valid = [torch.ones(len(r), dtype=torch.bool, device=r.device) for r in rows]
+    if any(len(r) > length for r in rows):
+        raise TextEncoderError(f"the pipeline returned {max(len(r) for r in rows)} text positions, more than "
+                               f"max_length={length}")
+    text = torch.stack([torch.nn.functional.pad(r, (0, 0, 0, length - len(r))) for r in rows])
+    return text, torch.stack([torch.nn.functional.pad(v, (0, length - len(v))) for v in valid])
+
+
+def encode_via_pipeline(family: str, spec: Any, models: dict[str, Any], tokenizers: dict[str, Any],
+                        prompts: list[str], length: int, device: torch.device, paths: Optional[dict[str, str]] = None
+                        ) -> dict[str, torch.Tensor]:
+    """Encode `prompts` with `family`'s pipeline's own encode_prompt; {"text", "text_mask"?} of `length`
+    positions (see the module doc). `spec`: the family's FamilySpec (tread/encoders/text.py); `paths`
+    (load_text_encoders' folders) name the encoders in errors."""
+    pipe = build_pipeline(spec.pipeline, models, tokenizers)
+    try:
+        rows, mask = CALLS[family](pipe, list(prompts), length, device)
+    except ValueError as err:
+        slot, where = spec.slots[0], paths or {}
+        raise TextEncoderError(
+            f"{family} text encoder '{slot.model}' ({slot.what}) at '{where.get(slot.model, '?')}' with tokenizer "
+            f"'{where.get(slot.tokenizer, '?')}': {spec.pipeline}.encode_prompt fails on them ({err}). Use the "
+            f"family's own text encoder and tokenizer (with its chat template where the pipeline applies one): "
+            f"`hf download {spec.repo} --include 'text_encoder*/*' 'tokenizer*/*' --local-dir DIR`") from None
+    if not spec.mask:
+        return {"text": rows}
+    text, valid = fixed_length(rows, mask, length)
+    return {"text": text, "text_mask": valid}

@@ -1,0 +1,271 @@
+"""HiDream-I1 (diffusers HiDreamImageTransformer2DModel) with TREAD routing.
+
+What diffusers 0.42.1 does (models/transformers/transformer_hidream_image.py, HiDreamImagePipeline in
+pipelines/hidream_image/pipeline_hidream_image.py), and what we route:
+
+Blocks: `num_layers` dual-stream blocks (`double_stream_blocks`, HiDreamImageTransformerBlock: separate image and
+text weights, joint attention over [image, text]) then `num_single_layers` single-stream blocks
+(`single_stream_blocks`, HiDreamImageSingleTransformerBlock: one set of weights over [image, text]); each wrapped
+in a HiDreamBlock. Released HiDream-I1: 16 + 32; tiny: 2 + 6. Route indices count over the dual blocks, then the
+single blocks, as one sequence (index 2 is the first single block of tiny).
+
+Latents (B, C, H, W) are patchified by diffusers' own `transformer.patchify` (p x p cells per token, features
+ordered (p_h, p_w, C)) and embedded by `x_embedder` (a Linear). Position ids (B, N, 3) are (0, row, col) per
+image token; the text ids are all zero. RoPE (HiDreamImageEmbedND, theta 10000, one table per id axis,
+`axes_dims_rope`, released [64, 32, 32]) is computed per sample from the ids as (B, S, 1, Dh/2, 2, 2) rotation
+matrices and diffusers' own HiDreamAttnProcessor already takes per-sample tables, so no attention processor is
+replaced: the image rows are per-token tensors that run_blocks gathers with the kept tokens (each kept token
+keeps its true (row, col)); the text rows (identity rotations, ids 0) stay with the text. Attention is over
+[image, text] (image first) in both block kinds. Only square latents are supported (data.resolution is one
+number): for non-square latents diffusers pads the token sequence to max_resolution / p^2 tokens with a key mask
+(`hidden_states_masks`, zero ids for the padding), which we do not build; square latents have no padding and no
+mask, exactly diffusers' square path.
+
+Text (never routed): T5 (B, L5, caption_channels[0]), a LIST of Llama-3.1 hidden states indexed by layer, one per
+block (`llama_layers[i]` picks the Llama layer block i uses; released: layers 0..31 then 31 for the last 16
+blocks), and pooled CLIP-L + CLIP-G embeddings (B, text_emb_dim). Each text input has its own projection
+(`caption_projection[i]` for block i's Llama state, `caption_projection[-1]` for T5). The running text stream is
+`initial_encoder_hidden_states` = [T5, the LAST block's Llama state] (L0 = L5 + Ll tokens); block i attends to
+[running stream, block i's Llama state] and only the running stream's part is kept after the block (the Llama
+part's update is dropped). After the dual blocks diffusers concatenates [image, running stream] into one
+sequence; we keep them apart (image = the routable x, running stream = `context`), and each single block's
+callable runs diffusers' block on [kept image, running stream, block i's Llama state] and splits the output the
+same way diffusers truncates it. The per-block Llama projections are constant per sample (Embedded.extra).
+
+Per token: the image RoPE rows. Per sample: temb = t_embedder(timestep) + p_embedder(pooled), modulating every
+block (adaLN) and the final layer.
+
+Feed-forward: a mixture of experts (MOEFeedForwardSwiGLU: MoEGate softmax top-k of `num_routed_experts`, plus a
+shared SwiGLU expert) on the image tokens in dual blocks and on the whole [image, text] sequence in single blocks.
+Under a route only the kept image tokens (with the text in single blocks) reach the gate and the experts: the
+dropped tokens never enter the blocks. The gate is per token (no capacity limit), so each kept token's output is
+what the dense model computes for it. In training mode (`self.training and not force_inference_output`) the gate
+also computes DeepSeek's load-balancing aux loss (alpha 0.01, over the tokens it sees), and diffusers DISCARDS it
+(`# y = AddAuxiliaryLoss.apply(y, aux_loss)` is commented out; it is neither returned nor added by a hook): we do
+the same, so training matches diffusers' own training forward. `force_inference_output=true` is refused: its
+expert path (`moe_infer`) runs under torch.no_grad, so the experts and the gate would never train.
+
+Timesteps: HiDreamImagePipeline feeds the scheduler's timestep (sigma * 1000, FlowMatchEulerDiscreteScheduler)
+directly, so noise_level = t * 1000 is used unchanged. Output: the pipeline negates the transformer's output
+(`noise_pred = -noise_pred`): HiDream predicts x0 - noise; our forward returns the negated output (the velocity
+noise - x0 our rectified-flow loss and sampler use), and so does `diffusers_forward`. No guidance embedding.
+
+Conditioning from class labels (no real text): a class table (HiDreamClassText) gives per class a T5 sequence
+(text_len x caption_channels[0]), ONE Llama sequence (text_len x caption_channels[1]) used as the hidden state of
+every Llama layer (each block still sees it through its own caption_projection[i]) and a pooled vector. Text data:
+cond["text"] = T5 (B, L5, caption_channels[0]), cond["pooled"] (B, text_emb_dim) and cond["llama"]: either
+(B, Ll, caption_channels[1]) (one state for every layer) or (B, n, Ll, caption_channels[1]) with n > max(llama_layers)
+(the pipeline's stacked Llama hidden_states[1:], batch first). Without cond["llama"] the Llama states are zeros of
+the T5 length (as if the Llama encoder returned zeros). The null label (CFG) zeroes T5, Llama and pooled.
+cond["text_mask"] is ignored: HiDream's transformer takes no text mask (the pipeline pads to max_length and
+attends to the padding).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from tread.models.families.base import (ClassTextEmbedder, Embedded, FamilyConfigError, RoutedFamily, cond32,
+                                        unpack_patches)
+
+# Llama-3.1-8B-Instruct has 32 layers: HiDream-I1 uses layer i for block i and the last layer for blocks 32..47.
+_I1_LLAMA = [*range(32), *[31] * 16]
+
+HIDREAM_PRESETS: dict[str, dict[str, Any]] = {
+    # CPU tests and the built-in data: 2 dual + 6 single blocks, width 64 (4 heads x 16), 4 experts (top 2),
+    # T5 / Llama stand-ins of widths 32 / 24, pooled width 32; 6 Llama layers, the last reused (as the release).
+    "tiny": dict(patch_size=2, num_layers=2, num_single_layers=6, attention_head_dim=16, num_attention_heads=4,
+                 caption_channels=[32, 24], text_emb_dim=32, num_routed_experts=4, num_activated_experts=2,
+                 axes_dims_rope=[4, 6, 6], llama_layers=[0, 1, 2, 3, 4, 5, 5, 5]),
+    # A mid-size model for GPU benchmarks (~0.6B parameters): width 1024, 2 dual + 8 single blocks, the real text
+    # widths (T5-XXL 4096, Llama-3.1-8B 4096, CLIP-L + CLIP-G pooled 2048), Llama layers spread over 32.
+    "mid": dict(patch_size=2, num_layers=2, num_single_layers=8, attention_head_dim=128, num_attention_heads=8,
+                caption_channels=[4096, 4096], text_emb_dim=2048, num_routed_experts=4, num_activated_experts=2,
+                axes_dims_rope=[64, 32, 32], llama_layers=[0, 4, 8, 12, 16, 20, 24, 28, 31, 31]),
+    # HiDream-I1 (Full / Dev / Fast share it; FLUX VAE latents, 16 channels): load the weights with model.pretrained.
+    "i1": dict(patch_size=2, in_channels=16, out_channels=16, num_layers=16, num_single_layers=32,
+               attention_head_dim=128, num_attention_heads=20, caption_channels=[4096, 4096], text_emb_dim=2048,
+               num_routed_experts=4, num_activated_experts=2, axes_dims_rope=[64, 32, 32],
+               max_resolution=[128, 128], llama_layers=_I1_LLAMA),
+}
+
+
+class HiDreamClassText(ClassTextEmbedder):
+    """Class label -> T5 sequence and pooled vector (ClassTextEmbedder's tables) plus one Llama sequence per class,
+    used as the hidden state of every Llama layer. Row `num_classes` is the null class (CFG)."""
+
+    def __init__(self, num_classes: int, seq_len: int, text_dim: int, llama_dim: int, pooled_dim: int,
+                 init_std: float = 1.0):
+        super().__init__(num_classes, seq_len, text_dim, pooled_dim, init_std)
+        self.llama_dim = llama_dim
+        self.llama = nn.Embedding(num_classes + 1, seq_len * llama_dim)
+        nn.init.normal_(self.llama.weight, std=init_std)
+
+    def forward(self, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = super().forward(labels)
+        out["llama"] = self.llama(labels).view(labels.shape[0], self.seq_len, self.llama_dim)
+        return out
+
+
+class HiDreamFamily(RoutedFamily):
+    family = "hidream"
+    hub_hint = "HiDream-ai/HiDream-I1-Full"
+    diffusers_class = "HiDreamImageTransformer2DModel"
+    text_dim_key = "caption_channels"
+    pooled_dim_key = "text_emb_dim"
+    lora_targets = ("to_q", "to_k", "to_v", "to_out")   # HiDream's output projection is a plain Linear
+
+    @classmethod
+    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+        return {"in_channels": in_channels, "out_channels": in_channels}   # no sample_size key in HiDream
+
+    def __init__(self, transformer: nn.Module, **kwargs: Any):
+        super().__init__(transformer, **kwargs)
+        if self.conditioner is not None:   # the class table with its Llama part (same names: conditioner.*)
+            self.conditioner = HiDreamClassText(self.num_classes, self.text_len, self.text_dim, self.llama_dim,
+                                                self.pooled_dim)
+
+    @property
+    def text_dim(self) -> int:
+        return int(self.transformer.config.caption_channels[0])      # T5
+
+    @property
+    def llama_dim(self) -> int:
+        return int(self.transformer.config.caption_channels[1])      # Llama
+
+    @property
+    def llama_layers(self) -> list[int]:
+        return [int(k) for k in self.transformer.config.llama_layers]
+
+    def check_shapes(self) -> None:
+        c = self.transformer.config
+        if not isinstance(c.patch_size, int) or c.patch_size < 1:
+            raise FamilyConfigError(f"model.config.patch_size={c.patch_size!r} must be a positive integer (HiDream-I1: "
+                                    f"2).")
+        self._check_patch_io(c, "HiDream-I1 uses the FLUX VAE's 16-channel latents", width_key=None)
+        if len(c.caption_channels or ()) != 2:
+            raise FamilyConfigError(f"model.config.caption_channels={c.caption_channels} must be [T5 width, Llama "
+                                    f"width] (HiDream-I1: [4096, 4096]).")
+        blocks = c.num_layers + c.num_single_layers
+        if c.llama_layers is None or len(c.llama_layers) != blocks:
+            n = "null" if c.llama_layers is None else f"{len(c.llama_layers)} entries"
+            raise FamilyConfigError(
+                f"model.config.llama_layers={c.llama_layers} ({n}) must list one Llama layer index per block: "
+                f"num_layers + num_single_layers = {blocks} entries (HiDream-I1: 0..31, then 31 sixteen times).")
+        axes, head = list(c.axes_dims_rope), c.attention_head_dim
+        if len(axes) != 3 or sum(axes) not in (head, head // 2) or any(a % 2 for a in axes):
+            raise FamilyConfigError(
+                f"model.config.axes_dims_rope={axes} must be 3 even numbers (one per id axis: 0, row, col) summing "
+                f"to attention_head_dim={head} (or half of it: RoPE on the first half of each head).")
+        if c.force_inference_output:
+            raise FamilyConfigError(
+                "model.config.force_inference_output=true runs the experts through diffusers' moe_infer under "
+                "torch.no_grad even in training, so the experts and the gate would never train; allowed: false.")
+
+    def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
+        return [*transformer.double_stream_blocks, *transformer.single_stream_blocks]
+
+    # noise_level = t * 1000 is what HiDreamImagePipeline feeds (scheduler timesteps): the default timestep().
+
+    # -- conditioning --------------------------------------------------------------------------------
+    def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
+        """RoutedFamily's (class table: T5, Llama, pooled; text data: T5, pooled, null label zeroed) plus text data's
+        Llama states cond["llama"], zeroed for the null label too."""
+        text = super().conditioning(labels, cond)
+        if cond and cond.get("text") is not None and cond.get("llama") is not None:
+            llama = cond["llama"]
+            if self.num_classes:
+                keep = (labels != self.num_classes).to(llama.dtype).view(-1, *([1] * (llama.dim() - 1)))
+                llama = llama * keep
+            text["llama"] = llama
+        return text
+
+    def llama_states(self, cond: Mapping[str, torch.Tensor]) -> Sequence[torch.Tensor]:
+        """What diffusers' `encoder_hidden_states_llama3` is: indexable by Llama layer, each (B, Ll, Dl)."""
+        text, llama = cond["text"], cond.get("llama")
+        need = max(self.llama_layers) + 1
+        if llama is None:    # no Llama states in the data: zeros of the T5 length
+            llama = text.new_zeros(text.shape[0], text.shape[1], self.llama_dim)
+        if llama.dim() == 3 and llama.shape[-1] == self.llama_dim:
+            return [llama] * need
+        if llama.dim() == 4 and llama.shape[1] >= need and llama.shape[-1] == self.llama_dim:
+            return llama.transpose(0, 1)       # (n, B, Ll, Dl) as the pipeline stacks them
+        raise FamilyConfigError(
+            f"cond['llama'] has shape {list(llama.shape)}; allowed: (B, L, {self.llama_dim}) (one Llama state for "
+            f"every layer) or (B, n, L, {self.llama_dim}) with n >= {need} layers (model.config.llama_layers reaches "
+            f"layer {need - 1}; {self.llama_dim} = model.config.caption_channels[1]).")
+
+    def check_text_data(self, conditioning: Mapping[str, Any], where: str) -> None:
+        super().check_text_data(conditioning, where)
+        llama = conditioning.get("llama")
+        if llama is not None and int(llama[-1]) != self.llama_dim:
+            raise FamilyConfigError(
+                f"the Llama hidden states of the data at {where} are {llama[-1]} wide, but model.config."
+                f"caption_channels[1]={self.llama_dim} (hidream): encode the captions with Llama-3.1-8B-Instruct, or "
+                f"set model.config.caption_channels for a fresh model.")
+
+    # -- the three steps ----------------------------------------------------------------------------
+    def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
+        tr = self.transformer
+        B = x.shape[0]
+        tokens, _, _, img_ids = tr.patchify(x)                 # square: no mask; img_ids (B, N, 3) = (0, row, col)
+        hidden = tr.x_embedder(tokens)                          # (B, N, D)
+        N, D = hidden.shape[1], hidden.shape[2]
+        temb = tr.t_embedder(timestep, x.dtype) + tr.p_embedder(cond["pooled"])
+        states = self.llama_states(cond)
+        llama = [tr.caption_projection[i](states[k]).view(B, -1, D) for i, k in enumerate(self.llama_layers)]
+        t5 = tr.caption_projection[-1](cond["text"]).view(B, -1, D)
+        context = torch.cat([t5, llama[-1]], dim=1)              # initial_encoder_hidden_states (B, L0, D)
+        L = t5.shape[1] + llama[-1].shape[1] + llama[0].shape[1]  # what each block attends to beside the image
+        ids = torch.cat([img_ids, img_ids.new_zeros(B, L, 3)], dim=1)
+        rope = tr.pe_embedder(ids)                              # (B, N + L, 1, Dh/2, 2, 2)
+        return Embedded(hidden, context, {"rope": rope[:, :N]},
+                        {"temb": temb, "text_rope": rope[:, N:], "llama": llama})
+
+    def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
+        temb, text_rope, llama = emb.extra["temb"], emb.extra["text_rope"], emb.extra["llama"]
+        n_dual = len(self.transformer.double_stream_blocks)
+
+        def dual(block: nn.Module, i: int) -> Callable[..., Any]:
+            def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
+                L0 = context.shape[1]
+                text = torch.cat([context, cond32(llama[i])], dim=1)
+                x, text = block(hidden_states=x, hidden_states_masks=None, encoder_hidden_states=text,
+                                temb=cond32(temb), image_rotary_emb=torch.cat([tok["rope"], text_rope], dim=1))
+                return x, text[:, :L0]                          # the Llama part's update is dropped
+            return fn
+
+        def single(block: nn.Module, i: int) -> Callable[..., Any]:
+            def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
+                K, L0 = x.shape[1], context.shape[1]
+                h = torch.cat([x, context, cond32(llama[i])], dim=1)
+                h = block(hidden_states=h, hidden_states_masks=None, encoder_hidden_states=None, temb=cond32(temb),
+                          image_rotary_emb=torch.cat([tok["rope"], text_rope], dim=1))
+                return h[:, :K], h[:, K:K + L0]
+            return fn
+
+        return [(dual if i < n_dual else single)(b, i) for i, b in enumerate(self.routable_blocks())]
+
+    def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
+        out = self.transformer.final_layer(x, emb.extra["temb"])          # (B, N, p*p*C), features (p, p, C)
+        p = int(self.transformer.config.patch_size)
+        return -unpack_patches(out, self.token_grid, (1, p, p), self.out_channels).squeeze(2)
+
+    def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
+                          transformer: nn.Module) -> torch.Tensor:
+        """diffusers' forward as HiDreamImagePipeline calls it (output negated, line `noise_pred = -noise_pred`); in
+        training mode diffusers returns (B, C, N, p*p) patches, turned back into (B, C, H, W) here."""
+        out = transformer(hidden_states=x, timesteps=timestep, encoder_hidden_states_t5=cond["text"],
+                          encoder_hidden_states_llama3=self.llama_states(cond), pooled_embeds=cond["pooled"],
+                          return_dict=False)[0]
+        if transformer.training and not transformer.config.force_inference_output:
+            B, C, _, p2 = out.shape
+            p, (_, h, w) = int(p2 ** 0.5), self.token_grid
+            out = out.reshape(B, C, h, w, p, p).permute(0, 1, 2, 4, 3, 5).reshape(B, C, h * p, w * p)
+        return -out
+
+
+FAMILY = HiDreamFamily
+PRESETS = HIDREAM_PRESETS

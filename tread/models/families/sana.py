@@ -1,0 +1,232 @@
+"""Sana / Sana 1.5 / Sana-Sprint (diffusers SanaTransformer2DModel) with TREAD routing.
+
+Structure (diffusers 0.42.1, models/transformers/sana_transformer.py): one stream of `num_layers`
+SanaTransformerBlocks, every one routable. A block (SanaTransformerBlock.forward) does, in this order:
+  1. adaLN-single modulation: its scale_shift_table (6, D) + the per-sample timestep embedding (B, 6D) ->
+     shift/scale/gate for attention and for the feed-forward (one set per sample, shared by its tokens);
+  2. linear self-attention (attn1, SanaLinearAttnProcessor2_0: ReLU kernels, no softmax, no mask) on
+     norm1(x) * (1 + scale) + shift, gated residual;
+  3. cross-attention to the projected text (attn2, SanaAttnProcessor2_0: softmax SDPA with the text mask as
+     a -10000 bias), ungated residual, queries are the raw (un-normalised) tokens;
+  4. Mix-FFN (GLUMBConv, residual_connection=False, norm_type None): norm2(x) * (1 + scale) + shift is
+     reshaped to the token grid (`unflatten(1, (height, width))`), then 1x1 conv_inverted (D -> 2 * 2.5D),
+     SiLU, 3x3 DEPTHWISE conv_depth (zero padding 1), GLU (half * SiLU(other half)), 1x1 conv_point
+     (2.5D -> D); gated residual.
+Sana 1.5 and Sana-Sprint add qk_norm="rms_norm_across_heads" (RMSNorm of q and k in both attentions).
+
+Positions: no RoPE. Released 512 / 1024 px models have interpolation_scale=None, so PatchEmbed is built with
+pos_embed_type=None: NO position embedding at all; the 2K / 4K models (interpolation_scale 1.0 / 2.0) add
+PixArt's absolute 2-D sincos table inside PatchEmbed (re-computed for a latent size other than sample_size),
+so it is already in every token's features before the first block. Either way the only place a block uses
+the grid is the depthwise 3x3 conv of the Mix-FFN.
+
+Routing and the depthwise conv (the design decision). Under a route the kept tokens no longer fill the grid,
+so diffusers' `unflatten(1, (height, width))` cannot run on them. We run the block's own sub-modules in
+diffusers' order on the kept tokens (norm1, modulation, attn1, attn2, norm2, ff.conv_inverted,
+ff.nonlinearity, ff.conv_depth, ff.conv_point): everything except conv_depth is per token (1x1 convs run on
+the kept tokens laid out as a 1 x K image). For conv_depth the activations of the kept tokens are scattered
+onto a zero grid (B, C', H, W) at their TRUE grid positions, the depthwise conv runs on that grid and the
+kept positions are read back: a kept token sees its true neighbours where they are kept and ZERO where they
+were dropped, exactly as it sees zero padding beyond the image border (dropping a whole border column is the
+same as cropping the image; tests/test_family_sana.py proves it). The alternative, reshaping the K kept
+tokens into a smaller made-up grid, would mix tokens that are not neighbours in the image. Each token's flat
+grid position travels as a per-token tensor `grid_pos` (B, N, 1) long, gathered with the tokens by
+run_blocks. With every token kept (in any order) this is diffusers' block exactly. Cost: the depthwise conv
+(9 multiply-adds per channel and cell) runs over the full grid of the 5D-channel activations; the 1x1 convs
+and attentions, the matmul FLOPs, scale with the kept tokens only.
+
+Per token: `grid_pos`. Never routed: the text stream (Gemma-2 hidden states -> caption_projection ->
+caption_norm, once), its mask (`cond["text_mask"]` (B, L) -> the -10000 bias diffusers' forward makes), the
+per-sample modulation. Output: norm_out (SanaModulatedNorm with the model's scale_shift_table and the
+embedded timestep) -> proj_out -> unpatchify, as diffusers' forward.
+
+Timesteps: SanaPipeline feeds the flow-matching scheduler's timestep (sigma * 1000) times
+config.timestep_scale (1.0 for Sana; diffusers PR 11150 added it for Sana-Sprint's teacher, which takes
+[0, 1]), so noise_level = t * 1000 is used times timestep_scale. Guidance-distilled Sana-Sprint
+(guidance_embeds=True: SanaCombinedTimestepGuidanceEmbeddings) is fed by SanaSprintPipeline with the sCM
+time in [0, 1] (sin / (sin + cos) of the TrigFlow angle, without timestep_scale) and guidance =
+guidance_scale * config.guidance_embeds_scale; we feed t = noise_level / 1000 and model.guidance (the
+pipeline's guidance_scale, default 4.5) times guidance_embeds_scale. Sprint's TrigFlow input/output
+preconditioning (sigma_data) is not reproduced: training it here is rectified flow on its weights.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
+
+_SANA = dict(mlp_ratio=2.5, attention_bias=False, norm_elementwise_affine=False, norm_eps=1e-6, dropout=0.0)
+# The released models (diffusers' scripts/convert_sana_to_diffusers.py): 32-channel DC-AE f32 latents, patch 1,
+# Gemma-2-2B text (2304 wide); sample_size = image size / 32; interpolation_scale None at 512 / 1024 px.
+_RELEASED = dict(in_channels=32, out_channels=32, caption_channels=2304, patch_size=1, **_SANA)
+_1600M = dict(num_attention_heads=70, attention_head_dim=32, num_layers=20, num_cross_attention_heads=20,
+              cross_attention_head_dim=112, cross_attention_dim=2240)
+_600M = dict(num_attention_heads=36, attention_head_dim=32, num_layers=28, num_cross_attention_heads=16,
+             cross_attention_head_dim=72, cross_attention_dim=1152)
+
+SANA_PRESETS: dict[str, dict[str, Any]] = {
+    # CPU tests and the built-in data: 8 blocks, width 64 (4 heads x 16), Gemma stand-in of width 32, patch 2
+    # (16x16 toy latents -> an 8x8 token grid); no position embedding, as the 1024 px models.
+    "tiny": dict(num_attention_heads=4, attention_head_dim=16, num_layers=8, num_cross_attention_heads=4,
+                 cross_attention_head_dim=16, cross_attention_dim=64, caption_channels=32, patch_size=2,
+                 interpolation_scale=None, **_SANA),
+    # GPU benchmarks (~0.33B parameters): width 1024, 20 blocks, Gemma-2 text width; patch 2 so that 4-channel
+    # f8 latents give the other families' token count (Sana itself uses patch 1 on f32 DC-AE latents).
+    "mid": dict(num_attention_heads=32, attention_head_dim=32, num_layers=20, num_cross_attention_heads=16,
+                cross_attention_head_dim=64, cross_attention_dim=1024, caption_channels=2304, patch_size=2,
+                interpolation_scale=None, **_SANA),
+    # Released geometries (use model.pretrained for their weights).
+    "sana-600m-1024": dict(**_600M, sample_size=32, interpolation_scale=None, **_RELEASED),
+    "sana-1600m-1024": dict(**_1600M, sample_size=32, interpolation_scale=None, **_RELEASED),
+    "sana-1600m-4k": dict(**_1600M, sample_size=128, interpolation_scale=2.0, **_RELEASED),
+    "sana1.5-1600m-1024": dict(**_1600M, sample_size=32, interpolation_scale=None, qk_norm="rms_norm_across_heads",
+                               **_RELEASED),
+    "sana-sprint-1600m-1024": dict(**_1600M, sample_size=32, interpolation_scale=None, guidance_embeds=True,
+                                   qk_norm="rms_norm_across_heads", **_RELEASED),
+}
+
+
+def mix_ffn_kept(ff: nn.Module, hidden: torch.Tensor, grid_pos: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """diffusers' GLUMBConv (Sana's Mix-FFN) on kept tokens at their true grid positions.
+
+    hidden (B, K, C): the modulated norm2 output of the kept tokens; grid_pos (B, K, 1) long: each token's flat
+    position h * W + w in the (H, W) = `grid` token grid; returns (B, K, C_out).
+
+    The 1x1 convs, SiLU and GLU act per token, so they run on the K kept tokens alone, laid out as a 1 x K image
+    (diffusers' `unflatten(1, (height, width)).permute(0, 3, 1, 2)` with (height, width) = (1, K)). Only the 3x3
+    depthwise conv needs neighbours: the kept tokens' activations are scattered onto a zero (B, C', H, W) grid at
+    their true positions, the conv runs there and the kept positions are read back. Dropped tokens are zero at
+    the conv's input, like the zero padding beyond the image border; kept tokens are never placed next to
+    tokens that are not their neighbours in the image. With all tokens kept this is GLUMBConv.forward.
+    """
+    B, K, _ = hidden.shape
+    H, W = grid
+    image = hidden.unflatten(1, (1, K)).permute(0, 3, 1, 2)                     # (B, C, 1, K), channels last
+    residual = image if ff.residual_connection else None
+    z = ff.nonlinearity(ff.conv_inverted(image))                                 # (B, C', 1, K)
+    tokens = z.permute(0, 2, 3, 1).flatten(1, 2)                                 # (B, K, C')
+    index = grid_pos.expand(B, K, tokens.shape[-1])
+    holey = tokens.new_zeros(B, H * W, tokens.shape[-1]).scatter(1, index, tokens)   # zero where dropped
+    # channels-last (B, C', H, W), the memory layout diffusers' conv_depth sees: dense is bit-identical
+    z = ff.conv_depth(holey.unflatten(1, (H, W)).permute(0, 3, 1, 2))
+    z = z.permute(0, 2, 3, 1).flatten(1, 2).gather(1, index)                     # (B, K, C') kept positions
+    z = z.unflatten(1, (1, K)).permute(0, 3, 1, 2)                               # (B, C', 1, K)
+    z, gate = torch.chunk(z, 2, dim=1)
+    z = z * ff.nonlinearity(gate)
+    z = ff.conv_point(z)                                                          # (B, C_out, 1, K)
+    if ff.norm_type == "rms_norm":
+        z = ff.norm(z.movedim(1, -1)).movedim(-1, 1)
+    if residual is not None:
+        z = z + residual
+    return z.flatten(2, 3).permute(0, 2, 1)
+
+
+def sana_block(block: nn.Module, x: torch.Tensor, context: torch.Tensor, mask: Optional[torch.Tensor],
+               timestep: torch.Tensor, grid_pos: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """SanaTransformerBlock.forward on the (kept) tokens x (B, K, D) with their grid positions (B, K, 1):
+    the block's own sub-modules in diffusers' order; the Mix-FFN through mix_ffn_kept."""
+    B = x.shape[0]
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+        block.scale_shift_table[None] + timestep.reshape(B, 6, -1)).chunk(6, dim=1)
+    norm = block.norm1(x)
+    norm = (norm * (1 + scale_msa) + shift_msa).to(x.dtype)
+    x = x + gate_msa * block.attn1(norm)
+    if block.attn2 is not None:
+        x = block.attn2(x, encoder_hidden_states=context, attention_mask=mask) + x
+    norm = block.norm2(x) * (1 + scale_mlp) + shift_mlp
+    return x + gate_mlp * mix_ffn_kept(block.ff, norm, grid_pos, grid)
+
+
+class SanaFamily(RoutedFamily):
+    family = "sana"
+    hub_hint = "Efficient-Large-Model/Sana_1600M_1024px_diffusers"
+    diffusers_class = "SanaTransformer2DModel"
+    text_dim_key = "caption_channels"
+
+    def __init__(self, transformer: nn.Module, *, guidance: Optional[float] = None, **kwargs: Any):
+        self.guidance = guidance
+        super().__init__(transformer, **kwargs)
+        if transformer.config.guidance_embeds and guidance is None:
+            raise FamilyConfigError("model.guidance must be set for a guidance-distilled Sana-Sprint (guidance_embeds: "
+                                    "true), e.g. model.guidance=4.5 (SanaSprintPipeline's guidance_scale default); "
+                                    "got null.")
+        if not transformer.config.guidance_embeds and guidance is not None:
+            raise FamilyConfigError(f"model.guidance={guidance} needs a guidance-distilled Sana-Sprint transformer "
+                                    f"(config guidance_embeds: true); this one has no guidance embedding: use null.")
+
+    def check_shapes(self) -> None:
+        c = self.transformer.config
+        self._check_patch_io(c, "Sana's released models use 32-channel DC-AE latents",
+                             width_key="cross_attention_dim",
+                             width_note="the cross-attention keys and values are the text projected to the width")
+
+    def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
+        return list(transformer.transformer_blocks)
+
+    def timestep(self, noise_level: torch.Tensor) -> torch.Tensor:
+        c = self.transformer.config
+        if c.guidance_embeds:                    # SanaSprintPipeline: the sCM time in [0, 1]
+            return noise_level / 1000
+        scale = float(c.timestep_scale)          # SanaPipeline: scheduler timestep * timestep_scale
+        return noise_level if scale == 1.0 else noise_level * scale
+
+    def _guidance(self, batch: int, device: torch.device, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """SanaSprintPipeline: guidance_scale (B,) in the text dtype times config.guidance_embeds_scale."""
+        if not self.transformer.config.guidance_embeds:
+            return None
+        g = torch.full((batch,), float(self.guidance), device=device, dtype=torch.float32).to(dtype)
+        return g * self.transformer.config.guidance_embeds_scale
+
+    @staticmethod
+    def _mask_bias(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """(B, L) keep-mask -> (B, 1, L) additive bias, as SanaTransformer2DModel.forward converts it."""
+        if mask is None:
+            return None
+        return ((1 - mask.to(dtype)) * -10000.0).unsqueeze(1)
+
+    def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
+        tr = self.transformer
+        B, p = x.shape[0], int(tr.config.patch_size)
+        h, w = x.shape[-2] // p, x.shape[-1] // p
+        hidden = tr.patch_embed(x)                                      # (B, N, D) (+ sincos table if any)
+        guidance = self._guidance(B, x.device, cond["text"].dtype)
+        if guidance is not None:
+            t6, t_emb = tr.time_embed(timestep, guidance=guidance, hidden_dtype=hidden.dtype)
+        else:
+            t6, t_emb = tr.time_embed(timestep, batch_size=B, hidden_dtype=hidden.dtype)
+        context = tr.caption_projection(cond["text"]).view(B, -1, hidden.shape[-1])
+        context = tr.caption_norm(context)                              # (B, L, D)
+        grid_pos = torch.arange(h * w, device=x.device).view(1, h * w, 1).expand(B, -1, -1)
+        extra = {"timestep": t6, "embedded_timestep": t_emb, "grid": (h, w),
+                 "mask": self._mask_bias(cond.get("text_mask"), x.dtype)}
+        return Embedded(hidden, context, {"grid_pos": grid_pos}, extra)
+
+    def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
+        t6, mask, grid = emb.extra["timestep"], emb.extra["mask"], emb.extra["grid"]
+
+        def run(block: nn.Module) -> Callable[..., Any]:
+            def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
+                return sana_block(block, x, context, mask, cond32(t6), tok["grid_pos"], grid), context
+            return fn
+
+        return [run(b) for b in self.routable_blocks()]
+
+    def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
+        tr = self.transformer
+        x = tr.proj_out(tr.norm_out(x, emb.extra["embedded_timestep"], tr.scale_shift_table))
+        h, w = emb.extra["grid"]
+        return unpack_patches(x, (1, h, w), self.latent_patch(), tr.config.out_channels or self.out_channels
+                              ).squeeze(2)
+
+    def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
+                          transformer: nn.Module) -> torch.Tensor:
+        return transformer(hidden_states=x, encoder_hidden_states=cond["text"], timestep=timestep,
+                           guidance=self._guidance(x.shape[0], x.device, cond["text"].dtype),
+                           encoder_attention_mask=cond.get("text_mask"), return_dict=False)[0]
+
+
+FAMILY = SanaFamily
+PRESETS = SANA_PRESETS
