@@ -344,6 +344,14 @@ def cond32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.float()
 
 
+def mask_bias(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """(B, L) keep-mask -> (B, 1, L) additive bias of -10000 at the padding, as PixArt's and Sana's forward convert
+    their encoder attention mask (None: no mask)."""
+    if mask is None:
+        return None
+    return ((1 - mask.to(dtype)) * -10000.0).unsqueeze(1)
+
+
 def pack_cells(x: torch.Tensor, p: int) -> torch.Tensor:
     """(B, C, H, W) latents -> (B, H/p * W/p, C*p*p) tokens, row-major, features ordered (C, p, p): the packing of
     the FLUX, FLUX.2 and Qwen-Image pipelines."""

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
+from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, mask_bias, unpack_patches
 
 _BLOCK = dict(norm_type="ada_norm_single", num_embeds_ada_norm=1000, activation_fn="gelu-approximate",
               attention_bias=True, norm_elementwise_affine=False, norm_eps=1e-6)
@@ -95,13 +95,6 @@ class PixArtFamily(RoutedFamily):
         return {"resolution": torch.tensor([[H * s, W * s]], dtype=x.dtype, device=x.device).repeat(B, 1),
                 "aspect_ratio": torch.tensor([[H / W]], dtype=x.dtype, device=x.device).repeat(B, 1)}
 
-    @staticmethod
-    def _mask_bias(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """(B, L) keep-mask -> (B, 1, L) additive bias, as PixArtTransformer2DModel.forward converts it."""
-        if mask is None:
-            return None
-        return ((1 - mask.to(dtype)) * -10000.0).unsqueeze(1)
-
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
         tr = self.transformer
         B, p = x.shape[0], int(tr.config.patch_size)
@@ -111,7 +104,7 @@ class PixArtFamily(RoutedFamily):
         if tr.caption_projection is not None:
             context = tr.caption_projection(context).view(B, -1, hidden.shape[-1])  # (B, L, D)
         extra = {"timestep": t6, "embedded_timestep": t_emb, "grid": (1, x.shape[-2] // p, x.shape[-1] // p),
-                 "mask": self._mask_bias(cond.get("text_mask"), hidden.dtype)}
+                 "mask": mask_bias(cond.get("text_mask"), hidden.dtype)}
         return Embedded(hidden, context, {}, extra)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:

@@ -56,7 +56,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
+from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, mask_bias, unpack_patches
 
 _SANA = dict(mlp_ratio=2.5, attention_bias=False, norm_elementwise_affine=False, norm_eps=1e-6, dropout=0.0)
 # The released models (diffusers' scripts/convert_sana_to_diffusers.py): 32-channel DC-AE f32 latents, patch 1,
@@ -180,13 +180,6 @@ class SanaFamily(RoutedFamily):
         g = torch.full((batch,), float(self.guidance), device=device, dtype=torch.float32).to(dtype)
         return g * self.transformer.config.guidance_embeds_scale
 
-    @staticmethod
-    def _mask_bias(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """(B, L) keep-mask -> (B, 1, L) additive bias, as SanaTransformer2DModel.forward converts it."""
-        if mask is None:
-            return None
-        return ((1 - mask.to(dtype)) * -10000.0).unsqueeze(1)
-
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
         tr = self.transformer
         B, p = x.shape[0], int(tr.config.patch_size)
@@ -201,7 +194,7 @@ class SanaFamily(RoutedFamily):
         context = tr.caption_norm(context)                              # (B, L, D)
         grid_pos = torch.arange(h * w, device=x.device).view(1, h * w, 1).expand(B, -1, -1)
         extra = {"timestep": t6, "embedded_timestep": t_emb, "grid": (h, w),
-                 "mask": self._mask_bias(cond.get("text_mask"), x.dtype)}
+                 "mask": mask_bias(cond.get("text_mask"), x.dtype)}
         return Embedded(hidden, context, {"grid_pos": grid_pos}, extra)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
