@@ -250,6 +250,23 @@ class RoutedFamily(RoutedBackbone):
         return t * h * w
 
     def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
+        """This batch's conditioning: its text (text_conditioning; label dropout zeroes text only) plus, with
+        model.kontext, the reference latents cond["reference"] of the target's shape: edit models always see their
+        input image, in both CFG branches."""
+        text = self.text_conditioning(labels, cond)
+        if not self.kontext:
+            return text
+        ref = (cond or {}).get("reference")
+        want = (labels.shape[0], self.in_channels, self.input_size, self.input_size)
+        if ref is None or tuple(ref.shape) != want:
+            got = "none" if ref is None else f"shape {list(ref.shape)}"
+            raise FamilyConfigError(
+                f"model.kontext=true needs the reference image's latents cond['reference'] of the target's shape "
+                f"{list(want)} (B, data.channels, data.resolution, data.resolution), got {got}: train on data with "
+                f"reference_latents.npy (precompute --reference-images DIR), or set model.kontext=false.")
+        return {**text, "reference": ref}
+
+    def text_conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
         """Text conditioning for this batch: the dataset's (cond) or the class table's (labels)."""
         if cond and cond.get("text") is not None:
             text = {k: v for k, v in cond.items() if k in ("text", "text_mask", "pooled")}

@@ -187,22 +187,6 @@ class FluxFamily(RoutedFamily):
         return ids
 
     # -- Kontext: the reference latents ---------------------------------------------------------------
-    def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
-        """The text conditioning (RoutedFamily's; label dropout zeroes text only) plus, with kontext, the
-        reference latents cond["reference"]: Kontext always conditions on its image, in both CFG branches."""
-        text = super().conditioning(labels, cond)
-        if not self.kontext:
-            return text
-        ref = (cond or {}).get("reference")
-        want = (labels.shape[0], self.in_channels, self.input_size, self.input_size)
-        if ref is None or tuple(ref.shape) != want:
-            got = "none" if ref is None else f"shape {list(ref.shape)}"
-            raise FamilyConfigError(
-                f"model.kontext=true needs the reference image's latents cond['reference'] of the target's shape "
-                f"{list(want)} (B, data.channels, data.resolution, data.resolution), got {got}: train on data with "
-                f"reference_latents.npy (precompute --reference-images DIR), or set model.kontext=false.")
-        return {**text, "reference": ref}
-
     def _guidance(self, batch: int, device: torch.device) -> Optional[torch.Tensor]:
         if not self.transformer.config.guidance_embeds:
             return None

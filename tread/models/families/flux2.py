@@ -254,7 +254,7 @@ class Flux2Family(RoutedFamily):
     def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
         """The text conditioning (RoutedFamily's; label dropout zeroes text only) plus, with kontext, the reference
         latents cond["reference"]: the model always conditions on its references, in both CFG branches."""
-        text = super().conditioning(labels, cond)
+        text = self.text_conditioning(labels, cond)
         if not self.kontext:
             return text
         ref = (cond or {}).get("reference")

@@ -206,22 +206,6 @@ class QwenImageFamily(RoutedFamily):
         return [(1, h, w)] * (2 if self.kontext else 1)
 
     # -- editing: the conditioning image's latents ----------------------------------------------------
-    def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
-        """The text conditioning (label dropout zeroes text only, keeping its mask) plus, with edit, the reference
-        latents cond["reference"]: the edit models always see their input image, in both CFG branches."""
-        text = super().conditioning(labels, cond)
-        if not self.kontext:
-            return text
-        ref = (cond or {}).get("reference")
-        want = (labels.shape[0], self.in_channels, self.input_size, self.input_size)
-        if ref is None or tuple(ref.shape) != want:
-            got = "none" if ref is None else f"shape {list(ref.shape)}"
-            raise FamilyConfigError(
-                f"model.kontext=true needs the conditioning image's latents cond['reference'] of the target's shape "
-                f"{list(want)} (B, data.channels, data.resolution, data.resolution), got {got}: train on data with "
-                f"reference_latents.npy (precompute --reference-images DIR), or set model.kontext=false.")
-        return {**text, "reference": ref}
-
     def _temb(self, timestep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """temb (B, D); with zero_cond_t (2B, D): the rows of t, then of t = 0 (diffusers' forward)."""
         t = timestep.to(like.dtype)
