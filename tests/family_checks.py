@@ -15,6 +15,7 @@ import torch
 
 import tread.routing.controller as controller
 from tread.models.families import FamilyConfigError, build_family
+from tread.models.flops import RouteFlops, forward_flops_with_routes
 from tread.routing import RouteConfigError
 
 ROUTES = [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]
@@ -320,6 +321,25 @@ def check_paper_route_on_toy_data(family: str, batch: int = 3):
     assert out.shape == x.shape and model.last_route_stats == [(2, 4, 32, 64)]
     out.square().mean().backward()
     return model, (x, t, y)
+
+
+def check_meta_flops(family: str) -> None:
+    """Built on the meta device (shapes only: how a released preset is planned), the forward counts the FLOPs of
+    the CPU-built model, dense and routed; RouteFlops' per-block polynomials from three counts equal a direct count
+    for route sets it was not fitted on (the paper route, two routes)."""
+    with torch.device("meta"):
+        meta = make(family, input_size=16, in_channels=3, num_classes=10)
+    cpu = make(family, input_size=16, in_channels=3, num_classes=10)
+    fitted = RouteFlops(meta)
+    assert fitted.exact and fitted.ns == [64, 32, 16]
+    two = [{"selection_ratio": 0.25, "start_layer_idx": 1, "end_layer_idx": 3},
+           {"selection_ratio": 0.6, "start_layer_idx": 5, "end_layer_idx": 7}]
+    for routes in (None, PAPER_ROUTE, two):
+        counted = forward_flops_with_routes(meta, routes)
+        assert fitted(routes) == counted, routes
+        if routes is not two:
+            assert forward_flops_with_routes(cpu, routes) == counted, routes
+    assert fitted(PAPER_ROUTE) < fitted(None)
 
 
 def check_config_errors(family: str, *cases: tuple[str, dict]) -> None:

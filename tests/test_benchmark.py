@@ -212,6 +212,30 @@ def test_family_path_new_schema(tmp_path):
     assert out["sampling"]["sampler"] == "rf_euler" and out["sampling"]["nfe"] == 2
 
 
+def test_one_at_a_time_builds_times_and_frees_each_config_per_round(monkeypatch):
+    """--one-at-a-time: per round each config is built afresh, timed and released (weights on the meta device)
+    before the next is built (A B A B); the records are those of the interleaved run (FLOPs, routes, step count)."""
+    built, live = [], []
+    real_init = StepBench.__init__
+
+    def spy(self, cfg, *a, **kw):
+        live.append(sum(p.device.type != "meta" for b in built for p in b.model.parameters()) > 0)
+        real_init(self, cfg, *a, **kw)
+        built.append(self)
+    monkeypatch.setattr(StepBench, "__init__", spy)
+    args = ["--family", "flux", "--preset", "tiny", "--resolution", "8", "--channels", "3", "--batch", "2",
+            "--steps", "4", "--warmup", "1", "--rounds", "2", "--threads", "1"]
+    one = bench.main(args + ["--one-at-a-time"])
+    assert len(built) == 4 and not any(live)   # 2 configs x 2 rounds, none alive while the next is built
+    assert [b.routes() for b in built] == [[], one["results"][1]["routes"]] * 2
+    check_schema(one, 2)
+    assert one["settings"]["one_at_a_time"] and all(len(r["step_ms_all"]) == 4 for r in one["results"])
+    both = bench.main(args)
+    for a, b in zip(one["results"], both["results"]):
+        assert (a["config"], a["routes"], a["forward_flops_per_sample"]) == (b["config"], b["routes"],
+                                                                             b["forward_flops_per_sample"])
+
+
 @pytest.mark.parametrize("routes,n", [("none", 1), ("paper", 2)])
 def test_compile_reports_graphs(routes, n):
     """The compiled step (dense, and routed with the router drawing outside the graph) compiles in the warm-up,

@@ -23,8 +23,8 @@ from tread.data import (ImageFolderError, LatentDataset, LatentDatasetError, Lat
                         build_dataset, ensure_toy_dataset, generate_toy_shapes, read_meta, write_latent_dataset)
 from tread.data.captions import read_captions_file
 from tread.encoders.errors import EncoderError
-from tread.encoders.text import (FAMILIES, TEXT_FAMILIES, TextEncoderError, encode_prompts, load_text_encoders,
-                                 resolve_text_encoder_paths)
+from tread.encoders.text import TextEncoderError, encode_prompts, load_text_encoders, resolve_text_encoder_paths
+from tread.encoders.text_families import FAMILIES, TEXT_FAMILIES
 from tread.encoders.tiny_text import save_tiny_text_encoders
 from tread.routing import resize_loss_mask, token_keep_mask
 from tread.schema import compose
@@ -89,7 +89,7 @@ def test_round_trip_with_all_extras(tmp_path, dtype):
 
     ds = LatentDataset(path)
     assert ds.has_extras
-    assert ds.conditioning == {"text": (L, D), "text_mask": True, "pooled": P, "loss_mask": (HM, HM)}
+    assert ds.conditioning == {"text": (L, D), "text_mask": True, "pooled": P, "llama": None, "loss_mask": (HM, HM)}
     text = torch.from_numpy(extras["text"].astype(dtype).astype(np.float32))
     pooled = torch.from_numpy(extras["pooled"].astype(dtype).astype(np.float32))
     loss = torch.from_numpy(stored_mask).float().unsqueeze(1) / 255
@@ -119,10 +119,12 @@ def test_subsets_of_extras(tmp_path):
     x, y = make_latents()
     e = make_extras()
     for name, extras, cond in [
-        ("text", {"text": e["text"]}, {"text": (L, D), "text_mask": False, "pooled": None, "loss_mask": None}),
-        ("pooled", {"pooled": e["pooled"]}, {"text": None, "text_mask": False, "pooled": P, "loss_mask": None}),
+        ("text", {"text": e["text"]}, {"text": (L, D), "text_mask": False, "pooled": None, "llama": None,
+                                       "loss_mask": None}),
+        ("pooled", {"pooled": e["pooled"]}, {"text": None, "text_mask": False, "pooled": P, "llama": None,
+                                             "loss_mask": None}),
         ("mask", {"loss_mask": e["loss_mask"][:, :4]}, {"text": None, "text_mask": False, "pooled": None,
-                                                         "loss_mask": (4, HM)}),
+                                                         "llama": None, "loss_mask": (4, HM)}),
     ]:
         ds = LatentDataset(write_latent_dataset(tmp_path / name, x, y, num_classes=3, extras=extras))
         assert ds.has_extras and ds.conditioning == cond
@@ -147,7 +149,7 @@ def test_plain_data_is_unchanged(tmp_path):
     assert meta["files"] == {"latents": "latents.npy", "labels": "labels.npy"}
     ds = LatentDataset(a)
     assert not ds.has_extras
-    assert ds.conditioning == {"text": None, "text_mask": False, "pooled": None, "loss_mask": None}
+    assert ds.conditioning == {"text": None, "text_mask": False, "pooled": None, "llama": None, "loss_mask": None}
     item, batch = ds[3], ds.__getitems__([3, 1])
     assert isinstance(item, tuple) and len(item) == 2 and isinstance(batch, tuple) and len(batch) == 2
 
@@ -195,7 +197,7 @@ def bad_extras(**changes):
     (bad_extras(loss_mask=np.full((4, HM, HM), 300)), r"integer mask, so it must lie in \[0, 255\]"),
     (bad_extras(text=np.full((4, L, D), 1e6)), r"extras\['text'\] .*non-finite .*float16 overflows"),
     (bad_extras(caption=np.zeros(4)), r"unknown key\(s\) \['caption'\]; allowed: \['text', 'text_mask', 'pooled', "
-                                      r"'loss_mask', 'reference'\]"),
+                                      r"'llama', 'loss_mask', 'reference'\]"),
 ])
 def test_write_validates_extras(tmp_path, extras, message):
     x, y = make_latents(4)
@@ -267,7 +269,8 @@ def resave(name, array):
      r"key 'loss_mask' is \{'shape': \[0, 8\]\} but must be an object \{'shape': \[Hm, Wm\]\}"),
     (lambda p: edit_meta(p, lambda m: m.update(conditioning=[1])), r"key 'conditioning' is \[1\]"),
     (lambda p: edit_meta(p, lambda m: m["files"].update(captions="c.npy")),
-     r"key 'files' is .* optionally any of \['loss_mask', 'pooled_embeds', 'reference_latents', 'text_embeds', "
+     r"key 'files' is .* optionally any of \['llama_embeds', 'loss_mask', 'pooled_embeds', 'reference_latents', "
+     r"'text_embeds', "
      r"'text_mask'\]"),
 ])
 def test_corrupt_extras_errors_name_file_key_and_value(cond_ds, corrupt, message):
@@ -578,5 +581,5 @@ def test_package_exports():
         assert name not in data.__all__ and not hasattr(data, name)
     for name in ("token_keep_mask", "resize_loss_mask"):  # loss-mask geometry lives next to routing
         assert name in routing.__all__ and hasattr(routing, name)
-    assert TEXT_FAMILIES == OWN_FAMILIES + ("flux2", "qwen_image", "chroma", "sana", "z_image", "lumina2")
+    assert TEXT_FAMILIES == OWN_FAMILIES + ("flux2", "qwen_image", "chroma", "sana", "z_image", "lumina2", "hidream")
     assert issubclass(TextEncoderError, EncoderError) and issubclass(TextEncoderError, ValueError)

@@ -239,3 +239,8 @@ def test_toy_data_with_paper_route(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_config_errors_name_the_key(family):
     fc.check_config_errors(family, *FAMILIES[family].config_errors)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flops_on_the_meta_device_and_from_three_counts(family):
+    fc.check_meta_flops(family)

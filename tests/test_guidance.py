@@ -313,18 +313,19 @@ def test_spans_are_checked_against_the_model():
 @pytest.mark.slow
 def test_sample_cli_routes_guides_and_reports_flops(tiny_cfg, tmp_path, cache_dir):
     from test_train import run_cli
+    from tread.cli.sample import run as sample_run
     from tread.training.loop import train
 
     run = tmp_path / "run"
     train(tiny_cfg("eval.every_steps=0", "eval.at_end=false", "train.max_steps=2"), run)
     common = [f"checkpoint={run}", "num_samples=6", "num_steps=2", "device=cpu", "batch_size=6"]
-    infos = {}
-    for name, extra in {"dense": [], "routed": ["selection_ratio=0.5"],
+    proc, _ = run_cli(["sample.py", *common, f"out_dir={tmp_path / 'dense'}"], cache_dir)   # the program itself
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "GFLOPs per image" in proc.stdout
+    for name, extra in {"routed": ["selection_ratio=0.5"],   # the same run() in this process: no second start-up
                         "guided": ["tread_scale=1.5", "tread_weak_selection_ratio=0.5", "cfg_scale=1.5"]}.items():
-        proc, _ = run_cli(["sample.py", *common, f"out_dir={tmp_path / name}", *extra], cache_dir)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "GFLOPs per image" in proc.stdout
-        infos[name] = json.loads((tmp_path / name / "sampling.json").read_text())
+        sample_run(compose([*common, f"out_dir={tmp_path / name}", *extra], "sample"))
+    infos = {name: json.loads((tmp_path / name / "sampling.json").read_text()) for name in ("dense", "routed", "guided")}
     assert infos["dense"]["forward_passes_per_image"] == 3 and infos["guided"]["forward_passes_per_image"] == 9
     assert infos["routed"]["sample_gflops_per_image"] < infos["dense"]["sample_gflops_per_image"] \
         < infos["guided"]["sample_gflops_per_image"]

@@ -13,7 +13,8 @@ from PIL import Image
 import tread.cli.precompute as pl
 from conftest import TINY, compose_cfg
 from tread.data import LatentDataset
-from tread.encoders.text import SD3_T5_WIDTH, TextEncoderError, encode_prompts, load_text_encoders
+from tread.encoders.text import TextEncoderError, encode_prompts, load_text_encoders
+from tread.encoders.text_families import SD3_T5_WIDTH
 from tread.encoders.tiny_text import save_tiny_text_encoders
 from tread.models import build_model
 from tread.schema import ConfigError, check_train

@@ -1,7 +1,7 @@
 """Prompts -> text embeddings for the families whose encoding is delegated to their diffusers pipeline's own
-encode_prompt (tread/encoders/text_pipelines.py): flux2, qwen_image, chroma, sana, z_image, lumina2. Tiny random
-encoders of the pipelines' real classes (tread.encoders.tiny_text) stand in for the real ones; nothing touches the
-network."""
+encode_prompt (tread/encoders/text_pipelines.py): flux2, qwen_image, chroma, sana, z_image, lumina2, hidream (four
+encoders: T5 text, CLIP pooled, Llama states; more in tests/test_hidream_prompts.py). Tiny random encoders of the
+pipelines' real classes (tread.encoders.tiny_text) stand in for the real ones; nothing touches the network."""
 from __future__ import annotations
 
 import inspect
@@ -12,19 +12,22 @@ import numpy as np
 import pytest
 import torch
 
-from tread.encoders.text import (FAMILIES, TEXT_FAMILIES, TextEncoderError, encode_prompts, load_text_encoders,
-                                 resolve_text_encoder_paths)
+from tread.encoders.text import TextEncoderError, encode_prompts, load_text_encoders, resolve_text_encoder_paths
+from tread.encoders.text_families import FAMILIES, MODEL_TYPES, TEXT_FAMILIES
 from tread.encoders.tiny_text import save_tiny_text_encoders
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NEW = ("flux2", "qwen_image", "chroma", "sana", "z_image", "lumina2")
+NEW = ("flux2", "qwen_image", "chroma", "sana", "z_image", "lumina2", "hidream")
 PROMPTS = ["a photo of a red disc", "", "a cat and a dog on a tree with stripes"]
 # max_length per family: flux2's and lumina2's count their system prompt's tokens (about 30 here)
-LENGTH = {"flux2": 64, "qwen_image": 20, "chroma": 16, "sana": 16, "z_image": 24, "lumina2": 48}
-WIDTH = {"flux2": 96, "qwen_image": 32, "chroma": 32, "sana": 32, "z_image": 32, "lumina2": 32}
+LENGTH = {"flux2": 64, "qwen_image": 20, "chroma": 16, "sana": 16, "z_image": 24, "lumina2": 48, "hidream": 12}
+WIDTH = {"flux2": 96, "qwen_image": 32, "chroma": 32, "sana": 32, "z_image": 32, "lumina2": 32, "hidream": 32}
 MODEL = {"flux2": "Mistral3ForConditionalGeneration", "qwen_image": "Qwen2_5_VLForConditionalGeneration",
-         "chroma": "T5EncoderModel", "sana": "Gemma2Model", "z_image": "Qwen3Model", "lumina2": "Gemma2Model"}
+         "chroma": "T5EncoderModel", "sana": "Gemma2Model", "z_image": "Qwen3Model", "lumina2": "Gemma2Model",
+         "hidream": "CLIPTextModelWithProjection"}
+# The outputs besides "text" and "text_mask": hidream's pooled CLIP projections and Llama hidden states (6 layers)
+OTHER = {"hidream": {"pooled": (32,), "llama": (6, LENGTH["hidream"], 24)}}
 ZERO_PADDED = ("qwen_image", "z_image")  # variable-length pipeline outputs, zero-padded to max_length here
 
 
@@ -40,9 +43,10 @@ def loaded(folders):
 
 
 def test_families_are_registered():
-    assert TEXT_FAMILIES[-6:] == NEW and all(FAMILIES[f].via_pipeline and not FAMILIES[f].pooled for f in NEW)
+    assert TEXT_FAMILIES[-7:] == NEW and all(FAMILIES[f].via_pipeline for f in NEW)
+    assert [f for f in NEW if FAMILIES[f].pooled] == ["hidream"]
     assert {f: FAMILIES[f].max_length for f in NEW} == {"flux2": 512, "qwen_image": 512, "chroma": 512, "sana": 300,
-                                                       "z_image": 512, "lumina2": 256}
+                                                       "z_image": 512, "lumina2": 256, "hidream": 128}
 
 
 @pytest.mark.parametrize("family", NEW)
@@ -54,25 +58,29 @@ def test_tiny_folder_loads_the_pipelines_classes(folders, loaded, family):
     assert json.loads((folders[family] / "model_index.json").read_text())["_class_name"] == spec.pipeline
     model, tokenizer = enc.models["text_encoder"], enc.tokenizers["tokenizer"]
     assert type(model) is getattr(transformers, MODEL[family])
-    annotation = inspect.signature(getattr(diffusers, spec.pipeline).__init__).parameters["text_encoder"].annotation
-    assert isinstance(model, annotation)  # the class the pipeline declares (Z-Image: any PreTrainedModel)
+    parameters = inspect.signature(getattr(diffusers, spec.pipeline).__init__).parameters
+    for slot in spec.slots:   # the class the pipeline declares for each encoder (Z-Image: any PreTrainedModel)
+        assert isinstance(enc.models[slot.model], parameters[slot.model].annotation)
     if family == "flux2":  # the pipeline's tokenizer is an AutoProcessor
         assert isinstance(tokenizer, transformers.PixtralProcessor) and tokenizer.chat_template
     if family == "z_image":  # the pipeline applies the chat template
         assert tokenizer.chat_template
-    assert enc.paths == {"text_encoder": str(folders[family] / "text_encoder"),
-                         "tokenizer": str(folders[family] / "tokenizer")}
+    assert enc.paths == {k: str(folders[family] / k) for s in spec.slots for k in (s.model, s.tokenizer)}
 
 
 @pytest.mark.parametrize("family", NEW)
 def test_encode_prompts_shapes_masks_determinism(loaded, family):
     enc, length = loaded[family], LENGTH[family]
     out = encode_prompts(family, enc, PROMPTS, max_length=length)
-    assert list(out) == ["text"] + (["text_mask"] if family != "flux2" else [])
+    masked = family not in ("flux2", "hidream")
+    assert list(out) == ["text"] + (["text_mask"] if masked else []) + list(OTHER.get(family, {}))
+    for key, shape in OTHER.get(family, {}).items():
+        assert out[key].shape == (3, *shape) and out[key].dtype == np.float32 and np.isfinite(out[key]).all()
+        assert not np.allclose(out[key][0], out[key][2])
     text = out["text"]
     assert text.shape == (3, length, WIDTH[family]) and text.dtype == np.float32 and np.isfinite(text).all()
     assert not np.allclose(text[0], text[2])
-    if family != "flux2":
+    if masked:
         mask = out["text_mask"]
         assert mask.dtype == bool and mask.shape == (3, length)
         n = mask.sum(1)
@@ -82,25 +90,26 @@ def test_encode_prompts_shapes_masks_determinism(loaded, family):
         if family in ZERO_PADDED:
             assert not text[~mask].any()
     again = encode_prompts(family, enc, PROMPTS, max_length=length)
-    np.testing.assert_array_equal(again["text"], text)
     alone = encode_prompts(family, enc, PROMPTS[2:], max_length=length)  # independent of the batch
-    np.testing.assert_allclose(alone["text"][0], text[2], rtol=1e-5, atol=1e-5)
-    if family != "flux2":
-        np.testing.assert_array_equal(alone["text_mask"][0], out["text_mask"][2])
+    for key in out:
+        np.testing.assert_array_equal(again[key], out[key])
+        np.testing.assert_allclose(alone[key][0], out[key][2], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["chroma", "z_image", "lumina2"])
+@pytest.mark.parametrize("family", ["chroma", "z_image", "lumina2", "hidream"])
 def test_default_length_is_the_pipelines(loaded, family):
     out = encode_prompts(family, loaded[family], "a cat")
-    assert out["text"].shape[1] == FAMILIES[family].max_length == out["text_mask"].shape[1]
+    lengths = {k: v.shape[-1 if k == "text_mask" else -2] for k, v in out.items() if k != "pooled"}
+    assert set(lengths.values()) == {FAMILIES[family].max_length}, lengths
 
 
 def _pipeline(family, enc):
     import diffusers
 
     cls = getattr(diffusers, FAMILIES[family].pipeline)
-    return cls(text_encoder=enc.models["text_encoder"], tokenizer=enc.tokenizers["tokenizer"], vae=None,
-               transformer=None, scheduler=diffusers.FlowMatchEulerDiscreteScheduler())
+    parts = {k: v for s in FAMILIES[family].slots
+             for k, v in ((s.model, enc.models[s.model]), (s.tokenizer, enc.tokenizers[s.tokenizer]))}
+    return cls(**parts, vae=None, transformer=None, scheduler=diffusers.FlowMatchEulerDiscreteScheduler())
 
 
 def _reference(family, pipe, length):
@@ -125,6 +134,8 @@ def _reference(family, pipe, length):
         return pipe.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False,
                                   max_sequence_length=length)[0], None
     r = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=length)
+    if family == "hidream":   # (t5, neg, llama (layers, B, L, Dl), neg, pooled, neg)
+        return r[0], None, {"pooled": r[4], "llama": r[2].transpose(0, 1)}
     return r[0], r[1]
 
 
@@ -133,7 +144,11 @@ def test_encode_prompts_matches_the_diffusers_pipeline(loaded, family):
     enc, length = loaded[family], LENGTH[family]
     ours = encode_prompts(family, enc, PROMPTS, max_length=length)
     with torch.inference_mode():
-        text, mask = _reference(family, _pipeline(family, enc), length)
+        text, mask, *other = _reference(family, _pipeline(family, enc), length)
+    extra = other[0] if other else {}   # hidream: pooled, llama
+    assert set(ours) - {"text", "text_mask"} == set(extra)
+    for key, value in extra.items():
+        np.testing.assert_allclose(ours[key], value.float().numpy(), rtol=1e-5, atol=1e-6)
     if isinstance(text, list):  # Z-Image: one row per prompt, its real tokens only
         mask = torch.stack([torch.arange(length) < len(row) for row in text])
         text = torch.stack([torch.cat([row, row.new_zeros(length - len(row), row.shape[1])]) for row in text])
@@ -153,26 +168,43 @@ def _other_model(family):
     return "sana" if family == "chroma" else "chroma"  # a Gemma-2 folder for chroma, a T5 folder for the rest
 
 
+def _lm_slot(family):
+    """The family's language-model encoder, whose class depends on config.json's model_type: the only encoder but
+    for hidream (the last: its Llama, text_encoder_4)."""
+    return next(s for s in reversed(FAMILIES[family].slots) if s.kind in MODEL_TYPES)
+
+
+def _paths(family, folders, **override):
+    """Every encoder's and tokenizer's own folder from the tiny pipeline folder, some overridden (None: left out)."""
+    paths = {k: folders[family] / k for s in FAMILIES[family].slots for k in (s.model, s.tokenizer)}
+    return {k: v for k, v in {**paths, **override}.items() if v is not None}
+
+
 @pytest.mark.parametrize("family", NEW)
 def test_errors_name_family_encoder_and_path(folders, family, tmp_path):
-    spec, slot = FAMILIES[family], FAMILIES[family].slots[0]
+    spec, slot = FAMILIES[family], _lm_slot(family)
+    model, tok = slot.model, slot.tokenizer
     what = slot.what.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")
     advice = rf"hf download {spec.repo.replace('.', '[.]')} --include 'text_encoder\*/\*' 'tokenizer\*/\*'"
+    own = advice
+    if slot.download:   # hidream's Llama is not in its repo: the messages say where it comes from
+        own = r"hf download meta-llama/Meta-Llama-3\.1-8B-Instruct --exclude 'original/\*' --local-dir DIR/text_enc"
+        advice += ".*" + own
     with pytest.raises(TextEncoderError, match=rf"{family} text encoders: the pipeline folder '.*missing' does not "
                                                rf"exist.*{advice}"):
         load_text_encoders(family, tmp_path / "missing")
-    with pytest.raises(TextEncoderError, match=rf"{family} text encoder 'text_encoder' \({what}\): no model at "
-                                               rf"'.*nowhere/text_encoder' \(no such folder\).*{advice}"):
-        load_text_encoders(family, {"text_encoder": tmp_path / "nowhere/text_encoder",
-                                    "tokenizer": folders[family] / "tokenizer"})
-    with pytest.raises(TextEncoderError, match=rf"{family} tokenizer 'tokenizer' of text encoder 'text_encoder' "
-                                               rf"\({what}\): no tokenizer files .* in '.*{family}/text_encoder'"):
-        resolve_text_encoder_paths(family, {"text_encoder": folders[family] / "text_encoder"})
+    with pytest.raises(TextEncoderError, match=rf"{family} text encoder '{model}' \({what}\): no model at "
+                                               rf"'.*nowhere/{model}' \(no such folder\).*{own}"):
+        load_text_encoders(family, _paths(family, folders, **{model: tmp_path / "nowhere" / model}))
+    with pytest.raises(TextEncoderError, match=rf"{family} tokenizer '{tok}' of text encoder '{model}' "
+                                               rf"\({what}\): no tokenizer files .* in '.*{family}/{model}'"):
+        resolve_text_encoder_paths(family, _paths(family, folders, **{tok: None}))
     other = folders[_other_model(family)]
-    with pytest.raises(TextEncoderError, match=rf"{family} text encoder 'text_encoder' at '{other}/text_encoder' is "
+    with pytest.raises(TextEncoderError, match=rf"{family} text encoder '{model}' at '{other}/text_encoder' is "
                                                rf"a '(t5|gemma2)' model; expected {what} \(config.json model_type "
                                                rf"'[a-z0-9_]+'"):
-        load_text_encoders(family, {"text_encoder": other / "text_encoder", "tokenizer": other / "tokenizer"})
+        load_text_encoders(family, _paths(family, folders, **{model: other / "text_encoder",
+                                                              tok: other / "tokenizer"}))
 
 
 def test_a_tokenizer_without_its_chat_template_is_named(folders, tmp_path):

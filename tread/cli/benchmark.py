@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--steps", type=int, default=10, help="timed steps per config")
     add("--warmup", type=int, default=3, help="untimed steps per config (compilation happens here)")
     add("--rounds", type=int, default=2, help="interleaved timing rounds the steps are split into")
+    add("--one-at-a-time", action="store_true",
+        help="hold one config in memory at a time: each round builds each config afresh (same weights), warms it "
+             "up, times it and frees it (models of which two configs do not fit in memory)")
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     add("--device", default="auto", choices=DEVICES, help="auto (accelerate's choice), cpu (train.cpu), cuda")
     add("--precision", choices=PRECISIONS, default=None, help="train.mixed_precision (default: the config's)")

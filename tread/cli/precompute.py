@@ -25,13 +25,17 @@ processes. --ref-out also writes reference statistics (FID) of the same center-c
 Text-to-image data (optional): --captions FILE (CSV/TSV `file name,caption` lines, the caption being the rest of
 the line, or a JSON object {file name: caption}; names relative to --images, e.g. cls/x.png for class folders)
 and/or --caption-from-class 'a photo of a {class}' (captions the images the file does not, from their class
-name), encoded with --text-family NAME (tread.encoders.text.TEXT_FAMILIES: flux, sd3, wan, auraflow, pixart, flux2,
-qwen_image, chroma, sana, z_image, lumina2) by the text encoders of a local diffusers
+name), encoded with --text-family NAME (tread.encoders.text_families.TEXT_FAMILIES: flux, sd3, wan, auraflow, pixart, flux2,
+qwen_image, chroma, sana, z_image, lumina2, hidream) by the text encoders of a local diffusers
 pipeline folder (--text-encoders DIR; `hf download <repo> --include 'text_encoder*/*' 'tokenizer*/*'
 --local-dir DIR`) or per-encoder folders (--text-encoder-path text_encoder_2=/models/t5), exactly as that
 family's pipeline encodes prompts (tread/encoders/text.py). Each image's caption is encoded once (its flipped copy
-reuses it) into text_embeds.npy [+ text_mask.npy, pooled_embeds.npy]; --no-t5 (sd3) encodes without T5 (not loaded;
-its part, after the 77 CLIP tokens, is zeros). --loss-masks DIR adds loss_mask.npy: one
+reuses it) into text_embeds.npy [+ text_mask.npy, pooled_embeds.npy, llama_embeds.npy]; --no-t5 (sd3) encodes
+without T5 (not loaded; its part, after the 77 CLIP tokens, is zeros). hidream also stores the Llama-3.1 hidden
+states of every layer in llama_embeds.npy, in --dtype: 32 layers x 128 tokens x 4096 = 32 MiB per caption in
+float16 (64 MiB in float32; 1000 captions: about 31 GiB), and a work shard holds its captions' states in memory,
+so use a small --shard-size (e.g. 64) and --batch-size, and a shorter --max-text-length where the captions allow.
+--loss-masks DIR adds loss_mask.npy: one
 grayscale mask per image at DIR/<the image's relative path with its stem>.png (any image extension; the image's
 size; 255 = inside), center-cropped like its image to --resolution (flipped copies get flipped masks).
 
@@ -59,7 +63,7 @@ from tread.data.precompute_plan import Plan
 from tread.data.precompute_request import DEFAULT_VAE, PrecomputeError, PrecomputeRequest
 from tread.data.precompute_run import collective, encode_dataset, prepare
 from tread.encoders.errors import EncoderError
-from tread.encoders.text import TEXT_FAMILIES
+from tread.encoders.text_families import TEXT_FAMILIES
 from tread.evaluation.extractors import feature_extractor
 from tread.evaluation.reference import ReferenceBuilder
 
@@ -122,8 +126,10 @@ def _execution_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--device", default="auto", help="auto (each process's GPU if any, default) | cpu | cuda")
     run.add_argument("--batch-size", type=int, default=64, help="images per VAE call (default 64)")
     run.add_argument("--shard-size", type=int, default=1000, help="images per work shard: the unit of resuming "
-                                                                  "and of splitting work across processes "
-                                                                  "(default 1000)")
+                                                                  "and of splitting work across processes, held "
+                                                                  "in memory while encoded (default 1000; "
+                                                                  "--text-family hidream: 32 MiB of Llama states "
+                                                                  "per image in float16, so e.g. 64)")
     run.add_argument("--workers", type=int, default=4, help="threads reading and cropping images (default 4; "
                                                             "0: in the main thread)")
 
@@ -137,7 +143,9 @@ def _conditioning_args(p: argparse.ArgumentParser) -> None:
                                                                        "(or all) from their class name, e.g. "
                                                                        "'a photo of a {class}'")
     cond.add_argument("--text-family", metavar="NAME", help="encode captions as this model family's pipeline "
-                                                            f"does: {' | '.join(TEXT_FAMILIES)}")
+                                                            f"does: {' | '.join(TEXT_FAMILIES)} (hidream also "
+                                                            "stores llama_embeds.npy: every Llama layer's hidden "
+                                                            "states, 32 MiB per caption in float16)")
     cond.add_argument("--text-encoders", metavar="DIR", help="local diffusers pipeline folder with the family's "
                                                              "text_encoder*/ and tokenizer*/ sub-folders")
     cond.add_argument("--text-encoder-path", metavar="KEY=PATH", action="append", default=[],
@@ -145,7 +153,7 @@ def _conditioning_args(p: argparse.ArgumentParser) -> None:
                            "text_encoder, tokenizer, text_encoder_2, tokenizer_2, ...)")
     cond.add_argument("--max-text-length", type=int, metavar="N",
                       help="text sequence length (default: the family pipeline's, e.g. flux 512, pixart 120, "
-                           "sana 300)")
+                           "sana 300, hidream 128)")
     cond.add_argument("--no-t5", action="store_true", help="sd3 only: encode without T5 (not loaded; its part of "
                                                            "the embeddings is zeros, as the pipeline with "
                                                            "text_encoder_3=None)")

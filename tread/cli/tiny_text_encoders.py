@@ -6,7 +6,7 @@ import argparse
 from typing import Optional, Sequence
 
 from tread.cli.errors import user_errors
-from tread.encoders.text import TEXT_FAMILIES
+from tread.encoders.text_families import TEXT_FAMILIES
 from tread.encoders.tiny_text import save_tiny_text_encoders
 
 

@@ -28,6 +28,10 @@ come together (one without the other is an error). Data without them is class-co
                                             (as the family's pipeline produces them: tread/encoders/text.py)
     files.text_mask      text_mask.npy      (N, L) bool: their attention mask (True = real token)
     files.pooled_embeds  pooled_embeds.npy  (N, P) float16|float32: pooled text embeddings
+    files.llama_embeds   llama_embeds.npy   (N, n, L, Dl) float16|float32: HiDream's Llama-3.1 hidden states,
+                                            n layers (hidden_states[1:]) per caption, beside the T5 text_embeds
+                                            (needs files.text_embeds); 32 x 128 x 4096 values per caption for
+                                            HiDream-I1 (32 MiB in float16)
     files.loss_mask      loss_mask.npy      (N, Hm, Wm) uint8: coverage 0..255 (255 = fully inside) at any
                                             resolution (image or latent); read as float (uint8 / 255)
     files.reference_latents  reference_latents.npy  (N, C, H, W) of `dtype`, C, H, W the model-space shape
@@ -38,11 +42,13 @@ come together (one without the other is an error). Data without them is class-co
                                             read * latent_scale, whatever latent_kind the targets have. Its
                                             shape follows from meta "shape", so it has no describing meta key.
     meta "conditioning"  {"text": {"seq_len": L, "dim": D, "mask": true|false, ...free keys, e.g. "family",
-                          "encoders", "max_length"}, "pooled": {"dim": P, ...}}   (each part optional)
+                          "encoders", "max_length"}, "pooled": {"dim": P, ...},
+                          "llama": {"layers": n, "seq_len": L, "dim": Dl, ...}}   (each part optional)
     meta "loss_mask"     {"shape": [Hm, Wm]}
 
 LatentDataset items are (x, y) without such files and (x, y, extras) with them: extras is a dict with the
-keys present among "text" float32 (L, D), "text_mask" bool (L,), "pooled" float32 (P,), "loss_mask" float32
+keys present among "text" float32 (L, D), "text_mask" bool (L,), "pooled" float32 (P,), "llama" float32 (n, L, Dl),
+"loss_mask" float32
 (1, Hm, Wm) in [0, 1], "reference" float32 (C, H, W) model-space latents (batched by __getitems__: a leading B).
 COND_KEYS are the extras a model takes as per-sample conditioning (cond=...; training, sampling and FLOPs
 counting pass exactly these on); the loss mask is the training step's. routing.token_keep_mask /
@@ -69,15 +75,17 @@ LATENT_KINDS = ("sample", "moments")
 DEFAULT_FILES = {"latents": "latents.npy", "labels": "labels.npy"}
 # Optional per-sample files: meta "files" key -> default file name.
 EXTRA_FILES = {"text_embeds": "text_embeds.npy", "text_mask": "text_mask.npy", "pooled_embeds": "pooled_embeds.npy",
-               "loss_mask": "loss_mask.npy", "reference_latents": "reference_latents.npy"}
+               "llama_embeds": "llama_embeds.npy", "loss_mask": "loss_mask.npy",
+               "reference_latents": "reference_latents.npy"}
 # Keys of an extras dict (writer input, reader output), in this order, and the files holding them.
-EXTRA_KEYS = ("text", "text_mask", "pooled", "loss_mask", "reference")
-EXTRA_FILE_OF = {"text": "text_embeds", "text_mask": "text_mask", "pooled": "pooled_embeds",
+EXTRA_KEYS = ("text", "text_mask", "pooled", "llama", "loss_mask", "reference")
+EXTRA_FILE_OF = {"text": "text_embeds", "text_mask": "text_mask", "pooled": "pooled_embeds", "llama": "llama_embeds",
                  "loss_mask": "loss_mask", "reference": "reference_latents"}
 # The optional meta key of each file's size, mtime, digest and non-finite samples (tread/data/integrity.py).
 INTEGRITY_KEY = "integrity"
-# The extras that are the model's per-sample conditioning (cond=...): text embeddings, Kontext reference latents.
-COND_KEYS = ("text", "text_mask", "pooled", "reference")
+# The extras that are the model's per-sample conditioning (cond=...): text embeddings (HiDream's Llama states too),
+# Kontext reference latents.
+COND_KEYS = ("text", "text_mask", "pooled", "llama", "reference")
 # Top-level meta.json keys and the JSON types they must have (checked in detail in read_meta).
 META_TYPES: dict[str, tuple[type, ...]] = {
     "format": (str,), "version": (int,), "shape": (list,), "dtype": (str,), "num_samples": (int,),
@@ -175,6 +183,9 @@ def validate_meta(meta: Any, where: str, advice: str = FIX_META) -> dict:
     return meta
 
 
+LLAMA_KEYS = ("layers", "seq_len", "dim")   # conditioning.llama: the (n, L, Dl) of each sample's Llama states
+
+
 def _pos_int(v: Any) -> bool:
     return _is_type(v, (int,)) and v > 0
 
@@ -184,11 +195,27 @@ def _validate_conditioning(meta: dict, where: str, advice: str) -> None:
     def bad(key: str, value: Any, expected: str) -> LatentDatasetError:
         return LatentDatasetError(f"{where}: key '{key}' is {value!r} but must be {expected}. {advice}")
 
+    text, pooled, llama, lm = _described_parts(meta, bad)
+    files = meta["files"]
+    for key, described, what in (("text_embeds", text is not None, "conditioning.text"),
+                                 ("text_mask", bool(text and text.get("mask")), "conditioning.text.mask=true"),
+                                 ("pooled_embeds", pooled is not None, "conditioning.pooled"),
+                                 ("llama_embeds", llama is not None, "conditioning.llama"),
+                                 ("loss_mask", lm is not None, "loss_mask")):
+        if (key in files) != described:
+            have, lack = (f"files.{key}", what) if key in files else (what, f"files.{key}")
+            raise LatentDatasetError(f"{where}: meta has {have} but no {lack}; an optional file and its "
+                                     f"description go together (both or neither). {advice}")
+
+
+def _described_parts(meta: dict, bad: Any) -> tuple[Any, Any, Any, Any]:
+    """The meta's (conditioning.text, .pooled, .llama, loss_mask), each None or checked; bad(key, value,
+    expected) makes the error."""
     cond = meta.get("conditioning")
     if cond is None:
         cond = {}
     elif not isinstance(cond, dict):
-        raise bad("conditioning", cond, "an object {'text': {...}, 'pooled': {...}} or absent")
+        raise bad("conditioning", cond, "an object {'text': {...}, 'pooled': {...}, 'llama': {...}} or absent")
     text, pooled, lm = cond.get("text"), cond.get("pooled"), meta.get("loss_mask")
     if text is not None:
         if not isinstance(text, dict) or not (_pos_int(text.get("seq_len")) and _pos_int(text.get("dim"))):
@@ -199,20 +226,19 @@ def _validate_conditioning(meta: dict, where: str, advice: str) -> None:
     if pooled is not None and (not isinstance(pooled, dict) or not _pos_int(pooled.get("dim"))):
         raise bad("conditioning.pooled", pooled, "an object with a positive integer 'dim' (P, the pooled "
                                                  "embedding size)")
+    llama = cond.get("llama")
+    if llama is not None and (not isinstance(llama, dict) or not all(_pos_int(llama.get(k)) for k in LLAMA_KEYS)):
+        raise bad("conditioning.llama", llama, "an object with positive integers 'layers' (n), 'seq_len' (L) and "
+                                               "'dim' (Dl) (the shape of each sample's Llama hidden states)")
+    if llama is not None and text is None:
+        raise bad("conditioning.llama", llama, "absent without conditioning.text: the Llama hidden states go with "
+                                               "the T5 text embeddings (HiDream), so text_embeds.npy is needed too")
     if lm is not None:
         shape = lm.get("shape") if isinstance(lm, dict) else None
         if not (isinstance(shape, list) and len(shape) == 2 and all(_pos_int(v) for v in shape)):
             raise bad("loss_mask", lm, "an object {'shape': [Hm, Wm]} with two positive integers (the mask "
                                        "resolution)")
-    files = meta["files"]
-    for key, described, what in (("text_embeds", text is not None, "conditioning.text"),
-                                 ("text_mask", bool(text and text.get("mask")), "conditioning.text.mask=true"),
-                                 ("pooled_embeds", pooled is not None, "conditioning.pooled"),
-                                 ("loss_mask", lm is not None, "loss_mask")):
-        if (key in files) != described:
-            have, lack = (f"files.{key}", what) if key in files else (what, f"files.{key}")
-            raise LatentDatasetError(f"{where}: meta has {have} but no {lack}; an optional file and its "
-                                     f"description go together (both or neither). {advice}")
+    return text, pooled, llama, lm
 
 
 def has_model_conditioning(conditioning: Mapping[str, Any]) -> bool:

@@ -14,7 +14,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from tread.encoders.text import default_max_length, encode_prompts, family_slots
+from tread.encoders.text import default_max_length, encode_prompts
+from tread.encoders.text_families import family_slots
 from tread.encoders.vae import encode
 from tread.utils.io import atomic_write
 from tread.utils.readers import image_size, read_image
@@ -128,13 +129,8 @@ def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[Thread
                                    "the references of " if ref else "", f16 + vae_advice)
     if masks:
         arrays["loss_mask"] = np.concatenate(masks).astype(np.uint8)
-    for key, values in text.items():  # text (B, L, D), [text_mask (B, L) bool], [pooled (B, P)]
-        value = np.concatenate(values)
-        if key != "text_mask":
-            text_advice = (" (try --text-encoder-dtype float32)"
-                           if plan.settings["text"]["encoder_dtype"] != "float32" else "")
-            value = _cast_stored(value, store, plan, start, f"{key} embeddings", "the captions of ", f16 + text_advice)
-        arrays[key] = value
+    # text (B, L, D), [text_mask (B, L) bool], [pooled (B, P)], [llama (B, n, L, Dl)]: already in the stored dtype
+    arrays.update({key: np.concatenate(values) for key, values in text.items()})
     arrays.update(labels=plan.labels[start:stop].astype(np.int64), indices=np.arange(start, stop, dtype=np.int64),
                   settings=np.array(settings_text(plan.settings)))
     atomic_write(plan.shard_file(shard), lambda f: np.savez(f, **arrays), fsync=True)
@@ -158,10 +154,21 @@ def _encode_images(plan: Plan, start: int, stop: int, encoder: Encoder, pool: Op
                 refs.setdefault(key, []).append(value)
         if encoder.text is not None:  # once per image: flipped copies reuse it
             for key, value in encoder.text([plan.captions[i] for i in idx]).items():
-                text.setdefault(key, []).append(value)
+                text.setdefault(key, []).append(_stored_text(plan, key, value, int(idx[0])))
         if progress is not None:
             progress.update(len(idx))
     return lat, flipped, masks, text, refs
+
+
+def _stored_text(plan: Plan, key: str, value: np.ndarray, start: int) -> np.ndarray:
+    """One batch's text array (images from `start`) as stored: embeddings cast to --dtype at once, so a shard
+    never holds float32 copies (HiDream's Llama states are 32 layers x L x 4096 per caption); masks as they are."""
+    if key == "text_mask":
+        return value
+    store = np.dtype(plan.settings["dtype"])
+    advice = (" (float16 overflows above 65504: try --dtype float32)" if store == np.float16 else "") + \
+        (" (try --text-encoder-dtype float32)" if plan.settings["text"]["encoder_dtype"] != "float32" else "")
+    return _cast_stored(value, store, plan, start, f"{key} embeddings", "the captions of ", advice)
 
 
 def _encode_references(plan: Plan, idx: np.ndarray, encoder: Encoder, pool: Optional[ThreadPoolExecutor]
@@ -219,7 +226,7 @@ def merge_shards(plan: Plan, meta: dict) -> Path:
                              num_classes=plan.num_classes, class_names=plan.class_names,
                              dtype=plan.settings["dtype"], text_shape=shapes.get("text"),
                              text_mask="text_mask" in shapes, pooled_dim=shapes["pooled"][0] if "pooled" in shapes
-                             else None, loss_mask_shape=shapes.get("loss_mask"),
+                             else None, llama_shape=shapes.get("llama"), loss_mask_shape=shapes.get("loss_mask"),
                              reference_latents="reference" in shapes, **meta) as writer:
         for shard in range(plan.num_shards):
             z = first if shard == 0 else read_shard(plan, shard)

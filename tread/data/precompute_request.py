@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from tread.encoders.text import FAMILIES, TEXT_FAMILIES, TextEncoderError, encoder_keys, resolve_text_encoder_paths
+from tread.encoders.text import TextEncoderError, resolve_text_encoder_paths
+from tread.encoders.text_families import FAMILIES, TEXT_FAMILIES, encoder_keys
 from tread.utils.errors import UserError
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
@@ -185,7 +186,9 @@ def _check_text_family(req: PrecomputeRequest, captioned: bool) -> None:
         raise PrecomputeError(f"--text-family {family} needs its text encoders: --text-encoders DIR, a local "
                               f"diffusers pipeline folder with text_encoder*/ and tokenizer*/ (fetch one with "
                               f"`hf download {FAMILIES[family].repo} --include 'text_encoder*/*' "
-                              f"'tokenizer*/*' --local-dir DIR`), or --text-encoder-path KEY=PATH per encoder")
+                              f"'tokenizer*/*' --local-dir DIR`), or --text-encoder-path KEY=PATH per encoder"
+                              + "".join(f". {s.model} ({s.what}): {s.download}"
+                                        for s in FAMILIES[family].slots if s.download))
     if req.no_t5 and family != "sd3":
         raise PrecomputeError(f"--no-t5 is for --text-family sd3 only (SD3 runs without T5); --text-family "
                               f"{family}'s text embeddings are its T5's output")

@@ -16,8 +16,8 @@ import torch
 
 from tread.utils.readers import read_npy
 
-from .meta import (DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, INTEGRITY_KEY, REBUILD, LatentDatasetError, PathLike,
-                   latent_kind, model_shape, read_meta)
+from .meta import (DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, INTEGRITY_KEY, LLAMA_KEYS, REBUILD, LatentDatasetError,
+                   PathLike, latent_kind, model_shape, read_meta)
 
 
 def _open_npy(file: Path, key: str) -> np.ndarray:
@@ -108,14 +108,17 @@ class LatentMeta:
     @property
     def conditioning(self) -> dict[str, Any]:
         """The optional per-sample data: {"text": (L, D) or None, "text_mask": bool, "pooled": P or None,
-        "loss_mask": (Hm, Wm) or None} (from meta "conditioning" and "loss_mask"), and "reference": (C, H, W), the
+        "llama": (n, L, Dl) or None (HiDream's Llama states), "loss_mask": (Hm, Wm) or None} (from meta
+        "conditioning" and "loss_mask"), and "reference": (C, H, W), the
         model-space latent shape, only for data with files.reference_latents (FLUX Kontext edit pairs; absent
         otherwise, so read it with .get)."""
         cond = self._meta.get("conditioning") or {}
         text, pooled, lm = cond.get("text"), cond.get("pooled"), self._meta.get("loss_mask")
+        llama = cond.get("llama")
         out = {"text": None if text is None else (text["seq_len"], text["dim"]),
                "text_mask": bool(text is not None and text.get("mask", False)),
                "pooled": None if pooled is None else pooled["dim"],
+               "llama": None if llama is None else tuple(llama[k] for k in LLAMA_KEYS),
                "loss_mask": None if lm is None else tuple(lm["shape"])}
         if "reference_latents" in self._meta["files"]:
             out["reference"] = model_shape(self._meta)
@@ -125,7 +128,7 @@ class LatentMeta:
     def has_extras(self) -> bool:
         """True when items carry an extras dict (text / pooled embeddings, loss masks, references) after (x, y)."""
         c = self.conditioning
-        return any(c.get(k) is not None for k in ("text", "pooled", "loss_mask", "reference"))
+        return any(c.get(k) is not None for k in ("text", "pooled", "llama", "loss_mask", "reference"))
 
     def __len__(self) -> int:
         return self._meta["num_samples"]
@@ -184,6 +187,8 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         expected = {"text": ((n, *(c["text"] or ())), DTYPES, "num_samples, conditioning.text seq_len and dim"),
                     "text_mask": ((n, (c["text"] or (0,))[0]), ("bool",), "num_samples, conditioning.text seq_len"),
                     "pooled": ((n, c["pooled"]), DTYPES, "num_samples, conditioning.pooled dim"),
+                    "llama": ((n, *(c["llama"] or ())), DTYPES,
+                              "num_samples, conditioning.llama layers, seq_len and dim"),
                     "loss_mask": ((n, *(c["loss_mask"] or ())), ("uint8",), "num_samples, loss_mask.shape"),
                     "reference": ((n, *(c.get("reference") or ())), (m["dtype"],),
                                   "num_samples, dtype and the model-space shape")}
@@ -217,8 +222,8 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
                                                             tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         """Batched fetch, (x (B, C, H, W) float32, y (B,) int64), with one fancy-indexed read of each memmap;
         with extras (x, y, {"text": (B, L, D) float32, "text_mask": (B, L) bool, "pooled": (B, P) float32,
-        "loss_mask": (B, 1, Hm, Wm) float32 in [0, 1], "reference": (B, C, H, W) float32}), the keys the dataset
-        has, in request order."""
+        "llama": (B, n, L, Dl) float32, "loss_mask": (B, 1, Hm, Wm) float32 in [0, 1], "reference": (B, C, H, W)
+        float32}), the keys the dataset has, in request order."""
         latents, labels = self._open()
         idx = np.asarray(indices, dtype=np.int64)
         order = np.argsort(idx, kind="stable")  # ascending reads are mostly sequential on disk
@@ -237,8 +242,9 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
 
 
 def _extra_tensor(key: str, batch: np.ndarray, latent_scale: float) -> torch.Tensor:
-    """A batch read from an extras file -> its tensor: float32 embeddings, bool mask, (B, 1, Hm, Wm) float
-    loss mask in [0, 1] (uint8 / 255), float32 model-space reference latents (stored values * latent_scale)."""
+    """A batch read from an extras file -> its tensor: float32 embeddings (text, pooled, llama), bool mask,
+    (B, 1, Hm, Wm) float loss mask in [0, 1] (uint8 / 255), float32 model-space reference latents (stored values *
+    latent_scale)."""
     t = torch.from_numpy(batch)
     if key == "reference":
         return t.float() * latent_scale

@@ -1,7 +1,7 @@
 """The built-in text-conditioned dataset "toy_shapes_text": the toy_shapes images (tread/data/toy.py) captioned from
 their class ("a red disc", ...) and the captions encoded with a text-to-image family's own text encoders
 (tread/encoders/text.py, the family pipeline's encoding), stored in the latent format with text_embeds.npy (and
-pooled_embeds.npy / text_mask.npy as the family has them).
+pooled_embeds.npy / text_mask.npy / llama_embeds.npy as the family has them).
 
 It lets the practitioner's loop (text data -> adapters -> prompts in -> adapter out) run offline on a CPU: with
 real encoders (a local pipeline folder) the embeddings are the real ones; with the tiny random stand-ins that
@@ -19,7 +19,8 @@ from typing import Optional, Union
 
 import numpy as np
 
-from tread.encoders.text import TEXT_FAMILIES, encode_prompts, load_text_encoders
+from tread.encoders.text import encode_prompts, load_text_encoders
+from tread.encoders.text_families import TEXT_FAMILIES
 
 from .meta import LatentDatasetError
 from .toy import TOY_CLASS_NAMES, ensure_builtin, generate_toy_shapes

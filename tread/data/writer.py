@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from .integrity import integrity_record
-from .meta import (DEFAULT_FILES, EXTRA_FILE_OF, EXTRA_FILES, EXTRA_KEYS, FORMAT, INTEGRITY_KEY, VERSION,
+from .meta import (DEFAULT_FILES, EXTRA_FILE_OF, EXTRA_FILES, EXTRA_KEYS, FORMAT, INTEGRITY_KEY, LLAMA_KEYS, VERSION,
                    LatentDatasetError, LatentDatasetExistsError, PathLike, model_shape, validate_meta)
 
 
@@ -30,11 +30,15 @@ def _check_target(root: Path) -> None:
 # What each extras array holds, for error messages.
 EXTRA_WHAT = {"text": "(n, L, D) float array of text embeddings", "text_mask": "(n, L) bool attention mask",
               "pooled": "(n, P) float array of pooled embeddings",
+              "llama": "(n, layers, L, Dl) float array of Llama hidden states",
               "loss_mask": "(n, Hm, Wm) loss mask (uint8 0..255, or float in [0, 1])",
               "reference": "(n, C, H, W) float array of reference latents (stored values, like the latents)"}
-_EXTRA_NDIM = {"text": 3, "text_mask": 2, "pooled": 2, "loss_mask": 3, "reference": 4}
-DECLARE = "text_shape=(L, D), text_mask=True, pooled_dim=P, loss_mask_shape=(Hm, Wm), reference_latents=True"
-_RESERVED = {"text": ("seq_len", "dim", "mask"), "pooled": ("dim",)}  # conditioning keys the writer sets itself
+_EXTRA_NDIM = {"text": 3, "text_mask": 2, "pooled": 2, "llama": 4, "loss_mask": 3, "reference": 4}
+DECLARE = ("text_shape=(L, D), text_mask=True, pooled_dim=P, llama_shape=(layers, L, Dl), loss_mask_shape=(Hm, Wm), "
+           "reference_latents=True")
+# conditioning keys the writer sets itself, and the writer argument each part comes from
+_RESERVED = {"text": ("seq_len", "dim", "mask"), "pooled": ("dim",), "llama": LLAMA_KEYS}
+_ARG_OF = {"text": "text_shape", "pooled": "pooled_dim", "llama": "llama_shape"}
 
 
 def _dims(value: Any, n: int, name: str, what: str, root: Path) -> Optional[tuple[int, ...]]:
@@ -50,11 +54,13 @@ def _dims(value: Any, n: int, name: str, what: str, root: Path) -> Optional[tupl
 
 
 def _conditioning_layout(root: Path, dtype: str, text_shape, text_mask: bool, pooled_dim, loss_mask_shape,
-                         conditioning_meta: Optional[Mapping[str, Any]]) -> tuple[dict, dict]:
+                         conditioning_meta: Optional[Mapping[str, Any]], llama_shape=None) -> tuple[dict, dict]:
     """(meta keys to add, {extras key: (per-sample shape, storage dtype)}) for the writer's optional arrays."""
     text = _dims(text_shape, 2, "text_shape", "(L, D): two positive integers (sequence length, embedding size)",
                  root)
     pooled = _dims(pooled_dim, 0, "pooled_dim", "a positive integer (P, the pooled embedding size)", root)
+    llama = _dims(llama_shape, 3, "llama_shape", "(layers, L, Dl): three positive integers (Llama layers, sequence "
+                                                 "length, hidden size)", root)
     lm = _dims(loss_mask_shape, 2, "loss_mask_shape", "(Hm, Wm): two positive integers (the mask resolution)",
                root)
     if not isinstance(text_mask, (bool, np.bool_)):
@@ -62,9 +68,35 @@ def _conditioning_layout(root: Path, dtype: str, text_shape, text_mask: bool, po
     if text_mask and text is None:
         raise LatentDatasetError(f"text_mask=True for '{root}' needs text_shape=(L, D): the attention mask belongs "
                                  f"to the sequence text embeddings")
-    extra = dict(conditioning_meta or {})
+    if llama is not None and text is None:
+        raise LatentDatasetError(f"llama_shape={llama} for '{root}' needs text_shape=(L, D): the Llama hidden states "
+                                 f"go with the T5 text embeddings (HiDream)")
     ours = {"text": None if text is None else {"seq_len": text[0], "dim": text[1], "mask": bool(text_mask)},
-            "pooled": None if pooled is None else {"dim": pooled[0]}}
+            "pooled": None if pooled is None else {"dim": pooled[0]},
+            "llama": None if llama is None else dict(zip(LLAMA_KEYS, llama))}
+    cond = _described(root, ours, dict(conditioning_meta or {}))
+    meta: dict = {}
+    if conditioning_meta is not None or any(v is not None for v in ours.values()):
+        meta["conditioning"] = cond
+    if lm is not None:
+        meta["loss_mask"] = {"shape": list(lm)}
+    specs: dict = {}
+    if text is not None:
+        specs["text"] = (text, dtype)
+        if text_mask:
+            specs["text_mask"] = (text[:1], "bool")
+    for key, shape in (("pooled", pooled), ("llama", llama)):
+        if shape is not None:
+            specs[key] = (shape, dtype)
+    if lm is not None:
+        specs["loss_mask"] = (lm, "uint8")
+    return meta, specs
+
+
+def _described(root: Path, ours: dict, extra: dict) -> dict:
+    """meta "conditioning": each stored part's shape keys (`ours`: part -> dict or None) with the descriptive
+    keys conditioning_meta (`extra`) adds; describing an absent array, or contradicting a stored one, is an
+    error."""
     cond: dict = {k: v for k, v in extra.items() if k not in ours}
     for part, described in ours.items():
         given = extra.get(part)
@@ -72,7 +104,7 @@ def _conditioning_layout(root: Path, dtype: str, text_shape, text_mask: bool, po
             if described is not None:
                 cond[part] = described
             continue
-        arg = "text_shape" if part == "text" else "pooled_dim"
+        arg = _ARG_OF[part]
         if described is None or not isinstance(given, Mapping):
             raise LatentDatasetError(f"conditioning_meta['{part}'] for '{root}' is {given!r}, but " +
                                      (f"no {arg} was given (describe only stored arrays)" if described is None
@@ -82,21 +114,7 @@ def _conditioning_layout(root: Path, dtype: str, text_shape, text_mask: bool, po
             raise LatentDatasetError(f"conditioning_meta['{part}'] for '{root}' contradicts the arrays: {clash} "
                                      f"(given, from {arg}/text_mask)")
         cond[part] = {**described, **{k: v for k, v in given.items() if k not in _RESERVED[part]}}
-    meta: dict = {}
-    if conditioning_meta is not None or text is not None or pooled is not None:
-        meta["conditioning"] = cond
-    if lm is not None:
-        meta["loss_mask"] = {"shape": list(lm)}
-    specs: dict = {}
-    if text is not None:
-        specs["text"] = (text, dtype)
-        if text_mask:
-            specs["text_mask"] = (text[:1], "bool")
-    if pooled is not None:
-        specs["pooled"] = (pooled, dtype)
-    if lm is not None:
-        specs["loss_mask"] = (lm, "uint8")
-    return meta, specs
+    return cond
 
 
 def _cast_finite(a: np.ndarray, dtype: str, what: str, start: int, stop: int, fix: str) -> np.ndarray:
@@ -118,11 +136,12 @@ class LatentDatasetWriter:
     Optional per-sample arrays (see the module doc): text_shape=(L, D) (text_embeds.npy, in the dataset
     dtype), text_mask=True (text_mask.npy, needs text_shape), pooled_dim=P (pooled_embeds.npy, dataset
     dtype), loss_mask_shape=(Hm, Wm) (loss_mask.npy, uint8), reference_latents=True (reference_latents.npy,
-    dataset dtype, the model-space shape: FLUX Kontext references, stored like "sample" latents). Each one
-    declared must then come with every write, as write(start, latents, labels, extras={"text": ...,
-    "text_mask": ..., "pooled": ..., "loss_mask": ..., "reference": ...}). conditioning_meta adds descriptive
-    keys to meta "conditioning" (e.g. {"text": {"family": "flux", "encoders": [...], "max_length": 512}});
-    seq_len/dim/mask come from the arrays.
+    dataset dtype, the model-space shape: FLUX Kontext references, stored like "sample" latents),
+    llama_shape=(n, L, Dl) (llama_embeds.npy, dataset dtype: HiDream's Llama hidden states, n layers; needs
+    text_shape). Each one declared must then come with every write, as write(start, latents, labels,
+    extras={"text": ..., "text_mask": ..., "pooled": ..., "llama": ..., "loss_mask": ..., "reference": ...}).
+    conditioning_meta adds descriptive keys to meta "conditioning" (e.g. {"text": {"family": "flux", "encoders":
+    [...], "max_length": 512}}); seq_len/dim/mask (layers for llama) come from the arrays.
 
     Pieces go into memory-mapped files in a temporary sibling directory; leaving the block without an error
     checks that every sample was written, records each file's size, mtime, digest and non-finite samples in
@@ -136,7 +155,8 @@ class LatentDatasetWriter:
                  extra_meta: Optional[Mapping[str, Any]] = None, text_shape: Optional[Sequence[int]] = None,
                  text_mask: bool = False, pooled_dim: Optional[int] = None,
                  loss_mask_shape: Optional[Sequence[int]] = None,
-                 conditioning_meta: Optional[Mapping[str, Any]] = None, reference_latents: bool = False):
+                 conditioning_meta: Optional[Mapping[str, Any]] = None, reference_latents: bool = False,
+                 llama_shape: Optional[Sequence[int]] = None):
         self.root = root = Path(path).expanduser().absolute()
         to_int = lambda v: int(v) if isinstance(v, np.integer) else v  # numpy ints are not JSON-serialisable
         self.meta = {"format": FORMAT, "version": VERSION, "shape": [to_int(s) for s in shape], "dtype": dtype,
@@ -150,7 +170,7 @@ class LatentDatasetWriter:
                                      f"with text_shape/text_mask/pooled_dim/loss_mask_shape/conditioning_meta (the "
                                      f"writer records '{INTEGRITY_KEY}' itself)")
         extra, self._specs = _conditioning_layout(root, dtype, text_shape, text_mask, pooled_dim, loss_mask_shape,
-                                                  conditioning_meta)
+                                                  conditioning_meta, llama_shape)
         self.meta.update(extra)
         if not isinstance(reference_latents, (bool, np.bool_)):
             raise LatentDatasetError(f"reference_latents for '{root}' is {reference_latents!r} but must be True or "
@@ -191,7 +211,7 @@ class LatentDatasetWriter:
         missing, undeclared = [k for k in want if k not in got], [k for k in got if k not in want]
         if missing:
             raise LatentDatasetError(f"extras for '{root}' lack {missing}: the dataset stores {list(want)} (declared "
-                                     f"by the writer's text_shape/text_mask/pooled_dim/loss_mask_shape/"
+                                     f"by the writer's text_shape/text_mask/pooled_dim/llama_shape/loss_mask_shape/"
                                      f"reference_latents), so every write must give them")
         if undeclared:
             raise LatentDatasetError(f"extras for '{root}' include {undeclared}, which the dataset does not store: "
@@ -203,7 +223,7 @@ class LatentDatasetWriter:
                 want = ", ".join(map(str, (n, *tail)))
                 raise LatentDatasetError(f"{head} must be a {EXTRA_WHAT[key]} of shape ({want}) (one per latent), "
                                          f"got shape {a.shape}")
-            if key in ("text", "pooled", "reference"):
+            if key in ("text", "pooled", "llama", "reference"):
                 if not (np.issubdtype(a.dtype, np.floating) or a.size == 0):
                     raise LatentDatasetError(f"{head} must be a float array, got {a.dtype}")
                 a = _cast_finite(a, dtype, f"{head} contains", start, start + n, "use dtype='float32'")
@@ -241,7 +261,8 @@ class LatentDatasetWriter:
     def write(self, start: int, latents: np.ndarray, labels: np.ndarray,
               extras: Optional[Mapping[str, np.ndarray]] = None) -> None:
         """Store samples [start, start + len(latents)): stored values (cast to the dataset dtype), labels, and
-        (exactly) the declared extras {"text", "text_mask", "pooled", "loss_mask"}: see the class doc."""
+        (exactly) the declared extras {"text", "text_mask", "pooled", "llama", "loss_mask", "reference"}: see
+        the class doc."""
         if self._tmp is None:
             raise RuntimeError(f"writer for '{self.root}' is already closed")
         latents, labels = np.asarray(latents), np.asarray(labels)
@@ -326,8 +347,9 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
 
     `latents` (N, C, H, W) are the *stored* values (model space / latent_scale). `extra_meta` adds keys to
     meta.json (e.g. "builtin"). `extras` optionally adds per-sample conditioning / loss masks as full arrays
-    {"text": (N, L, D), "text_mask": (N, L) bool, "pooled": (N, P), "loss_mask": (N, Hm, Wm) uint8 or float
-    in [0, 1], "reference": (N, C, H, W) stored reference latents} (any subset; text_mask needs text),
+    {"text": (N, L, D), "text_mask": (N, L) bool, "pooled": (N, P), "llama": (N, n, L, Dl), "loss_mask":
+    (N, Hm, Wm) uint8 or float in [0, 1], "reference": (N, C, H, W) stored reference latents} (any subset;
+    text_mask and llama need text),
     described further by `conditioning_meta` (see LatentDatasetWriter). Raises LatentDatasetExistsError if
     `path` exists and is not an empty directory. Datasets too big for RAM: LatentDatasetWriter.
     """
@@ -354,7 +376,7 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
                              text_mask="text_mask" in extras,
                              pooled_dim=extras["pooled"].shape[1] if "pooled" in extras else None,
                              loss_mask_shape=shape_of("loss_mask"), conditioning_meta=conditioning_meta,
-                             reference_latents="reference" in extras) as writer:
+                             reference_latents="reference" in extras, llama_shape=shape_of("llama")) as writer:
         if not (labels.min() >= 0 and labels.max() < writer.meta["num_classes"]):  # checked before any copying
             raise LatentDatasetError(f"labels for '{root}' range over [{labels.min()}, {labels.max()}] but must lie "
                                      f"in [0, num_classes={num_classes}); pass the right num_classes or remap the "

@@ -1,6 +1,7 @@
 """Text conditioning: load a model family's text encoders from local folders and encode prompts the way that
 family's diffusers (0.42) pipeline does, into the arrays a latent dataset stores (tread/data/meta.py:
-text_embeds.npy, text_mask.npy, pooled_embeds.npy). Families (encoders by diffusers pipeline subfolder):
+text_embeds.npy, text_mask.npy, pooled_embeds.npy, llama_embeds.npy). Families (encoders by diffusers pipeline
+subfolder):
 
     flux      text_encoder: CLIP-L (CLIPTextModel); text_encoder_2: T5 (T5EncoderModel)
               text   (B, 512, D): T5 last hidden state (no attention mask passed to T5)
@@ -25,13 +26,17 @@ Their tokenizers pad to max_length and truncate; CLIP tokenizers use their model
 the tokenizer's attention mask (True = real token), stored for the families whose pipelines compute one.
 
 Families encoded by their pipeline's own encode_prompt (tread/encoders/text_pipelines.py): one text_encoder +
-tokenizer each, no pooled embedding; L is the pipeline's max_sequence_length (counting its template's tokens):
+tokenizer each and no pooled embedding (but hidream: four encoders); L is the pipeline's max_sequence_length
+(counting its template's tokens):
     flux2       Mistral3ForConditionalGeneration + AutoProcessor   text (B, 512, 3 x hidden), no mask
     qwen_image  Qwen2_5_VLForConditionalGeneration                 text (B, 512, D) zero-padded + text_mask
     chroma      T5EncoderModel                                     text (B, 512, D) + text_mask (+ first pad)
     sana        Gemma2Model                                        text (B, 300, D) + text_mask
     z_image     Qwen3Model                                         text (B, 512, D) zero-padded + text_mask
     lumina2     Gemma2Model                                        text (B, 256, D) + text_mask
+    hidream     CLIP-L, CLIP-G (CLIPTextModelWithProjection), T5EncoderModel, LlamaForCausalLM (Llama-3.1-8B-Instruct)
+                text (B, 128, D): T5; pooled (B, P): [CLIP-L ; CLIP-G] projections; llama (B, n, 128, Dl):
+                Llama hidden_states[1:] (n = its layers, 32), batch first (the pipeline stacks them layer first)
 
 PixArt's optional caption cleaning (clean_caption, which needs bs4/ftfy) is not applied: prompts are used
 as given. Weights are never downloaded: pass a local diffusers pipeline folder (text_encoder*/ and
@@ -52,106 +57,11 @@ import numpy as np
 import torch
 
 from tread.encoders.errors import TextEncoderError
+from tread.encoders.text_families import (CLIP_DEFAULT_LENGTH, FAMILIES, MODEL_TYPES, PIXART_SIGMA_LENGTH,
+                                         SD3_T5_WIDTH, TOKENIZER_FILES, EncoderSlot, PathLike, encoder_keys,
+                                         family_slots, family_spec)
 from tread.encoders.text_pipelines import encode_via_pipeline
 from tread.utils.readers import FileFormatError, read_json
-
-TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart", "flux2", "qwen_image", "chroma", "sana", "z_image",
-                 "lumina2")
-PathLike = Union[str, os.PathLike]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
-CLIP_DEFAULT_LENGTH = 77
-SD3_T5_WIDTH = 4096   # joint_attention_dim of every SD3 / SD3.5 transformer (T5-XXL's width)
-
-
-@dataclass(frozen=True)
-class EncoderSlot:
-    """One text encoder of a family: its pipeline subfolders and what it is."""
-    model: str        # subfolder of the model in a diffusers pipeline folder, e.g. "text_encoder_2"
-    tokenizer: str    # subfolder of its tokenizer, e.g. "tokenizer_2"
-    kind: str         # "clip" (CLIPTextModel) | "clip_proj" (CLIPTextModelWithProjection) | a key of MODEL_TYPES
-    what: str         # for messages
-    processor: bool = False   # the tokenizer folder is loaded with AutoProcessor (as the pipeline's tokenizer is)
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    slots: tuple[EncoderSlot, ...]
-    max_length: int   # default sequence length of the T5-type encoder (the pipeline's max_sequence_length)
-    mask: bool        # whether encode_prompts returns "text_mask"
-    pooled: bool      # whether encode_prompts returns "pooled"
-    repo: str         # a hub repo with these encoders (for the download advice)
-    pipeline: str     # diffusers pipeline class (model_index.json of save_tiny_text_encoders)
-    via_pipeline: bool = False   # encoded by the pipeline's own encode_prompt (text_pipelines.py)
-
-
-_CLIP_L = EncoderSlot("text_encoder", "tokenizer", "clip", "CLIP-L (CLIPTextModel)")
-FAMILIES: dict[str, FamilySpec] = {
-    "flux": FamilySpec((_CLIP_L, EncoderSlot("text_encoder_2", "tokenizer_2", "t5", "T5 (T5EncoderModel)")),
-                       512, mask=False, pooled=True, repo="black-forest-labs/FLUX.1-dev", pipeline="FluxPipeline"),
-    "sd3": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "clip_proj", "CLIP-L (CLIPTextModelWithProjection)"),
-                       EncoderSlot("text_encoder_2", "tokenizer_2", "clip_proj",
-                                   "CLIP-G (CLIPTextModelWithProjection)"),
-                       EncoderSlot("text_encoder_3", "tokenizer_3", "t5", "T5 (T5EncoderModel)")),
-                      256, mask=False, pooled=True, repo="stabilityai/stable-diffusion-3-medium-diffusers",
-                      pipeline="StableDiffusion3Pipeline"),
-    "wan": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "UMT5 (UMT5EncoderModel)"),), 512, mask=True,
-                      pooled=False, repo="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", pipeline="WanPipeline"),
-    "auraflow": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "UMT5 (UMT5EncoderModel)"),), 256,
-                           mask=True, pooled=False, repo="fal/AuraFlow", pipeline="AuraFlowPipeline"),
-    "pixart": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "T5 (T5EncoderModel)"),), 120, mask=True,
-                         pooled=False, repo="PixArt-alpha/PixArt-XL-2-512x512", pipeline="PixArtAlphaPipeline"),
-}
-FAMILIES.update({
-    "flux2": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "mistral3", "Mistral-Small 3 "
-                                     "(Mistral3ForConditionalGeneration)", processor=True),), 512, mask=False,
-                        pooled=False, repo="black-forest-labs/FLUX.2-dev", pipeline="Flux2Pipeline", via_pipeline=True),
-    "qwen_image": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "qwen2_5_vl", "Qwen2.5-VL "
-                                          "(Qwen2_5_VLForConditionalGeneration)"),), 512, mask=True, pooled=False,
-                             repo="Qwen/Qwen-Image", pipeline="QwenImagePipeline", via_pipeline=True),
-    "chroma": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "T5 (T5EncoderModel)"),), 512, mask=True,
-                         pooled=False, repo="lodestones/Chroma1-HD", pipeline="ChromaPipeline", via_pipeline=True),
-    "sana": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "gemma2", "Gemma-2 (Gemma2Model)"),), 300, mask=True,
-                       pooled=False, repo="Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers",
-                       pipeline="SanaPipeline", via_pipeline=True),
-    "z_image": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "qwen3", "Qwen3 (Qwen3Model)"),), 512, mask=True,
-                          pooled=False, repo="Tongyi-MAI/Z-Image-Turbo", pipeline="ZImagePipeline", via_pipeline=True),
-    "lumina2": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "gemma2", "Gemma-2 (Gemma2Model)"),), 256,
-                          mask=True, pooled=False, repo="Alpha-VLLM/Lumina-Image-2.0", pipeline="Lumina2Pipeline",
-                          via_pipeline=True),
-})
-PIXART_SIGMA_LENGTH = 300
-# transformers model classes by encoder kind and config.json model_type (the classes the pipelines load)
-MODEL_TYPES: dict[str, dict[str, str]] = {
-    "t5": {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel"},
-    "mistral3": {"mistral3": "Mistral3ForConditionalGeneration"},
-    "qwen2_5_vl": {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},
-    "gemma2": {"gemma2": "Gemma2Model"},
-    "qwen3": {"qwen3": "Qwen3Model"},
-}
-
-
-def family_spec(family: str) -> FamilySpec:
-    if family not in FAMILIES:
-        raise TextEncoderError(f"text family {family!r} is unknown; allowed: {', '.join(TEXT_FAMILIES)}")
-    return FAMILIES[family]
-
-
-def family_slots(family: str, t5: bool = True) -> tuple[EncoderSlot, ...]:
-    """`family`'s encoders; t5=False (SD3 only: its pipeline runs without text_encoder_3) leaves T5 out."""
-    slots = family_spec(family).slots
-    if t5:
-        return slots
-    if family != "sd3":
-        source = "its T5's output" if any(s.kind == "t5" for s in slots) else f"the output of {slots[0].what}"
-        raise TextEncoderError(f"t5=False (no T5 encoder) is for sd3 only; {family}'s text embeddings are {source}. "
-                               f"Allowed: t5=True for {family}.")
-    return tuple(s for s in slots if s.kind != "t5")
-
-
-def encoder_keys(family: str) -> tuple[str, ...]:
-    """The path keys load_text_encoders accepts for `family`: "pipeline" and each model/tokenizer subfolder."""
-    return ("pipeline",) + tuple(k for s in family_spec(family).slots for k in (s.model, s.tokenizer))
-
 
 @dataclass
 class TextEncoders:
@@ -169,11 +79,17 @@ class TextEncoders:
 
 # ----------------------------------------------------------------------------- locating and loading
 
-def _advice(family: str, slot: EncoderSlot) -> str:
-    return (f"Text encoders are read from local folders only (nothing is downloaded). Fetch them with "
-            f"`hf download {FAMILIES[family].repo} --include 'text_encoder*/*' 'tokenizer*/*' --local-dir DIR` and "
-            f"pass DIR (a diffusers pipeline folder; --text-encoders DIR), or give this encoder's own folder "
-            f"({slot.model}=PATH, and {slot.tokenizer}=PATH if its tokenizer lives elsewhere).")
+def _advice(family: str, slot: EncoderSlot, whole: bool = False) -> str:
+    """How to provide `slot`'s files; whole: the family's folder (encoders from other repos are named too)."""
+    spec = FAMILIES[family]
+    fetch = (f"Fetch them with `hf download {spec.repo} --include 'text_encoder*/*' 'tokenizer*/*' --local-dir DIR` "
+             f"and pass DIR (a diffusers pipeline folder; --text-encoders DIR)")
+    if slot.download and not whole:   # not in the family's repo
+        fetch = f"{slot.model} ({slot.what}): {slot.download} Pass DIR (--text-encoders DIR)"
+    notes = "".join(f" {s.model} ({s.what}): {s.download}" for s in spec.slots if s.download and whole)
+    return (f"Text encoders are read from local folders only (nothing is downloaded). {fetch}, or give this "
+            f"encoder's own folder ({slot.model}=PATH, and {slot.tokenizer}=PATH if its tokenizer lives elsewhere)."
+            f"{notes}")
 
 
 def _has_tokenizer(folder: Path) -> bool:
@@ -207,7 +123,7 @@ def resolve_text_encoder_paths(family: str, paths: Union[PathLike, Mapping[str, 
     if pipe is not None and not pipe.is_dir():
         slot = spec.slots[0]
         raise TextEncoderError(f"{family} text encoders: the pipeline folder '{pipe}' does not exist. "
-                               f"{_advice(family, slot)}")
+                               f"{_advice(family, slot, whole=True)}")
     out: dict[str, Path] = {}
     for slot in slots:
         explicit, own_pipe = given.get(slot.model), None
@@ -401,7 +317,8 @@ def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]]
                    *, max_length: Optional[int] = None, device: Any = "cpu",
                    dtype: Optional[torch.dtype] = torch.float32, t5: Optional[bool] = None) -> dict[str, np.ndarray]:
     """Encode `prompts` as `family`'s pipeline does (see the module doc): {"text": float32 (B, L, D),
-    "text_mask": bool (B, L) (FAMILIES[family].mask), "pooled": float32 (B, P) (flux, sd3)} as numpy arrays.
+    "text_mask": bool (B, L) (FAMILIES[family].mask), "pooled": float32 (B, P) (flux, sd3, hidream), "llama":
+    float32 (B, n_layers, L, Dl) (hidream: the Llama hidden states, batch first)} as numpy arrays.
 
     `encoders`: load_text_encoders' result, or a dict {pipeline subfolder name: model or tokenizer}.
     max_length: the text sequence length L (the T5 part's for sd3; default: the family's; 300 for PixArt-Sigma
@@ -434,7 +351,7 @@ def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]]
             out = _encode_masked_t5(family, models, enc.tokenizers, prompts, length, device)
     arrays = {k: v.detach().cpu().numpy() if v.dtype == torch.bool else v.detach().float().cpu().numpy()
               for k, v in out.items()}
-    return {k: arrays[k] for k in ("text", "text_mask", "pooled") if k in arrays}
+    return {k: arrays[k] for k in ("text", "text_mask", "pooled", "llama") if k in arrays}
 
 
 def _encode_flux(models: dict, tok: dict, prompts: list[str], length: int, device: torch.device

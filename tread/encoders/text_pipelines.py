@@ -3,7 +3,8 @@ encode_prompts (tread/encoders/text.py) builds the family's pipeline with only i
 transformer=None, a FlowMatchEulerDiscreteScheduler()) around the loaded encoders and calls the pipeline's own
 `encode_prompt(...)` (num_images_per_prompt=1, no classifier-free guidance), so templates, system prompts,
 dropped tokens and hidden-state choices are the pipeline's, not a copy of them. What each returns, and what is
-stored (text (B, L, D) float32; text_mask (B, L) bool where the pipeline computes one; no pooled embedding):
+stored (text (B, L, D) float32; text_mask (B, L) bool where the pipeline computes one; no pooled embedding but
+HiDream's):
 
     flux2       Flux2Pipeline: Mistral3ForConditionalGeneration + its AutoProcessor; chat template with the
                 pipeline's system message, padded to max_length; hidden states of layers (10, 20, 30) stacked on
@@ -20,6 +21,11 @@ stored (text (B, L, D) float32; text_mask (B, L) bool where the pipeline compute
                 prompt's real tokens (a list of variable-length rows); stored zero-padded to max_length + mask.
     lumina2     Lumina2Pipeline: Gemma-2 on "<system prompt> <Prompt Start> <prompt>", penultimate hidden state;
                 the tokenizer's mask. max_length counts the system prompt's tokens too.
+    hidream     HiDreamImagePipeline: four encoders. text: T5 with the attention mask (max_length tokens); pooled
+                (B, P): CLIP-L and CLIP-G text_embeds (projections) joined, each CLIP fed min(max_length, 218)
+                tokens; llama (B, n, L, Dl): Llama-3.1's hidden_states[1:] (n = its layers, 32) with the attention
+                mask (the pipeline's pad token is the tokenizer's eos), stacked layer first by the pipeline,
+                stored batch first. No mask (the transformer takes none).
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ import torch
 from tread.encoders.errors import TextEncoderError
 
 Rows = Union[torch.Tensor, Sequence[torch.Tensor]]
+# What a CALLS entry returns: (text rows, mask or None[, {other output key: tensor}]).
+Encoded = Union[tuple[Rows, Optional[torch.Tensor]], tuple[Rows, Optional[torch.Tensor], dict[str, torch.Tensor]]]
 
 
 def sana_instruction() -> list[str]:
@@ -74,18 +82,24 @@ def _lumina2(pipe, prompts: list[str], length: int, device) -> tuple[Rows, Optio
     return text, mask
 
 
-CALLS: dict[str, Callable[..., tuple[Rows, Optional[torch.Tensor]]]] = {
+def _hidream(pipe, prompts: list[str], length: int, device) -> Encoded:
+    t5, _, llama, _, pooled, _ = pipe.encode_prompt(prompts, device=device, num_images_per_prompt=1,
+                                                    do_classifier_free_guidance=False, max_sequence_length=length)
+    return t5, None, {"pooled": pooled, "llama": llama.transpose(0, 1)}   # (n, B, L, Dl) -> batch first
+
+
+CALLS: dict[str, Callable[..., Encoded]] = {
     "flux2": _flux2, "qwen_image": _qwen_image, "chroma": _chroma, "sana": _sana, "z_image": _z_image,
-    "lumina2": _lumina2}
+    "lumina2": _lumina2, "hidream": _hidream}
 
 
 def build_pipeline(pipeline: str, models: dict[str, Any], tokenizers: dict[str, Any]):
-    """The diffusers pipeline class `pipeline` holding only its text encoder and tokenizer (no VAE, no
-    transformer)."""
+    """The diffusers pipeline class `pipeline` holding only its text encoders and tokenizers, passed by pipeline
+    subfolder name ("text_encoder", "tokenizer", "text_encoder_2", ...; no VAE, no transformer)."""
     import diffusers
 
     cls = getattr(diffusers, pipeline)
-    return cls(text_encoder=models["text_encoder"], tokenizer=tokenizers["tokenizer"], vae=None, transformer=None,
+    return cls(**models, **tokenizers, vae=None, transformer=None,
                scheduler=diffusers.FlowMatchEulerDiscreteScheduler())
 
 
@@ -108,12 +122,13 @@ def fixed_length(rows: Rows, mask: Optional[torch.Tensor], length: int) -> tuple
 def encode_via_pipeline(family: str, spec: Any, models: dict[str, Any], tokenizers: dict[str, Any],
                         prompts: list[str], length: int, device: torch.device, paths: Optional[dict[str, str]] = None
                         ) -> dict[str, torch.Tensor]:
-    """Encode `prompts` with `family`'s pipeline's own encode_prompt; {"text", "text_mask"?} of `length`
-    positions (see the module doc). `spec`: the family's FamilySpec (tread/encoders/text.py); `paths`
-    (load_text_encoders' folders) name the encoders in errors."""
-    pipe = build_pipeline(spec.pipeline, models, tokenizers)
+    """Encode `prompts` with `family`'s pipeline's own encode_prompt; {"text", "text_mask"?, "pooled"?,
+    "llama"?} of `length` positions (see the module doc). `spec`: the family's FamilySpec
+    (tread/encoders/text.py); `paths` (load_text_encoders' folders) name the encoders in errors."""
+    pipe = build_pipeline(spec.pipeline, {s.model: models[s.model] for s in spec.slots},
+                          {s.tokenizer: tokenizers[s.tokenizer] for s in spec.slots})
     try:
-        rows, mask = CALLS[family](pipe, list(prompts), length, device)
+        rows, mask, *other = CALLS[family](pipe, list(prompts), length, device)
     except ValueError as err:
         slot, where = spec.slots[0], paths or {}
         raise TextEncoderError(
@@ -121,7 +136,8 @@ def encode_via_pipeline(family: str, spec: Any, models: dict[str, Any], tokenize
             f"'{where.get(slot.tokenizer, '?')}': {spec.pipeline}.encode_prompt fails on them ({err}). Use the "
             f"family's own text encoder and tokenizer (with its chat template where the pipeline applies one): "
             f"`hf download {spec.repo} --include 'text_encoder*/*' 'tokenizer*/*' --local-dir DIR`") from None
+    extra = other[0] if other else {}
     if not spec.mask:
-        return {"text": rows}
+        return {"text": rows, **extra}
     text, valid = fixed_length(rows, mask, length)
-    return {"text": text, "text_mask": valid}
+    return {"text": text, "text_mask": valid, **extra}

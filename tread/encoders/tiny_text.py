@@ -2,10 +2,11 @@
 pipeline folder: offline stand-ins for tests, the built-in text data and the CPU worked example (their
 embeddings mean nothing; scripts/tiny_text_encoders.py writes them).
 
-The language-model encoders (flux2, qwen_image, sana, z_image, lumina2) are tiny configs of the classes their
-pipelines load (tread.encoders.text.MODEL_TYPES), with word-level tokenizers whose special tokens are the real
-ones (chat markers, bos / pad) and a chat template of our own where the pipeline calls apply_chat_template;
-punctuation and line breaks are tokens, so Qwen-Image's template prefix is 34 tokens, as the pipeline drops."""
+The language-model encoders (flux2, qwen_image, sana, z_image, lumina2, hidream's Llama) are tiny configs of the
+classes their pipelines load (tread.encoders.text.MODEL_TYPES), with word-level tokenizers whose special tokens are
+the real ones (chat markers, bos / pad) and a chat template of our own where the pipeline calls
+apply_chat_template; punctuation and line breaks are tokens, so Qwen-Image's template prefix is 34 tokens, as the
+pipeline drops."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from tread.encoders.text import CLIP_DEFAULT_LENGTH, EncoderSlot, PathLike, family_spec
+from tread.encoders.text_families import CLIP_DEFAULT_LENGTH, EncoderSlot, PathLike, family_spec
 
 TINY_WORDS = ("a an the of photo picture image with on in and red green blue yellow magenta cyan orange white "
               "purple lime disc square triangle ring plus horizontal vertical stripes checkerboard diamond x cat "
@@ -62,6 +63,10 @@ CHAT_STYLES = {
               "<|video_pad|>", "<unk>"), None, "<|im_end|>", "<|endoftext|>", "<unk>", QWEN_CHAT),
     "gemma": (("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"), "<bos>", "<eos>", "<pad>",
               "<unk>", None),
+    # Llama-3.1-Instruct: bos <|begin_of_text|> prepended, eos <|eot_id|>, no pad token (HiDreamImagePipeline sets
+    # it to eos); "<unk>" only because a word-level vocabulary needs one (Llama-3's byte-level BPE has none).
+    "llama3": (("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                "<unk>"), "<|begin_of_text|>", "<|eot_id|>", None, "<unk>", None),
 }
 LM_LENGTH = 4096   # tokenizer model_max_length and model positions of the language-model encoders
 
@@ -150,8 +155,22 @@ def _tiny_qwen3(words: Sequence[str]):
     return Qwen3Model(config), tokenizer
 
 
+def _tiny_llama(words: Sequence[str]):
+    """hidream: LlamaForCausalLM, 24 wide (the tiny preset's caption_channels[1]; 4 heads of 6) with 6 layers (its
+    llama_layers reach layer 5; the pipeline keeps hidden_states[1:], one per layer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer, vocab = _tiny_chat_tokenizer("llama3", words)
+    config = LlamaConfig(**dict(_lm_sizes(vocab), hidden_size=24, intermediate_size=48, num_hidden_layers=6,
+                                head_dim=6), bos_token_id=vocab["<|begin_of_text|>"], eos_token_id=vocab["<|eot_id|>"])
+    return LlamaForCausalLM(config), tokenizer
+
+
 LM_BUILDERS = {"mistral3": _tiny_mistral3, "qwen2_5_vl": _tiny_qwen2_5_vl, "gemma2": _tiny_gemma2,
-               "qwen3": _tiny_qwen3}
+               "qwen3": _tiny_qwen3, "llama": _tiny_llama}
+# CLIP positions (and tokenizer model_max_length) per family: HiDreamImagePipeline feeds its CLIPs
+# min(max_sequence_length, 218) tokens (128 by default), more than the usual 77.
+CLIP_POSITIONS = {"hidream": 218}
 
 
 def _tiny_encoder(family: str, slot: EncoderSlot, words: Sequence[str], clip_widths):
@@ -162,11 +181,12 @@ def _tiny_encoder(family: str, slot: EncoderSlot, words: Sequence[str], clip_wid
     if slot.kind in LM_BUILDERS:
         return LM_BUILDERS[slot.kind](words)
     if slot.kind in ("clip", "clip_proj"):
-        tokenizer, vocab = _tiny_tokenizer("clip", words, CLIP_DEFAULT_LENGTH)
+        positions = CLIP_POSITIONS.get(family, CLIP_DEFAULT_LENGTH)
+        tokenizer, vocab = _tiny_tokenizer("clip", words, positions)
         width = next(clip_widths)
         config = CLIPTextConfig(hidden_size=width, intermediate_size=37, num_hidden_layers=2,
                                 num_attention_heads=4, vocab_size=len(vocab), projection_dim=width,
-                                max_position_embeddings=CLIP_DEFAULT_LENGTH, bos_token_id=0, eos_token_id=1,
+                                max_position_embeddings=positions, bos_token_id=0, eos_token_id=1,
                                 pad_token_id=1)
         return (CLIPTextModel if slot.kind == "clip" else CLIPTextModelWithProjection)(config), tokenizer
     tokenizer, vocab = _tiny_tokenizer("t5", words, 512)
@@ -181,13 +201,13 @@ def save_tiny_text_encoders(family: str, out_dir: PathLike, *, seed: int = 0,
     """Write tiny randomly initialised text encoders + word-level tokenizers for `family` as a diffusers-style
     pipeline folder (text_encoder*/, tokenizer*/, model_index.json naming the pipeline class) at `out_dir`;
     returns it. For tests and offline trials only: the embeddings mean nothing. Widths fit each family's tiny
-    preset: text 32 (CLIP-L 32 for flux's pooled, CLIP-L 16 + CLIP-G 16 for sd3's; T5, Qwen2.5-VL, Gemma-2,
-    Qwen3 32 wide), but flux2's text is 96 wide (3 stacked layers of a 32-wide Mistral3; 30 layers); 2 layers
-    otherwise. Leaves the global RNG alone."""
+    preset: text 32 (CLIP-L 32 for flux's pooled, CLIP-L 16 + CLIP-G 16 for sd3's and hidream's; T5, Qwen2.5-VL,
+    Gemma-2, Qwen3 32 wide), but flux2's text is 96 wide (3 stacked layers of a 32-wide Mistral3; 30 layers) and
+    hidream's Llama 24 wide (6 layers); 2 layers otherwise. Leaves the global RNG alone."""
     spec = family_spec(family)
     out = Path(out_dir).expanduser().absolute()
     out.mkdir(parents=True, exist_ok=True)
-    clip_widths = iter((16, 16) if family == "sd3" else (32,))
+    clip_widths = iter((16, 16) if family in ("sd3", "hidream") else (32,))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for slot in spec.slots:

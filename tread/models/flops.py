@@ -9,6 +9,8 @@ times the batch.
 """
 from __future__ import annotations
 
+import contextlib
+from fractions import Fraction
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -65,10 +67,19 @@ def counted_forward_flops(model: Any, x: torch.Tensor, labels: torch.Tensor,
                           cond: Optional[Mapping[str, torch.Tensor]] = None) -> float:
     """Forward FLOPs of `model` on the first sample of x, counted by torch's FlopCounterMode (matmuls and
     attention), with the routes the model applies in grad-enabled training."""
-    with FlopCounterMode(display=False) as counter, torch.enable_grad():
+    return float(flop_counter(model, x, labels, cond).get_total_flops())
+
+
+def flop_counter(model: Any, x: torch.Tensor, labels: torch.Tensor,
+                 cond: Optional[Mapping[str, torch.Tensor]] = None) -> FlopCounterMode:
+    """The FlopCounterMode of one forward on the first sample of x (its per-module counts included). On the meta
+    device (a model built for its shapes only) the model's shape_only() context makes value-dependent parts
+    countable."""
+    shape_only = getattr(model, "shape_only", contextlib.nullcontext) if x.device.type == "meta" else contextlib.nullcontext
+    with FlopCounterMode(display=False) as counter, torch.enable_grad(), shape_only():
         extra = {"cond": {k: v[:1] for k, v in cond.items()}} if cond else {}
         model(x[:1], torch.full((1,), 500.0, device=x.device), labels[:1], **extra)
-    return float(counter.get_total_flops())
+    return counter
 
 
 def model_forward_flops(model: Any, cond: Optional[Mapping[str, torch.Tensor]] = None) -> float:
@@ -79,6 +90,12 @@ def model_forward_flops(model: Any, cond: Optional[Mapping[str, torch.Tensor]] =
     the global stream in every training forward, so an exact resume needs the count not to move it)."""
     if hasattr(model, "forward_flops"):
         return float(model.forward_flops())
+    return float(training_flop_counter(model, cond).get_total_flops())
+
+
+def training_flop_counter(model: Any, cond: Optional[Mapping[str, torch.Tensor]] = None) -> FlopCounterMode:
+    """flop_counter of a family's eager training forward on one zero sample, leaving the router's random stream
+    and the global one where they were."""
     param = next(model.parameters())
     shape = [1, model.in_channels, model.input_size, model.input_size]
     if getattr(model, "frames_axis", False) and getattr(model, "frames", 1) > 1:
@@ -89,9 +106,9 @@ def model_forward_flops(model: Any, cond: Optional[Mapping[str, torch.Tensor]] =
     devices = [param.device] if param.device.type == "cuda" else []
     try:
         with model.eager(), torch.random.fork_rng(devices=devices):
-            return counted_forward_flops(model, torch.zeros(shape, device=param.device),
-                                         torch.zeros(1, dtype=torch.long, device=param.device),
-                                         {k: v.to(param.device) for k, v in (cond or {}).items()})
+            return flop_counter(model, torch.zeros(shape, device=param.device),
+                                torch.zeros(1, dtype=torch.long, device=param.device),
+                                {k: v.to(param.device) for k, v in (cond or {}).items()})
     finally:
         model.train(was_training)
         model.routing.router.load_state_dict(saved)
@@ -106,3 +123,67 @@ def forward_flops_with_routes(model: Any, routes: Optional[Sequence[Mapping[str,
         return float(model.forward_flops(resolve_routes(routes, model.depth) if routes else []))
     with model.routing.override(routes=list(routes or [])):   # [] runs dense even in training mode
         return model_forward_flops(model, cond)
+
+
+class RouteFlops:
+    """Forward FLOPs per sample of a diffusers family for any routes, from three counted forwards (dense and
+    every block routed at two ratios) instead of one per route set: a planner's thousands of candidates on a
+    56-block released preset (on the meta device) cost three forwards.
+
+    Exact, not an estimate: a block's matmul FLOPs are a polynomial of degree <= 2 in its image tokens n (linear
+    layers ~ n, attention ~ n (n + text)), so the three counts fix each block's polynomial, read from
+    FlopCounterMode's per-module counts of the modules routable_blocks() lists. The rest of the forward (embedders,
+    head) must count the same at every n; where it does not (work outside the block modules that grows with the
+    kept tokens), `exact` is False and __call__ counts each route set directly."""
+
+    RATIOS = (0.5, 0.75)
+
+    def __init__(self, model: Any, cond: Optional[Mapping[str, torch.Tensor]] = None):
+        self.model, self.cond, self.depth, self.num_tokens = model, cond, int(model.depth), int(model.num_tokens)
+        names = {id(m): name for name, m in model.named_modules()}
+        prefix = type(model).__name__
+        self.blocks = [f"{prefix}.{names[id(b)]}" for b in model.routable_blocks()]
+        points = [self._count(None)] + [self._count(r) for r in self.RATIOS]
+        self.ns = [n for n, _, _ in points]
+        self.outside = points[0][1]
+        self.exact = len(set(self.ns)) == 3 and all(out == self.outside for _, out, _ in points)
+        self.per_block = [[blocks[b] for _, _, blocks in points] for b in range(self.depth)]
+
+    def _count(self, ratio: Optional[float]) -> tuple[int, int, list[int]]:
+        """(kept tokens, FLOPs outside the blocks, FLOPs per block) of one forward with every block routed."""
+        route = Route(selection_ratio=ratio, start_layer_idx=0, end_layer_idx=self.depth - 1) if ratio else None
+        with self.model.routing.override(routes=[route.__dict__] if route else []):
+            counts = training_flop_counter(self.model, self.cond).get_flop_counts()
+        per_block = [sum(sum(ops.values()) for name, ops in counts.items() if _outermost_under(name, block, counts))
+                     for block in self.blocks]
+        total = sum(counts["Global"].values())
+        return (route.num_keep(self.num_tokens) if route else self.num_tokens), total - sum(per_block), per_block
+
+    def __call__(self, routes: Optional[Sequence[Mapping[str, Any]]]) -> float:
+        if not self.exact:
+            return forward_flops_with_routes(self.model, routes, self.cond)
+        n = tokens_per_block(as_routes(list(routes or []), self.depth), self.depth, self.num_tokens)
+        return float(self.outside + sum(_through(self.ns, ys, k) for ys, k in zip(self.per_block, n)))
+
+
+def _outermost_under(name: str, block: str, counts: Mapping[str, Any]) -> bool:
+    """name is the block's module, or a module inside it none of whose ancestors inside the block was counted
+    (a block whose own forward is not called, only its parts')."""
+    if name == block:
+        return True
+    if not name.startswith(block + "."):
+        return False
+    parts = name.split(".")
+    return not any(".".join(parts[:i]) in counts for i in range(block.count(".") + 1, len(parts)))
+
+
+def _through(xs: Sequence[int], ys: Sequence[int], x: int) -> float:
+    """The parabola through the points (xs[i], ys[i]) at x (Lagrange, exact on integer counts)."""
+    total = Fraction(0)
+    for i, (xi, yi) in enumerate(zip(xs, ys)):
+        term = Fraction(yi)
+        for j, xj in enumerate(xs):
+            if j != i:
+                term *= Fraction(x - xj, xi - xj)
+        total += term
+    return float(total)

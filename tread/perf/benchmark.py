@@ -12,6 +12,7 @@ weights. PairedTimer keeps a dense baseline built and times other configs agains
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import statistics
 import time
@@ -110,6 +111,17 @@ class StepBench:
     def static_bytes(self) -> int:
         return static_bytes(self.parts)
 
+    def release(self) -> None:
+        """Free this config's memory (weights, gradients, optimizer state, EMA, batch): the model and its EMA move
+        to the meta device, so what a record reads (config, routes, FLOPs counted shape-only) stays."""
+        self.parts.optimizer.zero_grad(set_to_none=True)
+        self.parts.optimizer.state.clear()
+        self.parts.model.to("meta")
+        self.parts.ema.to("meta")
+        self.batch = None
+        self.accelerator.free_memory()
+        gc.collect()
+
 
 # ----------------------------------------------------------------------------- interleaved timing
 def split_steps(steps: int, rounds: int) -> list[int]:
@@ -136,29 +148,65 @@ def allow_compiled_configs(n: int) -> None:
             setattr(dynamo_config, key, max(getattr(dynamo_config, key), 16 * n + 16))
 
 
+def _new_measurement() -> dict:
+    return {"times": [], "transient": 0, "timed": dict.fromkeys(GRAPH_KEYS, 0)}
+
+
+def _warm_up(bench: StepBench, warmup: int) -> dict:
+    """`warmup` untimed steps (compilation happens here); the graphs and graph breaks they compiled."""
+    before = dynamo_counts()
+    for _ in range(warmup):
+        bench.step()
+    sync(bench.device)
+    return _delta(dynamo_counts(), before)
+
+
+def _time_round(bench: StepBench, n: int, meter: MemoryMeter, o: dict) -> None:
+    """n timed steps into measurement o: their times, the transient memory peak, the graphs compiled meanwhile."""
+    before = dynamo_counts()
+    meter.start()
+    o["times"] += bench.timed(n)
+    o["transient"] = max(o["transient"], meter.stop())
+    d = _delta(dynamo_counts(), before)
+    o["timed"] = {k: o["timed"][k] + d[k] for k in GRAPH_KEYS}
+
+
 def time_interleaved(benches: Sequence[StepBench], steps: int, warmup: int, rounds: int,
                      meter: MemoryMeter) -> list[dict]:
     """Warm every config up (compilation happens here), then time them in interleaved rounds. Per config: the
     step times, the transient memory peak, the static bytes, and the graphs and graph breaks compiled in
     the warm-up and while timed."""
-    out = [{"times": [], "transient": 0, "timed": dict.fromkeys(GRAPH_KEYS, 0)} for _ in benches]
+    out = [_new_measurement() for _ in benches]
     for bench, o in zip(benches, out):
-        before = dynamo_counts()
-        for _ in range(warmup):
-            bench.step()
-        sync(bench.device)
-        o["warmup"] = _delta(dynamo_counts(), before)
+        o["warmup"] = _warm_up(bench, warmup)
     for n in split_steps(steps, rounds):
         for bench, o in zip(benches, out):
-            before = dynamo_counts()
-            meter.start()
-            o["times"] += bench.timed(n)
-            o["transient"] = max(o["transient"], meter.stop())
-            d = _delta(dynamo_counts(), before)
-            o["timed"] = {k: o["timed"][k] + d[k] for k in GRAPH_KEYS}
+            _time_round(bench, n, meter, o)
     for bench, o in zip(benches, out):
         o["static"] = bench.static_bytes()
     return out
+
+
+def time_one_at_a_time(builders: Sequence[Callable[[], StepBench]], steps: int, warmup: int,
+                       rounds: int) -> tuple[list[StepBench], list[dict]]:
+    """time_interleaved for models of which two configs do not fit in memory: each round builds each config
+    afresh (the same seed gives the same weights), warms it up, times its share of the steps and releases it before
+    the next is built, so the rounds still alternate (A B A B) against drift, at the cost of a build and a warm-up
+    per config per round. Returns the released benches (for their records) and time_interleaved's measurements
+    (warm-up graph counts from the first round)."""
+    out = [_new_measurement() for _ in builders]
+    benches: list[StepBench] = []
+    for n in split_steps(steps, rounds):
+        benches = []
+        for build, o in zip(builders, out):
+            bench = build()
+            warm = _warm_up(bench, warmup)
+            o.setdefault("warmup", warm)
+            _time_round(bench, n, MemoryMeter(bench.device), o)
+            o["static"] = bench.static_bytes()
+            bench.release()
+            benches.append(bench)
+    return benches, out
 
 
 # ----------------------------------------------------------------------------- records

@@ -9,12 +9,14 @@ BenchRequest field per flag, same name; docs/benchmarks.md says what each figure
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Optional, Sequence
 
 import torch
 
 from tread.models.families import FAMILIES
-from tread.perf.benchmark import StepBench, Timed, allow_compiled_configs, split_steps, step_records, time_interleaved
+from tread.perf.benchmark import (StepBench, Timed, allow_compiled_configs, split_steps, step_records, time_interleaved,
+                                  time_one_at_a_time)
 from tread.perf.fit import largest_fitting
 from tread.perf.geometry import choose_geometry, resolution_for_tokens
 from tread.perf.memory import MemoryMeter
@@ -57,6 +59,7 @@ class BenchRequest:
     steps: int = 10                               # timed steps per config
     warmup: int = 3                               # untimed steps per config
     rounds: int = 2                               # interleaved timing rounds
+    one_at_a_time: bool = False                   # build, time and free one config at a time, per round
     threads: Optional[int] = None                 # torch CPU threads while timing (None: torch's)
     device: str = "auto"                          # auto, cpu (train.cpu), cuda
     precision: Optional[str] = None               # train.mixed_precision: fp32 | bf16 (None: the config's)
@@ -191,10 +194,15 @@ def bench_model(args: BenchRequest, family: Optional[str], peak: Optional[float]
     args, fit = fitted(args, family)
     configs, geometry, shared = config_overrides(args, family)
     allow_compiled_configs(len(configs))
-    benches = [StepBench(compose_or_raise(overrides, BenchError)) for _, overrides, _ in configs]
+    cfgs = [compose_or_raise(overrides, BenchError) for _, overrides, _ in configs]
+    if args.one_at_a_time:
+        benches, meas = time_one_at_a_time([partial(StepBench, c) for c in cfgs], args.steps, args.warmup,
+                                           args.rounds)
+    else:
+        benches = [StepBench(c) for c in cfgs]
+        meas = time_interleaved(benches, args.steps, args.warmup, args.rounds, MemoryMeter(benches[0].device))
     dev = benches[0].device
     meter = MemoryMeter(dev)
-    meas = time_interleaved(benches, args.steps, args.warmup, args.rounds, meter)
     timed = [Timed(label, b, m) for (label, _, _), b, m in zip(configs, benches, meas)]
     base = next(i for i, (_, _, dense) in enumerate(configs) if dense)
     cfg, model = timed[base].bench.cfg, timed[base].bench.model
@@ -230,6 +238,7 @@ def settings_of(args: BenchRequest, infos: list[dict], peak: Optional[float], no
         "fused_adamw": bool(cfg.optimizer.get("fused", False)),
         "gradient_checkpointing": bool(cfg.model.gradient_checkpointing), "torch": torch.__version__,
         "steps": args.steps, "warmup": args.warmup, "rounds": len(split_steps(args.steps, args.rounds)),
+        "one_at_a_time": bool(args.one_at_a_time),
         "route_specs": [label for label, _ in route_configs(args.routes)], "flops_source": first["flops_source"],
         "flops_per_step": "3 x forward FLOPs per sample x batch (multiply-add = 2)",
         "step": "tread.training.step.TrainStep of the composed config (what train.py runs)",

@@ -12,9 +12,10 @@ import shlex
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
-from tread.models.flops import forward_flops_with_routes, train_step_flops
+from tread.models.flops import RouteFlops, forward_flops_with_routes, train_step_flops
 from tread.perf.benchmark import PairedTimer
 from tread.perf.routes import label_of, route_dicts, routing_overrides
 from tread.routing import Route, tokens_per_block, tokens_processed_fraction
@@ -176,14 +177,15 @@ def unreachable_message(rows: list[dict], target: dict, space: Space, depth: int
 
 
 def flops_function(model: Any) -> Callable[[Sequence[Route]], float]:
-    """Forward FLOPs per sample for a route set, cached: tread.models.flops.forward_flops_with_routes (DiT's analytic
-    count, or the families' counted forward with the routes set through the inference override)."""
+    """Forward FLOPs per sample for a route set, cached: DiT's analytic count (forward_flops_with_routes), or a
+    family's per-block polynomials from three counted forwards (tread.models.flops.RouteFlops)."""
     cache: dict = {}
+    count = RouteFlops(model) if not hasattr(model, "forward_flops") else partial(forward_flops_with_routes, model)
 
     def fn(routes: Sequence[Route]) -> float:
         key = tuple(routes)
         if key not in cache:
-            cache[key] = forward_flops_with_routes(model, route_dicts(routes))
+            cache[key] = count(route_dicts(routes))
         return cache[key]
     return fn
 

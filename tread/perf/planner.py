@@ -190,8 +190,9 @@ def make_configs(a: PlanRequest) -> Configs:
 
 
 def model_for_flops(cfg: Any, a: PlanRequest) -> Any:
-    """The dense model to count FLOPs on: a DiT on the meta device (shapes only, no memory), a diffusers family
-    on the CPU (its forward is counted by FlopCounterMode). A DiT's patch divisibility is a flag error."""
+    """The dense model to count FLOPs on, built on the meta device (shapes only, no memory: a released preset
+    such as FLUX.2 dev's 32B parameters plans on any machine; a family's forward is counted by FlopCounterMode).
+    A DiT's patch divisibility is a flag error."""
     res = int(cfg.data.resolution)
     if is_dit(cfg) and res % token_patch(cfg):
         patch, lower = token_patch(cfg), res - res % token_patch(cfg)
@@ -199,7 +200,7 @@ def model_for_flops(cfg: Any, a: PlanRequest) -> Any:
         raise PlanError(f"--resolution {res} is not divisible by the patch size {patch} of {cfg.model.arch}; "
                         f"allowed: multiples of {patch}, e.g. {examples}")
     try:
-        with torch.device("meta" if is_dit(cfg) else "cpu"):
+        with torch.device("meta"):
             return build_model(cfg.model)
     except USER_ERRORS as err:   # our config errors name the key and the allowed values
         raise PlanError(f"model={a.model} ({cfg.model.get('arch')}) cannot be built for --resolution {res} "

@@ -70,6 +70,8 @@ class TokenRouter:
         """Uniform scores (B, N) in [0, 1) from the router's own stream (or the per-sample generators). Drawn
         eagerly, before a (possibly compiled) forward runs: a torch.Generator inside a compiled graph would
         break it, so the graph receives the scores as an input (RoutingController.plan)."""
+        if torch.device(device).type == "meta":   # shapes only (FLOPs of a model built on the meta device)
+            return torch.empty(B, N, device=device)
         if self._per_sample is None:
             return torch.rand(B, N, device=device, generator=self._generator(device))
         gens = self._per_sample

@@ -76,8 +76,8 @@ def check_text_model(model: Any, meta: Mapping[str, Any], what: str = "prompts")
 
 @dataclass
 class PromptEmbeddings:
-    """Encoded prompts: `cond` holds one row per prompt ({"text", "text_mask", "pooled"} as the family has
-    them), `negative` one row for CFG's unconditional branch (None: the null label)."""
+    """Encoded prompts: `cond` holds one row per prompt ({"text", "text_mask", "pooled", "llama"} as the family
+    has them), `negative` one row for CFG's unconditional branch (None: the null label)."""
     prompts: list[str]
     cond: dict[str, torch.Tensor]
     negative: Optional[dict[str, torch.Tensor]] = None
@@ -125,18 +125,28 @@ def encode_for_model(model: Any, meta: Mapping[str, Any], prompts: Sequence[str]
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    tensors = {k: torch.from_numpy(v) for k, v in arrays.items() if k in _trained_keys(meta)}
     check_widths(model, tensors, f"{key}='{text_encoders}'")
     n = len(prompts)
     negative = {k: v[n:] for k, v in tensors.items()} if negative_prompt else None
     return PromptEmbeddings(list(prompts), {k: v[:n] for k, v in tensors.items()}, negative)
 
 
+def _trained_keys(meta: Mapping[str, Any]) -> tuple[str, ...]:
+    """The encode_prompts keys the model saw in training: HiDream's Llama states only where its data stored
+    them (llama_embeds.npy); a model trained without them has only seen zeros there."""
+    return ("text", "text_mask", "pooled") + (("llama",) if (meta.get("conditioning") or {}).get("llama") else ())
+
+
 def check_widths(model: Any, tensors: Mapping[str, torch.Tensor], where: str) -> None:
     """The encoders' embedding widths against the transformer's text widths."""
-    for name, have, want, config_key in (("text", tensors["text"].shape[-1], model.text_dim, model.text_dim_key),
-                                         ("pooled", tensors["pooled"].shape[-1] if "pooled" in tensors else None,
-                                          model.pooled_dim, model.pooled_dim_key)):
+    def width(name: str) -> Optional[int]:
+        return tensors[name].shape[-1] if name in tensors else None
+
+    for name, have, want, config_key in (("text", width("text"), model.text_dim, model.text_dim_key),
+                                         ("pooled", width("pooled"), model.pooled_dim, model.pooled_dim_key),
+                                         ("Llama", width("llama"), getattr(model, "llama_dim", None),
+                                          "caption_channels[1]")):
         if have is not None and want and int(have) != int(want):
             raise PromptError(f"{where} gives {have}-wide {name} embeddings, but the model takes {want} "
                               f"(model.config.{config_key}, {model.family}): use the text encoders its training "

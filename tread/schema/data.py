@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Literal, Optional, Union
 
 from tread.data.meta import LATENT_KINDS
-from tread.encoders.text import TEXT_FAMILIES
+from tread.encoders.text_families import TEXT_FAMILIES
 from tread.models.dit import DIT_ARCHS
 from tread.schema.base import SEED_LIMIT, ConfigError, Flag, Number, Section, check, key, one_of
 

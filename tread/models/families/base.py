@@ -24,10 +24,11 @@ passes `cond` = {"text": (B, L, D), "text_mask": (B, L), "pooled": (B, P)} from 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -123,8 +124,15 @@ class RoutedFamily(RoutedBackbone):
     # them (FLUX Kontext, FLUX.2, Qwen-Image-Edit) set takes_references and self.kontext (model.kontext), and
     # say how to use such data (reference_advice).
     takes_references: ClassVar[bool] = False
+    takes_llama: ClassVar[bool] = False   # the data's Llama hidden states (cond["llama"]): HiDream only
     reference_advice: ClassVar[str] = "set model.kontext=true"
     kontext: bool = False
+
+    @contextlib.contextmanager
+    def shape_only(self) -> Iterator[None]:
+        """Around a FLOPs count on the meta device (shapes only, e.g. a released preset): what makes the forward
+        computable without values, with the same matmuls. Nothing by default; HiDream's MoE overrides it."""
+        yield
 
     def __init__(self, transformer: nn.Module, *, input_size: int, in_channels: int, num_classes: int,
                  routing: Optional[Mapping[str, Any]] = None, text_len: int = 8, arch: str = "",
@@ -293,6 +301,11 @@ class RoutedFamily(RoutedBackbone):
                 f"the pooled text embeddings of the data at {where} are {pooled} wide, but model.config."
                 f"{self.pooled_dim_key}={self.pooled_dim} ({self.family}): encode the captions with this model's "
                 f"text encoders, or set model.config.{self.pooled_dim_key}={pooled} for a fresh model.")
+        if conditioning.get("llama") is not None and not self.takes_llama:
+            raise FamilyConfigError(
+                f"the data at {where} has Llama hidden states (llama_embeds.npy: HiDream's text), which "
+                f"model.family={self.family} would ignore: use model=hidream, or data whose captions were encoded "
+                f"for {self.family} (scripts/precompute_latents.py --text-family {self.family}).")
         self.check_references(conditioning.get("reference") is not None, where)
 
     def check_references(self, has_ref: bool, where: str) -> None:
@@ -355,8 +368,9 @@ class RoutedFamily(RoutedBackbone):
 
 def cond32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Per-sample conditioning that block closures hold (temb, modulation): float32 when autocast is off,
-    i.e. inside a routing.fp32_after_route block, so it matches the block's float32 inputs and weights."""
-    if t is None or not t.is_floating_point() or torch.is_autocast_enabled(t.device.type):
+    i.e. inside a routing.fp32_after_route block, so it matches the block's float32 inputs and weights. (The meta
+    device, shapes only, has no autocast.)"""
+    if t is None or not t.is_floating_point() or (t.device.type != "meta" and torch.is_autocast_enabled(t.device.type)):
         return t
     return t.float()
 

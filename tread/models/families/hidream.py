@@ -62,7 +62,9 @@ attends to the padding).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -116,6 +118,7 @@ class HiDreamFamily(RoutedFamily):
     text_dim_key = "caption_channels"
     pooled_dim_key = "text_emb_dim"
     lora_targets = ("to_q", "to_k", "to_v", "to_out")   # HiDream's output projection is a plain Linear
+    takes_llama = True
 
     @classmethod
     def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -167,6 +170,21 @@ class HiDreamFamily(RoutedFamily):
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.double_stream_blocks, *transformer.single_stream_blocks]
 
+    @contextlib.contextmanager
+    def shape_only(self) -> Iterator[None]:
+        """Each MoE feed-forward, for a count on the meta device: diffusers' training path sends every token to its
+        top-k experts through boolean masks (torch.nonzero, which has no shape-only form). The experts all have one
+        shape, so the count runs the gate, expert 0 on all tokens x top-k (the rows the experts see in total),
+        the weighted sum and the shared expert: the same matmuls."""
+        moes = [m for m in self.transformer.modules() if hasattr(m, "experts") and hasattr(m, "shared_experts")]
+        for moe in moes:
+            moe.forward = functools.partial(_moe_shapes, moe)
+        try:
+            yield
+        finally:
+            for moe in moes:
+                del moe.forward
+
     # noise_level = t * 1000 is what HiDreamImagePipeline feeds (scheduler timesteps): the default timestep().
 
     # -- conditioning --------------------------------------------------------------------------------
@@ -205,6 +223,12 @@ class HiDreamFamily(RoutedFamily):
                 f"the Llama hidden states of the data at {where} are {llama[-1]} wide, but model.config."
                 f"caption_channels[1]={self.llama_dim} (hidream): encode the captions with Llama-3.1-8B-Instruct, or "
                 f"set model.config.caption_channels for a fresh model.")
+        need = max(self.llama_layers) + 1
+        if llama is not None and len(llama) == 3 and int(llama[0]) < need:
+            raise FamilyConfigError(
+                f"the data at {where} holds {llama[0]} Llama layers per caption, but model.config.llama_layers reaches "
+                f"layer {need - 1} (hidream): encode the captions with a Llama of at least {need} layers "
+                f"(Llama-3.1-8B-Instruct: 32), or set model.config.llama_layers for a fresh model.")
 
     # -- the three steps ----------------------------------------------------------------------------
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
@@ -269,3 +293,12 @@ class HiDreamFamily(RoutedFamily):
 
 FAMILY = HiDreamFamily
 PRESETS = HIDREAM_PRESETS
+
+
+def _moe_shapes(moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """MOEFeedForwardSwiGLU.forward's matmuls in training, value-free (HiDreamFamily.shape_only)."""
+    topk_idx, topk_weight, _ = moe.gate(x)
+    rows = x.reshape(-1, x.shape[-1]).repeat_interleave(moe.num_activated_experts, dim=0)
+    y = moe.experts[0](rows).view(*topk_weight.shape, -1)
+    y = (y * topk_weight.unsqueeze(-1)).sum(dim=1).view(x.shape)
+    return y + moe.shared_experts(x)

@@ -1,0 +1,125 @@
+"""Which text encoders each family's diffusers (0.42) pipeline loads: per family its encoder slots (pipeline
+subfolders, kind, what it is), default sequence length, whether a mask and a pooled embedding come out, the hub
+repo to name in download advice, and the pipeline class; the transformers class per encoder kind. Loading and
+encoding: tread/encoders/text.py."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from tread.encoders.errors import TextEncoderError
+
+TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart", "flux2", "qwen_image", "chroma", "sana", "z_image",
+                 "lumina2", "hidream")
+PathLike = Union[str, os.PathLike]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
+CLIP_DEFAULT_LENGTH = 77
+SD3_T5_WIDTH = 4096   # joint_attention_dim of every SD3 / SD3.5 transformer (T5-XXL's width)
+
+
+@dataclass(frozen=True)
+class EncoderSlot:
+    """One text encoder of a family: its pipeline subfolders and what it is."""
+    model: str        # subfolder of the model in a diffusers pipeline folder, e.g. "text_encoder_2"
+    tokenizer: str    # subfolder of its tokenizer, e.g. "tokenizer_2"
+    kind: str         # "clip" (CLIPTextModel) | "clip_proj" (CLIPTextModelWithProjection) | a key of MODEL_TYPES
+    what: str         # for messages
+    processor: bool = False   # the tokenizer folder is loaded with AutoProcessor (as the pipeline's tokenizer is)
+    download: Optional[str] = None   # how to fetch it when the family's hub repo does not hold it (for messages)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    slots: tuple[EncoderSlot, ...]
+    max_length: int   # default sequence length of the T5-type encoder (the pipeline's max_sequence_length)
+    mask: bool        # whether encode_prompts returns "text_mask"
+    pooled: bool      # whether encode_prompts returns "pooled"
+    repo: str         # a hub repo with these encoders (for the download advice)
+    pipeline: str     # diffusers pipeline class (model_index.json of save_tiny_text_encoders)
+    via_pipeline: bool = False   # encoded by the pipeline's own encode_prompt (text_pipelines.py)
+
+
+_CLIP_L = EncoderSlot("text_encoder", "tokenizer", "clip", "CLIP-L (CLIPTextModel)")
+# HiDream's Llama is not in its hub repo: diffusers' HiDreamImagePipeline example loads it (model and tokenizer) from
+# meta-llama/Meta-Llama-3.1-8B-Instruct; 'original/' there holds Meta's own checkpoint format, not needed.
+LLAMA_DOWNLOAD = ("HiDream-ai/HiDream-I1-Full does not hold it: HiDreamImagePipeline takes it from "
+                  "meta-llama/Meta-Llama-3.1-8B-Instruct (a gated repo: accept its license on the hub first); fetch "
+                  "it with `hf download meta-llama/Meta-Llama-3.1-8B-Instruct --exclude 'original/*' --local-dir "
+                  "DIR/text_encoder_4` (model and tokenizer in one folder).")
+FAMILIES: dict[str, FamilySpec] = {
+    "flux": FamilySpec((_CLIP_L, EncoderSlot("text_encoder_2", "tokenizer_2", "t5", "T5 (T5EncoderModel)")),
+                       512, mask=False, pooled=True, repo="black-forest-labs/FLUX.1-dev", pipeline="FluxPipeline"),
+    "sd3": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "clip_proj", "CLIP-L (CLIPTextModelWithProjection)"),
+                       EncoderSlot("text_encoder_2", "tokenizer_2", "clip_proj",
+                                   "CLIP-G (CLIPTextModelWithProjection)"),
+                       EncoderSlot("text_encoder_3", "tokenizer_3", "t5", "T5 (T5EncoderModel)")),
+                      256, mask=False, pooled=True, repo="stabilityai/stable-diffusion-3-medium-diffusers",
+                      pipeline="StableDiffusion3Pipeline"),
+    "wan": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "UMT5 (UMT5EncoderModel)"),), 512, mask=True,
+                      pooled=False, repo="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", pipeline="WanPipeline"),
+    "auraflow": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "UMT5 (UMT5EncoderModel)"),), 256,
+                           mask=True, pooled=False, repo="fal/AuraFlow", pipeline="AuraFlowPipeline"),
+    "pixart": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "T5 (T5EncoderModel)"),), 120, mask=True,
+                         pooled=False, repo="PixArt-alpha/PixArt-XL-2-512x512", pipeline="PixArtAlphaPipeline"),
+}
+FAMILIES.update({
+    "flux2": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "mistral3", "Mistral-Small 3 "
+                                     "(Mistral3ForConditionalGeneration)", processor=True),), 512, mask=False,
+                        pooled=False, repo="black-forest-labs/FLUX.2-dev", pipeline="Flux2Pipeline", via_pipeline=True),
+    "qwen_image": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "qwen2_5_vl", "Qwen2.5-VL "
+                                          "(Qwen2_5_VLForConditionalGeneration)"),), 512, mask=True, pooled=False,
+                             repo="Qwen/Qwen-Image", pipeline="QwenImagePipeline", via_pipeline=True),
+    "chroma": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "T5 (T5EncoderModel)"),), 512, mask=True,
+                         pooled=False, repo="lodestones/Chroma1-HD", pipeline="ChromaPipeline", via_pipeline=True),
+    "sana": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "gemma2", "Gemma-2 (Gemma2Model)"),), 300, mask=True,
+                       pooled=False, repo="Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers",
+                       pipeline="SanaPipeline", via_pipeline=True),
+    "z_image": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "qwen3", "Qwen3 (Qwen3Model)"),), 512, mask=True,
+                          pooled=False, repo="Tongyi-MAI/Z-Image-Turbo", pipeline="ZImagePipeline", via_pipeline=True),
+    "lumina2": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "gemma2", "Gemma-2 (Gemma2Model)"),), 256,
+                          mask=True, pooled=False, repo="Alpha-VLLM/Lumina-Image-2.0", pipeline="Lumina2Pipeline",
+                          via_pipeline=True),
+    "hidream": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "clip_proj",
+                                       "CLIP-L (CLIPTextModelWithProjection)"),
+                           EncoderSlot("text_encoder_2", "tokenizer_2", "clip_proj",
+                                       "CLIP-G (CLIPTextModelWithProjection)"),
+                           EncoderSlot("text_encoder_3", "tokenizer_3", "t5", "T5 (T5EncoderModel)"),
+                           EncoderSlot("text_encoder_4", "tokenizer_4", "llama",
+                                       "Llama-3.1-8B-Instruct (LlamaForCausalLM)", download=LLAMA_DOWNLOAD)),
+                          128, mask=False, pooled=True, repo="HiDream-ai/HiDream-I1-Full",
+                          pipeline="HiDreamImagePipeline", via_pipeline=True),
+})
+PIXART_SIGMA_LENGTH = 300
+# transformers model classes by encoder kind and config.json model_type (the classes the pipelines load)
+MODEL_TYPES: dict[str, dict[str, str]] = {
+    "t5": {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel"},
+    "mistral3": {"mistral3": "Mistral3ForConditionalGeneration"},
+    "qwen2_5_vl": {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},
+    "gemma2": {"gemma2": "Gemma2Model"},
+    "qwen3": {"qwen3": "Qwen3Model"},
+    "llama": {"llama": "LlamaForCausalLM"},
+}
+
+
+def family_spec(family: str) -> FamilySpec:
+    if family not in FAMILIES:
+        raise TextEncoderError(f"text family {family!r} is unknown; allowed: {', '.join(TEXT_FAMILIES)}")
+    return FAMILIES[family]
+
+
+def family_slots(family: str, t5: bool = True) -> tuple[EncoderSlot, ...]:
+    """`family`'s encoders; t5=False (SD3 only: its pipeline runs without text_encoder_3) leaves T5 out."""
+    slots = family_spec(family).slots
+    if t5:
+        return slots
+    if family != "sd3":
+        source = "its T5's output" if any(s.kind == "t5" for s in slots) else f"the output of {slots[0].what}"
+        raise TextEncoderError(f"t5=False (no T5 encoder) is for sd3 only; {family}'s text embeddings are {source}. "
+                               f"Allowed: t5=True for {family}.")
+    return tuple(s for s in slots if s.kind != "t5")
+
+
+def encoder_keys(family: str) -> tuple[str, ...]:
+    """The path keys load_text_encoders accepts for `family`: "pipeline" and each model/tokenizer subfolder."""
+    return ("pipeline",) + tuple(k for s in family_spec(family).slots for k in (s.model, s.tokenizer))
