@@ -17,6 +17,7 @@ from tread.encoders.text import TextEncoderError, encode_prompts, load_text_enco
 from tread.encoders.text_families import SD3_T5_WIDTH
 from tread.encoders.tiny_text import save_tiny_text_encoders
 from tread.models import build_model
+from tread.models.families import FamilyConfigError
 from tread.schema import ConfigError, check_train
 from test_precompute import vae_dir  # noqa: F401 (fixture)
 
@@ -92,6 +93,17 @@ def test_t5_false_errors(sd3_dir, clip_only_dir):
     enc = load_text_encoders("sd3", clip_only_dir, t5=False)
     with pytest.raises(TextEncoderError, match=r"t5=True, but these sd3 encoders were loaded without T5"):
         encode_prompts("sd3", enc, ["a cat"], t5=True)
+
+
+def test_use_t5_false_on_class_labels_is_refused_not_ignored():
+    """On class-labelled data the class table stands in for the text: use_t5=false would change nothing, so the run
+    is refused at start-up, in one line; text data passes."""
+    off = sd3_model("model.use_t5=false")
+    with pytest.raises(FamilyConfigError, match=r"^model.use_t5=false zeroes the T5 part .* the data at '/d' has none "
+                                                r"\(class labels"):
+        off.check_text_data({"text": None, "pooled": None}, "'/d'")
+    off.check_text_data({"text": (77 + 12, 32), "pooled": 32}, "'/d'")
+    sd3_model().check_text_data({"text": None, "pooled": None}, "'/d'")
 
 
 def test_use_t5_false_ignores_the_t5_part_of_the_data():

@@ -37,7 +37,8 @@ class EDMPrecond(nn.Module):
 
 
 class EDM:
-    """EDM objective: sigma ~ logN(P_mean, P_std^2), loss weight (s^2+sd^2)/(s*sd)^2, Heun sampling."""
+    """EDM objective: sigma ~ logN(P_mean, P_std^2), loss weight (s^2+sd^2)/(s*sd)^2 (or Min-SNR-gamma's),
+    Heun sampling."""
 
     def __init__(
         self,
@@ -52,8 +53,10 @@ class EDM:
         S_min: float = 0.0,          # churn only for sigma in [S_min, S_max]
         S_max: float = math.inf,
         S_noise: float = 1.0,        # noise inflation for churn
+        min_snr_gamma: Optional[float] = None,   # None: EDM's weight; gamma: Min-SNR-gamma (loss_weight)
     ):
         self.sigma_data, self.P_mean, self.P_std = sigma_data, P_mean, P_std
+        self.min_snr_gamma = None if min_snr_gamma is None else float(min_snr_gamma)
         self.num_steps, self.sigma_min, self.sigma_max, self.rho = num_steps, sigma_min, sigma_max, rho
         self.S_churn, self.S_min, self.S_max, self.S_noise = S_churn, S_min, float(S_max), S_noise
 
@@ -66,10 +69,20 @@ class EDM:
         backbone's auxiliary output)."""
         rnd_normal = torch.randn([x.shape[0], 1, 1, 1], device=x.device)
         sigma = (rnd_normal * self.P_std + self.P_mean).exp()
-        weight = (sigma ** 2 + self.sigma_data ** 2) / (sigma * self.sigma_data) ** 2
+        weight = self.loss_weight(sigma)
         noise = torch.randn_like(x) * sigma
         D_yn, aux = call_with_aux(net, x + noise, sigma.flatten(), labels, return_aux=return_aux, **cond)
         return with_aux(weight * (D_yn - x) ** 2, aux)
+
+    def loss_weight(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The weight of ||D(x + n; sigma) - x||^2. EDM's: (sigma^2 + sd^2) / (sigma sd)^2 = (SNR + 1) / sd^2 with
+        SNR = sd^2 / sigma^2. Min-SNR-gamma (Hang et al. 2023, for this x0-space loss): min(SNR, gamma) / sd^2, i.e.
+        EDM's weight times min(SNR, gamma) / (SNR + 1), the factor diffusers' training examples apply to a
+        v-prediction loss (EDM's weighted loss is one in effect): the low-noise levels are clamped at gamma."""
+        if self.min_snr_gamma is None:
+            return (sigma ** 2 + self.sigma_data ** 2) / (sigma * self.sigma_data) ** 2
+        sd2 = self.sigma_data ** 2
+        return torch.clamp(sd2 / sigma ** 2, max=self.min_snr_gamma) / sd2
 
     def sigma_steps(self, num_steps: Optional[int] = None, device: Any = None) -> torch.Tensor:
         """Karras schedule t_0 > ... > t_{N-1}, then t_N = 0 (float64)."""

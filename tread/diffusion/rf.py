@@ -20,7 +20,14 @@ from tread.utils.errors import UserError
 
 
 class ShiftConfigError(UserError):
-    """A diffusion.shift / diffusion.dynamic_shift setting that cannot work."""
+    """A diffusion.shift / diffusion.dynamic_shift / diffusion.weighting_scheme setting that cannot work."""
+
+
+# diffusers' --weighting_scheme of its SD3 / FLUX training scripts (training_utils.py): which density t is drawn from
+# (compute_density_for_timestep_sampling) and which weight the loss gets at the shifted t
+# (compute_loss_weighting_for_sd3). "uniform" is diffusers' "none": uniform t, weight 1.
+WEIGHTING_SCHEMES = ("logit_normal", "mode", "cosmap", "sigma_sqrt", "uniform")
+MODE_SCALE_MAX = 2 / (math.pi - 2)   # SD3 paper: mode sampling keeps t in [0, 1] for -1 <= scale <= 2 / (pi - 2)
 
 
 def shift_t(t: torch.Tensor, shift: float) -> torch.Tensor:
@@ -82,7 +89,8 @@ class RFModel(nn.Module):
 
 
 class RectifiedFlow:
-    """Flow-matching objective with logit-normal t and an Euler sampler from t=1 to t=0."""
+    """Flow-matching objective (t drawn by `weighting_scheme`, logit-normal by default) and an Euler sampler from
+    t=1 to t=0."""
 
     def __init__(
         self,
@@ -92,8 +100,16 @@ class RectifiedFlow:
         t_scale: float = 1000.0,   # noise_level fed to the backbone = t * t_scale
         num_steps: int = 50,       # Euler steps (network evaluations)
         dynamic_shift: Optional[Mapping[str, Any]] = None,   # DynamicShift's keys: FLUX's shift instead of `shift`
+        weighting_scheme: str = "logit_normal",   # WEIGHTING_SCHEMES: t's density and the loss weight
+        mode_scale: float = 1.29,  # "mode" sampling's scale (SD3 paper, diffusers' default)
     ):
         self.P_mean, self.P_std, self.shift, self.t_scale, self.num_steps = P_mean, P_std, shift, t_scale, num_steps
+        if weighting_scheme not in WEIGHTING_SCHEMES or not -1 <= mode_scale <= MODE_SCALE_MAX:
+            raise ShiftConfigError(
+                f"diffusion.weighting_scheme={weighting_scheme!r} with diffusion.mode_scale={mode_scale} is not allowed; "
+                f"allowed: weighting_scheme one of {', '.join(WEIGHTING_SCHEMES)}, mode_scale in [-1, "
+                f"{MODE_SCALE_MAX:.4f}] (2 / (pi - 2): beyond it mode sampling leaves [0, 1]).")
+        self.weighting_scheme, self.mode_scale = weighting_scheme, float(mode_scale)
         self.dynamic_shift = None if dynamic_shift is None else DynamicShift(**dynamic_shift)
         if self.dynamic_shift is not None and shift != 1:
             raise ShiftConfigError(
@@ -127,12 +143,32 @@ class RectifiedFlow:
              **cond: Any) -> Any:
         """Unreduced velocity loss (B, C, H, W); draws from the global RNG. With return_aux, (loss, the backbone's
         auxiliary output)."""
-        t = torch.sigmoid(torch.randn([x.shape[0]], device=x.device) * self.P_std + self.P_mean)
-        t = shift_t(t, self.shift_for(x.shape)).reshape(-1, *[1] * (x.dim() - 1))
+        t = shift_t(self.draw_t(x.shape[0], x.device), self.shift_for(x.shape)).reshape(-1, *[1] * (x.dim() - 1))
         noise = torch.randn_like(x)
         z = (1 - t) * x + t * noise
         v, aux = call_with_aux(net, z, t.flatten(), labels, return_aux=return_aux, **cond)
-        return with_aux((v - (noise - x)) ** 2, aux)
+        loss = (v - (noise - x)) ** 2
+        weight = self.loss_weight(t)
+        return with_aux(loss if weight is None else weight * loss, aux)
+
+    def draw_t(self, batch: int, device: Any) -> torch.Tensor:
+        """t before the shift, from the global RNG: diffusers' compute_density_for_timestep_sampling for this
+        weighting_scheme (logit_normal: sigmoid(N(P_mean, P_std)); mode: SD3's mode sampling; otherwise uniform)."""
+        if self.weighting_scheme == "logit_normal":
+            return torch.sigmoid(torch.randn([batch], device=device) * self.P_std + self.P_mean)
+        u = torch.rand([batch], device=device)
+        if self.weighting_scheme == "mode":
+            u = 1 - u - self.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+        return u
+
+    def loss_weight(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """The loss weight at the shifted t (diffusers' sigma): compute_loss_weighting_for_sd3's cosmap
+        2 / (pi (1 - 2t + 2t^2)) or sigma_sqrt t^-2; None (weight 1) for the other schemes."""
+        if self.weighting_scheme == "cosmap":
+            return 2 / (math.pi * (1 - 2 * t + 2 * t ** 2))
+        if self.weighting_scheme == "sigma_sqrt":
+            return t ** -2.0
+        return None
 
     def t_steps(self, num_steps: Optional[int] = None, device: Any = None,
                 latent_shape: Optional[Sequence[int]] = None) -> torch.Tensor:

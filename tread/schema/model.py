@@ -316,6 +316,9 @@ class EDMConfig(Section):
     S_min: NonNegativeNumber
     S_max: float = key("a number >= S_min (.inf allowed)", ge=0)
     S_noise: NonNegativeNumber
+    min_snr_gamma: Optional[PositiveNumber] = key(
+        "null (EDM's loss weight) or a number > 0: Min-SNR-gamma, min(SNR, gamma) / sigma_data^2 with SNR = "
+        "sigma_data^2 / sigma^2 (Hang et al. 2023: 5)", default=None)
 
     def check_range(self) -> None:
         if not self.sigma_min < self.sigma_max:
@@ -351,11 +354,17 @@ class RFConfig(Section):
     dynamic_shift: Optional[DynamicShiftConfig] = key(
         "null (the static shift) or {base_shift, max_shift, base_seq_len, max_seq_len, patch_size}: FLUX's "
         "resolution-dependent shift exp(mu), mu linear in the image token count", default=None)
+    weighting_scheme: Literal["logit_normal", "mode", "cosmap", "sigma_sqrt", "uniform"] = key(
+        "diffusers' --weighting_scheme (uniform is its none): logit_normal (t = sigmoid(N(P_mean, P_std))), mode "
+        "(SD3's mode sampling, mode_scale), cosmap or sigma_sqrt (uniform t, the loss weighted by cosmap or "
+        "t^-2), uniform", default="logit_normal")
+    mode_scale: Number = key("a number in [-1, 2 / (pi - 2)] (mode sampling's scale; SD3: 1.29)", default=1.29)
 
     @model_validator(mode="after")
     def check_one_shift(self) -> "RFConfig":
         if self.dynamic_shift is not None and self.shift != 1:
             RectifiedFlow(shift=self.shift, dynamic_shift=self.dynamic_shift.model_dump())   # says why, once
+        RectifiedFlow(weighting_scheme=self.weighting_scheme, mode_scale=self.mode_scale)   # mode_scale's range
         return self
 
 

@@ -85,6 +85,17 @@ class SD3Family(RoutedFamily):
         zeros = clip_part.new_zeros((clip_part.shape[0], text["text"].shape[1] - CLIP_TOKENS, clip_part.shape[2]))
         return {**text, "text": torch.cat([clip_part, zeros], dim=1)}
 
+    def check_text_data(self, conditioning: Mapping[str, Any], where: str) -> None:
+        """RoutedFamily's checks; model.use_t5=false acts on text embeddings from the data only, so on class labels
+        (the class table stands in for the text) it would change nothing: refused, not ignored."""
+        super().check_text_data(conditioning, where)
+        if not self.use_t5 and conditioning.get("text") is None:
+            raise FamilyConfigError(
+                f"model.use_t5=false zeroes the T5 part of the data's text embeddings, but the data at {where} has "
+                f"none (class labels: the class table stands in for the text, so it would change nothing); allowed: "
+                f"text data (data=toy_text model.text_encoders=DIR, or scripts/precompute_latents.py --text-family "
+                f"sd3 [--no-t5]), or model.use_t5=true.")
+
     def check_shapes(self) -> None:
         c = self.transformer.config
         self._check_patch_io(c, "SD3 patchifies the latents as they are")
