@@ -47,6 +47,9 @@ class Train(Section):
     grad_clip: Optional[Number] = key("null (no clipping) or a max gradient norm > 0", gt=0)
     label_dropout: Number = key("a probability in [0, 1)", ge=0, lt=1)
     lr_warmup_steps: int = key("an integer >= 0 (linear warm-up steps; 0: none)", ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = key(
+        "constant, linear or cosine (after the warm-up; linear and cosine reach 0 at max_steps, as diffusers' "
+        "get_scheduler)", default="constant")
     log_every_steps: int = key("a positive integer", ge=1)
     num_workers: int = key("an integer >= 0 (DataLoader workers per process)", ge=0)
     cpu: Flag

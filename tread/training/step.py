@@ -10,6 +10,7 @@ order on the training stream: moments, label dropout, then the objective's sigma
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
@@ -35,6 +36,8 @@ class StepSettings:
     label_dropout: float
     lr: float
     lr_warmup_steps: int
+    lr_schedule: str                # constant | linear | cosine after the warm-up (lr_factor)
+    max_steps: int                  # where linear and cosine reach 0
     ema_decay: float
     ema_warmup: bool
     use_mask: bool                  # weight the loss by the data's loss masks
@@ -48,7 +51,8 @@ class StepSettings:
         and train.masked_loss), `routed` whether the model has routes (force-keep needs them)."""
         t = cfg.train
         return cls(grad_accum_steps=t.grad_accum_steps, grad_clip=t.grad_clip, label_dropout=t.label_dropout,
-                   lr=cfg.optimizer.lr, lr_warmup_steps=t.lr_warmup_steps, ema_decay=cfg.ema.decay,
+                   lr=cfg.optimizer.lr, lr_warmup_steps=t.lr_warmup_steps, lr_schedule=t.lr_schedule,
+                   max_steps=t.max_steps, ema_decay=cfg.ema.decay,
                    ema_warmup=cfg.ema.warmup, use_mask=use_mask,
                    force_keep=bool(use_mask and t.mask_force_keep and routed), data_meta=dict(data_meta or {}))
 
@@ -75,7 +79,7 @@ class TrainStep:
 
     def __call__(self, batches: Iterator, step: int) -> StepStats:
         p, s = self.parts, self.s
-        lr = set_lr(p.optimizer, s.lr, s.lr_warmup_steps, step)
+        lr = set_lr(p.optimizer, s.lr * lr_factor(step, s.lr_warmup_steps, s.lr_schedule, s.max_steps))
         p.model.routing.set_step(step)                     # routing.schedule: this step's phase
         loss_sum = torch.zeros((), device=p.accelerator.device)
         repa_sum = torch.zeros((), device=p.accelerator.device) if p.repa is not None else None
@@ -140,9 +144,22 @@ class TrainStep:
         return loss, repa_loss
 
 
-def set_lr(optimizer: torch.optim.Optimizer, base: float, warmup_steps: int, step: int) -> float:
-    """Linear warm-up to the configured lr, then constant (the paper's schedule)."""
-    lr = base * min(1.0, (step + 1) / warmup_steps) if warmup_steps else base
+def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int) -> float:
+    """The lr multiplier at optimizer step `step` (0-based), a pure function of the step (an exact resume needs no
+    scheduler state). Warm-up: (step + 1) / warmup_steps, so the first step already moves (the paper's). After it,
+    diffusers' get_scheduler lambdas at `step`: constant 1; linear (T - step) / (T - W); cosine
+    0.5 (1 + cos(pi (step - W) / (T - W))), with T = total_steps, W = warmup_steps (T - W at least 1)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "linear":
+        return max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup_steps)))
+    if schedule == "cosine":
+        progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return 1.0
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
