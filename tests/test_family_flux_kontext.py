@@ -289,6 +289,9 @@ def test_kontext_trains_evaluates_and_samples_with_the_references(tiny_cfg, tmp_
     assert any((y == 2).any() for y, _ in seen)                    # null labels (dropout, CFG) kept the reference
     assert [json.loads(x)["type"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()].count(
         "train") == 2
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())   # the reference doubles the image tokens
+    assert summary["tokens_fraction"] < 1
+    assert summary["tokens_fraction_with_reference"] == pytest.approx((summary["tokens_fraction"] + 1) / 2)
     seen.clear()
     sample_run(compose_cfg("sample", [f"checkpoint={tmp_path / 'run'}", "num_samples=3", "num_steps=2",
                                       "batch_size=3", "seeds=25-27", f"out_dir={tmp_path / 'samples'}"]))

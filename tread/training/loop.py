@@ -151,6 +151,15 @@ class Run:
         self.guard = NonFiniteGuard(self.cfg.train.nonfinite, self.cfg.train.max_nonfinite_skips, acc.device)
 
 
+def reference_share(run: Run) -> str:
+    """With a never-routed reference (FLUX Kontext, Qwen-Image-Edit, FLUX.2 editing), the share of all image tokens
+    processed: the target share above counts only the routable half of the sequence."""
+    share = run.summary.data.get("tokens_fraction_with_reference")
+    if share is None:
+        return ""
+    return f" of the target's, {100 * share:.1f}% of all image tokens (the reference is never routed)"
+
+
 def announce(run: Run, resume_from: Optional[Path], use_mask: bool, changes: dict) -> None:
     """The start-up lines: model, routes, data, devices, run dir."""
     cfg, model, acc, dataset = run.cfg, run.parts.model, run.parts.accelerator, run.dataset
@@ -162,7 +171,7 @@ def announce(run: Run, resume_from: Optional[Path], use_mask: bool, changes: dic
     compiled = f", torch.compile ({cfg.train.compile_backend})" if run.parts.compiled else ""
     precision_why = mixed_precision(cfg.train.mixed_precision, acc.device)[1]
     tqdm.write(f"{cfg.model.arch} ({n_params:.2f}M params, {model.num_tokens} tokens, depth {model.depth}); routes: "
-               f"{routes}; tokens processed {100 * run.summary.data['tokens_fraction']:.1f}%\n"
+               f"{routes}; tokens processed {100 * run.summary.data['tokens_fraction']:.1f}%{reference_share(run)}\n"
                f"data: {dataset.root} ({len(dataset)} samples) | world size {acc.num_processes}, global batch "
                f"{cfg.train.batch_size} ({micro_batch_size(cfg.train, acc.num_processes)} per micro-batch) | "
                f"{acc.device}, mixed precision {acc.mixed_precision} ({precision_why}){compiled}\n"

@@ -39,11 +39,23 @@ class RunSummary:
             "model": str(cfg.model.arch), "routes": [r.__dict__ for r in routes], "start_step": start_step,
             "tokens_fraction": self.tokens_fraction(model.routing.routes_at(start_step)),
             "train_flops_per_step": self.flops_per_step, "schedule": self.phases()}
+        if self.reference_tokens():
+            self.data["tokens_fraction_with_reference"] = self.with_reference(self.data["tokens_fraction"])
         self.run_dir, self.start = Path(run_dir), time.time()
         self.tokens_sum = 0.0     # measured token share, summed over steps
 
     def tokens_fraction(self, routes) -> float:
         return tokens_processed_fraction(routes, self.model.depth, self.model.num_tokens)
+
+    def reference_tokens(self) -> int:
+        """Never-routed reference image tokens per sample (model.kontext: the reference has the target's shape), 0
+        without references."""
+        return int(self.model.num_tokens) if getattr(self.model, "kontext", False) else 0
+
+    def with_reference(self, fraction: float) -> float:
+        """A target-token share as a share of all image tokens: the reference goes through every block in full."""
+        n, ref = int(self.model.num_tokens), self.reference_tokens()
+        return (fraction * n + ref) / (n + ref)
 
     def step_flops(self, routes) -> float:
         """Theoretical FLOPs of a training step that takes `routes` (counted once per distinct route list)."""
