@@ -20,6 +20,7 @@ from tread.routing import RouteConfigError
 
 ROUTES = [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]
 PAPER_ROUTE = [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]
+RATIO_ZERO = [{"selection_ratio": 0.0, "start_layer_idx": 1, "end_layer_idx": -2}]
 
 
 def routing_cfg(routes=None, seed: int = 0) -> dict:
@@ -178,14 +179,30 @@ def check_dense_equals_diffusers(family: str, **kw: Any) -> None:
 
 def check_ratio_zero_permuted_equals_dense(family: str, **kw: Any) -> None:
     """2. selection_ratio 0 with a random permutation of the tokens equals dense (1e-5)."""
-    model = make(family, [{"selection_ratio": 0.0, "start_layer_idx": 1, "end_layer_idx": -2}], **kw).train()
-    x, t, y = inputs(model, frames=kw.get("frames"))
+    model = make(family, RATIO_ZERO, **kw)
+    check_ratio_zero_model(model, inputs(model, frames=kw.get("frames")))
+
+
+def check_ratio_zero_model(model, xty, cond: Optional[dict] = None) -> None:
+    """A model built with RATIO_ZERO: its routed training forward, the kept tokens a random permutation, equals its
+    dense forward on (x, t, y) and `cond` (1e-5)."""
+    x, t, y = xty
+    extra = {"cond": cond} if cond else {}
+    model.train()
     with torch.no_grad(), fixed_selection(model, random_permutation(7)) as calls:
         with torch.enable_grad():  # routes are active in grad-enabled training
-            routed = model(x, t, y)
-        dense = model.eval()(x, t, y)
+            routed = model(x, t, y, **extra)
+        dense = model.eval()(x, t, y, **extra)
     assert calls and not torch.equal(calls[0], torch.arange(calls[0].shape[1]).expand_as(calls[0]))
     torch.testing.assert_close(routed, dense, rtol=1e-5, atol=1e-5)
+
+
+def masked_text(model, batch: int = 3, length: int = 6, seed: int = 2) -> dict:
+    """Text embeddings as the data gives them, with a keep-mask of a different prompt length per sample."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([length, 3, 1, 4][:batch])
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    return {"text": torch.randn(batch, length, model.text_dim, generator=g), "text_mask": mask}
 
 
 def check_set_aside_and_text(family: str, routes=ROUTES, **kw: Any) -> None:

@@ -126,15 +126,8 @@ def test_kept_tokens_equal_blocks_on_subsequence_plus_reference(routes):
 
 def test_ratio_zero_permuted_equals_dense():
     """(d) selection_ratio 0 with a random permutation of the target tokens equals dense (1e-5)."""
-    model = kontext([{"selection_ratio": 0.0, "start_layer_idx": 1, "end_layer_idx": -2}]).train()
-    x, t, y = fc.inputs(model)
-    cond = {"reference": reference_for(model)}
-    with torch.no_grad(), fc.fixed_selection(model, fc.random_permutation(7)) as calls:
-        with torch.enable_grad():
-            routed = model(x, t, y, cond=cond)
-        dense = model.eval()(x, t, y, cond=cond)
-    assert calls and not torch.equal(calls[0], torch.arange(calls[0].shape[1]).expand_as(calls[0]))
-    torch.testing.assert_close(routed, dense, rtol=1e-5, atol=1e-5)
+    model = kontext(fc.RATIO_ZERO)
+    fc.check_ratio_zero_model(model, fc.inputs(model), {"reference": reference_for(model)})
 
 
 def test_reference_gets_no_loss_and_gradients_reach_the_parameters():

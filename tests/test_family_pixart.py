@@ -14,18 +14,10 @@ FAMILY = "pixart"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def masked_text(model, batch: int = 3, length: int = 6, seed: int = 2) -> dict:
-    """Text embeddings as the data gives them, with a keep-mask of a different prompt length per sample."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([length, 3, 1, 4][:batch])
-    mask = torch.arange(length)[None, :] < lengths[:, None]
-    return {"text": torch.randn(batch, length, model.text_dim, generator=g), "text_mask": mask}
-
-
 def test_dense_with_text_mask_equals_diffusers():
     model = fc.make(FAMILY).eval()
     x, t, y = fc.inputs(model)
-    cond = masked_text(model)
+    cond = fc.masked_text(model)
     with torch.no_grad():
         ours, ref = model(x, t, y, cond=cond), model.reference_forward(x, t, y, cond=cond)
         unmasked = model(x, t, y, cond={"text": cond["text"]})
@@ -64,7 +56,7 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, masked):
     """3. Kept tokens after the route = diffusers' BasicTransformerBlocks run on the kept subsequence, per
     sample: the dense route-start tokens (absolute position embedding already added) sliced by the kept ids,
     the sample's own adaLN-single modulation, its projected text and its text mask."""
-    r = fc.routed_run(FAMILY, routes, cond=masked_text if masked else None)
+    r = fc.routed_run(FAMILY, routes, cond=fc.masked_text if masked else None)
     model, x, t, y, cond, seen, routed_in, route = r.model, r.x, r.t, r.y, r.cond, r.dense, r.routed, r.route
     _, x_kept, ids, _ = r.scatter
     ref = model.pristine_transformer()

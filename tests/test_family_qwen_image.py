@@ -233,15 +233,10 @@ def test_reference_tokens_are_never_routed_and_modulate_index_follows_the_kept_t
 def test_edit_ratio_zero_permuted_equals_dense_and_gradients_reach_the_parameters():
     """(d) selection_ratio 0 with a random permutation of the target tokens equals dense (1e-5); under a route every
     parameter the dense edit model trains gets a gradient."""
-    model = edit([{"selection_ratio": 0.0, "start_layer_idx": 1, "end_layer_idx": -2}]).train()
+    model = edit(fc.RATIO_ZERO)
     x, t, y = fc.inputs(model)
     cond = {"reference": reference_for(model)}
-    with torch.no_grad(), fc.fixed_selection(model, fc.random_permutation(7)) as calls:
-        with torch.enable_grad():
-            routed = model(x, t, y, cond=cond)
-        dense = model.eval()(x, t, y, cond=cond)
-    assert calls and not torch.equal(calls[0], torch.arange(calls[0].shape[1]).expand_as(calls[0]))
-    torch.testing.assert_close(routed, dense, rtol=1e-5, atol=1e-5)
+    fc.check_ratio_zero_model(model, (x, t, y), cond)
 
     def grads(routes):
         m = edit(routes).train()

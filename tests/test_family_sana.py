@@ -24,14 +24,6 @@ SPRINT = {"config": {"guidance_embeds": True, "qk_norm": "rms_norm_across_heads"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def masked_text(model, batch: int = 3, length: int = 6, seed: int = 2) -> dict:
-    """Text embeddings as the data gives them, with a keep-mask of a different prompt length per sample."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([length, 3, 1, 4][:batch])
-    mask = torch.arange(length)[None, :] < lengths[:, None]
-    return {"text": torch.randn(batch, length, model.text_dim, generator=g), "text_mask": mask}
-
-
 # ------------------------------------------------------------------ (a) dense == diffusers, bit for bit
 
 @pytest.mark.parametrize("kw", [{}, POS_EMBED, SPRINT, {"input_size": 16, "in_channels": 3}],
@@ -41,7 +33,7 @@ def test_dense_bit_identical_to_diffusers(kw):
     with the masked text of the data too."""
     model = fc.make(FAMILY, **kw).eval()
     x, t, y = fc.inputs(model)
-    cond = masked_text(model)
+    cond = fc.masked_text(model)
     with torch.no_grad():
         assert torch.equal(model(x, t, y), model.reference_forward(x, t, y))
         ours, ref = model(x, t, y, cond=cond), model.reference_forward(x, t, y, cond=cond)
@@ -100,7 +92,7 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, masked, kw):
     """3. Kept tokens after the route = diffusers' SanaTransformerBlock.forward run per sample on the kept
     subsequence (height 1, width K), with the sample's own adaLN-single modulation, its projected and normed text
     and text mask, and its Mix-FFN on the hand-built holey grid (kept tokens at their true cells, zero elsewhere)."""
-    r = fc.routed_run(FAMILY, routes, cond=masked_text if masked else None, **kw)
+    r = fc.routed_run(FAMILY, routes, cond=fc.masked_text if masked else None, **kw)
     model, x, t, y, cond, seen, routed_in, route_ = r.model, r.x, r.t, r.y, r.cond, r.dense, r.routed, r.route
     _, x_kept, ids, _ = r.scatter
     ref = model.pristine_transformer()

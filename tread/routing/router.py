@@ -41,9 +41,13 @@ class TokenRouter:
         self._seed = int(seed)
         self._generators.clear()
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def _generator(self, device: torch.device) -> Optional[torch.Generator]:
+        """The router's generator on `device`; None on the meta device (shapes only: FLOPs of a model built there,
+        whose scores have no values), which is never cached, so a real device's lookup stays one dict hit."""
         key = str(device)
         if key not in self._generators:
+            if torch.device(device).type == "meta":
+                return None
             self._generators[key] = torch.Generator(device=device).manual_seed(self._seed)
         return self._generators[key]
 
@@ -70,8 +74,6 @@ class TokenRouter:
         """Uniform scores (B, N) in [0, 1) from the router's own stream (or the per-sample generators). Drawn
         eagerly, before a (possibly compiled) forward runs: a torch.Generator inside a compiled graph would
         break it, so the graph receives the scores as an input (RoutingController.plan)."""
-        if torch.device(device).type == "meta":   # shapes only (FLOPs of a model built on the meta device)
-            return torch.empty(B, N, device=device)
         if self._per_sample is None:
             return torch.rand(B, N, device=device, generator=self._generator(device))
         gens = self._per_sample

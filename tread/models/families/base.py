@@ -187,6 +187,25 @@ class RoutedFamily(RoutedBackbone):
     def check_shapes(self) -> None:
         """Raise FamilyConfigError when the data does not fit the transformer config."""
 
+    def _check_packed_io(self, config: Any, name: str) -> None:
+        """check_shapes' part shared by the families whose pipeline packs 2x2 latent cells into one token before a
+        patch_size-1 transformer (FLUX, FLUX.2, Chroma; `name` for messages): patch_size 1, config.in_channels =
+        4 x data.channels, out_channels null or equal to it, an even data.resolution."""
+        c, channels = config, self.in_channels
+        if c.patch_size != 1:
+            raise FamilyConfigError(f"model.config.patch_size={c.patch_size}: {name}'s pipeline packs 2x2 latent cells "
+                                    f"into tokens itself and needs the transformer's patch_size 1.")
+        if c.in_channels != channels * 4:
+            raise FamilyConfigError(
+                f"{name} packs 2x2 latent cells into one token, so its transformer needs in_channels = 4 x data "
+                f"channels = {channels * 4}, but model.config.in_channels={c.in_channels} (data.channels={channels}). "
+                f"Match them, or use data with {c.in_channels // 4} channels.")
+        if c.out_channels is not None and c.out_channels != c.in_channels:
+            raise FamilyConfigError(f"model.config.out_channels={c.out_channels} must be null or equal in_channels="
+                                    f"{c.in_channels}: the model predicts a latent of the input's shape.")
+        if self.input_size % 2:
+            raise FamilyConfigError(f"data.resolution={self.input_size} must be even: {name} packs 2x2 latent cells.")
+
     def _check_patch_io(self, config: Any, note: str, *, learned_sigma: bool = False,
                         width_key: Optional[str] = "caption_projection_dim",
                         width_note: str = "the text stream enters the joint blocks") -> None:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32
+from tread.models.families.base import Embedded, RoutedFamily, cond32
 from tread.models.families.flux import FluxFamily
 
 _APPROX = dict(approximator_num_channels=64)
@@ -87,11 +87,7 @@ class ChromaFamily(RoutedFamily):
     timestep = FluxFamily.timestep
 
     def check_shapes(self) -> None:
-        FluxFamily.check_shapes(self)   # patch_size 1, in_channels = 4 x data channels, even side, RoPE axes
-        c = self.transformer.config
-        if c.out_channels is not None and c.out_channels != c.in_channels:
-            raise FamilyConfigError(f"model.config.out_channels={c.out_channels} must be null or equal in_channels="
-                                    f"{c.in_channels}: the model predicts a latent of the input's shape.")
+        FluxFamily.check_shapes(self)   # the packed IO (patch_size 1, 4 x data channels, out_channels, even side), RoPE
 
     # -- the approximator's per-block modulation -------------------------------------------------------
     def modulation(self, pooled_temb: torch.Tensor, index: int) -> torch.Tensor:

@@ -136,16 +136,7 @@ class FluxFamily(RoutedFamily):
 
     def check_shapes(self) -> None:
         c = self.transformer.config
-        if c.patch_size != 1:
-            raise FamilyConfigError(f"model.config.patch_size={c.patch_size}: FLUX packs 2x2 latent cells into "
-                                    f"tokens itself and needs the transformer's patch_size 1.")
-        if c.in_channels != self.in_channels * self.PACK ** 2:
-            raise FamilyConfigError(
-                f"FLUX packs 2x2 latent cells into one token, so its transformer needs in_channels = 4 x "
-                f"data channels = {self.in_channels * 4}, but model.config.in_channels={c.in_channels} "
-                f"(data.channels={self.in_channels}). Match them, or use data with {c.in_channels // 4} channels.")
-        if self.input_size % self.PACK:
-            raise FamilyConfigError(f"data.resolution={self.input_size} must be even: FLUX packs 2x2 latent cells.")
+        self._check_packed_io(c, "FLUX")
         if sum(c.axes_dims_rope) != c.attention_head_dim:
             raise FamilyConfigError(f"model.config.axes_dims_rope={list(c.axes_dims_rope)} must sum to "
                                     f"attention_head_dim={c.attention_head_dim}.")

@@ -85,6 +85,20 @@ def _heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t.unflatten(-1, (-1, head_dim))
 
 
+def _attend(proc: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attention_mask: Optional[torch.Tensor], rope: Optional[RopeTable]) -> torch.Tensor:
+    """Both processors' common tail: RoPE on query and key (when given), diffusers' dispatched attention with the
+    processor's backend, the heads merged."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    if rope is not None:
+        cos, sin = rope
+        query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+    out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=proc._attention_backend,
+                                parallel_config=proc._parallel_config)
+    return out.flatten(2, 3).to(query.dtype)
+
+
 class BatchedRopeFlux2AttnProcessor:
     """diffusers' Flux2AttnProcessor (the dual-stream blocks' Flux2Attention), same maths, whose RoPE table may be
     per sample: image_rotary_emb (cos, sin), each (S, Dh) shared by the batch or (B, S, Dh), S = text + image
@@ -96,8 +110,6 @@ class BatchedRopeFlux2AttnProcessor:
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
                  encoder_hidden_states: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
                  image_rotary_emb: Optional[RopeTable] = None) -> Any:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
         fused = getattr(attn, "fused_projections", False)
         if fused:
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
@@ -114,12 +126,7 @@ class BatchedRopeFlux2AttnProcessor:
             eq, ek, ev = (_heads(t, attn.head_dim) for t in (eq, ek, ev))
             eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
             query, key, value = torch.cat([eq, query], 1), torch.cat([ek, key], 1), torch.cat([ev, value], 1)
-        if image_rotary_emb is not None:
-            cos, sin = image_rotary_emb
-            query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
-                                    parallel_config=self._parallel_config)
-        out = out.flatten(2, 3).to(query.dtype)
+        out = _attend(self, query, key, value, attention_mask, image_rotary_emb)
         context = None
         if encoder_hidden_states is not None:
             text_len = encoder_hidden_states.shape[1]
@@ -137,20 +144,13 @@ class BatchedRopeFlux2ParallelSelfAttnProcessor:
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                  image_rotary_emb: Optional[RopeTable] = None) -> torch.Tensor:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
         hidden_states = attn.to_qkv_mlp_proj(hidden_states)
         qkv_dim, mlp_dim = 3 * attn.inner_dim, attn.mlp_hidden_dim * attn.mlp_mult_factor
         local_qkv = hidden_states.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)   # diffusers' split by the global ratio
         qkv, mlp = torch.split(hidden_states, [local_qkv, hidden_states.shape[-1] - local_qkv], dim=-1)
         query, key, value = (_heads(t, attn.head_dim) for t in qkv.chunk(3, dim=-1))
         query, key = attn.norm_q(query), attn.norm_k(key)
-        if image_rotary_emb is not None:
-            cos, sin = image_rotary_emb
-            query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
-                                    parallel_config=self._parallel_config)
-        out = out.flatten(2, 3).to(query.dtype)
+        out = _attend(self, query, key, value, attention_mask, image_rotary_emb)
         return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
 
 
@@ -193,19 +193,7 @@ class Flux2Family(RoutedFamily):
 
     def check_shapes(self) -> None:
         c = self.transformer.config
-        if c.patch_size != 1:
-            raise FamilyConfigError(f"model.config.patch_size={c.patch_size}: FLUX.2's pipeline packs 2x2 latent cells "
-                                    f"into tokens itself and needs the transformer's patch_size 1.")
-        if c.in_channels != self.in_channels * self.PACK ** 2:
-            raise FamilyConfigError(
-                f"FLUX.2 packs 2x2 latent cells into one token, so its transformer needs in_channels = 4 x data "
-                f"channels = {self.in_channels * 4}, but model.config.in_channels={c.in_channels} (data.channels="
-                f"{self.in_channels}). Match them, or use data with {c.in_channels // 4} channels.")
-        if c.out_channels is not None and c.out_channels != c.in_channels:
-            raise FamilyConfigError(f"model.config.out_channels={c.out_channels} must be null or equal in_channels="
-                                    f"{c.in_channels}: the model predicts a latent of the input's shape.")
-        if self.input_size % self.PACK:
-            raise FamilyConfigError(f"data.resolution={self.input_size} must be even: FLUX.2 packs 2x2 latent cells.")
+        self._check_packed_io(c, "FLUX.2")
         axes = list(c.axes_dims_rope)
         if len(axes) != self.ROPE_AXES or sum(axes) != c.attention_head_dim or any(a % 2 for a in axes):
             raise FamilyConfigError(
