@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # files sharing a session fixture (tests/conftest.py), stays on one worker. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
-.PHONY: setup train test sample benchmark gpu-check gpu-wheels ablation ablation-seeds study precision example clean
+.PHONY: setup train test sample benchmark gpu-check gpu-wheels ablation ablation-seeds study precision example example-buckets clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +93,24 @@ example: $(STAMP)
 	$(BIN)/python train.py experiment=flux_adapter model.text_encoders=$(abspath $(EXAMPLE_ENCODERS)) hydra.run.dir=$(EXAMPLE_DIR) $(ARGS)
 	$(BIN)/python sample.py checkpoint=$(EXAMPLE_DIR) 'prompts=[a red disc, a blue triangle, a yellow ring, a lime X]' num_samples=4
 	$(BIN)/python scripts/diffusers_pipeline.py $(EXAMPLE_DIR) --prompts $(EXAMPLE_PROMPTS)
+
+# The bucketed loop of docs/buckets.md ("Worked example"), offline on a CPU: toy shapes as PNGs of three aspect ratios
+# at two sizes with caption files -> precompute with buckets (a tiny fitted VAE, tiny FLUX text encoders) -> a LoRA
+# with routing on a tiny FLUX, one bucket per batch -> validation images at every bucket -> the exported adapter in
+# diffusers' FluxPipeline. The VAE and the encoders are written once under .cache.
+BUCKETS_DIR := outputs/example/buckets_$(shell date +%Y%m%d-%H%M%S)
+BUCKETS_VAE := .cache/tiny_vae
+BUCKETS_SIZES := 32x32,48x32,32x48,64x64,96x64,64x96
+example-buckets: $(STAMP)
+	test -f $(EXAMPLE_ENCODERS)/model_index.json || $(BIN)/python scripts/tiny_text_encoders.py flux $(EXAMPLE_ENCODERS)
+	test -f $(BUCKETS_VAE)/config.json || $(BIN)/python scripts/tiny_vae.py $(BUCKETS_VAE) --steps 300
+	$(BIN)/python scripts/toy_images.py $(BUCKETS_DIR)/images --sizes $(BUCKETS_SIZES) --per-class 24
+	$(BIN)/python scripts/precompute_latents.py --images $(BUCKETS_DIR)/images --out $(BUCKETS_DIR)/latents \
+	  --vae $(BUCKETS_VAE) --buckets $(BUCKETS_SIZES) --bucket-stride 4 --caption-sidecars --text-family flux \
+	  --text-encoders $(EXAMPLE_ENCODERS) --max-text-length 16 --device cpu --workers 0
+	$(BIN)/python train.py experiment=flux_buckets data.path=$(abspath $(BUCKETS_DIR))/latents \
+	  model.text_encoders=$(abspath $(EXAMPLE_ENCODERS)) hydra.run.dir=$(BUCKETS_DIR)/run $(ARGS)
+	$(BIN)/python scripts/diffusers_pipeline.py $(BUCKETS_DIR)/run --prompts $(EXAMPLE_PROMPTS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -36,9 +36,10 @@ def make(family: str, routes=None, *, input_size: int = 8, in_channels: int = 4,
     return model
 
 
-def inputs(model, batch: int = 3, seed: int = 1, frames: Optional[int] = None):
+def inputs(model, batch: int = 3, seed: int = 1, frames: Optional[int] = None, size: Optional[tuple] = None):
+    """(x, noise_level, labels): latents of the model's default size, or of size = (H, W) (a bucket's)."""
     g = torch.Generator().manual_seed(seed)
-    shape = [batch, model.in_channels, model.input_size, model.input_size]
+    shape = [batch, model.in_channels, *(size or (model.input_size, model.input_size))]
     if frames is not None:
         shape.insert(2, frames)
     x = torch.randn(shape, generator=g)
@@ -150,12 +151,14 @@ class RoutedRun:
 
 
 def routed_run(family: str, routes, *, seed: int = 5, cond: Optional[Callable[[Any], dict]] = None,
-               timesteps: Optional[Callable[[Any], torch.Tensor]] = None, **kw: Any) -> RoutedRun:
+               timesteps: Optional[Callable[[Any], torch.Tensor]] = None, size: Optional[tuple] = None,
+               **kw: Any) -> RoutedRun:
     """Build `family` with `routes`, run it dense (eval) and routed (training, the kept tokens a fixed random
     permutation's first K per sample), recording every block's inputs. cond(model) / timesteps(model), when
-    given, make the text conditioning / the timesteps (default: the class table / inputs()' noise levels)."""
+    given, make the text conditioning / the timesteps (default: the class table / inputs()' noise levels); size:
+    the latents' (H, W) (default: the model's square input_size)."""
     model = make(family, routes, **kw).train()
-    x, t, y = inputs(model, frames=kw.get("frames"))
+    x, t, y = inputs(model, frames=kw.get("frames"), size=size)
     t = timesteps(model) if timesteps is not None else t
     c = cond(model) if cond is not None else None
     dense, _ = block_inputs(model.eval(), x, t, y, cond=c)
@@ -167,20 +170,23 @@ def routed_run(family: str, routes, *, seed: int = 5, cond: Optional[Callable[[A
 
 # ----------------------------------------------------------------------------- the checks
 
-def check_dense_equals_diffusers(family: str, **kw: Any) -> None:
-    """1. With no routes, our forward equals diffusers' own model(...) (pristine processors)."""
+def check_dense_equals_diffusers(family: str, size: Optional[tuple] = None, batch: int = 3, **kw: Any) -> None:
+    """1. With no routes, our forward equals diffusers' own model(...) (pristine processors), on latents of the
+    model's default size or of size = (H, W)."""
     model = make(family, **kw).eval()
-    x, t, y = inputs(model, frames=kw.get("frames"))
+    x, t, y = inputs(model, batch=batch, frames=kw.get("frames"), size=size)
     with torch.no_grad():
         ours, ref = model(x, t, y), model.reference_forward(x, t, y)
     assert ours.shape == x.shape
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
 
 
-def check_ratio_zero_permuted_equals_dense(family: str, **kw: Any) -> None:
-    """2. selection_ratio 0 with a random permutation of the tokens equals dense (1e-5)."""
+def check_ratio_zero_permuted_equals_dense(family: str, size: Optional[tuple] = None, batch: int = 3,
+                                           **kw: Any) -> None:
+    """2. selection_ratio 0 with a random permutation of the tokens equals dense (1e-5), on latents of the model's
+    default size or of size = (H, W)."""
     model = make(family, RATIO_ZERO, **kw)
-    check_ratio_zero_model(model, inputs(model, frames=kw.get("frames")))
+    check_ratio_zero_model(model, inputs(model, batch=batch, frames=kw.get("frames"), size=size))
 
 
 def check_ratio_zero_model(model, xty, cond: Optional[dict] = None) -> None:

@@ -34,10 +34,9 @@ def test_compiled_training_matches_eager(model, tiny_cfg, tmp_path):
     assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["dit", "flux"])
-def test_one_graph_without_breaks_and_no_recompiles(family):
-    """The router draws its scores before the compiled forward and keep counts are static: the routed step
-    compiles into one graph with no graph breaks, and later steps compile nothing new."""
+def compiled_routed_net(family: str):
+    """(RectifiedFlow, its preconditioned tiny DiT-T/4 or FLUX with the paper route, compiled as train.compile does:
+    RoutedBackbone.compile, aot_eager) after a dynamo reset and with its counters cleared."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from tread.diffusion import RectifiedFlow
@@ -51,7 +50,15 @@ def test_one_graph_without_breaks_and_no_recompiles(family):
     counters.clear()
     model.compile(backend="aot_eager")
     rf = RectifiedFlow()
-    net = rf.precondition(model).train()
+    return rf, rf.precondition(model).train()
+
+
+@pytest.mark.parametrize("family", ["dit", "flux"])
+def test_one_graph_without_breaks_and_no_recompiles(family):
+    """The router draws its scores before the compiled forward and keep counts are static: the routed step
+    compiles into one graph with no graph breaks, and later steps compile nothing new."""
+    from torch._dynamo.utils import counters
+    rf, net = compiled_routed_net(family)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
 

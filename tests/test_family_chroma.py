@@ -82,7 +82,7 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, with_mask):
     ref_tr = model.pristine_transformer()
     dual, single = list(ref_tr.transformer_blocks), list(ref_tr.single_transformer_blocks)
     D, S = len(dual), len(single)
-    img_ids = model.image_ids(x.device)
+    img_ids = model.image_ids(x.device, model.grid_of(x))
     with torch.no_grad():
         pooled = ref_tr.distilled_guidance_layer(ref_tr.time_text_embed(t / 1000 * 1000))   # (B, 3S+12D+2, D)
         for b in range(x.shape[0]):
@@ -155,12 +155,12 @@ def test_pipeline_float_mask_is_a_bias_not_a_mask():
         real = model.diffusers_forward(x, t / 1000, cond, tr)          # diffusers_forward makes it boolean
         mask = model.attention_mask(as_float["text_mask"], model.num_tokens).float()
         packed, L = model.pack(x), cond["text"].shape[1]
+        img_ids = model.image_ids(x.device, model.grid_of(x))
         call = lambda text: tr(hidden_states=packed, encoder_hidden_states=text, timestep=t / 1000,
-                               img_ids=model.image_ids(x.device), txt_ids=torch.zeros(L, 3), attention_mask=mask,
-                               return_dict=False)[0]
+                               img_ids=img_ids, txt_ids=torch.zeros(L, 3), attention_mask=mask, return_dict=False)[0]
         bias = call(cond["text"])
         moved = call(_perturb_padding(cond)["text"])
-    assert not torch.allclose(model.unpack(bias), real, atol=1e-4)
+    assert not torch.allclose(model.unpack(bias, model.grid_of(x)), real, atol=1e-4)
     assert not torch.allclose(bias, moved, atol=1e-4)
 
 

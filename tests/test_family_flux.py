@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from diffusers import FluxPipeline
 
 import family_checks as fc
 from test_families import CROSS
@@ -17,15 +18,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")
                                     [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 1}]],
                          ids=["double-to-single", "single-only-to-end", "double-only"])
 def test_kept_tokens_equal_blocks_on_subsequence(routes):
+    check_kept_tokens(routes)
+
+
+def check_kept_tokens(routes, size=None, **kw) -> None:
     """3. Kept tokens after the route = diffusers' blocks run on the kept subsequence, per sample, with the
-    kept tokens' own position ids (RoPE computed from the sliced ids), diffusers' default processors."""
-    r = fc.routed_run(FAMILY, routes)
+    kept tokens' own position ids (the pipeline's _prepare_latent_image_ids(H/2, W/2), sliced; RoPE computed from
+    them), diffusers' default processors; on latents of the default size or of size = (H, W)."""
+    r = fc.routed_run(FAMILY, routes, size=size, **kw)
     model, x, t, y, seen, routed_in, route = r.model, r.x, r.t, r.y, r.dense, r.routed, r.route
     _, x_kept, ids, _ = r.scatter
     ref_tr = model.pristine_transformer()
     text = model.conditioning(y, None)
     blocks = [*ref_tr.transformer_blocks, *ref_tr.single_transformer_blocks]
-    img_ids = model.image_ids(x.device)
+    H, W = x.shape[-2:]
+    img_ids = FluxPipeline._prepare_latent_image_ids(1, H // 2, W // 2, x.device, x.dtype)
     with torch.no_grad():
         temb = ref_tr.time_text_embed(t / 1000 * 1000, text["pooled"])
         for b in range(x.shape[0]):

@@ -55,7 +55,7 @@ def test_dense_equals_diffusers_on_the_pipelines_inputs(with_refs):
     latents = pipe._pack_latents(pipe._patchify_latents(x))
     assert torch.equal(model.pack(x), latents)
     assert torch.equal(model.text_ids(text.shape[1], x.device), txt_ids)
-    assert torch.equal(model.image_ids(x.device), lat_ids)
+    assert torch.equal(model.image_ids(x.device, model.grid_of(x)[1:]), lat_ids)
     hidden, img_ids = latents, lat_ids
     if refs:
         assert torch.equal(model.reference_ids(refs, x.device), ref_ids)

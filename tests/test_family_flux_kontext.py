@@ -104,7 +104,8 @@ def test_kept_tokens_equal_blocks_on_subsequence_plus_reference(routes):
     ref_tr = model.pristine_transformer()
     text = model.conditioning(r.y, r.cond)
     blocks = [*ref_tr.transformer_blocks, *ref_tr.single_transformer_blocks]
-    img_ids, ref_ids = model.image_ids(x_kept.device), model.reference_ids(x_kept.device)
+    grid = model.token_grid
+    img_ids, ref_ids = model.image_ids(x_kept.device, grid), model.reference_ids(x_kept.device, grid)
     assert torch.equal(ref_ids[:, 0], torch.ones(len(ref_ids))) and torch.equal(ref_ids[:, 1:], img_ids[:, 1:])
     with torch.no_grad():
         temb = ref_tr.time_text_embed(r.t / 1000 * 1000, text["pooled"])

@@ -93,15 +93,19 @@ def test_rope_is_centred_on_the_grid_and_text_follows_it():
 @pytest.mark.parametrize("routes,with_mask", [(SPAN, True), (TO_LAST, False), (FIRST, True)],
                          ids=["span-text-mask", "to-last", "first-blocks-text-mask"])
 def test_kept_tokens_equal_blocks_on_subsequence(routes, with_mask):
+    check_kept_tokens(routes, with_mask)
+
+
+def check_kept_tokens(routes, with_mask: bool, size=None, **kw) -> None:
     """3. Kept tokens after the route = diffusers' blocks (default processors) run per sample on the kept
-    subsequence with the kept tokens' own RoPE rows (diffusers' table indexed by their grid positions), the shared
-    text rows, and the sample's text mask."""
-    r = fc.routed_run(FAMILY, routes, cond=masked_text if with_mask else None)
+    subsequence with the kept tokens' own RoPE rows (diffusers' table for img_shapes (1, H/2, W/2), indexed by their
+    grid positions), the shared text rows, and the sample's text mask; latents of the default size or size = (H, W)."""
+    r = fc.routed_run(FAMILY, routes, cond=masked_text if with_mask else None, size=size, **kw)
     model, route = r.model, r.route
     _, x_kept, ids, _ = r.scatter
     ref_tr = model.pristine_transformer()
     blocks = list(ref_tr.transformer_blocks)
-    _, h_, w_ = model.token_grid
+    h_, w_ = r.x.shape[-2] // 2, r.x.shape[-1] // 2                          # QwenImagePipeline's img_shapes
     mask = r.cond["text_mask"] if with_mask else None
     with torch.no_grad():
         temb = ref_tr.time_text_embed(r.t / 1000, x_kept)

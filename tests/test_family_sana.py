@@ -256,7 +256,7 @@ def test_grid_pos_is_a_per_token_tensor():
     emb = model.embed(x, model.timestep(t), model.conditioning(y, None))
     pos = emb.per_token["grid_pos"]
     assert pos.dtype == torch.long and pos.shape == (3, model.num_tokens, 1)
-    assert torch.equal(pos[1, :, 0], torch.arange(model.num_tokens)) and emb.extra["grid"] == (4, 4)
+    assert torch.equal(pos[1, :, 0], torch.arange(model.num_tokens)) and emb.grid == (1, 4, 4)
 
 
 def test_released_geometries_on_meta():

@@ -28,9 +28,14 @@ def test_tiny_preset_has_both_block_kinds():
                                                                      "end_layer_idx": 2}], {}), (CROSS, SD30)],
                          ids=["dual-to-plain", "to-context-pre-only-last", "dual-only", "sd30"])
 def test_kept_tokens_equal_blocks_on_subsequence(routes, kw):
+    check_kept_tokens(routes, **kw)
+
+
+def check_kept_tokens(routes, size=None, **kw) -> None:
     """3. Kept tokens after the route = diffusers' blocks (pristine copy) run on the kept subsequence, per sample,
-    with the text stream at the route's start and the sample's own temb (SD3: timestep = t * 1000 as given)."""
-    r = fc.routed_run(FAMILY, routes, **kw)
+    with the text stream at the route's start and the sample's own temb (SD3: timestep = t * 1000 as given); the
+    positions are in the route-start tokens (PatchEmbed's crop); latents of the default size or size = (H, W)."""
+    r = fc.routed_run(FAMILY, routes, size=size, **kw)
     model, x, t, y, seen, routed_in, route = r.model, r.x, r.t, r.y, r.dense, r.routed, r.route
     _, x_kept, ids, _ = r.scatter
     ref_tr = model.pristine_transformer()

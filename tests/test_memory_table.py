@@ -1,14 +1,17 @@
 """tread/perf/memory.py's memory-per-GPU estimate: counts against real built models, the formula on a hand case."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tread.cli.memory_table import main
 from tread.models.dit import build_dit
 from tread.models.families import FAMILIES, build_family, family_module
-from tread.perf.memory import (ParamCounts, build_on_meta, count_params, data_channels, markdown_table, memory_per_gpu,
-                               memory_rows)
+from tread.perf.memory import (LinearShape, ParamCounts, adam_bytes, build_on_meta, count_params, data_channels,
+                               markdown_table, memory_per_gpu, memory_rows, unique_bytes)
+from tread.training.setup import adamw8bit
 
 
 def test_counts_match_a_real_model_and_its_meta_build():
@@ -48,16 +51,57 @@ def test_lora_count_equals_peft_trainable_params():
 
 
 def test_formula_on_a_hand_computed_case():
-    c = ParamCounts(total=1000, largest_block=100, root=200, lora=10, linear_weights=((10, 64),))
-    assert memory_per_gpu(c, "ddp", 1, False)["total"] == 4000 + 4000 + 8000 + 4000
+    c = ParamCounts(total=1000, largest_block=100, root=200, lora=10, linears=(LinearShape(10, 64),))
+    # AdamW: two fp32 moments and a 4-byte step count per parameter tensor (one here: no sizes given).
+    assert memory_per_gpu(c, "ddp", 1, False)["total"] == 4000 + 4000 + 8004 + 4000
     fsdp = memory_per_gpu(c, "fsdp", 4, False)
-    assert fsdp["total"] == 20000 // 4 + 4 * (200 + 2 * 100) and fsdp["gathered"] == 1600
-    assert memory_per_gpu(c, "ddp", 1, True)["total"] == 4040 + 40 + 80 + 4040
+    assert fsdp["total"] == 1000 + 1000 + 2001 + 1000 + 4 * (200 + 2 * 100) and fsdp["gathered"] == 1600
+    assert memory_per_gpu(c, "ddp", 1, True)["total"] == 4040 + 40 + 84 + 4040
     # nf4: 640 Linear values at 4 bits (320 B) + one fp32 scale per 64 (40 B); the other 360 values fp32 (1440 B).
+    # The EMA shares the quantized base: it holds the 10 adapter values only (the table counted the base twice).
     nf4 = 320 + 40 + 1440
-    assert memory_per_gpu(c, "ddp", 1, True, "nf4")["total"] == 2 * (nf4 + 40) + 40 + 80
+    assert memory_per_gpu(c, "ddp", 1, True, "nf4")["total"] == (nf4 + 40) + 40 + 84 + 40
     int8 = 640 + 4 * 10 + 1440          # one fp32 scale per output row
     assert memory_per_gpu(c, "ddp", 1, True, "int8")["weights"] == int8 + 40
+    # A Linear outside the routable blocks stays fp32 under model.quantize (quantize_base quantizes the blocks').
+    outside = dataclasses.replace(c, linears=(LinearShape(10, 64, in_block=False),))
+    assert memory_per_gpu(outside, "ddp", 1, True, "nf4")["weights"] == 4000 + 40
+
+
+def test_memory_options_on_a_hand_computed_case():
+    """model.base_dtype, ema.mode and optimizer=adamw8bit, each term by hand: one block Linear 64 x 128 with a bias
+    (8256 values) in a model of 10000; LoRA rank 4 on it (A 4 x 128 = 512, B 64 x 4 = 256 values)."""
+    c = ParamCounts(total=10000, largest_block=9000, root=1000, lora=768, linears=(LinearShape(64, 128, True),),
+                    sizes=(8192, 64, 1744), lora_sizes=(512, 256))
+    rest = 4 * (10000 - 8256)
+    bf16 = memory_per_gpu(c, "ddp", 1, True, base_dtype="bf16")
+    assert bf16["weights"] == 2 * 8256 + rest + 4 * 768 and bf16["ema"] == bf16["weights"]    # EMA full: a copy
+    fp8 = memory_per_gpu(c, "ddp", 1, True, base_dtype="fp8", ema="full")
+    assert fp8["weights"] == 8192 + 4 * 64 + 2 * 64 + rest + 4 * 768 and fp8["ema"] == 4 * 768      # shared base
+    for ema, held in (("full", 40000), ("trained", 40000), ("cpu", 0), ("off", 0)):   # full fine-tuning
+        assert memory_per_gpu(c, "ddp", 1, False, ema=ema)["ema"] == held
+    assert memory_per_gpu(c, "ddp", 1, True, ema="trained")["ema"] == 4 * 768
+    # adamw8bit: the 8192-value weight (>= 4096, a multiple of 256) gets 1-byte codes, 32 fp32 scales and a
+    # 256-entry fp32 code table per moment; the 64- and 1744-value tensors keep two fp32 moments; so do the adapters.
+    steps = 4 * 3                                      # one fp32 step count per parameter tensor
+    assert memory_per_gpu(c, "ddp", 1, False, adam_block=256)["adam"] == 2 * (8192 + 4 * 32 + 4 * 256) + 8 * 1808 \
+        + steps
+    assert memory_per_gpu(c, "ddp", 1, True, adam_block=256)["adam"] == 8 * 768 + 4 * 2
+    assert memory_per_gpu(c, "ddp", 1, False, adam_block=3000)["adam"] == 8 * 10000 + steps   # 8192 % 3000: fp32
+
+
+def test_adam8bit_estimate_equals_torchao_state():
+    """adam_bytes against the state torchao.optim.AdamW8bit really allocates (codes, scales, code tables), for
+    tensors above and below its 4096-value threshold and of a size that is not a multiple of the block."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (8192, 4096, 4095, 4352, 100)]
+    opt = adamw8bit(params, lr=1e-3, block_size=256)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = [t for p in params for t in opt.state[p].values()]
+    assert unique_bytes(state) == adam_bytes([p.numel() for p in params], 256)
+    moments = [t for p in params for k, t in opt.state[p].items() if k != "step"]
+    assert sum(type(t).__name__ == "OptimState8bit" for t in moments) == 6        # 8192, 4096 and 4352 = 17 x 256
 
 
 def test_table_and_cli(capsys):

@@ -238,3 +238,25 @@ def test_prompt_keys_and_prompts_file(tmp_path):
                          (["eval.validation_per_prompt=0"], r"eval.validation_per_prompt=0 is not allowed")):
         with pytest.raises(ConfigError, match=match):
             check_train(compose_cfg("train", TINY + extra))
+
+
+def test_a_run_trained_on_the_empty_prompt_gets_it_as_the_unconditional_input(encoders):
+    """Caption dropout to the encoded "" (train.caption_dropout > 0, mode empty): an empty negative prompt is that
+    encoding, not label dropout's zeros; mode zeros (and no caption dropout) keeps the null label."""
+    from omegaconf import OmegaConf
+
+    from tread.sampling.prompts import learned_unconditional
+
+    cfg = compose_cfg("train", TINY + ["model=pixart"])
+    model = build_model(cfg.model)
+    meta = {"conditioning": {"text": {"seq_len": 8, "dim": 32, "mask": True, "max_length": 8}}}
+    emb = encode_for_model(model, meta, PROMPTS, "", encoders["pixart"], key="text_encoders", unconditional="empty")
+    want = encode_prompts("pixart", load_text_encoders("pixart", encoders["pixart"]), [""], max_length=8)
+    assert torch.equal(emb.negative["text"], torch.from_numpy(want["text"]))
+    assert encode_for_model(model, meta, PROMPTS, "", encoders["pixart"], key="text_encoders").negative is None
+    run = lambda p, mode, family: OmegaConf.create({"train": {"caption_dropout": p,  # noqa: E731
+                                                              "caption_dropout_mode": mode}, "model": {"family": family}})
+    assert learned_unconditional(run(0.1, "auto", "pixart")) == "empty"
+    assert learned_unconditional(run(0.1, "auto", "flux2")) == "zeros"
+    assert learned_unconditional(run(0.1, "zeros", "sd3")) == "zeros"
+    assert learned_unconditional(run(0.0, "empty", "sd3")) == "zeros"

@@ -137,7 +137,7 @@ def test_the_training_loss_equals_a_hand_computation():
     _, (projected, ids) = aligned(model(block=3))
     x = torch.rand(4, 3, 16, 16) * 2 - 1
     encoder = PoolEncoder()
-    loss = Repa(encoder, 0.5, {}, grid=(8, 8)).loss(projected, ids, x, {"decode": {"type": "identity"}})
+    loss = Repa(encoder, 0.5, {}, patch=(2, 2)).loss(projected, ids, x, {"decode": {"type": "identity"}})
     with torch.no_grad():
         features = encoder(((x + 1) * 127.5).round().clamp(0, 255) / 127.5 - 1)            # (B, 8, 8, 8)
     manual = [-F.cosine_similarity(projected[b, k], features[b, :, n // 8, n % 8], dim=0)

@@ -42,7 +42,7 @@ BAD_TRAIN = [
     ("routing.fp32_after_route=yes", "routing.fp32_after_route='yes' is not allowed; allowed: true or false"),
     ("model.arch=DiT-M/2", "model.arch='DiT-M/2' is not allowed; allowed: one of DiT-T/2"),
     ("data.format=zip", "data.format='zip' is not allowed; allowed: latents or wds"),
-    ("data.builtin=mnist", "data.builtin='mnist' is not allowed; allowed: null (use data.path as is) or one of toy_shapes, toy_shapes_text."),
+    ("data.builtin=mnist", "data.builtin='mnist' is not allowed; allowed: null (use data.path as is) or one of toy_shapes, toy_shapes_text, toy_shapes_buckets."),
     ("train.compile=maybe", "train.compile='maybe' is not allowed; allowed: auto (on with CUDA, or on CPU with a C++ compiler), true or false"),
     ("wandb.mode=loud", "wandb.mode='loud' is not allowed; allowed: one of disabled, offline, online"),
     ("resume=5", "resume=5 is not allowed"),

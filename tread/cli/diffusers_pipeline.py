@@ -45,7 +45,7 @@ def base_transformer(config: Any) -> torch.nn.Module:
     what a user loads into a pipeline (diffusers' FLUX LoRA loader reads the base Linear weights by name, so a
     quanto-quantized transformer cannot take the LoRA; the pipeline's base is the unquantized one)."""
     model_cfg = OmegaConf.to_container(config.model, resolve=True)
-    model_cfg.update(lora=None, quantize=None)
+    model_cfg.update(lora=None, quantize=None, base_dtype="fp32")
     torch.manual_seed(int(config.train.seed))
     return build_model(OmegaConf.create(model_cfg)).pristine_transformer().eval()
 
@@ -54,7 +54,7 @@ def full_precision_twin(config: Any, checkpoint: Path) -> Any:
     """Our model with the run's EMA adapter over the full-precision base (equal to the run's model when it was
     not quantized): what the pipeline with the exported LoRA must compute exactly."""
     model_cfg = OmegaConf.to_container(config.model, resolve=True)
-    model_cfg.update(quantize=None)
+    model_cfg.update(quantize=None, base_dtype="fp32")
     torch.manual_seed(int(config.train.seed))
     twin = build_model(OmegaConf.create(model_cfg))
     state = load_model_file(checkpoint)
@@ -114,7 +114,7 @@ def pipeline_images(pipe: Any, family: str, model: Any, prompts: list[str], seed
         out = pipe(prompt=[prompt] * len(seeds), latents=pipeline_latents(family, model, noise), height=side,
                    width=side, num_inference_steps=num_steps, guidance_scale=1.0, output_type="latent",
                    **kwargs).images
-        latents = model.unpack(out) if family == "flux" else out
+        latents = model.unpack(out, model.token_grid) if family == "flux" else out
         images.append(decode_to_uint8(latents.float(), meta))
     return torch.cat(images)
 

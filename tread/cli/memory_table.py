@@ -1,22 +1,38 @@
 """Memory per GPU of full fine-tuning and LoRA under DDP and FSDP for the model presets (tread/perf/memory.py): a
-markdown table from parameter counts of models built on the meta device (nothing is allocated or downloaded).
+markdown table from parameter counts of models built on the meta device (nothing is allocated or downloaded),
+with the memory options (model.base_dtype, ema.mode, optimizer=adamw8bit, model.quantize); and, with --measure,
+one preset's LoRA run built and stepped on this machine, its counted and peak memory beside the table's figure.
 
     python scripts/memory_table.py                          # every DiT / family preset, FSDP over 2 and 8 GPUs
     python scripts/memory_table.py --world 4 16 --lora-rank 32
     python scripts/memory_table.py --preset flux:dev --preset DiT-XL/2
+    python scripts/memory_table.py --measure flux:mid --set model.base_dtype=bf16 --set ema.mode=trained \\
+        --set optimizer=adamw8bit                          # 3 steps of batch 2 (16x32x32 latents)
 """
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+from omegaconf import OmegaConf
 
 from tread.cli.errors import user_errors
-from tread.perf.memory import markdown_table, memory_rows, table_presets
+from tread.models import build_model
+from tread.models.families import family_module
+from tread.perf.benchmark import StepBench
+from tread.perf.memory import (ParamCounts, count_params, data_channels, markdown_table, memory_per_gpu, memory_rows,
+                               map_large_allocations, proc_status_kb, release_free_memory, reset_hwm, static_bytes,
+                               table_presets)
+from tread.perf.overrides import check_sets, compose_or_raise
 from tread.utils.errors import UserError
+
+GiB = 2 ** 30
 
 
 class MemoryTableError(UserError):
-    """A --preset that names no known model preset."""
+    """A --preset that names no known model preset, or a --measure run that cannot be built."""
 
 
 def parse_presets(names: Optional[Sequence[str]]) -> Optional[list[tuple[str, str]]]:
@@ -34,21 +50,101 @@ def parse_presets(names: Optional[Sequence[str]]) -> Optional[list[tuple[str, st
     return chosen
 
 
+def measure_overrides(family: str, preset: str, lora_rank: int, batch: int, resolution: int,
+                      sets: Sequence[str]) -> list[str]:
+    """`train.py` overrides of the measured run: the table's LoRA (rank on the family's lora_targets) on the
+    preset's latent channels at `resolution` (the built-in class-labelled data's shape), eager, then `sets`."""
+    targets = ",".join(family_module(family).FAMILY.lora_targets)
+    return [f"model={family}", f"model.preset={preset}", f"model.lora={{rank:{lora_rank},target_modules:[{targets}]}}",
+            f"data.channels={data_channels(family, preset)}", f"data.builtin_args.resolution={resolution}",
+            f"train.batch_size={batch}", "train.compile=false", "eval.every_steps=0", "eval.at_end=false", *sets]
+
+
+def run_counts(cfg: Any, lora_rank: int) -> ParamCounts:
+    """The table's counts for the measured run's model (built on the meta device), with its class table (the
+    built-in data is class-labelled) counted as trained, like the adapters."""
+    model_cfg = {**OmegaConf.to_container(cfg.model, resolve=True), "lora": None, "quantize": None,
+                 "base_dtype": "fp32"}
+    with torch.device("meta"):
+        plain = build_model(model_cfg)
+    counts = count_params(plain, lora_rank, type(plain).lora_targets)
+    table = tuple(p.numel() for p in plain.conditioner.parameters()) if plain.conditioner is not None else ()
+    return dataclasses.replace(counts, total=counts.total - sum(table), lora=counts.lora + sum(table),
+                               lora_sizes=counts.lora_sizes + table)
+
+
+def measure(family: str, preset: str, sets: Sequence[str] = (), *, lora_rank: int = 16, steps: int = 3,
+            batch: int = 2, resolution: int = 32) -> dict[str, Any]:
+    """Build the LoRA run of measure_overrides (as train.py builds it: tread.perf.benchmark.StepBench) and run
+    `steps` training steps on a synthetic batch. Returns bytes: "static" (what the run holds between steps,
+    counted: static_bytes), "estimate" (memory_per_gpu's DDP figure for its settings, less the gradients: they
+    are freed between steps), "rss_built" (the process's resident memory once built) and "peak_rss" (its peak
+    during the steps: allocations of 1 MiB and more are mapped, so freed tensors leave the RSS); plus the settings
+    read from the composed config."""
+    cfg = compose_or_raise(measure_overrides(family, preset, lora_rank, batch, resolution, sets), MemoryTableError)
+    if not cfg.model.get("family"):
+        raise MemoryTableError(f"--measure runs a family preset's LoRA; the overrides {list(sets)} made model="
+                               f"{cfg.model.get('_target_')}.")
+    opt8 = cfg.optimizer.get("_target_") == "torchao.optim.AdamW8bit"
+    settings = {"base_dtype": cfg.model.base_dtype, "ema": cfg.ema.mode, "adam_block":
+                int(cfg.optimizer.block_size) if opt8 else None}
+    estimate = memory_per_gpu(run_counts(cfg, lora_rank), "ddp", 1, True, cfg.model.get("quantize"), **settings)
+    map_large_allocations()
+    bench = StepBench(cfg)
+    release_free_memory()
+    built = proc_status_kb("VmRSS") * 1024
+    if not reset_hwm():
+        raise MemoryTableError("--measure reads the peak RSS from /proc/self (Linux); it is not readable here.")
+    for _ in range(steps):
+        bench.step()
+    return {**settings, "quantize": cfg.model.get("quantize"), "precision": bench.accelerator.mixed_precision,
+            "static": static_bytes(bench.parts), "estimate": estimate["total"] - estimate["grads"],
+            "rss_built": built, "peak_rss": proc_status_kb("VmHWM") * 1024}
+
+
+def measure_line(name: str, sets: Sequence[str], m: dict[str, Any]) -> str:
+    """One markdown row of a --measure result (GiB)."""
+    shown = " ".join(sets) or "the defaults"
+    cells = [f"{m[k] / GiB:.2f}" for k in ("static", "estimate", "rss_built", "peak_rss")]
+    return f"| {name} | {shown} | {m['precision']} | " + " | ".join(cells) + " |"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, nargs="+", default=[2, 8], help="FSDP world sizes (GPUs)")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank on the attention projections")
     parser.add_argument("--preset", action="append", help="FAMILY:PRESET (flux:dev) or a DiT (DiT-XL/2); repeatable")
+    parser.add_argument("--measure", metavar="FAMILY:PRESET", help="build and step this preset's LoRA run here")
+    parser.add_argument("--set", dest="sets", action="append", default=[],
+                        help="with --measure: a training-config override, e.g. model.base_dtype=bf16; repeatable")
+    parser.add_argument("--steps", type=int, default=3, help="with --measure: training steps (batch 2)")
     args = parser.parse_args(argv)
     with user_errors():
-        if any(w < 2 for w in args.world) or args.lora_rank < 1:
-            raise MemoryTableError(f"--world {args.world} must all be >= 2 (FSDP shards over several GPUs) and "
-                                   f"--lora-rank={args.lora_rank} >= 1.")
+        if any(w < 2 for w in args.world) or args.lora_rank < 1 or args.steps < 1:
+            raise MemoryTableError(f"--world {args.world} must all be >= 2 (FSDP shards over several GPUs), "
+                                   f"--lora-rank={args.lora_rank} and --steps={args.steps} >= 1.")
+        if args.measure:
+            family, preset = (parse_presets([args.measure]) or [("", "")])[0]
+            if family == "dit":
+                raise MemoryTableError(f"--measure {args.measure}: LoRA runs are the families' (FAMILY:PRESET, e.g. "
+                                       f"flux:mid).")
+            check_sets(args.sets, {"model.lora": "--lora-rank", "model.preset": "--measure"}, MemoryTableError)
+            result = measure(family, preset, args.sets, lora_rank=args.lora_rank, steps=args.steps)
+            print(MEASURE_HEAD + "\n" + measure_line(args.measure, args.sets, result))
+            return
         rows = memory_rows(args.world, args.lora_rank, parse_presets(args.preset))
     print(markdown_table(rows))
-    print("\nStatic bytes per GPU: fp32 weights, fp32 gradients of the trained parameters, AdamW's two fp32 "
-          "moments and the EMA copy;\nFSDP divides them by the world size and adds the all-gathered root group "
-          "and two blocks. Activations are not counted.\nbf16 mixed precision (autocast) keeps the fp32 master "
-          "weights, so these figures hold for it too.\nLoRA: rank x (in + out) per attention projection; int8/int4/"
-          "nf4: the frozen base's Linear weights stored at 8/4/4 bits\n+ one fp32 scale per output row (int8) or "
-          "per 64 values (int4, nf4), replicated on every GPU (DDP).")
+    print(NOTE)
+
+
+MEASURE_HEAD = ("| run | settings | autocast | static counted (GiB) | table (GiB) | RSS built (GiB) "
+                "| peak RSS (GiB) |\n|---|---|---|---|---|---|---|")
+NOTE = """
+Static bytes per GPU: fp32 weights, fp32 gradients of the trained parameters, AdamW's two fp32 moments and the EMA copy;
+FSDP divides them by the world size and adds the all-gathered root group and two blocks. Activations are not counted.
+bf16 mixed precision (autocast) keeps the fp32 master weights, so these figures hold for it too.
+LoRA: rank x (in + out) per attention projection. bf16: model.base_dtype=bf16 (every frozen Linear in bf16); fp8: the
+blocks' Linear weights in float8 + one fp32 scale per output row, the other Linear layers bf16; lean: ema.mode=trained
+(the EMA holds the trained parameters only) + optimizer=adamw8bit (8-bit moments, one fp32 scale per 256 values);
+int8/int4/nf4: model.quantize, the blocks' Linear weights at 8/4/4 bits + one fp32 scale per output row (int8) or per
+64 values (int4, nf4). A quantized or fp8 base is shared by the EMA (counted once). DDP columns: replicated per GPU."""

@@ -22,19 +22,24 @@ parts folder from other settings is an error). When all are done the main proces
 order, into <out> (atomically), then deletes the parts folder. The result does not depend on the number of
 processes. --ref-out also writes reference statistics (FID) of the same center-cropped, unflipped images.
 
-Text-to-image data (optional): --captions FILE (CSV/TSV `file name,caption` lines, the caption being the rest of
-the line, or a JSON object {file name: caption}; names relative to --images, e.g. cls/x.png for class folders)
-and/or --caption-from-class 'a photo of a {class}' (captions the images the file does not, from their class
-name), encoded with --text-family NAME (tread.encoders.text_families.TEXT_FAMILIES: flux, sd3, wan, auraflow, pixart, flux2,
-qwen_image, chroma, sana, z_image, lumina2, hidream) by the text encoders of a local diffusers
-pipeline folder (--text-encoders DIR; `hf download <repo> --include 'text_encoder*/*' 'tokenizer*/*'
---local-dir DIR`) or per-encoder folders (--text-encoder-path text_encoder_2=/models/t5), exactly as that
-family's pipeline encodes prompts (tread/encoders/text.py). Each image's caption is encoded once (its flipped copy
-reuses it) into text_embeds.npy [+ text_mask.npy, pooled_embeds.npy, llama_embeds.npy]; --no-t5 (sd3) encodes
-without T5 (not loaded; its part, after the 77 CLIP tokens, is zeros). hidream also stores the Llama-3.1 hidden
-states of every layer in llama_embeds.npy, in --dtype: 32 layers x 128 tokens x 4096 = 32 MiB per caption in
-float16 (64 MiB in float32; 1000 captions: about 31 GiB), and a work shard holds its captions' states in memory,
-so use a small --shard-size (e.g. 64) and --batch-size, and a shorter --max-text-length where the captions allow.
+Text-to-image data (optional): --captions FILE (CSV/TSV `file name,caption` lines, the caption being the rest of the
+line, a JSON object {file name: caption or [captions]}, or JSONL lines {"file": ..., "caption": ...}; names relative
+to --images, e.g. cls/x.png for class folders; a file named on several lines gets several captions),
+--caption-sidecars (<image stem>.txt beside each image, one caption per line) and/or --caption-from-class 'a photo
+of a {class}' (captions the images the others do not, from their class name); an image takes its captions from the
+first of sidecar, --captions, --caption-from-class that has any. --trigger-word WORD prepends "WORD, " to every
+caption. The captions are encoded with --text-family NAME (tread.encoders.text_families.TEXT_FAMILIES: flux, sd3,
+wan, auraflow, pixart, flux2, qwen_image, chroma, sana, z_image, lumina2, hidream) by the text encoders of a local
+diffusers pipeline folder (--text-encoders DIR; `hf download <repo> --include 'text_encoder*/*' 'tokenizer*/*'
+--local-dir DIR`) or per-encoder folders (--text-encoder-path text_encoder_2=/models/t5), exactly as that family's
+pipeline encodes prompts (tread/encoders/text.py). Each caption is encoded once (an image's flipped copy reuses
+them) into text_embeds.npy [+ text_mask.npy, pooled_embeds.npy, llama_embeds.npy]; several captions for an image, or
+--empty-prompt (the encoded "" stored too, for training's caption dropout), make those files a caption table with
+caption_offsets.npy (one row per caption; training draws one per image per epoch: docs/data.md); --no-t5 (sd3)
+encodes without T5 (not loaded; its part, after the 77 CLIP tokens, is zeros). hidream also stores the Llama-3.1
+hidden states of every layer in llama_embeds.npy, in --dtype: 32 layers x 128 tokens x 4096 = 32 MiB per caption in
+float16 (64 MiB in float32; 1000 captions: about 31 GiB), and a work shard holds its captions' states in memory, so
+use a small --shard-size (e.g. 64) and --batch-size, and a shorter --max-text-length where the captions allow.
 --loss-masks DIR adds loss_mask.npy: one
 grayscale mask per image at DIR/<the image's relative path with its stem>.png (any image extension; the image's
 size; 255 = inside), center-cropped like its image to --resolution (flipped copies get flipped masks).
@@ -105,6 +110,18 @@ def _encoding_args(p: argparse.ArgumentParser) -> None:
     enc = p.add_argument_group("encoding")
     enc.add_argument("--resolution", type=int, default=256, help="image side after the center crop; a multiple "
                                                                  "of the VAE's downsampling factor (default 256)")
+    enc.add_argument("--buckets", metavar="WxH,...", help="aspect-ratio / size buckets instead of one square "
+                     "--resolution: each image goes to the bucket it fills without upscaling that is closest in "
+                     "aspect ratio (then the largest), is resized minimally and center-cropped to it; e.g. "
+                     "'768x512,640x640,512x768' (width x height, multiples of --bucket-stride)")
+    enc.add_argument("--bucket-pixels", metavar="A[,A...]", help="derive the buckets from pixel budgets: every "
+                     "width (a multiple of --bucket-stride) with the tallest height inside the budget, aspect ratios "
+                     "up to --max-aspect; several budgets give mixed-area (multi-resolution) buckets, e.g. "
+                     "'65536,262144' (256^2 and 512^2)")
+    enc.add_argument("--bucket-stride", type=int, default=16, help="bucket sides are multiples of this: the VAE's "
+                     "downsampling factor times the model's patch side (default 16 = 8 x 2)")
+    enc.add_argument("--max-aspect", type=float, default=2.0, help="--bucket-pixels: the widest width/height (and "
+                     "height/width) derived (default 2)")
     enc.add_argument("--vae", default=DEFAULT_VAE, help=f"VAE hub id or local diffusers AutoencoderKL directory "
                                                         f"(default {DEFAULT_VAE})")
     enc.add_argument("--vae-subfolder", metavar="NAME", help="folder of the VAE inside the model (e.g. 'vae' for a "
@@ -137,11 +154,22 @@ def _execution_args(p: argparse.ArgumentParser) -> None:
 def _conditioning_args(p: argparse.ArgumentParser) -> None:
     """Captions, text encoders and loss masks (optional)."""
     cond = p.add_argument_group("text conditioning and loss masks (optional)")
-    cond.add_argument("--captions", metavar="FILE", help="captions: CSV/TSV 'file name,caption' lines or a JSON "
-                                                         "object {file name: caption}; names relative to --images")
+    cond.add_argument("--captions", metavar="FILE", help="captions manifest: CSV/TSV 'file name,caption' lines (a "
+                                                         "file on several lines: several captions), a JSON object "
+                                                         "{file name: caption or [captions]}, or .jsonl lines "
+                                                         "{\"file\": ..., \"caption\": ...} / {\"file\": ..., "
+                                                         "\"captions\": [...]}; names relative to --images")
+    cond.add_argument("--caption-sidecars", action="store_true",
+                      help="caption each image from <its folder>/<its stem>.txt, one caption per non-empty line "
+                           "(first source; then --captions, then --caption-from-class)")
     cond.add_argument("--caption-from-class", metavar="TEMPLATE", help="caption the images --captions does not "
                                                                        "(or all) from their class name, e.g. "
                                                                        "'a photo of a {class}'")
+    cond.add_argument("--trigger-word", metavar="WORD", help="prepend WORD to every caption ('WORD, caption'); "
+                                                             "recorded in meta.json")
+    cond.add_argument("--empty-prompt", action="store_true",
+                      help="also encode the empty prompt \"\" once and store it (the last row of a caption table), "
+                           "for train.caption_dropout_mode=empty")
     cond.add_argument("--text-family", metavar="NAME", help="encode captions as this model family's pipeline "
                                                             f"does: {' | '.join(TEXT_FAMILIES)} (hidream also "
                                                             "stores llama_embeds.npy: every Llama layer's hidden "
@@ -209,7 +237,7 @@ def run_reference(plan: Plan, state, device) -> Optional[Path]:
                   disable=not state.is_main_process) as bar, \
                 (ThreadPoolExecutor(req.workers) if req.workers else nullcontext()) as pool:
             for shard in mine:
-                for idx, images in iter_images(plan, *plan.shard_range(shard), req.batch_size, pool):
+                for idx, images, *_ in iter_images(plan, *plan.shard_range(shard), req.batch_size, pool):
                     builder.add(images, idx)
                     bar.update(len(idx))
 

@@ -16,7 +16,7 @@ from tread.data import check_decodable, decode_to_uint8, model_shape
 from tread.evaluation.evaluator import decode_options
 from tread.evaluation.images import write_samples
 from tread.sampling import Guidance, generate, load_for_inference, parse_seeds, sampling_cost, text_conditioning
-from tread.sampling.prompts import encode_for_model, generate_for_prompts, read_prompts_file
+from tread.sampling.prompts import encode_for_model, generate_for_prompts, learned_unconditional, read_prompts_file
 from tread.schema import ConfigError, check_sample
 from tread.schema.saved import check_checkpoint_config
 from tread.utils.checkpoints import run_dir_of
@@ -85,7 +85,7 @@ def sample_prompts(cfg: Any, prompts: list[str], net, diffusion, meta: dict, con
     labels are prompt indices. The text encoders: text_encoders, else the checkpoint's model.text_encoders."""
     path = cfg.text_encoders if cfg.text_encoders is not None else config.model.get("text_encoders")
     embeddings = encode_for_model(net.model, meta, prompts, cfg.negative_prompt, path, key="text_encoders",
-                                  device=net_device(net))
+                                  device=net_device(net), unconditional=learned_unconditional(config))
     images, labels = [], []
     for index, batch, x in generate_for_prompts(net, diffusion, embeddings, seeds, model_shape(meta),
                                                 int(meta["num_classes"]), net_device(net), batch_size=cfg.batch_size,

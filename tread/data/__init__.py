@@ -6,25 +6,31 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Union
 
+from .bucketed import BucketedDataset, BucketedWriter, is_bucketed, make_sampler, write_bucketed_dataset
+from .buckets import Bucket, BucketError, assign_bucket, derive_buckets, fit_crop, parse_buckets
 from .decode import check_decodable, decode_to_uint8
 from .images import ImageFolderError, center_crop_arr, list_image_folder
 from .integrity import check_dataset, check_integrity, record_integrity
-from .loader import LatentLoader, ShardedBatchSampler
+from .loader import BucketBatchSampler, LatentLoader, PhasedSampler, ShardedBatchSampler
 from .meta import (COND_KEYS, EXTRA_KEYS, LatentDatasetError, LatentDatasetExistsError, draw_latents,
                    has_model_conditioning, latent_kind, model_shape, read_meta, shift_factor)
 from .reader import LatentDataset
 from .toy import TOY_CLASS_NAMES, ensure_toy_classifier, ensure_toy_dataset, generate_toy_shapes
+from .toy_buckets import ensure_toy_buckets
 from .toy_text import ensure_toy_text_dataset
 from .wds import WebDatasetLatents
 from .writer import LatentDatasetWriter, write_latent_dataset
 
 BUILTINS = {"toy_shapes": ensure_toy_dataset,   # data.builtin name -> builder(path, **data.builtin_args)
-            "toy_shapes_text": ensure_toy_text_dataset}
+            "toy_shapes_text": ensure_toy_text_dataset,
+            "toy_shapes_buckets": ensure_toy_buckets}
 FORMATS = ("latents", "wds")  # data.format: our directory format | WebDataset tar shards (TREAD/MaskDiT latents)
 # What data.format=wds reads from the data config, which is their one source (configs/data/imagenet256_wds.yaml)
 WDS_KEYS = ("num_classes", "latent_scale", "latent_kind", "vae", "index_dir")
 
-__all__ = ["BUILTINS", "FORMATS", "WDS_KEYS", "LatentDataset", "LatentDatasetError", "LatentDatasetExistsError",
+__all__ = ["Bucket", "BucketBatchSampler", "BucketError", "BucketedDataset", "BucketedWriter", "PhasedSampler",
+           "assign_bucket", "derive_buckets", "fit_crop", "is_bucketed", "make_sampler", "parse_buckets",
+           "write_bucketed_dataset", "BUILTINS", "FORMATS", "WDS_KEYS", "LatentDataset", "LatentDatasetError", "LatentDatasetExistsError",
            "LatentLoader", "ShardedBatchSampler", "TOY_CLASS_NAMES", "build_dataset", "check_decodable",
            "decode_to_uint8", "draw_latents", "ensure_toy_classifier", "ensure_toy_dataset", "latent_kind",
            "model_shape", "LatentDatasetWriter", "shift_factor", "ImageFolderError", "center_crop_arr",
@@ -33,11 +39,12 @@ __all__ = ["BUILTINS", "FORMATS", "WDS_KEYS", "LatentDataset", "LatentDatasetErr
            "record_integrity"]
 
 
-def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, WebDatasetLatents]:
+def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, BucketedDataset, WebDatasetLatents]:
     """The dataset `data_cfg` (the data: config group) describes, building a built-in one first if needed.
 
     data.format picks the reader: "latents" (default; a directory with meta.json, latents.npy, labels.npy,
     optionally per-sample text embeddings / loss masks: see tread/data/meta.py)
+    (a bucketed directory, meta.json format "tread-buckets", is read by BucketedDataset: tread/data/bucketed.py)
     or "wds" (WebDataset tar shards of VAE latents, as the TREAD/MaskDiT code writes them: WebDatasetLatents).
     """
     from omegaconf.errors import MissingMandatoryValue
@@ -66,6 +73,9 @@ def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, WebDatase
             raise LatentDatasetError(f"unknown data.builtin={builtin!r}; allowed: {sorted(BUILTINS)} or null "
                                      f"(use the dataset at data.path as is)")
         path = BUILTINS[builtin](path, **dict(data_cfg.get("builtin_args") or {}))   # where the builder put it
+    if is_bucketed(path):
+        return BucketedDataset(path, expected_channels=data_cfg.get("channels"),
+                               expected_num_classes=data_cfg.get("num_classes"))
     return LatentDataset(path, expected_channels=data_cfg.get("channels"),
                          expected_resolution=data_cfg.get("resolution"),
                          expected_num_classes=data_cfg.get("num_classes"))

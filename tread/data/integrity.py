@@ -220,7 +220,10 @@ def integrity_verdict(root: PathLike, checks: list[FileCheck], num_samples: int,
 def check_dataset(dataset: Any, allow_nonfinite: bool) -> tuple[list[str], list[str]]:
     """(notes, warnings) of a dataset training opened: a latent directory's files checked against its integrity
     record (or scanned), its non-finite samples refused unless `allow_nonfinite`. WebDataset shards have no record
-    (their reader warns per sample as batches meet NaN/inf): nothing to say."""
+    (their reader warns per sample as batches meet NaN/inf): nothing to say. A bucketed dataset: each bucket's."""
+    if hasattr(dataset, "parts"):                          # tread/data/bucketed.py: one latent dataset per bucket
+        found = [check_dataset(part, allow_nonfinite) for part in dataset.parts]
+        return [n for notes, _ in found for n in notes], [w for _, warned in found for w in warned]
     if not isinstance(dataset, LatentDataset):
         return [], []
     checks = check_integrity(dataset.root, dataset.meta)

@@ -5,57 +5,68 @@ a checkpoint sees exactly the batches an uninterrupted run would have seen.
 """
 from __future__ import annotations
 
+import itertools
 import warnings
-from typing import Any, Iterator, Mapping, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .reader import LatentDataset
 
 EPOCH_STRIDE = 1_000_003  # epoch e shuffles with seed + EPOCH_STRIDE * e: distinct streams for nearby seeds
+PHASE_STRIDE = 7_919      # resolution schedule phase p draws with seed + PHASE_STRIDE * p
 
 
-class ShardedBatchSampler:
-    """Infinite iterator over per-rank batches (lists of indices), epoch after epoch.
+class EpochBatch(list):
+    """A batch of sample indices with its place in the stream: `epoch` and the yielding sampler's `seed` (a phase's
+    own seed under a resolution schedule), and `index_base`, the global index of the reading dataset's sample 0 (a
+    bucket's offset). LatentDataset draws each sample's caption from them; a list otherwise, and it pickles to
+    DataLoader workers with its attributes."""
 
-    Epoch e uses perm = randperm(num_samples, seed + EPOCH_STRIDE * e); rank r takes perm[r::world_size],
-    truncated to num_samples // world_size so every rank has the same number of batches, and yields its
-    consecutive chunks of batch_size (a partial last batch is dropped). Iterating advances the sampler's
-    position; state_dict() is the position of the next batch to be yielded.
-    """
+    def __init__(self, indices: Sequence[int], epoch: int, seed: int, index_base: int = 0):
+        super().__init__(indices)
+        self.epoch, self.seed, self.index_base = int(epoch), int(seed), int(index_base)
 
-    def __init__(self, num_samples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 drop_last: bool = True):
-        if not drop_last:
-            raise ValueError("ShardedBatchSampler only supports drop_last=True (every batch has batch_size items)")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
-        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
-        self.rank, self.world_size = rank, world_size
-        self.shard_size = num_samples // world_size
-        if not 1 <= batch_size <= self.shard_size:
-            raise ValueError(
-                f"the per-process batch size (from train.batch_size) is {batch_size}, but each of the {world_size} "
-                f"process(es) gets only {self.shard_size} of the dataset's {num_samples} samples per epoch; it must "
-                f"lie in [1, {self.shard_size}]: lower train.batch_size, use fewer processes, or use more data.")
-        self.batches_per_epoch = self.shard_size // batch_size
+
+class EpochSampler:
+    """Infinite iterator over per-rank batches (lists of indices), epoch after epoch, where each epoch's batches
+    are a pure function of the epoch (`epoch_batches`, cached one epoch at a time). Iterating advances the
+    position; state_dict() is the position of the next batch to be yielded; batches_from(k) yields from the k-th
+    batch of the whole stream (k = epoch * batches_per_epoch + batch)."""
+
+    batches_per_epoch: int
+    seed: int
+
+    def __init__(self):
         self.epoch = self.batch = 0
+        self._cached: tuple[int, Optional[list[list[int]]]] = (-1, None)
 
-    def epoch_indices(self, epoch: int) -> torch.Tensor:
-        """This rank's sample order for `epoch`, (shard_size,) int64."""
-        gen = torch.Generator().manual_seed(self.seed + EPOCH_STRIDE * epoch)
-        perm = torch.randperm(self.num_samples, generator=gen)
-        return perm[self.rank::self.world_size][:self.shard_size]
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        raise NotImplementedError
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        if self._cached[0] != epoch:
+            self._cached = (epoch, self.epoch_batches(epoch))
+        return self._cached[1]
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:
-            epoch, order = self.epoch, self.epoch_indices(self.epoch)
+            epoch, batches = self.epoch, self._batches(self.epoch)
             while self.epoch == epoch:  # re-shuffles if load_state_dict moved us to another epoch
-                start = self.batch * self.batch_size
+                current = batches[self.batch]
                 self.batch += 1  # advance before yielding, so state_dict() names the next batch
                 if self.batch == self.batches_per_epoch:
                     self.epoch, self.batch = self.epoch + 1, 0
-                yield order[start:start + self.batch_size].tolist()
+                yield EpochBatch(current, epoch, self.seed)
+
+    def batches_from(self, index: int) -> Iterator[list[int]]:
+        """The stream from its `index`-th batch on (moves this sampler's position there)."""
+        self.load_state_dict({"epoch": index // self.batches_per_epoch, "batch": index % self.batches_per_epoch})
+        return iter(self)
+
+    def locate(self, index: int) -> dict[str, int]:
+        """The (epoch, batch) of the stream's `index`-th batch."""
+        return {"epoch": index // self.batches_per_epoch, "batch": index % self.batches_per_epoch}
 
     def state_dict(self) -> dict[str, int]:
         """Position of the next batch: {"epoch": e, "batch": b}."""
@@ -70,6 +81,117 @@ class ShardedBatchSampler:
         self.epoch, self.batch = epoch, batch
 
 
+def _check_rank(rank: int, world_size: int) -> None:
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
+
+
+class ShardedBatchSampler(EpochSampler):
+    """Epoch e uses perm = randperm(num_samples, seed + EPOCH_STRIDE * e); rank r takes perm[r::world_size],
+    truncated to num_samples // world_size so every rank has the same number of batches, and yields its
+    consecutive chunks of batch_size (a partial last batch is dropped)."""
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 drop_last: bool = True):
+        super().__init__()
+        if not drop_last:
+            raise ValueError("ShardedBatchSampler only supports drop_last=True (every batch has batch_size items)")
+        _check_rank(rank, world_size)
+        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.shard_size = num_samples // world_size
+        if not 1 <= batch_size <= self.shard_size:
+            raise ValueError(
+                f"the per-process batch size (from train.batch_size) is {batch_size}, but each of the {world_size} "
+                f"process(es) gets only {self.shard_size} of the dataset's {num_samples} samples per epoch; it must "
+                f"lie in [1, {self.shard_size}]: lower train.batch_size, use fewer processes, or use more data.")
+        self.batches_per_epoch = self.shard_size // batch_size
+
+    def epoch_indices(self, epoch: int) -> torch.Tensor:
+        """This rank's sample order for `epoch`, (shard_size,) int64."""
+        gen = torch.Generator().manual_seed(self.seed + EPOCH_STRIDE * epoch)
+        perm = torch.randperm(self.num_samples, generator=gen)
+        return perm[self.rank::self.world_size][:self.shard_size]
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        order, b = self.epoch_indices(epoch), self.batch_size
+        return [order[i * b:(i + 1) * b].tolist() for i in range(self.batches_per_epoch)]
+
+
+class BucketBatchSampler(EpochSampler):
+    """Batches drawn from one bucket at a time (a bucketed dataset: tread/data/bucketed.py), the same bucket on
+    every rank at every step, so all ranks run the same shapes.
+
+    Epoch e draws from one generator seeded seed + EPOCH_STRIDE * e, identical on every rank: for each bucket b in
+    order, perm_b = randperm(n_b); rank r takes perm_b[r::world_size] truncated to n_b // world_size, in chunks of
+    batch_size (a partial last batch is dropped); then one randperm orders all buckets' batches, so the batches
+    of a bucket are spread uniformly over the epoch and each step draws bucket b with probability proportional to
+    its remaining batches (buckets weighted by size). A bucket with fewer than batch_size * world_size samples
+    gives no batch: it is dropped (`dropped` names it; the trainer warns). `buckets` limits the epoch to those
+    bucket indices (a resolution schedule's phase)."""
+
+    def __init__(self, bucket_sizes: Sequence[int], batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 buckets: Optional[Sequence[int]] = None):
+        super().__init__()
+        _check_rank(rank, world_size)
+        self.bucket_sizes, self.batch_size, self.seed = list(bucket_sizes), batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.offsets = [sum(self.bucket_sizes[:i]) for i in range(len(self.bucket_sizes))]
+        self.num_samples = sum(self.bucket_sizes)
+        self.active = list(range(len(self.bucket_sizes)) if buckets is None else buckets)
+        self.per_bucket = {b: self.bucket_sizes[b] // world_size // batch_size for b in self.active}
+        self.dropped = [b for b in self.active if self.per_bucket[b] == 0]
+        self.batches_per_epoch = sum(self.per_bucket.values())
+        if not self.batches_per_epoch:
+            raise ValueError(
+                f"no bucket has a batch: the per-process batch size (from train.batch_size) is {batch_size} on "
+                f"{world_size} process(es), so a bucket needs at least {batch_size * world_size} samples, but the "
+                f"buckets drawn from have {[self.bucket_sizes[b] for b in self.active]}: lower train.batch_size, "
+                f"use fewer processes, or use fewer, larger buckets.")
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        gen = torch.Generator().manual_seed(self.seed + EPOCH_STRIDE * epoch)
+        queues, labels = {}, []
+        for b in self.active:
+            n, k = self.bucket_sizes[b], self.per_bucket[b]
+            mine = (torch.randperm(n, generator=gen) + self.offsets[b])[self.rank::self.world_size][:k * self.batch_size]
+            queues[b] = iter(mine.view(k, self.batch_size).tolist()) if k else iter(())
+            labels.extend([b] * k)
+        order = torch.randperm(len(labels), generator=gen).tolist()
+        return [next(queues[labels[i]]) for i in order]
+
+    def bucket_of(self, index: int) -> int:
+        """The bucket a sample index lies in."""
+        return max(b for b, start in enumerate(self.offsets) if start <= index)
+
+
+class PhasedSampler:
+    """A resolution schedule: phase p (from its first batch on) draws from its own sampler, seeded apart
+    (seed + PHASE_STRIDE * p), from position 0; the stream's k-th batch is phase p's (k - start_p)-th. The state
+    is the stream position, so resuming in any phase is exact."""
+
+    def __init__(self, phases: Sequence[tuple[int, EpochSampler]]):
+        self.phases = list(phases)
+        self.seed = self.phases[0][1].seed
+
+    def _phase(self, index: int) -> int:
+        return max(p for p, (start, _) in enumerate(self.phases) if start <= index)
+
+    def batches_from(self, index: int) -> Iterator[list[int]]:
+        for p in range(self._phase(index), len(self.phases)):
+            start, sampler = self.phases[p]
+            stop = self.phases[p + 1][0] if p + 1 < len(self.phases) else None
+            stream = sampler.batches_from(max(0, index - start))
+            for k in itertools.count(max(index, start)):
+                if stop is not None and k >= stop:
+                    break
+                yield next(stream)
+
+    def locate(self, index: int) -> dict[str, int]:
+        p = self._phase(index)
+        return {**self.phases[p][1].locate(index - self.phases[p][0]), "phase": p}
+
+
 Batch = Union[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -78,32 +200,50 @@ def _batched(batch: Any) -> Any:
     return batch
 
 
+class _Stream:
+    """The batch_sampler a DataLoader iterates: `sampler`'s stream from batch `index` on."""
+
+    def __init__(self, sampler: Union[EpochSampler, PhasedSampler], index: int):
+        self.sampler, self.index = sampler, index
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.sampler.batches_from(self.index)
+
+
+SETTINGS = ("seed", "batch_size", "world_size", "num_samples")   # what gives a saved loader position its meaning
+
+
 class LatentLoader:
     """Infinite iterator of (x float32 (B, C, H, W), y int64 (B,)) batches that can be checkpointed exactly;
     (x, y, extras) batches, passed through as the dataset returns them, for data with per-sample
     conditioning / loss masks (LatentDataset.has_extras).
 
-    Workers prefetch ahead of the caller, so the sampler's own position runs ahead too; the loader instead
-    counts the batches it has handed out, and state_dict() is the position of the next one the caller gets.
+    The batch order is `sampler`'s (default: ShardedBatchSampler over the dataset; bucketed data:
+    BucketBatchSampler, or a PhasedSampler of them for a resolution schedule: tread/data/bucketed.py
+    make_sampler). Workers prefetch ahead of the caller, so the sampler's own position runs ahead too; the loader
+    instead counts the batches it has handed out, and state_dict() is the position of the next one the caller
+    gets.
     """
 
     def __init__(self, dataset: LatentDataset, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int = 2):
+                 num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int = 2,
+                 sampler: Optional[Union[EpochSampler, PhasedSampler]] = None):
         self.dataset = dataset
-        self.sampler = ShardedBatchSampler(len(dataset), batch_size, seed, rank, world_size)
+        self.sampler = sampler or ShardedBatchSampler(len(dataset), batch_size, seed, rank, world_size)
+        self.settings = {"seed": seed, "batch_size": batch_size, "world_size": world_size,
+                         "num_samples": len(dataset)}
         self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
-        self._next = 0  # global index (epoch * batches_per_epoch + batch) of the next batch to return
+        self._next = 0  # index in the stream (epoch * batches_per_epoch + batch) of the next batch to return
         self._iter = None  # the DataLoader iterator, (re)built lazily at position self._next
 
     def _start(self) -> Iterator:
-        bpe = self.sampler.batches_per_epoch
-        self.sampler.load_state_dict({"epoch": self._next // bpe, "batch": self._next % bpe})
         # The loader is infinite, so one DataLoader iterator lives for the whole run (no persistent_workers).
         # Its own generator: starting an iterator draws a worker base seed, which from the global RNG would
         # shift the training noise stream of a resumed run (whose iterator starts after the RNG restore).
         loader = torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=self.sampler, collate_fn=_batched, num_workers=self.num_workers,
-            pin_memory=self.pin_memory, prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
+            self.dataset, batch_sampler=_Stream(self.sampler, self._next), collate_fn=_batched,
+            num_workers=self.num_workers, pin_memory=self.pin_memory,
+            prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
             generator=torch.Generator().manual_seed(self.sampler.seed))
         return iter(loader)
 
@@ -118,19 +258,19 @@ class LatentLoader:
         return tuple(batch)
 
     def state_dict(self) -> dict[str, int]:
-        """Position of the next batch the caller will receive, plus the settings that give it meaning."""
-        s = self.sampler
-        return {"epoch": self._next // s.batches_per_epoch, "batch": self._next % s.batches_per_epoch,
-                "seed": s.seed, "batch_size": s.batch_size, "world_size": s.world_size, "num_samples": s.num_samples}
+        """Position of the next batch the caller will receive ("index" in the stream; its epoch and batch, and
+        the resolution schedule's phase, for reading), plus the settings that give it meaning."""
+        return {**self.sampler.locate(self._next), "index": self._next, **self.settings}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Continue exactly where the loader that produced `state` stopped (drops prefetched batches)."""
-        s = self.sampler
-        changed = {k: (state[k], getattr(s, k)) for k in ("seed", "batch_size", "world_size", "num_samples")
-                   if k in state and state[k] != getattr(s, k)}
+        changed = {k: (state[k], self.settings[k]) for k in SETTINGS if k in state and state[k] != self.settings[k]}
         if changed:
             warnings.warn(f"resuming the data loader with changed settings {changed} (saved, now): the batch "
                           f"order will differ from the original run's", stacklevel=2)
-        # Clamping only matters with changed settings: it keeps the resumed run near where it stopped.
-        self._next = int(state["epoch"]) * s.batches_per_epoch + min(int(state["batch"]), s.batches_per_epoch)
+        if "index" in state and not changed:
+            self._next = int(state["index"])
+        else:   # clamping only matters with changed settings: it keeps the resumed run near where it stopped
+            bpe = getattr(self.sampler, "batches_per_epoch", None) or self.sampler.phases[-1][1].batches_per_epoch
+            self._next = int(state["epoch"]) * bpe + min(int(state["batch"]), bpe)
         self._iter = None  # shuts down old workers; the next __next__ restarts at the new position

@@ -46,6 +46,23 @@ come together (one without the other is an error). Data without them is class-co
                           "llama": {"layers": n, "seq_len": L, "dim": Dl, ...}}   (each part optional)
     meta "loss_mask"     {"shape": [Hm, Wm]}
 
+Several captions per sample (a caption table): the text files (CAPTION_KEYS: text_embeds, text_mask,
+pooled_embeds, llama_embeds) then hold one row per caption instead of one per sample, and
+
+    files.caption_offsets  caption_offsets.npy  (N + 1,) int64: sample i's captions are rows [offsets[i],
+                                                offsets[i + 1]) of the text files; offsets[0] = 0 and strictly
+                                                increasing (every sample has at least one caption)
+    meta "conditioning"  "captions": {"rows": M, "empty_prompt": true|false, ...free keys}: the text files have
+                         M rows; with empty_prompt the last row (M - 1) is the encoded empty prompt "" (what
+                         train.caption_dropout_mode=empty swaps a dropped caption for) and offsets[N] = M - 1,
+                         else offsets[N] = M. The offsets file and the "captions" key go together.
+
+Rows + offsets rather than a padded (N, K, L, D) with counts: images have different numbers of captions (most one
+or two, a few many), and a K axis would store every sample at the largest count; a sample's captions are one
+contiguous slice, and a mirrored copy (--flip) gets its own rows, as it does with one caption per sample. Data
+with one caption per sample and no empty prompt has no table: the per-sample layout above, byte for byte.
+Reading draws one caption per sample per epoch (tread/data/reader.py caption_choice).
+
 LatentDataset items are (x, y) without such files and (x, y, extras) with them: extras is a dict with the
 keys present among "text" float32 (L, D), "text_mask" bool (L,), "pooled" float32 (P,), "llama" float32 (n, L, Dl),
 "loss_mask" float32
@@ -61,8 +78,9 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from tread.utils.errors import UserError
@@ -77,6 +95,10 @@ DEFAULT_FILES = {"latents": "latents.npy", "labels": "labels.npy"}
 EXTRA_FILES = {"text_embeds": "text_embeds.npy", "text_mask": "text_mask.npy", "pooled_embeds": "pooled_embeds.npy",
                "llama_embeds": "llama_embeds.npy", "loss_mask": "loss_mask.npy",
                "reference_latents": "reference_latents.npy"}
+# A caption table (several captions per sample, see the module doc): the offsets file, and the extras with one row
+# per caption in it.
+CAPTION_FILES = {"caption_offsets": "caption_offsets.npy"}
+CAPTION_KEYS = ("text", "text_mask", "pooled", "llama")
 # Keys of an extras dict (writer input, reader output), in this order, and the files holding them.
 EXTRA_KEYS = ("text", "text_mask", "pooled", "llama", "loss_mask", "reference")
 EXTRA_FILE_OF = {"text": "text_embeds", "text_mask": "text_mask", "pooled": "pooled_embeds", "llama": "llama_embeds",
@@ -175,10 +197,10 @@ def validate_meta(meta: Any, where: str, advice: str = FIX_META) -> dict:
     if kind == "moments" and shape[0] % 2:
         raise fail("shape", "[2C, H, W] with an even channel count for latent_kind 'moments' (mean and logvar)")
     files = meta["files"]
-    if not set(DEFAULT_FILES) <= set(files) <= set(DEFAULT_FILES) | set(EXTRA_FILES) or \
+    if not set(DEFAULT_FILES) <= set(files) <= set(DEFAULT_FILES) | set(EXTRA_FILES) | set(CAPTION_FILES) or \
             not all(isinstance(f, str) and f for f in files.values()):
         raise fail("files", f"an object with file names for {sorted(DEFAULT_FILES)} and optionally any of "
-                            f"{sorted(EXTRA_FILES)}")
+                            f"{sorted(EXTRA_FILES)} (and {sorted(CAPTION_FILES)} with conditioning.captions)")
     _validate_conditioning(meta, where, advice)
     return meta
 
@@ -196,8 +218,13 @@ def _validate_conditioning(meta: dict, where: str, advice: str) -> None:
         return LatentDatasetError(f"{where}: key '{key}' is {value!r} but must be {expected}. {advice}")
 
     text, pooled, llama, lm = _described_parts(meta, bad)
+    captions = caption_table(meta, bad)
     files = meta["files"]
+    if captions is not None and text is None:
+        raise bad("conditioning.captions", captions, "absent without conditioning.text: a caption table holds "
+                                                     "text embeddings")
     for key, described, what in (("text_embeds", text is not None, "conditioning.text"),
+                                 ("caption_offsets", captions is not None, "conditioning.captions"),
                                  ("text_mask", bool(text and text.get("mask")), "conditioning.text.mask=true"),
                                  ("pooled_embeds", pooled is not None, "conditioning.pooled"),
                                  ("llama_embeds", llama is not None, "conditioning.llama"),
@@ -239,6 +266,20 @@ def _described_parts(meta: dict, bad: Any) -> tuple[Any, Any, Any, Any]:
             raise bad("loss_mask", lm, "an object {'shape': [Hm, Wm]} with two positive integers (the mask "
                                        "resolution)")
     return text, pooled, llama, lm
+
+
+def caption_table(meta: Mapping[str, Any], bad: Any) -> Optional[dict]:
+    """The meta's conditioning.captions (None: one caption per sample), checked: {"rows": M >= 1, "empty_prompt":
+    bool}; bad(key, value, expected) makes the error."""
+    cond = meta.get("conditioning")
+    captions = cond.get("captions") if isinstance(cond, dict) else None
+    if captions is None:
+        return None
+    if not (isinstance(captions, dict) and _pos_int(captions.get("rows"))
+            and isinstance(captions.get("empty_prompt"), bool)):
+        raise bad("conditioning.captions", captions, "an object with a positive integer 'rows' (M, the rows of the "
+                                                     "text files) and 'empty_prompt': true|false")
+    return captions
 
 
 def has_model_conditioning(conditioning: Mapping[str, Any]) -> bool:
@@ -303,3 +344,20 @@ def draw_latents(x: torch.Tensor, meta: Mapping[str, Any], mode: str = "sample",
         std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))  # the clamp diffusers' DiagonalGaussianDistribution uses
         mean = mean + std * torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
     return (mean - shift_factor(meta)) * float(meta["latent_scale"])
+
+
+def caption_offsets(root: Path, counts: Optional[Sequence[int]], empty_prompt: bool, num_samples: int
+                    ) -> Optional[np.ndarray]:
+    """A caption table's (N + 1,) int64 offsets from the captions per sample (`counts`; all 1 when None and
+    `empty_prompt`), or None without a table (no counts, no empty prompt)."""
+    if not isinstance(empty_prompt, (bool, np.bool_)):
+        raise LatentDatasetError(f"empty_prompt for '{root}' is {empty_prompt!r} but must be True or False")
+    if counts is None and not empty_prompt:
+        return None
+    counts = np.ones(num_samples, np.int64) if counts is None else np.asarray(counts)
+    if counts.shape != (num_samples,) or not np.issubdtype(counts.dtype, np.integer) or \
+            (counts.size and counts.min() < 1):
+        raise LatentDatasetError(f"caption_counts for '{root}' must be {num_samples} integers >= 1 (captions per "
+                                 f"sample), got {counts.dtype} array of shape {counts.shape}"
+                                 + (f" with values in [{counts.min()}, {counts.max()}]" if counts.size else ""))
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)

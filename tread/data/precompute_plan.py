@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -13,11 +14,12 @@ import numpy as np
 
 from tread.encoders.text import resolve_text_encoder_paths
 from tread.utils.io import atomic_write_json
-from tread.utils.readers import parse_json, read_json, read_npz
+from tread.utils.readers import image_size, parse_json, read_json, read_npz
 
-from .captions import read_captions_file
+from .buckets import Bucket, assign_bucket
+from .captions import read_caption_manifest, read_sidecar, sidecar_of, with_trigger
 from .images import IMAGE_EXTS, ImageFolderError, images_under, list_image_folder, short_list
-from .precompute_request import PrecomputeError, PrecomputeRequest
+from .precompute_request import PrecomputeError, PrecomputeRequest, request_buckets
 
 SETTINGS_FILE = "settings.json"
 PARTS_VERSION = 1
@@ -42,22 +44,44 @@ class Plan:
     settings: dict
     shard_size: int
     request: PrecomputeRequest = field(repr=False)
-    captions: Optional[list[str]] = field(default=None, repr=False)    # per image, with --text-family
+    captions: Optional[list[list[str]]] = field(default=None, repr=False)   # per image its captions (--text-family)
     mask_paths: Optional[list[Path]] = field(default=None, repr=False)  # per image, with --loss-masks
     text_paths: Optional[dict[str, str]] = None                         # resolved encoder / tokenizer folders
     skipped: list[Path] = field(default_factory=list, repr=False)       # files under root that are not images
     reference_paths: Optional[list[Path]] = field(default=None, repr=False)  # per image, --reference-images
+    buckets: Optional[list[Bucket]] = None                              # --buckets / --bucket-pixels
+    image_bucket: Optional[np.ndarray] = field(default=None, repr=False)  # per image: its index in buckets
 
     @property
     def num_images(self) -> int:
         return len(self.paths)
 
     @property
+    def caption_table(self) -> bool:
+        """Whether the captions are stored as a caption table (several for an image, or --empty-prompt)."""
+        return bool(self.settings.get("text", {}).get("caption_table"))
+
+    @cached_property
+    def ranges(self) -> list[tuple[int, int]]:
+        """Each shard's images [start, stop): shard_size at a time; with buckets (images grouped by bucket),
+        within each bucket, so a shard has one image size."""
+        groups = [(0, self.num_images)] if self.buckets is None else \
+            [tuple(int(v) for v in np.flatnonzero(self.image_bucket == b)[[0, -1]] + [0, 1])
+             for b in range(len(self.buckets)) if (self.image_bucket == b).any()]
+        return [(a, min(b, a + self.shard_size)) for lo, b in groups for a in range(lo, b, self.shard_size)]
+
+    @property
     def num_shards(self) -> int:
-        return -(-self.num_images // self.shard_size)
+        return len(self.ranges)
 
     def shard_range(self, shard: int) -> tuple[int, int]:
-        return shard * self.shard_size, min(self.num_images, (shard + 1) * self.shard_size)
+        return self.ranges[shard]
+
+    def target(self, index: int) -> Bucket:
+        """The size image `index` is cropped to: its bucket, or the --resolution square."""
+        if self.buckets is None:
+            return Bucket(self.request.resolution, self.request.resolution)
+        return self.buckets[int(self.image_bucket[index])]
 
     def shard_file(self, shard: int) -> Path:
         return self.parts / f"shard_{shard:05d}.npz"
@@ -74,6 +98,9 @@ def make_plan(req: PrecomputeRequest) -> Plan:
     paths, labels, class_names = list_image_folder(root, req.labels, skipped)
     num_classes = len(class_names) if class_names is not None else int(labels.max()) + 1
     captions = plan_captions(req, root, paths, labels, class_names) if req.text_family else None
+    if req.caption_sidecars:   # the sidecars are captions, not files passed over
+        sidecars = {sidecar_of(p) for p in paths}
+        skipped = [p for p in skipped if p not in sidecars]
     mask_paths = plan_masks(req, root, paths) if req.loss_masks else None
     reference_paths = plan_references(req, root, paths) if req.reference_images else None
     if req.max_images is not None and req.max_images < len(paths):
@@ -83,6 +110,13 @@ def make_plan(req: PrecomputeRequest) -> Plan:
         captions = None if captions is None else [captions[i] for i in keep]
         mask_paths = None if mask_paths is None else [mask_paths[i] for i in keep]
         reference_paths = None if reference_paths is None else [reference_paths[i] for i in keep]
+    buckets, image_bucket = request_buckets(req), None
+    if buckets is not None:   # group the images by bucket (stable): every shard then has one image size
+        image_bucket = assign_buckets(paths, buckets)
+        order = np.argsort(image_bucket, kind="stable")
+        paths, labels, image_bucket = [paths[i] for i in order], labels[order], image_bucket[order]
+        captions, mask_paths, reference_paths = (None if v is None else [v[i] for i in order]
+                                                 for v in (captions, mask_paths, reference_paths))
     digest = hashlib.sha256()
     for p, y in zip(paths, labels):
         digest.update(f"{p.relative_to(root).as_posix()}\t{y}\n".encode())
@@ -94,14 +128,18 @@ def make_plan(req: PrecomputeRequest) -> Plan:
         "vae_dtype": req.vae_dtype, "kind": req.kind, "flip": bool(req.flip), "dtype": req.dtype,
         "shard_size": req.shard_size, "seed": req.seed, "max_images": req.max_images,
     }
+    if buckets is not None:   # only then: settings of square runs stay as they were
+        settings["buckets"] = {"sizes": [b.name for b in buckets], "stride": req.bucket_stride,
+                               "assignment_sha256": _digest([str(b) for b in image_bucket.tolist()])}
     text_paths = None
     if captions is not None:  # only with these options: settings of plain runs stay as they were
         text_paths = {k: str(v) for k, v in resolve_text_encoder_paths(req.text_family, req.text_encoder_paths(),
                                                                         t5=not req.no_t5).items()}
         settings["text"] = {"family": req.text_family, "encoders": text_paths, "max_length": req.max_text_length,
-                            "encoder_dtype": req.text_encoder_dtype, "captions_sha256": _digest(captions)}
+                            "encoder_dtype": req.text_encoder_dtype, "captions_sha256": captions_digest(captions)}
         if req.no_t5:  # only then: settings of runs with T5 stay as they were
             settings["text"]["t5"] = False
+        settings["text"].update(caption_settings(req, captions))
     if mask_paths is not None:
         settings["loss_masks"] = {"dir": str(Path(req.loss_masks).expanduser().absolute()),
                                   "sha256": _digest([p.as_posix() for p in mask_paths])}
@@ -109,7 +147,15 @@ def make_plan(req: PrecomputeRequest) -> Plan:
         settings["reference_images"] = {"dir": str(Path(req.reference_images).expanduser().absolute()),
                                         "sha256": _digest([p.as_posix() for p in reference_paths])}
     return Plan(root, out, parts_dir_of(out), paths, labels, class_names, num_classes, settings, req.shard_size,
-                req, captions, mask_paths, text_paths, skipped, reference_paths=reference_paths)
+                req, captions, mask_paths, text_paths, skipped, reference_paths=reference_paths, buckets=buckets,
+                image_bucket=image_bucket)
+
+
+def assign_buckets(paths: Sequence[Path], buckets: Sequence[Bucket]) -> np.ndarray:
+    """Each image's bucket index (assign_bucket on its size, read from the file header); an unreadable image is
+    one error naming it."""
+    sizes = [image_size(p, "cannot read image", ImageFolderError, verify=False) for p in paths]
+    return np.asarray([assign_bucket(w, h, buckets) for w, h in sizes], dtype=np.int64)
 
 
 def skipped_note(plan: Plan) -> Optional[str]:
@@ -141,32 +187,86 @@ def _digest(items: Sequence[str]) -> str:
     return digest.hexdigest()
 
 
+def captions_digest(captions: Sequence[Sequence[str]]) -> str:
+    """The digest of every image's captions (one caption each: of the captions themselves, as before several
+    were allowed)."""
+    if all(len(c) == 1 for c in captions):
+        return _digest([c[0] for c in captions])
+    return _digest([json.dumps(list(c)) for c in captions])
+
+
+def caption_settings(req: PrecomputeRequest, captions: Sequence[Sequence[str]]) -> dict:
+    """The caption settings beyond the captions themselves, each only when used (settings of plain runs stay as
+    they were): sidecars, the trigger word, and a caption table (several captions for an image, or the empty
+    prompt)."""
+    out: dict = {}
+    if req.caption_sidecars:
+        out["caption_sidecars"] = True
+    if req.trigger_word:
+        out["trigger_word"] = req.trigger_word
+    if req.empty_prompt or any(len(c) > 1 for c in captions):
+        out["caption_table"] = True
+        out["empty_prompt"] = bool(req.empty_prompt)
+    return out
+
+
 def plan_captions(req: PrecomputeRequest, root: Path, paths: list[Path], labels: np.ndarray,
-                  class_names: Optional[list[str]]) -> list[str]:
-    """Every image's caption: from --captions (by path relative to --images), else --caption-from-class."""
-    try:
-        table = read_captions_file(req.captions) if req.captions else {}
-    except ImageFolderError as err:
-        raise PrecomputeError(str(err)) from None
+                  class_names: Optional[list[str]]) -> list[list[str]]:
+    """Every image's captions, from the first source that has any for it: its sidecar (--caption-sidecars), the
+    manifest (--captions, by path relative to --images), the class template (--caption-from-class); each with
+    --trigger-word in front. An image no source captions, or a manifest entry that is not an image, is an error."""
     rel = [p.relative_to(root).as_posix() for p in paths]
-    unknown = sorted(set(table) - set(rel))
-    if unknown:
-        raise PrecomputeError(f"--captions '{req.captions}' names file(s) that are not images in '{root}': "
-                              f"{short_list(unknown)} (names are relative to --images, e.g. "
-                              f"'{rel[0]}')")
+    table = _manifest_captions(req, root, rel)
     template = req.caption_from_class
     if template is not None and class_names is None:
         raise PrecomputeError(f"--caption-from-class needs class names, but the labels of '{root}' are class "
                               f"indices (integer labels); use class sub-folders or class-name labels, or caption "
                               f"every image with --captions")
-    captions = [table.get(r) if r in table or template is None else template.format(**{"class": class_names[y]})
-                for r, y in zip(rel, labels)]
+    captions: list[Optional[list[str]]] = []
+    sidecar_state: dict[str, str] = {}      # image -> "missing" | "empty": its sidecar gave no caption
+    for path, r, y in zip(paths, rel, labels):
+        found = read_sidecar(sidecar_of(path)) if req.caption_sidecars else None
+        if req.caption_sidecars and not found:
+            sidecar_state[r] = "missing" if found is None else "empty"
+        if not found:
+            found = table.get(r) or ([template.format(**{"class": class_names[y]})] if template is not None else None)
+        captions.append(found)
+    _check_captioned(req, rel, captions, sidecar_state)
+    return [[with_trigger(c, req.trigger_word) for c in found] for found in captions]
+
+
+def _manifest_captions(req: PrecomputeRequest, root: Path, rel: list[str]) -> dict[str, list[str]]:
+    """--captions' captions by file ({} without one); entries naming no image under --images are one error
+    naming their lines."""
+    if not req.captions:
+        return {}
+    try:
+        manifest = read_caption_manifest(req.captions)
+    except ImageFolderError as err:
+        raise PrecomputeError(str(err)) from None
+    unknown = sorted(set(manifest.captions) - set(rel))
+    if unknown:
+        raise PrecomputeError(f"--captions '{req.captions}' names file(s) that are not images in '{root}': "
+                              f"{short_list([f'{u} ({manifest.where[u]})' for u in unknown])} (names are relative "
+                              f"to --images, e.g. '{rel[0]}')")
+    return manifest.captions
+
+
+def _check_captioned(req: PrecomputeRequest, rel: list[str], captions: list[Optional[list[str]]],
+                     sidecar_state: dict[str, str]) -> None:
+    """One error naming the images no source captions (with --caption-sidecars: their sidecars and why)."""
     missing = [r for r, c in zip(rel, captions) if c is None]
-    if missing:
+    if not missing:
+        return
+    advice = "Add them, or caption the rest from their class with --caption-from-class 'a photo of a {class}'."
+    if not req.caption_sidecars:
         raise PrecomputeError(f"{len(missing)} of {len(rel)} image(s) have no caption in --captions "
-                              f"'{req.captions}': {short_list(missing)}. Add them, or caption the rest from their "
-                              f"class with --caption-from-class 'a photo of a {{class}}'.")
-    return captions
+                              f"'{req.captions}': {short_list(missing)}. {advice}")
+    named = [f"{Path(r).with_suffix('.txt').as_posix()} ({sidecar_state[r]})" for r in missing]
+    also = f" and --captions '{req.captions}' does not list them" if req.captions else ""
+    raise PrecomputeError(f"{len(missing)} of {len(rel)} image(s) have no caption: their caption sidecars (the "
+                          f"image's folder and stem, .txt, one caption per line) are missing or empty{also}: "
+                          f"{short_list(named)}. {advice}")
 
 
 def images_by_stem(folder: Path, flag: str, what: str) -> dict[str, Path]:

@@ -11,6 +11,8 @@ from tread.encoders.text import TextEncoderError, resolve_text_encoder_paths
 from tread.encoders.text_families import FAMILIES, TEXT_FAMILIES, encoder_keys
 from tread.utils.errors import UserError
 
+from .buckets import Bucket, BucketError, check_stride, derive_buckets, parse_buckets
+
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 KINDS = ("moments", "sample")
 STORE_DTYPES = ("float16", "float32")
@@ -35,6 +37,10 @@ class PrecomputeRequest:
     out: Optional[str] = None                     # latent dataset to write (required; must not exist)
     max_images: Optional[int] = None              # a fixed random subset of N images
     resolution: int = 256                         # image side after the center crop
+    buckets: Optional[str] = None                 # aspect/size buckets 'WxH,WxH,...' (instead of --resolution)
+    bucket_pixels: Optional[str] = None           # buckets derived from pixel budgets 'A[,A...]'
+    bucket_stride: int = 16                       # bucket sides are multiples of this (VAE factor x patch)
+    max_aspect: float = 2.0                       # derived buckets' widest width/height (and height/width)
     vae: str = DEFAULT_VAE                        # VAE hub id or local AutoencoderKL folder
     vae_subfolder: Optional[str] = None           # folder of the VAE inside the model
     kind: str = "moments"                         # moments | sample
@@ -46,8 +52,11 @@ class PrecomputeRequest:
     batch_size: int = 64                          # images per VAE call
     shard_size: int = 1000                        # images per work shard (resuming, splitting over processes)
     workers: int = 4                              # threads reading and cropping images (0: the main thread)
-    captions: Optional[str] = None                # captions file
+    captions: Optional[str] = None                # captions manifest (CSV/TSV, JSON, JSONL)
+    caption_sidecars: bool = False                # captions from <image stem>.txt beside each image
     caption_from_class: Optional[str] = None      # caption template with {class}
+    trigger_word: Optional[str] = None            # prepended to every caption: "WORD, caption"
+    empty_prompt: bool = False                    # also store the encoded empty prompt (caption dropout)
     text_family: Optional[str] = None             # encode captions as this family's pipeline does
     text_encoders: Optional[str] = None           # local pipeline folder with the family's text encoders
     text_encoder_path: tuple[str, ...] = ()       # KEY=PATH per encoder or tokenizer
@@ -120,6 +129,7 @@ def check_request(req: PrecomputeRequest) -> None:
     if req.max_images is not None and req.max_images < 1:
         raise bad_value("--max-images", req.max_images, "an integer >= 1 (or leave it out for all images)")
     check_conditioning(req)
+    check_buckets(req)
     if req.ref_out is not None:
         ref = Path(req.ref_out).expanduser()
         if ref.exists():
@@ -130,6 +140,41 @@ def check_request(req: PrecomputeRequest) -> None:
         if req.inception_weights is not None and not Path(req.inception_weights).expanduser().is_file():
             raise bad_value("--inception-weights", req.inception_weights, "no such file (a torch-fidelity Inception "
                                                                           "weights file)")
+
+
+def request_buckets(req: PrecomputeRequest) -> Optional[list[Bucket]]:
+    """The buckets --buckets lists or --bucket-pixels derives (None without either); errors name the flag."""
+    if req.buckets is not None:
+        return parse_buckets(req.buckets)
+    if req.bucket_pixels is None:
+        return None
+    budgets = []
+    for item in str(req.bucket_pixels).split(","):
+        if not item.strip().isdigit() or int(item) < 1:
+            raise bad_value("--bucket-pixels", req.bucket_pixels, "comma-separated pixel counts (areas), e.g. "
+                                                                  "'262144' (512x512) or '65536,262144' (two sizes)")
+        budgets.append(int(item))
+    return derive_buckets(budgets, req.bucket_stride, req.max_aspect)
+
+
+def check_buckets(req: PrecomputeRequest) -> None:
+    """--buckets / --bucket-pixels / --bucket-stride / --max-aspect (cheap: no image read)."""
+    if req.buckets is not None and req.bucket_pixels is not None:
+        raise PrecomputeError("--buckets and --bucket-pixels both given: list the buckets, or derive them from "
+                              "pixel budgets, not both")
+    if req.bucket_stride < 1:
+        raise bad_value("--bucket-stride", req.bucket_stride, "an integer >= 1 (the VAE's downsampling factor times "
+                                                              "the model's patch side, e.g. 16)")
+    try:
+        buckets = request_buckets(req)
+        if buckets is not None:
+            check_stride(buckets, req.bucket_stride, "--buckets" if req.buckets else "--bucket-pixels",
+                         "--bucket-stride: the VAE's downsampling factor times the model's patch side")
+    except BucketError as err:
+        raise PrecomputeError(str(err)) from None
+    if buckets is not None and req.ref_out is not None:
+        raise PrecomputeError("--ref-out needs one image size: reference statistics are computed from square "
+                              "center crops; build them in a run without --buckets/--bucket-pixels")
 
 
 def check_conditioning(req: PrecomputeRequest) -> None:
@@ -145,17 +190,19 @@ def check_conditioning(req: PrecomputeRequest) -> None:
                             "a template with {class} for the class name (other braces doubled: {{ }}), e.g. "
                             "'a photo of a {class}'")
     if req.captions is not None and not Path(req.captions).expanduser().is_file():
-        raise bad_value("--captions", req.captions, "no such file (CSV/TSV 'file name,caption' lines or a JSON object "
-                                                    "{file name: caption})")
-    captioned = req.captions is not None or template is not None
+        raise bad_value("--captions", req.captions, "no such file (CSV/TSV 'file name,caption' lines, a JSON object "
+                                                    "{file name: caption or [captions]} or JSONL lines)")
+    _check_trigger_word(req.trigger_word)
+    captioned = req.captions is not None or template is not None or req.caption_sidecars
     if req.text_family is None:
         if captioned:
-            raise PrecomputeError("--captions/--caption-from-class need --text-family (one of "
-                                  f"{', '.join(TEXT_FAMILIES)}) and its text encoders (--text-encoders DIR) to "
-                                  f"encode the captions")
+            raise PrecomputeError(f"--captions/--caption-from-class{'/--caption-sidecars' * req.caption_sidecars} "
+                                  f"need --text-family (one of {', '.join(TEXT_FAMILIES)}) and its text encoders "
+                                  f"(--text-encoders DIR) to encode the captions")
         used = [f for f, v in (("--text-encoders", req.text_encoders), ("--text-encoder-path",
                                                                           req.text_encoder_path),
-                               ("--max-text-length", req.max_text_length), ("--no-t5", req.no_t5)) if v]
+                               ("--max-text-length", req.max_text_length), ("--no-t5", req.no_t5),
+                               ("--trigger-word", req.trigger_word), ("--empty-prompt", req.empty_prompt)) if v]
         if used:
             raise PrecomputeError(f"{'/'.join(used)} only apply with --text-family and captions")
     else:
@@ -169,6 +216,13 @@ def check_conditioning(req: PrecomputeRequest) -> None:
                         "and stem)")
 
 
+def _check_trigger_word(word: Optional[str]) -> None:
+    """--trigger-word: one line of text, not blank (it is prepended to every caption as "WORD, caption")."""
+    if word is not None and (not word.strip() or "\n" in word or "\r" in word or word != word.strip()):
+        raise bad_value("--trigger-word", word, "a non-empty word or phrase on one line, without leading or "
+                                                "trailing spaces (prepended to every caption as 'WORD, caption')")
+
+
 def _check_text_family(req: PrecomputeRequest, captioned: bool) -> None:
     """--text-family and its encoder flags: a known family, captions to encode, encoder folders that exist."""
     family = req.text_family
@@ -176,7 +230,8 @@ def _check_text_family(req: PrecomputeRequest, captioned: bool) -> None:
         raise bad_value("--text-family", family, f"one of {', '.join(TEXT_FAMILIES)}")
     if not captioned:
         raise PrecomputeError(f"--text-family {family} needs captions: --captions FILE and/or "
-                              f"--caption-from-class 'a photo of a {{class}}'")
+                              f"--caption-from-class 'a photo of a {{class}}' (or --caption-sidecars: "
+                              f"<image stem>.txt beside each image)")
     allowed = [k for k in encoder_keys(family) if k != "pipeline"]
     for item in req.text_encoder_path:
         key, eq, path = item.partition("=")

@@ -16,6 +16,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
@@ -26,6 +27,7 @@ from tread.encoders.vae import downsample_factor, load_vae
 from tread.utils.device import why_unavailable
 from tread.utils.distributed import any_rank
 
+from .buckets import histogram
 from .images import unreadable_images
 from .precompute import Encoder, TextEncoder, dataset_meta, encode_shard, merge_shards
 from .precompute_plan import (Plan, check_parts_settings, make_plan, read_shard, skipped_note, unfinished_images,
@@ -80,7 +82,11 @@ def load_encoder(plan: Plan, device) -> Encoder:
     req = plan.request
     vae = load_vae(req.vae, subfolder=req.vae_subfolder, device=device, dtype=req.vae_dtype)
     factor = downsample_factor(vae)
-    if req.resolution % factor:
+    if plan.buckets is not None and req.bucket_stride % factor:
+        raise bad_value("--bucket-stride", req.bucket_stride, f"a multiple of {factor} (the VAE '{req.vae}' "
+                                                              f"downsamples by {factor}), so every bucket is whole "
+                                                              f"latents")
+    if plan.buckets is None and req.resolution % factor:
         raise bad_value("--resolution", req.resolution, f"a multiple of {factor} (the VAE '{req.vae}' downsamples by "
                                                         f"{factor})")
     shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
@@ -151,9 +157,15 @@ def encode_dataset(run: Run) -> dict:
     encoder = collective(lambda: load_encoder(plan, run.device))  # a bad VAE fails before the long image check
     check_images(plan, state)                                     # nothing is written before this
     vae, encoded = collective(lambda: run_encoding(plan, state, run.device, encoder))
-    out = collective(lambda: merge_shards(plan, dataset_meta(plan, vae)) if state.is_main_process else None)
+    out = collective(lambda: merge_shards(plan, dataset_meta(plan, vae), downsample_factor(vae))
+                     if state.is_main_process else None)
     if state.is_main_process:
         shutil.rmtree(plan.parts, ignore_errors=True)
         print(f"Wrote {plan.num_images * (2 if plan.settings['flip'] else 1)} latents "
               f"({plan.num_images} images{' + flips' if plan.settings['flip'] else ''}) to {out}", flush=True)
+        if plan.buckets is not None:
+            counts = np.bincount(plan.image_bucket, minlength=len(plan.buckets)).tolist()
+            used = [(n, b) for n, b in zip(counts, plan.buckets) if n]
+            print(f"images per bucket (width x height; {len(used)} of {len(plan.buckets)} buckets used):\n"
+                  + histogram([n for n, _ in used], [b for _, b in used]), flush=True)
     return {"out": plan.out, "num_images": plan.num_images, "shards": plan.num_shards, "encoded_here": encoded}

@@ -4,7 +4,15 @@ array into RAM.
 
 Both readers (LatentDataset, tread.data.wds.WebDatasetLatents) report a latent holding NaN/inf with `warn_non_finite`:
 one warning per bad sample (file and index), the batch returned unchanged, since training skips an optimizer
-step whose loss is non-finite. The check costs one np.isfinite pass over each batch."""
+step whose loss is non-finite. The check costs one np.isfinite pass over each batch.
+
+Several captions per sample (a caption table, tread/data/meta.py): a batch from the loader (tread/data/loader.py
+EpochBatch: its sampler's seed and the epoch) gets one caption per sample, `caption_choice`: sample i with K
+captions takes, in epoch e, position e mod K of a permutation of its K captions drawn anew every K epochs (cycle
+c = e // K) from a fixed integer hash of (seed, i, c), so every caption is used exactly once per K epochs, in an
+order that changes from cycle to cycle, and the choice is a pure function of (seed, epoch, sample): a resumed run
+reads exactly what an uninterrupted one would. Any other read (a plain list of indices: evaluation, sampling
+seeds, FLOPs counting, __getitem__) takes every sample's first caption."""
 from __future__ import annotations
 
 import warnings
@@ -16,8 +24,38 @@ import torch
 
 from tread.utils.readers import read_npy
 
-from .meta import (DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, INTEGRITY_KEY, LLAMA_KEYS, REBUILD, LatentDatasetError,
-                   PathLike, latent_kind, model_shape, read_meta)
+from .meta import (CAPTION_KEYS, DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, INTEGRITY_KEY, LLAMA_KEYS,
+                   REBUILD, LatentDatasetError, PathLike, latent_kind, model_shape, read_meta)
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's step on uint64 values (wrapping arithmetic): a fixed, well-mixed integer hash."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _mix(*parts: Any) -> np.ndarray:
+    """hash(a, b, ...) = splitmix64(... splitmix64(splitmix64(a) ^ b) ... ), elementwise over broadcast uint64."""
+    h = _splitmix64(np.atleast_1d(np.asarray(parts[0], dtype=np.uint64)))   # arrays: wrapping, no overflow warning
+    for part in parts[1:]:
+        h = _splitmix64(h ^ np.atleast_1d(np.asarray(part, dtype=np.uint64)))
+    return h
+
+
+def caption_choice(seed: int, epoch: int, samples: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Which caption (0 .. counts[j] - 1) each of `samples` (int64 (B,), sample indices) takes in `epoch`: with
+    K = counts[j], cycle c = epoch // K and position epoch % K, the caption ranked at that position when its K
+    captions k are sorted by _mix(seed, sample, c, k) (ties by k), i.e. one seeded permutation per cycle."""
+    counts = np.asarray(counts, dtype=np.int64)
+    k = np.arange(int(counts.max(initial=1)), dtype=np.int64)
+    keys = _mix(seed, np.asarray(samples, dtype=np.int64)[:, None], (epoch // counts)[:, None], k[None, :])
+    keys[k[None, :] >= counts[:, None]] = np.iinfo(np.uint64).max   # past a sample's own captions: sorted last
+    order = np.argsort(keys, axis=1, kind="stable")
+    return order[np.arange(len(counts)), epoch % counts]
 
 
 def _open_npy(file: Path, key: str) -> np.ndarray:
@@ -125,6 +163,12 @@ class LatentMeta:
         return out
 
     @property
+    def captions(self) -> Optional[dict]:
+        """The caption table's meta {"rows": M, "empty_prompt": bool} (meta conditioning.captions), or None: one
+        caption per sample."""
+        return (self._meta.get("conditioning") or {}).get("captions")
+
+    @property
     def has_extras(self) -> bool:
         """True when items carry an extras dict (text / pooled embeddings, loss masks, references) after (x, y)."""
         c = self.conditioning
@@ -146,6 +190,7 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         self._latents: Optional[np.ndarray] = None
         self._labels: Optional[np.ndarray] = None
         self._extras: Optional[dict[str, np.ndarray]] = None
+        self._offsets: Optional[np.ndarray] = None   # a caption table's (N + 1,) offsets
         self._reported: set[int] = set()  # samples already warned about (warn_non_finite)
         self._validate_files()
         self._check_expected(expected_channels, expected_resolution, expected_num_classes)
@@ -158,13 +203,15 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
             self._labels = _open_npy(self.root / files["labels"], "labels")
             self._extras = {key: _open_npy(self.root / files[EXTRA_FILE_OF[key]], EXTRA_FILE_OF[key])
                             for key in EXTRA_KEYS if EXTRA_FILE_OF[key] in files}
+            if "caption_offsets" in files:
+                self._offsets = _open_npy(self.root / files["caption_offsets"], "caption_offsets")
         return self._latents, self._labels
 
     def __getstate__(self) -> dict:
         # Pickle only the path and meta: a worker re-maps the files instead of receiving a copy of them. The meta's
         # integrity record (tread/data/integrity.py) stays behind: only the start-up check reads it.
         meta = {k: v for k, v in self._meta.items() if k != INTEGRITY_KEY}
-        return {**self.__dict__, "_meta": meta, "_latents": None, "_labels": None, "_extras": None}
+        return {**self.__dict__, "_meta": meta, "_latents": None, "_labels": None, "_extras": None, "_offsets": None}
 
     def _validate_files(self) -> None:
         latents, labels = self._open()
@@ -184,11 +231,12 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
             raise LatentDatasetError(f"'{lab_file}' has labels in [{lo}, {hi}] but meta.json num_classes="
                                      f"{m['num_classes']} allows only [0, {m['num_classes'] - 1}]. {REBUILD}")
         c, n = self.conditioning, m["num_samples"]
-        expected = {"text": ((n, *(c["text"] or ())), DTYPES, "num_samples, conditioning.text seq_len and dim"),
-                    "text_mask": ((n, (c["text"] or (0,))[0]), ("bool",), "num_samples, conditioning.text seq_len"),
-                    "pooled": ((n, c["pooled"]), DTYPES, "num_samples, conditioning.pooled dim"),
-                    "llama": ((n, *(c["llama"] or ())), DTYPES,
-                              "num_samples, conditioning.llama layers, seq_len and dim"),
+        t, rows = (self.captions["rows"], "conditioning.captions rows") if self.captions else (n, "num_samples")
+        expected = {"text": ((t, *(c["text"] or ())), DTYPES, f"{rows}, conditioning.text seq_len and dim"),
+                    "text_mask": ((t, (c["text"] or (0,))[0]), ("bool",), f"{rows}, conditioning.text seq_len"),
+                    "pooled": ((t, c["pooled"]), DTYPES, f"{rows}, conditioning.pooled dim"),
+                    "llama": ((t, *(c["llama"] or ())), DTYPES,
+                              f"{rows}, conditioning.llama layers, seq_len and dim"),
                     "loss_mask": ((n, *(c["loss_mask"] or ())), ("uint8",), "num_samples, loss_mask.shape"),
                     "reference": ((n, *(c.get("reference") or ())), (m["dtype"],),
                                   "num_samples, dtype and the model-space shape")}
@@ -199,6 +247,22 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
                     f"'{self.root / files[EXTRA_FILE_OF[key]]}' (files.{EXTRA_FILE_OF[key]}) holds a {array.dtype} "
                     f"array of shape {list(array.shape)} but must be {' or '.join(dtypes)} of shape {list(shape)} "
                     f"(meta.json {source}). {REBUILD}")
+        if self._offsets is not None:
+            self._validate_offsets()
+
+    def _validate_offsets(self) -> None:
+        """A caption table's offsets: (N + 1,) integers from 0, strictly increasing, ending at the caption rows
+        (the rows but the last with an empty prompt)."""
+        off, n, table = self._offsets, self._meta["num_samples"], self.captions
+        end = table["rows"] - table["empty_prompt"]
+        steps = np.diff(off) if off.ndim == 1 else np.zeros(0)
+        if off.shape != (n + 1,) or not np.issubdtype(off.dtype, np.integer) or off[0] != 0 or off[-1] != end \
+                or (steps < 1).any():
+            raise LatentDatasetError(
+                f"'{self.root / self._meta['files']['caption_offsets']}' (files.caption_offsets) holds a {off.dtype} "
+                f"array of shape {list(off.shape)} but must be int64 of shape [{n + 1}] (num_samples + 1), strictly "
+                f"increasing from 0 to {end} (meta.json conditioning.captions rows {table['rows']}"
+                f"{', less the empty prompt' if table['empty_prompt'] else ''}). {REBUILD}")
 
     def _scale(self) -> float:
         # Moments stay in raw VAE units (logvar must not be scaled); draw_latents scales the drawn latent.
@@ -215,15 +279,52 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         x, y = torch.from_numpy(arr) * self._scale(), torch.tensor(int(labels[index]), dtype=torch.int64)
         if not self._extras:
             return x, y
-        return x, y, {key: _extra_tensor(key, np.array(array[index])[None], self.latent_scale)[0]
+        row = index if self._offsets is None else int(self._offsets[int(index) % len(self)])   # its first caption
+        return x, y, {key: _extra_tensor(key, np.array(array[row if key in CAPTION_KEYS else index])[None],
+                                         self.latent_scale)[0]
                       for key, array in self._extras.items()}
+
+    def caption_counts(self) -> np.ndarray:
+        """(N,) int64 captions per sample (all 1 without a caption table)."""
+        self._open()
+        n = self._meta["num_samples"]
+        return np.ones(n, np.int64) if self._offsets is None else np.diff(np.asarray(self._offsets, np.int64))
+
+    def caption_rows(self, indices: Sequence[int]) -> np.ndarray:
+        """The row of the text files each of `indices` (samples) reads: its caption by caption_choice for a loader
+        batch (an EpochBatch: .epoch, .seed, .index_base, the global index of this dataset's sample 0), its first
+        caption otherwise; the sample itself without a caption table."""
+        self._open()
+        idx = np.asarray(indices, dtype=np.int64)
+        if self._offsets is None:
+            return idx
+        idx = idx % len(self)
+        first = np.asarray(self._offsets[idx], np.int64)
+        if not hasattr(indices, "epoch"):
+            return first
+        counts = np.asarray(self._offsets[idx + 1], np.int64) - first
+        base = int(getattr(indices, "index_base", 0))
+        return first + caption_choice(indices.seed, indices.epoch, idx + base, counts)
+
+    def empty_prompt(self) -> Optional[dict[str, torch.Tensor]]:
+        """The encoded empty prompt "" of a caption table stored with one (its last row), as one sample's text
+        extras {"text": (L, D) float32, "text_mask": (L,) bool, "pooled": (P,), "llama": (n, L, Dl)} (the parts
+        the data has); None without one."""
+        self._open()
+        table = self.captions
+        if not (table and table["empty_prompt"]):
+            return None
+        row = table["rows"] - 1
+        return {key: _extra_tensor(key, np.array(array[row])[None], self.latent_scale)[0]
+                for key, array in self._extras.items() if key in CAPTION_KEYS}
 
     def __getitems__(self, indices: Sequence[int]) -> Union[tuple[torch.Tensor, torch.Tensor],
                                                             tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         """Batched fetch, (x (B, C, H, W) float32, y (B,) int64), with one fancy-indexed read of each memmap;
         with extras (x, y, {"text": (B, L, D) float32, "text_mask": (B, L) bool, "pooled": (B, P) float32,
         "llama": (B, n, L, Dl) float32, "loss_mask": (B, 1, Hm, Wm) float32 in [0, 1], "reference": (B, C, H, W)
-        float32}), the keys the dataset has, in request order."""
+        float32}), the keys the dataset has, in request order. With a caption table the text parts are each
+        sample's caption for this batch (caption_rows: drawn per epoch for a loader's EpochBatch)."""
         latents, labels = self._open()
         idx = np.asarray(indices, dtype=np.int64)
         order = np.argsort(idx, kind="stable")  # ascending reads are mostly sequential on disk
@@ -234,9 +335,12 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         if not self._extras:
             return x, y
         extras = {}
+        rows = self.caption_rows(indices) if self._offsets is not None else idx
+        row_order = np.argsort(rows, kind="stable") if self._offsets is not None else order
         for key, array in self._extras.items():
+            at, by = (rows, row_order) if key in CAPTION_KEYS else (idx, order)
             out = np.empty((len(idx), *array.shape[1:]), array.dtype)
-            out[order] = array[idx[order]]
+            out[by] = array[at[by]]
             extras[key] = _extra_tensor(key, out, self.latent_scale)
         return x, y, extras
 

@@ -88,17 +88,20 @@ _SHAPES: list[Callable[..., np.ndarray]] = [
 ]
 
 
-def generate_toy_shapes(num_per_class: int = 1000, resolution: int = 32, seed: int = 0,
+def generate_toy_shapes(num_per_class: int = 1000, resolution: Union[int, tuple[int, int]] = 32, seed: int = 0,
                         loss_masks: bool = False) -> Union[tuple[torch.Tensor, torch.Tensor],
                                                            tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Deterministic toy_shapes: images float32 (N, 3, R, R) in [-1, 1], labels int64 (N,); N = 10 * num_per_class.
+    """Deterministic toy_shapes: images float32 (N, 3, H, W) in [-1, 1], labels int64 (N,); N = 10 * num_per_class;
+    `resolution` R (H = W = R) or (H, W): a non-square canvas keeps the shapes' proportions (the short side spans
+    the square one's [-1, 1], the long side extends it), for aspect-ratio buckets.
 
     Classes are interleaved (labels 0, 1, ..., 9, 0, 1, ...), so any prefix is class-balanced. With
-    loss_masks=True also returns each shape's coverage, uint8 (N, R, R) in 0..255 (255 = fully inside);
+    loss_masks=True also returns each shape's coverage, uint8 (N, H, W) in 0..255 (255 = fully inside);
     the images and labels do not depend on it.
     """
     rng = np.random.default_rng(seed)
-    n, k, R = num_per_class * len(_SHAPES), len(_SHAPES), resolution
+    H, W = (resolution, resolution) if isinstance(resolution, int) else resolution
+    n, k, R = num_per_class * len(_SHAPES), len(_SHAPES), min(H, W)
     labels = np.tile(np.arange(k), num_per_class)
     # Per-sample jitter, drawn for all samples at once (in a fixed order, for determinism).
     centre = rng.uniform(-0.18, 0.18, (n, 2, 1, 1)).astype(np.float32)
@@ -106,11 +109,13 @@ def generate_toy_shapes(num_per_class: int = 1000, resolution: int = 32, seed: i
     colour = np.clip(_COLOURS[labels] + rng.uniform(-0.08, 0.08, (n, 3)), 0, 1).astype(np.float32)
     background = (rng.uniform(0.04, 0.16, (n, 1)) + rng.uniform(-0.03, 0.03, (n, 3))).clip(0, 1).astype(np.float32)
 
-    coords = ((np.arange(R, dtype=np.float32) + 0.5) / R * 2 - 1)  # pixel centres in [-1, 1]
-    x = coords[None, None, :] - centre[:, 0]  # (n, 1, R): x runs along width
-    y = coords[None, :, None] - centre[:, 1]  # (n, R, 1): y runs down the image
-    images = np.empty((n, 3, R, R), np.float32)
-    masks = np.empty((n, R, R), np.uint8) if loss_masks else None
+    def coords(side: int) -> np.ndarray:  # pixel centres; the short side's span [-1, 1]
+        return (np.arange(side, dtype=np.float32) + 0.5 - side / 2) / R * 2
+
+    x = coords(W)[None, None, :] - centre[:, 0]  # (n, 1, W): x runs along width
+    y = coords(H)[None, :, None] - centre[:, 1]  # (n, H, 1): y runs down the image
+    images = np.empty((n, 3, H, W), np.float32)
+    masks = np.empty((n, H, W), np.uint8) if loss_masks else None
     for c, shape in enumerate(_SHAPES):
         idx = np.flatnonzero(labels == c)
         alpha = shape(x[idx], y[idx], size[idx], 2 / R)[:, None]  # (m, 1, R, R); a pixel is 2 / R wide

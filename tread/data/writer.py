@@ -13,8 +13,9 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from .integrity import integrity_record
-from .meta import (DEFAULT_FILES, EXTRA_FILE_OF, EXTRA_FILES, EXTRA_KEYS, FORMAT, INTEGRITY_KEY, LLAMA_KEYS, VERSION,
-                   LatentDatasetError, LatentDatasetExistsError, PathLike, model_shape, validate_meta)
+from .meta import (CAPTION_FILES, CAPTION_KEYS, DEFAULT_FILES, EXTRA_FILE_OF, EXTRA_FILES, EXTRA_KEYS, FORMAT,
+                   INTEGRITY_KEY, LLAMA_KEYS, VERSION, LatentDatasetError, LatentDatasetExistsError, PathLike,
+                   caption_offsets, model_shape, validate_meta)
 
 
 def _exists_error(root: Path) -> LatentDatasetExistsError:
@@ -37,8 +38,10 @@ _EXTRA_NDIM = {"text": 3, "text_mask": 2, "pooled": 2, "llama": 4, "loss_mask": 
 DECLARE = ("text_shape=(L, D), text_mask=True, pooled_dim=P, llama_shape=(layers, L, Dl), loss_mask_shape=(Hm, Wm), "
            "reference_latents=True")
 # conditioning keys the writer sets itself, and the writer argument each part comes from
-_RESERVED = {"text": ("seq_len", "dim", "mask"), "pooled": ("dim",), "llama": LLAMA_KEYS}
-_ARG_OF = {"text": "text_shape", "pooled": "pooled_dim", "llama": "llama_shape"}
+_RESERVED = {"text": ("seq_len", "dim", "mask"), "pooled": ("dim",), "llama": LLAMA_KEYS,
+             "captions": ("rows", "empty_prompt")}
+_ARG_OF = {"text": "text_shape", "pooled": "pooled_dim", "llama": "llama_shape",
+           "captions": "caption_counts/empty_prompt"}
 
 
 def _dims(value: Any, n: int, name: str, what: str, root: Path) -> Optional[tuple[int, ...]]:
@@ -54,8 +57,10 @@ def _dims(value: Any, n: int, name: str, what: str, root: Path) -> Optional[tupl
 
 
 def _conditioning_layout(root: Path, dtype: str, text_shape, text_mask: bool, pooled_dim, loss_mask_shape,
-                         conditioning_meta: Optional[Mapping[str, Any]], llama_shape=None) -> tuple[dict, dict]:
-    """(meta keys to add, {extras key: (per-sample shape, storage dtype)}) for the writer's optional arrays."""
+                         conditioning_meta: Optional[Mapping[str, Any]], llama_shape=None,
+                         captions: Optional[dict] = None) -> tuple[dict, dict]:
+    """(meta keys to add, {extras key: (per-sample or per-caption shape, storage dtype)}) for the writer's optional
+    arrays; `captions` is the caption table's meta ({"rows", "empty_prompt"}) or None."""
     text = _dims(text_shape, 2, "text_shape", "(L, D): two positive integers (sequence length, embedding size)",
                  root)
     pooled = _dims(pooled_dim, 0, "pooled_dim", "a positive integer (P, the pooled embedding size)", root)
@@ -71,9 +76,12 @@ def _conditioning_layout(root: Path, dtype: str, text_shape, text_mask: bool, po
     if llama is not None and text is None:
         raise LatentDatasetError(f"llama_shape={llama} for '{root}' needs text_shape=(L, D): the Llama hidden states "
                                  f"go with the T5 text embeddings (HiDream)")
+    if captions is not None and text is None:
+        raise LatentDatasetError(f"caption_counts/empty_prompt for '{root}' need text_shape=(L, D): a caption table "
+                                 f"holds text embeddings")
     ours = {"text": None if text is None else {"seq_len": text[0], "dim": text[1], "mask": bool(text_mask)},
             "pooled": None if pooled is None else {"dim": pooled[0]},
-            "llama": None if llama is None else dict(zip(LLAMA_KEYS, llama))}
+            "llama": None if llama is None else dict(zip(LLAMA_KEYS, llama)), "captions": captions}
     cond = _described(root, ours, dict(conditioning_meta or {}))
     meta: dict = {}
     if conditioning_meta is not None or any(v is not None for v in ours.values()):
@@ -140,6 +148,11 @@ class LatentDatasetWriter:
     llama_shape=(n, L, Dl) (llama_embeds.npy, dataset dtype: HiDream's Llama hidden states, n layers; needs
     text_shape). Each one declared must then come with every write, as write(start, latents, labels,
     extras={"text": ..., "text_mask": ..., "pooled": ..., "llama": ..., "loss_mask": ..., "reference": ...}).
+
+    A caption table (several captions per sample; tread/data/meta.py): caption_counts=(N,) captions per sample
+    and/or empty_prompt=True (one more row, the last: the encoded empty prompt) make the text parts (CAPTION_KEYS)
+    rows of captions, written with write_captions(start_row, {"text": ..., ...}) (the empty prompt at row
+    `empty_row`) instead of with write(); caption_offsets.npy is written from the counts.
     conditioning_meta adds descriptive keys to meta "conditioning" (e.g. {"text": {"family": "flux", "encoders":
     [...], "max_length": 512}}); seq_len/dim/mask (layers for llama) come from the arrays.
 
@@ -156,7 +169,8 @@ class LatentDatasetWriter:
                  text_mask: bool = False, pooled_dim: Optional[int] = None,
                  loss_mask_shape: Optional[Sequence[int]] = None,
                  conditioning_meta: Optional[Mapping[str, Any]] = None, reference_latents: bool = False,
-                 llama_shape: Optional[Sequence[int]] = None):
+                 llama_shape: Optional[Sequence[int]] = None, caption_counts: Optional[Sequence[int]] = None,
+                 empty_prompt: bool = False):
         self.root = root = Path(path).expanduser().absolute()
         to_int = lambda v: int(v) if isinstance(v, np.integer) else v  # numpy ints are not JSON-serialisable
         self.meta = {"format": FORMAT, "version": VERSION, "shape": [to_int(s) for s in shape], "dtype": dtype,
@@ -169,9 +183,15 @@ class LatentDatasetWriter:
             raise LatentDatasetError(f"extra_meta for '{root}' sets {clash}: describe conditioning and loss masks "
                                      f"with text_shape/text_mask/pooled_dim/loss_mask_shape/conditioning_meta (the "
                                      f"writer records '{INTEGRITY_KEY}' itself)")
+        self._offsets = caption_offsets(root, caption_counts, empty_prompt, to_int(num_samples))
+        self.empty_row = int(self._offsets[-1]) if self._offsets is not None and empty_prompt else None
+        captions = None if self._offsets is None else {"rows": int(self._offsets[-1]) + bool(empty_prompt),
+                                                       "empty_prompt": bool(empty_prompt)}
         extra, self._specs = _conditioning_layout(root, dtype, text_shape, text_mask, pooled_dim, loss_mask_shape,
-                                                  conditioning_meta, llama_shape)
+                                                  conditioning_meta, llama_shape, captions)
         self.meta.update(extra)
+        if captions is not None:
+            self.meta["files"].update(CAPTION_FILES)
         if not isinstance(reference_latents, (bool, np.bool_)):
             raise LatentDatasetError(f"reference_latents for '{root}' is {reference_latents!r} but must be True or "
                                      f"False")
@@ -187,6 +207,11 @@ class LatentDatasetWriter:
             raise LatentDatasetError(f"meta for '{root}' is not JSON-serialisable ({err}); pass plain "
                                      f"str/int/float/bool/list/dict values in extra_meta and conditioning_meta"
                                      ) from None
+        self._open_files(captions, dtype)
+
+    def _open_files(self, captions: Optional[dict], dtype: str) -> None:
+        """The temporary sibling directory and a memory-mapped .npy per stored array (the caption offsets saved)."""
+        root = self.root
         _check_target(root)
         root.parent.mkdir(parents=True, exist_ok=True)
         self._tmp: Optional[Path] = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
@@ -195,16 +220,28 @@ class LatentDatasetWriter:
             n, files = self.meta["num_samples"], self.meta["files"]
             layout = {"latents": (tuple(self.meta["shape"]), dtype), "labels": ((), np.int64), **self._specs}
             for key, (tail, dt) in layout.items():
-                name = files[EXTRA_FILE_OF.get(key, key)]
-                self._maps[key] = np.lib.format.open_memmap(self._tmp / name, mode="w+", dtype=dt, shape=(n, *tail))
+                name, rows = files[EXTRA_FILE_OF.get(key, key)], self._rows(key)
+                self._maps[key] = np.lib.format.open_memmap(self._tmp / name, mode="w+", dtype=dt,
+                                                            shape=(rows, *tail))
             self._written = np.zeros(n, dtype=bool)
+            self._rows_written = np.zeros(0 if captions is None else captions["rows"], dtype=bool)
+            if captions is not None:
+                np.save(self._tmp / CAPTION_FILES["caption_offsets"], self._offsets)
         except BaseException:
             self.abort()
             raise
 
-    def _prepare_extras(self, extras: Optional[Mapping[str, Any]], n: int, start: int) -> dict[str, np.ndarray]:
-        """Check one write's extras against the declared arrays; returns them cast for storage."""
-        got, want, root = dict(extras or {}), self._specs, self.root
+    def _rows(self, key: str) -> int:
+        """The rows of a stored array: one per caption for the text parts of a caption table, else per sample."""
+        table = self._offsets is not None and key in CAPTION_KEYS
+        return self.meta["conditioning"]["captions"]["rows"] if table else self.meta["num_samples"]
+
+    def _check_extra_keys(self, got: Mapping[str, Any], want: Mapping[str, Any], captions: bool) -> None:
+        """One write's extras keys against the declared arrays `want`: none unknown, missing or undeclared."""
+        root = self.root
+        if self._offsets is not None and not captions and set(got) & set(CAPTION_KEYS):
+            raise LatentDatasetError(f"extras for '{root}' include {sorted(set(got) & set(CAPTION_KEYS))}, but the "
+                                     f"dataset has a caption table: write the text parts with write_captions()")
         unknown = sorted(set(got) - set(EXTRA_KEYS))
         if unknown:
             raise LatentDatasetError(f"extras for '{root}' have unknown key(s) {unknown}; allowed: {list(EXTRA_KEYS)}")
@@ -216,13 +253,21 @@ class LatentDatasetWriter:
         if undeclared:
             raise LatentDatasetError(f"extras for '{root}' include {undeclared}, which the dataset does not store: "
                                      f"declare them when creating the writer ({DECLARE})")
+
+    def _prepare_extras(self, extras: Optional[Mapping[str, Any]], n: int, start: int,
+                        captions: bool = False) -> dict[str, np.ndarray]:
+        """Check one write's extras against the declared arrays (with a caption table: the text parts when
+        `captions`, the others when not); returns them cast for storage."""
+        got, root = dict(extras or {}), self.root
+        want = {k: v for k, v in self._specs.items() if self._offsets is None or (k in CAPTION_KEYS) == captions}
+        self._check_extra_keys(got, want, captions)
         out = {}
         for key, (tail, dtype) in want.items():
             a, head = np.asarray(got[key]), f"extras['{key}'] for '{root}'"
             if a.shape != (n, *tail):
                 want = ", ".join(map(str, (n, *tail)))
-                raise LatentDatasetError(f"{head} must be a {EXTRA_WHAT[key]} of shape ({want}) (one per latent), "
-                                         f"got shape {a.shape}")
+                raise LatentDatasetError(f"{head} must be a {EXTRA_WHAT[key]} of shape ({want}) (one per "
+                                         f"{'caption row' if captions else 'latent'}), got shape {a.shape}")
             if key in ("text", "pooled", "llama", "reference"):
                 if not (np.issubdtype(a.dtype, np.floating) or a.size == 0):
                     raise LatentDatasetError(f"{head} must be a float array, got {a.dtype}")
@@ -289,8 +334,25 @@ class LatentDatasetWriter:
             self._maps[key][start:stop] = value
         self._written[start:stop] = True
 
+    def write_captions(self, start: int, extras: Mapping[str, np.ndarray]) -> None:
+        """Store caption rows [start, start + n) of a caption table: (exactly) the declared text parts {"text",
+        "text_mask", "pooled", "llama"}, n rows each (sample i's captions are rows [offsets[i], offsets[i + 1]);
+        the empty prompt is row `empty_row`)."""
+        if self._tmp is None:
+            raise RuntimeError(f"writer for '{self.root}' is already closed")
+        if self._offsets is None:
+            raise LatentDatasetError(f"'{self.root}' has no caption table (one caption per sample): give the text "
+                                     f"parts to write(), or declare caption_counts/empty_prompt")
+        n = len(np.asarray(next(iter(extras.values())))) if extras else 0
+        rows, stop = len(self._rows_written), start + n
+        if not 0 <= start <= stop <= rows:
+            raise LatentDatasetError(f"caption rows [{start}, {stop}) lie outside [0, {rows}) of '{self.root}'")
+        for key, value in self._prepare_extras(extras, n, start, captions=True).items():
+            self._maps[key][start:stop] = value
+        self._rows_written[start:stop] = True
+
     def commit(self) -> Path:
-        """Check that every sample was written, flush, and rename the dataset into place."""
+        """Check that every sample (and caption row) was written, flush, and rename the dataset into place."""
         if self._tmp is None:
             raise RuntimeError(f"writer for '{self.root}' is already closed")
         try:
@@ -298,6 +360,11 @@ class LatentDatasetWriter:
             if len(missing):
                 raise LatentDatasetError(f"dataset '{self.root}' is incomplete: {len(missing)} of "
                                          f"{len(self._written)} samples were never written (first: "
+                                         f"{missing[:5].tolist()})")
+            missing = np.flatnonzero(~self._rows_written)
+            if len(missing):
+                raise LatentDatasetError(f"dataset '{self.root}' is incomplete: {len(missing)} of "
+                                         f"{len(self._rows_written)} caption rows were never written (first: "
                                          f"{missing[:5].tolist()})")
             tmp = self._tmp
             for array in self._maps.values():
@@ -337,23 +404,8 @@ class LatentDatasetWriter:
             self.abort()
 
 
-def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray, *, num_classes: int,
-                         latent_scale: float = 1.0, decode: Optional[Mapping[str, Any]] = None, source: str = "",
-                         class_names: Optional[Sequence[str]] = None, dtype: str = "float16",
-                         extra_meta: Optional[Mapping[str, Any]] = None, chunk_size: int = 4096,
-                         extras: Optional[Mapping[str, np.ndarray]] = None,
-                         conditioning_meta: Optional[Mapping[str, Any]] = None) -> Path:
-    """Write a dataset atomically: build it in a temporary sibling directory, then rename it into place.
-
-    `latents` (N, C, H, W) are the *stored* values (model space / latent_scale). `extra_meta` adds keys to
-    meta.json (e.g. "builtin"). `extras` optionally adds per-sample conditioning / loss masks as full arrays
-    {"text": (N, L, D), "text_mask": (N, L) bool, "pooled": (N, P), "llama": (N, n, L, Dl), "loss_mask":
-    (N, Hm, Wm) uint8 or float in [0, 1], "reference": (N, C, H, W) stored reference latents} (any subset;
-    text_mask and llama need text),
-    described further by `conditioning_meta` (see LatentDatasetWriter). Raises LatentDatasetExistsError if
-    `path` exists and is not an empty directory. Datasets too big for RAM: LatentDatasetWriter.
-    """
-    root = Path(path).expanduser().absolute()
+def _check_arrays(root: Path, latents: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The latents (N, C, H, W) and integer labels (N,) of write_latent_dataset as arrays, or one error."""
     latents, labels = np.asarray(latents), np.asarray(labels)
     if latents.ndim != 4 or min(latents.shape) < 1:
         raise LatentDatasetError(f"latents for '{root}' must be a non-empty (N, C, H, W) array, got shape "
@@ -361,14 +413,43 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
     if labels.shape != (len(latents),) or not np.issubdtype(labels.dtype, np.integer):
         raise LatentDatasetError(f"labels for '{root}' must be a 1-D integer array of length N={len(latents)} "
                                  f"(one per latent), got {labels.dtype} array of shape {labels.shape}")
+    return latents, labels
+
+
+def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray, *, num_classes: int,
+                         latent_scale: float = 1.0, decode: Optional[Mapping[str, Any]] = None, source: str = "",
+                         class_names: Optional[Sequence[str]] = None, dtype: str = "float16",
+                         extra_meta: Optional[Mapping[str, Any]] = None, chunk_size: int = 4096,
+                         extras: Optional[Mapping[str, np.ndarray]] = None,
+                         conditioning_meta: Optional[Mapping[str, Any]] = None,
+                         caption_counts: Optional[Sequence[int]] = None,
+                         empty_prompt: Optional[Mapping[str, np.ndarray]] = None) -> Path:
+    """Write a dataset atomically: build it in a temporary sibling directory, then rename it into place.
+
+    `latents` (N, C, H, W) are the *stored* values (model space / latent_scale). `extra_meta` adds keys to
+    meta.json (e.g. "builtin"). `extras` optionally adds per-sample conditioning / loss masks as full arrays
+    {"text": (N, L, D), "text_mask": (N, L) bool, "pooled": (N, P), "llama": (N, n, L, Dl), "loss_mask":
+    (N, Hm, Wm) uint8 or float in [0, 1], "reference": (N, C, H, W) stored reference latents} (any subset;
+    text_mask and llama need text),
+    described further by `conditioning_meta` (see LatentDatasetWriter). A caption table (tread/data/meta.py):
+    `caption_counts` (N,) captions per sample, the text parts then holding sum(caption_counts) rows (sample by
+    sample), and/or `empty_prompt` {"text": (1, L, D), ...} (the same text parts, one row: the encoded ""), stored
+    as the table's last row. Raises LatentDatasetExistsError if
+    `path` exists and is not an empty directory. Datasets too big for RAM: LatentDatasetWriter.
+    """
+    root = Path(path).expanduser().absolute()
+    latents, labels = _check_arrays(root, latents, labels)
     extras = {k: np.asarray(v) for k, v in (extras or {}).items()}
     unknown = sorted(set(extras) - set(EXTRA_KEYS))
     if unknown:
         raise LatentDatasetError(f"extras for '{root}' have unknown key(s) {unknown}; allowed: {list(EXTRA_KEYS)}")
+    table = caption_counts is not None or empty_prompt is not None
+    rows = int(np.sum(caption_counts)) if caption_counts is not None else len(latents)
     for key, value in extras.items():
-        if value.ndim != _EXTRA_NDIM[key] or len(value) != len(latents):
+        n, per = (rows, "caption row") if table and key in CAPTION_KEYS else (len(latents), "latent")
+        if value.ndim != _EXTRA_NDIM[key] or len(value) != n:
             raise LatentDatasetError(f"extras['{key}'] for '{root}' must be a {EXTRA_WHAT[key].replace('(n,', '(N,')} "
-                                     f"with N={len(latents)} (one per latent), got shape {value.shape}")
+                                     f"with N={n} (one per {per}), got shape {value.shape}")
     shape_of = lambda key: extras[key].shape[1:] if key in extras else None  # noqa: E731
     with LatentDatasetWriter(root, shape=latents.shape[1:], num_samples=len(latents), num_classes=num_classes,
                              latent_scale=latent_scale, decode=decode, source=source, class_names=class_names,
@@ -376,7 +457,8 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
                              text_mask="text_mask" in extras,
                              pooled_dim=extras["pooled"].shape[1] if "pooled" in extras else None,
                              loss_mask_shape=shape_of("loss_mask"), conditioning_meta=conditioning_meta,
-                             reference_latents="reference" in extras, llama_shape=shape_of("llama")) as writer:
+                             reference_latents="reference" in extras, llama_shape=shape_of("llama"),
+                             caption_counts=caption_counts, empty_prompt=empty_prompt is not None) as writer:
         if not (labels.min() >= 0 and labels.max() < writer.meta["num_classes"]):  # checked before any copying
             raise LatentDatasetError(f"labels for '{root}' range over [{labels.min()}, {labels.max()}] but must lie "
                                      f"in [0, num_classes={num_classes}); pass the right num_classes or remap the "
@@ -384,5 +466,19 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
         # Chunked copy into the memmap: casting never needs a second full copy of the array in RAM.
         for start in range(0, len(latents), chunk_size):
             part = slice(start, start + chunk_size)
-            writer.write(start, latents[part], labels[part], {k: v[part] for k, v in extras.items()} or None)
+            writer.write(start, latents[part], labels[part],
+                         {k: v[part] for k, v in extras.items() if not (table and k in CAPTION_KEYS)} or None)
+        if table:
+            _write_caption_rows(writer, {k: v for k, v in extras.items() if k in CAPTION_KEYS}, empty_prompt,
+                                chunk_size)
     return root
+
+
+def _write_caption_rows(writer: LatentDatasetWriter, text: Mapping[str, np.ndarray],
+                        empty_prompt: Optional[Mapping[str, np.ndarray]], chunk_size: int) -> None:
+    """A caption table's rows (whole arrays, `chunk_size` rows at a time), then the empty prompt's row."""
+    rows = len(next(iter(text.values()))) if text else 0
+    for start in range(0, rows, chunk_size):
+        writer.write_captions(start, {k: v[start:start + chunk_size] for k, v in text.items()})
+    if empty_prompt is not None:
+        writer.write_captions(writer.empty_row, {k: np.asarray(v) for k, v in empty_prompt.items()})

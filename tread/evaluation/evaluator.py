@@ -28,6 +28,14 @@ def decode_options(cfg: Any) -> dict[str, Any]:
     return {"vae": cfg.get("vae"), "vae_dtype": cfg.get("vae_dtype"), "batch_size": cfg.get("decode_batch_size")}
 
 
+def metric_shape(dataset: Any, model: Any) -> tuple[int, ...]:
+    """The latent shape metric samples are drawn at: the data's; bucketed data (several shapes): the model's
+    square default grid (data.resolution), scored against the center crops of the data's images at that side."""
+    if not hasattr(dataset, "buckets"):
+        return tuple(dataset.shape)
+    return dataset.channels, model.input_size, model.input_size
+
+
 class Evaluator:
     """ADM-style metrics (eval.metrics; FID by default) of generated samples against the dataset's
     reference, plus a sample grid, and the captioned grid of the validation prompts (eval.validation_prompts,
@@ -35,7 +43,7 @@ class Evaluator:
     prompts' embeddings are made once, here: missing text encoders fail first."""
 
     def __init__(self, eval_cfg: Any, dataset, cache_dir: str | Path, accelerator, model: Any = None,
-                 model_cfg: Any = None):
+                 model_cfg: Any = None, unconditional: str = "zeros"):
         self.cfg = eval_cfg
         self.dataset = dataset
         self.accelerator = accelerator
@@ -44,12 +52,14 @@ class Evaluator:
         self.metrics = tuple(eval_cfg.metrics)
         self.main_metrics = without_fdd(self.metrics)        # fdd has its own network (tread/evaluation/fdd.py)
         self.guidance = Guidance.from_settings(eval_cfg)
-        self.validation = ValidationPrompts(eval_cfg, model_cfg or {}, model, dataset, self.device) \
+        self.validation = ValidationPrompts(eval_cfg, model_cfg or {}, model, dataset, self.device, unconditional) \
             if eval_cfg.get("validation_prompts") else None
         # Loads the VAE now (once per process): missing weights fail before training.
         check_decodable(dataset.meta, **self.decode, device=self.device)
-        zeros = torch.zeros(1, *dataset.shape, device=self.device)
+        self.sample_shape = metric_shape(dataset, model)
+        zeros = torch.zeros(1, *self.sample_shape, device=self.device)
         self.image_shape = tuple(decode_to_uint8(zeros, dataset.meta, **self.decode).shape[1:])  # (H, W, 3)
+        self.square = self.image_shape[0] if hasattr(dataset, "buckets") else None   # bucketed: crop references
         ref = eval_cfg.get("reference")
         if ref:                 # a given reference: its file is checked before any feature network is made
             if not Path(ref).is_file():
@@ -66,17 +76,18 @@ class Evaluator:
             self.ref_path = Path(cache_dir) / "references" / f"{name}_{self.extractor.name}.npz"
             with accelerator.main_process_first():  # the first process builds and caches it
                 reference_for_dataset(dataset, self.extractor, self.ref_path,
-                                      max_images=eval_cfg.get("reference_max_images"), decode_kwargs=self.decode)
+                                      max_images=eval_cfg.get("reference_max_images"), decode_kwargs=self.decode,
+                                      square=self.square)
         self.reference = load_reference_full(self.ref_path, self.extractor, need=self.main_metrics or ("fid",))
         self.fdd = FddScorer(eval_cfg.get("dinov2_weights"), dataset, cache_dir, accelerator, self.decode,
-                             eval_cfg.get("reference_max_images")) if FDD in self.metrics else None
+                             eval_cfg.get("reference_max_images"), self.square) if FDD in self.metrics else None
 
     def __call__(self, net, diffusion, step: int, samples_dir: Optional[Path]) -> dict[str, Any]:
         start = time.time()
         acc, cfg = self.accelerator, self.cfg
         offset = int(cfg.get("seed_offset") or 0)     # the paper code's FID-5K: seeds 100000..104999
         seeds = list(range(offset, offset + cfg.num_samples))[acc.process_index::acc.num_processes]
-        shape = list(self.dataset.shape)
+        shape = list(self.sample_shape)
         feats = FeatureAccumulator(self.extractor, self.main_metrics or ("fid",), device=self.device)  # a rank
         fdd = self.fdd.accumulator() if self.fdd is not None else None                             # may get none
         grid_n = min(cfg.grid_size, cfg.num_samples)

@@ -27,12 +27,13 @@ class FddScorer:
     """FDD for in-training evaluation: the DINOv2 network and the dataset's DINOv2 reference, made once."""
 
     def __init__(self, weights: Optional[str], dataset: Any, cache_dir: str | Path, accelerator: Any,
-                 decode: dict, max_images: Optional[int] = None):
+                 decode: dict, max_images: Optional[int] = None, square: Optional[int] = None):
         self.device = accelerator.device
         self.extractor = build_dino_features(weights, "eval.dinov2_weights", self.device)
         self.ref_path = Path(cache_dir) / "references" / f"{dataset.root.name}_{self.extractor.name}.npz"
         with accelerator.main_process_first():   # the first process builds and caches it
-            reference_for_dataset(dataset, self.extractor, self.ref_path, max_images=max_images, decode_kwargs=decode)
+            reference_for_dataset(dataset, self.extractor, self.ref_path, max_images=max_images, decode_kwargs=decode,
+                                  square=square)
         self.reference = load_reference_full(self.ref_path, self.extractor, need=("fid",))
 
     def accumulator(self) -> FeatureAccumulator:

@@ -14,6 +14,7 @@ from typing import Iterable, Iterator, Optional, Union
 import numpy as np
 import torch
 import torch.nn as nn
+from PIL import Image
 from tqdm.auto import tqdm
 
 import tread.data as data_mod
@@ -398,15 +399,35 @@ def _latents(dataset, indices: np.ndarray) -> torch.Tensor:
     return torch.stack([torch.as_tensor(dataset[int(j)][0]) for j in indices])
 
 
+def _batches(dataset, indices: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    """`indices` in chunks of batch_size, split where a bucketed dataset's bucket changes (a batch: one shape)."""
+    cuts = set(range(0, len(indices), batch_size))
+    if hasattr(dataset, "bucket_of"):
+        buckets = np.array([dataset.bucket_of(int(i)) for i in indices])
+        cuts |= set((np.flatnonzero(np.diff(buckets)) + 1).tolist())
+    edges = sorted(cuts | {len(indices)})
+    return [indices[a:b] for a, b in zip(edges, edges[1:])]
+
+
+def square_images(images: torch.Tensor, side: int) -> torch.Tensor:
+    """uint8 (B, H, W, 3) -> (B, side, side, 3): ADM's center crop (center_crop_arr) of each, for references of
+    bucketed data (images of several shapes) against square samples."""
+    if images.shape[1] == images.shape[2] == side:
+        return images
+    crops = [data_mod.center_crop_arr(Image.fromarray(im.cpu().numpy()), side) for im in images]
+    return torch.from_numpy(np.stack(crops)).to(images.device)
+
+
 @torch.no_grad()
 def reference_for_dataset(dataset, extractor: nn.Module, out_path: PathLike, max_images: Optional[int] = None,
                           batch_size: int = 250, force: bool = False, decode_kwargs: Optional[dict] = None,
-                          store_images: Optional[int] = 10000) -> Path:
+                          store_images: Optional[int] = 10000, square: Optional[int] = None) -> Path:
     """Decode the dataset's latents (the posterior mean for 'moments' data) to uint8 images and save an
     ADM-style reference (mu/sigma, mu_s/sigma_s, up to `store_images` images as arr_0) to out_path.
     Reuses out_path (unless force) if it holds all of that for the same features, dataset, image count and
-    decode options; older files (e.g. without mu_s/sigma_s or arr_0) are rebuilt."""
-    out_path, source = Path(out_path), _dataset_source(dataset)
+    decode options; older files (e.g. without mu_s/sigma_s or arr_0) are rebuilt. `square`: each image is
+    center-cropped to that side first (bucketed data, whose images have several shapes: square_images)."""
+    out_path, source = Path(out_path), _dataset_source(dataset) + (f" (center crops {square}px)" if square else "")
     indices = subset_indices(len(dataset), max_images)
     decode = _describe_decode(decode_kwargs)
     if not force and _cached_reference_ok(out_path, extractor, len(indices), source, decode, store_images):
@@ -414,12 +435,14 @@ def reference_for_dataset(dataset, extractor: nn.Module, out_path: PathLike, max
     print(f"Building reference statistics ({extractor.name}, {len(indices)} images) -> {out_path}", flush=True)
     device = extractor_device(extractor)
     builder = ReferenceBuilder(extractor, len(indices), store_images, local=True)   # every image, on this process
-    for i in tqdm(range(0, len(indices), batch_size), desc=f"reference ({extractor.name})", unit="batch",
-                  dynamic_ncols=True, leave=False):
-        x = _latents(dataset, indices[i:i + batch_size]).to(device)
+    done = 0
+    for chunk in tqdm(_batches(dataset, indices, batch_size), desc=f"reference ({extractor.name})", unit="batch",
+                      dynamic_ncols=True, leave=False):
+        x = _latents(dataset, chunk).to(device)
         x = data_mod.draw_latents(x, dataset.meta, mode="mean")
         images = data_mod.decode_to_uint8(x, dataset.meta, **(decode_kwargs or {}))
-        builder.add(images, np.arange(i, i + len(x)))
+        builder.add(images if square is None else square_images(images, square), np.arange(done, done + len(x)))
+        done += len(x)
     return builder.save(out_path, source, extra={"decode": np.array(decode)})
 
 

@@ -6,7 +6,7 @@ diffusion objective: EDM / rectified-flow wrappers in `diffusion/` do that algeb
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -64,11 +64,13 @@ class LabelEmbedder(nn.Module):
         return self.embedding_table(labels)
 
 
-def get_2d_sincos_pos_embed(embed_dim: int, grid_size: int) -> np.ndarray:
-    """Fixed 2-D sin-cos position embedding, (grid_size**2, embed_dim), MAE-style."""
+def get_2d_sincos_pos_embed(embed_dim: int, grid_size: Union[int, tuple[int, int]]) -> np.ndarray:
+    """Fixed 2-D sin-cos position embedding, MAE-style, of a grid_size = (rows, cols) token grid (an int: square),
+    (rows * cols, embed_dim), tokens row-major: the first half of the features encodes the column, the second the
+    row (MAE's order)."""
     assert embed_dim % 4 == 0, "hidden size must be divisible by 4 for 2-D sin-cos embeddings"
-    coords = np.arange(grid_size, dtype=np.float64)
-    grid_w, grid_h = np.meshgrid(coords, coords)                                 # w varies fastest
+    rows, cols = (grid_size, grid_size) if isinstance(grid_size, int) else grid_size
+    grid_w, grid_h = np.meshgrid(np.arange(cols, dtype=np.float64), np.arange(rows, dtype=np.float64))  # (rows, cols)
 
     def embed_1d(pos: np.ndarray, dim: int) -> np.ndarray:
         omega = 1.0 / 10000 ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
@@ -130,8 +132,8 @@ class DiT(RoutedBackbone):
 
     def __init__(
         self,
-        input_size: int = 32,          # latent height = width
-        patch_size: int = 2,           # patch side; tokens = (input_size / patch_size)**2
+        input_size: int = 32,          # the default latent height = width (other sizes: any multiple of patch_size)
+        patch_size: int = 2,           # patch side; tokens = (input_size / patch_size)**2 at the default size
         in_channels: int = 4,          # latent channels (output has the same)
         hidden_size: int = 1152,       # token width D
         depth: int = 28,               # number of DiT blocks
@@ -159,13 +161,15 @@ class DiT(RoutedBackbone):
             raise ModelConfigError(f"model.init={init!r} is unknown; allowed: {', '.join(INITS)}.")
         self.init = init
 
-        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
+        # strict_img_size=False: the conv takes any size of whole patches (grid_of checks it first)
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True, strict_img_size=False)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size)
         num_patches = self.x_embedder.num_patches
         pos = get_2d_sincos_pos_embed(hidden_size, int(num_patches ** 0.5))
-        # A fixed buffer, not a parameter: it is recomputed on build and never saved.
+        # A fixed buffer, not a parameter: it is recomputed on build and never saved. Other grids' tables: pos_embed_at.
         self.register_buffer("pos_embed", torch.from_numpy(pos).float().unsqueeze(0), persistent=False)
+        self._pos_tables: dict[tuple[int, int], torch.Tensor] = {}
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
 
@@ -185,21 +189,68 @@ class DiT(RoutedBackbone):
 
     @property
     def token_grid(self) -> tuple[int, int]:
-        """(rows, cols) of the patch tokens, which the patch embedding orders row-major."""
+        """(rows, cols) of the patch tokens at the default size (input_size square), ordered row-major by the patch
+        embedding. A batch's own grid is grid_of(x)."""
         side = self.input_size // self.patch_size
         return side, side
 
-    def tokens_from_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """A (B, 1, H, W) loss-mask coverage in [0, 1] -> (B, N) bool: tokens more than half covered."""
-        return token_keep_mask(mask, self.token_grid)
+    def grid_of(self, x: torch.Tensor) -> tuple[int, int]:
+        """The (rows, cols) token grid of latents x (B, C, H, W): any H, W of whole patches (check_size)."""
+        self.check_size(int(x.shape[-2]), int(x.shape[-1]))
+        return x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
 
-    def forward_flops(self, routes=None) -> float:
-        """Theoretical FLOPs of one forward pass per sample (multiply-add = 2), given routes.
+    def check_size(self, height: int, width: int) -> None:
+        """Raise ModelConfigError (one line) for latents of height x width that are not whole patches."""
+        p = self.patch_size
+        if height < p or width < p or height % p or width % p:
+            raise ModelConfigError(f"DiT (patch {p}): latents {height}x{width} are not whole patches; allowed: height "
+                                   f"and width positive multiples of {p}.")
+
+    def tokens_in(self, x: torch.Tensor) -> int:
+        """Tokens of latents x: the keep counts of the routes follow them (RoutedBackbone.forward)."""
+        h, w = self.grid_of(x)
+        return h * w
+
+    def pos_embed_at(self, grid: tuple[int, int]) -> torch.Tensor:
+        """(1, h*w, D) sin-cos positions of an (h, w) token grid: the pos_embed buffer at the default grid, else
+        get_2d_sincos_pos_embed's table for that grid (float32, then the buffer's device and dtype), computed once
+        per grid and kept (a plain dict: never saved, not a buffer)."""
+        if tuple(grid) == self.token_grid:
+            return self.pos_embed
+        like = self.pos_embed
+        table = self._pos_tables.get(tuple(grid))
+        if table is None or (table.device, table.dtype) != (like.device, like.dtype):
+            pos = get_2d_sincos_pos_embed(like.shape[-1], tuple(grid))
+            table = torch.from_numpy(pos).float().unsqueeze(0).to(device=like.device, dtype=like.dtype)
+            self._pos_tables[tuple(grid)] = table
+        return table
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """RoutedBackbone.forward; a new grid's position table is made here, eagerly, not in a compiled forward."""
+        self.pos_embed_at(self.grid_of(x))
+        return super().forward(x, *args, **kwargs)
+
+    def tokens_from_mask(self, mask: torch.Tensor, size: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """A (B, 1, Hm, Wm) loss-mask coverage in [0, 1] -> (B, N) bool: tokens more than half covered, on the token
+        grid of latents of size (H, W) (the batch's; default input_size square)."""
+        grid = self.token_grid if size is None else self.grid_of(mask.new_empty(0, 0, *map(int, size)))
+        return token_keep_mask(mask, grid)
+
+    def _tokens(self, grid: Optional[tuple[int, int]]) -> int:
+        """Tokens of latents of size grid = (H, W) (default: input_size square)."""
+        if grid is None:
+            return self.num_tokens
+        self.check_size(int(grid[0]), int(grid[1]))
+        return (int(grid[0]) // self.patch_size) * (int(grid[1]) // self.patch_size)
+
+    def forward_flops(self, routes=None, grid: Optional[tuple[int, int]] = None) -> float:
+        """Theoretical FLOPs of one forward pass per sample (multiply-add = 2), given routes, on latents of size
+        grid = (H, W) (default: input_size square).
 
         Counts the matmuls (patch embed, qkv/proj, attention scores and values, MLP, final
         layer); norms, activations and per-sample adaLN vectors are negligible.
         """
-        N = self.num_tokens
+        N = self._tokens(grid)
         D = self.blocks[0].attn.qkv.in_features
         H = self.blocks[0].mlp.fc1.out_features
         n_per_block = tokens_per_block(routes if routes is not None else self.routing.routes, self.depth, N)
@@ -207,12 +258,12 @@ class DiT(RoutedBackbone):
         io = 2 * N * D * (self.patch_size ** 2 * self.in_channels) * 2
         return float(block + io)
 
-    def repa_flops(self, routes=None) -> float:
-        """Forward FLOPs per sample of the REPA head (training only) on the tokens its block computes, given routes
-        (the frozen encoder's own forward is not counted)."""
+    def repa_flops(self, routes=None, grid: Optional[tuple[int, int]] = None) -> float:
+        """Forward FLOPs per sample of the REPA head (training only) on the tokens its block computes, given routes,
+        on latents of size grid = (H, W) (default: input_size square; the frozen encoder's forward is not counted)."""
         if self.repa_head is None:
             return 0.0
-        n = tokens_per_block(routes if routes is not None else self.routing.routes, self.depth, self.num_tokens)
+        n = tokens_per_block(routes if routes is not None else self.routing.routes, self.depth, self._tokens(grid))
         return self.repa_head.flops(n[self.repa_head.block])
 
     def initialize_weights(self) -> None:
@@ -244,10 +295,10 @@ class DiT(RoutedBackbone):
                            self.final_layer.linear]:
                 _basic_init(module)
 
-    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, p*p*C) -> (B, C, H, W)."""
+    def unpatchify(self, x: torch.Tensor, grid: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """(B, h*w, p*p*C) tokens of an (h, w) grid (None: a square one) -> (B, C, h*p, w*p)."""
         c, p = self.out_channels, self.patch_size
-        h = w = int(x.shape[1] ** 0.5)
+        h, w = grid if grid is not None else (int(x.shape[1] ** 0.5),) * 2
         x = x.reshape(x.shape[0], h, w, p, p, c)
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(x.shape[0], c, h * p, w * p)
@@ -257,13 +308,14 @@ class DiT(RoutedBackbone):
         """x (B, C, H, W), noise_level (B,), labels (B,) in [0, num_classes]; force_keep (B, N) bool; `plan`
         from the routing controller (RoutedBackbone.forward makes it). With return_aux, (x, aux): the REPA head's
         projected tokens and their ids (tread/models/repa.py)."""
-        x = self.x_embedder(x) + self.pos_embed                                   # (B, N, D)
+        grid = self.grid_of(x)
+        x = self.x_embedder(x) + self.pos_embed_at(grid)                         # (B, N, D)
         c = self.t_embedder(noise_level) + self.y_embedder(labels)                # (B, D)
         blocks = [lambda h, blk=blk: blk(h, c) for blk in self.blocks]
         tap = repa_tap(self.repa_head, return_aux)
         x = run_blocks(blocks, x, plan, self.routing.router, force_keep,          # (B, N, D)
                        checkpoint=self.gradient_checkpointing and self.training, tap=tap)
-        x = self.unpatchify(self.final_layer(x, c))                               # (B, C, H, W)
+        x = self.unpatchify(self.final_layer(x, c), grid)                         # (B, C, H, W)
         return repa_output(x, self.repa_head, tap, return_aux)
 
 

@@ -5,7 +5,8 @@ matmuls only, a multiply-add is 2 FLOPs. Per DiT block with n tokens, width D an
 2 n (4 D^2 + 2 D H) for qkv, proj and the MLP plus 4 n^2 D for attention scores and values; patch embed +
 final linear: 2 * (2 N D p^2 C). The diffusers families are counted on one sample by torch's
 FlopCounterMode (matmuls and attention). A training step is 3x the forward (backward = 2x forward)
-times the batch.
+times the batch. Every forward count takes an optional grid = a batch's latent (H, W) (an aspect-ratio
+bucket's; keep counts follow its tokens); the default is the model's input_size square.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tread.models.dit import parse_arch
 from tread.routing import Route, resolve_routes, routing_from_config, tokens_per_block
 
 RoutesLike = Union[None, Sequence[Route], Sequence[Mapping[str, Any]], Mapping[str, Any]]
+Size = Optional[Sequence[int]]   # a batch's latent (H, W), e.g. an aspect-ratio bucket's; None: the model's default
 
 
 def as_routes(routes: RoutesLike, depth: int) -> list[Route]:
@@ -44,12 +46,15 @@ def transformer_forward_flops(num_tokens: int, depth: int, hidden: int, routes: 
     return float(block + io)
 
 
-def dit_forward_flops(arch: str, resolution: int, channels: int, routes: RoutesLike = None) -> float:
-    """Forward FLOPs per sample of `arch` on resolution x resolution latents with `channels` channels."""
+def dit_forward_flops(arch: str, resolution: int, channels: int, routes: RoutesLike = None,
+                      grid: Size = None) -> float:
+    """Forward FLOPs per sample of `arch` on resolution x resolution latents (or grid = (H, W) latents) with
+    `channels` channels."""
     depth, hidden, _, patch = parse_arch(arch)
-    if resolution % patch:
-        raise ValueError(f"resolution {resolution} is not a multiple of the patch size {patch} of {arch}")
-    n = (resolution // patch) ** 2
+    height, width = (resolution, resolution) if grid is None else (int(grid[0]), int(grid[1]))
+    if height % patch or width % patch:
+        raise ValueError(f"latents {height}x{width} are not a multiple of the patch size {patch} of {arch}")
+    n = (height // patch) * (width // patch)
     return transformer_forward_flops(n, depth, hidden, as_routes(routes, depth), io_features=patch * patch * channels)
 
 
@@ -82,24 +87,24 @@ def flop_counter(model: Any, x: torch.Tensor, labels: torch.Tensor,
     return counter
 
 
-def model_forward_flops(model: Any, cond: Optional[Mapping[str, torch.Tensor]] = None) -> float:
-    """Theoretical forward FLOPs per sample of a backbone with its configured routes: DiT's analytic
-    forward_flops, or counted on one sample for the diffusers families (with `cond`, the data's text
-    conditioning of one sample, when the data has it). Counting runs the eager forward in training mode and
-    leaves the router's random stream and the global one where they were (peft's LoKr/LoHa layers draw from
-    the global stream in every training forward, so an exact resume needs the count not to move it)."""
+def model_forward_flops(model: Any, cond: Optional[Mapping[str, torch.Tensor]] = None, grid: Size = None) -> float:
+    """Theoretical forward FLOPs per sample of a backbone with its configured routes, on latents of the model's
+    default size or of size grid = (H, W) (a bucket's): DiT's analytic forward_flops, or counted on one sample for
+    the diffusers families (with `cond`, the data's text conditioning of one sample, when the data has it).
+    Counting runs the eager forward in training mode and leaves the router's random stream and the global one
+    where they were (peft's LoKr/LoHa layers draw from the global stream in every training forward, so an exact
+    resume needs the count not to move it)."""
     if hasattr(model, "forward_flops"):
-        return float(model.forward_flops())
-    return float(training_flop_counter(model, cond).get_total_flops())
+        return float(model.forward_flops(grid=grid))
+    return float(training_flop_counter(model, cond, grid).get_total_flops())
 
 
-def training_flop_counter(model: Any, cond: Optional[Mapping[str, torch.Tensor]] = None) -> FlopCounterMode:
-    """flop_counter of a family's eager training forward on one zero sample, leaving the router's random stream
-    and the global one where they were."""
+def training_flop_counter(model: Any, cond: Optional[Mapping[str, torch.Tensor]] = None,
+                          grid: Size = None) -> FlopCounterMode:
+    """flop_counter of a family's eager training forward on one zero sample (latents of the default size or of
+    grid = (H, W)), leaving the router's random stream and the global one where they were."""
     param = next(model.parameters())
-    shape = [1, model.in_channels, model.input_size, model.input_size]
-    if getattr(model, "frames_axis", False) and getattr(model, "frames", 1) > 1:
-        shape.insert(2, model.frames)
+    shape = sample_shape(model, grid)
     was_training = model.training
     saved = model.routing.router.state_dict()  # counting must not advance the router's RNG
     model.train()
@@ -114,15 +119,25 @@ def training_flop_counter(model: Any, cond: Optional[Mapping[str, torch.Tensor]]
         model.routing.router.load_state_dict(saved)
 
 
+def sample_shape(model: Any, grid: Size = None) -> list[int]:
+    """The shape of one sample a family's FLOPs are counted on: (1, C, H, W), video (1, C, frames, H, W), with
+    (H, W) = grid or the default input_size square."""
+    size = (model.input_size, model.input_size) if grid is None else (int(grid[0]), int(grid[1]))
+    shape = [1, model.in_channels, *size]
+    if getattr(model, "frames_axis", False) and getattr(model, "frames", 1) > 1:
+        shape.insert(2, model.frames)
+    return shape
+
+
 def forward_flops_with_routes(model: Any, routes: Optional[Sequence[Mapping[str, Any]]],
-                              cond: Optional[Mapping[str, torch.Tensor]] = None) -> float:
+                              cond: Optional[Mapping[str, torch.Tensor]] = None, grid: Size = None) -> float:
     """Forward FLOPs per sample of a backbone run with `routes` (route specs; None: dense), e.g. one
-    branch of guided sampling or a planner candidate: DiT's analytic count, or counted on one sample for
-    the families."""
+    branch of guided sampling or a planner candidate, on latents of the default size or of grid = (H, W):
+    DiT's analytic count, or counted on one sample for the families."""
     if hasattr(model, "forward_flops"):
-        return float(model.forward_flops(resolve_routes(routes, model.depth) if routes else []))
+        return float(model.forward_flops(resolve_routes(routes, model.depth) if routes else [], grid=grid))
     with model.routing.override(routes=list(routes or [])):   # [] runs dense even in training mode
-        return model_forward_flops(model, cond)
+        return model_forward_flops(model, cond, grid)
 
 
 class RouteFlops:
@@ -138,8 +153,11 @@ class RouteFlops:
 
     RATIOS = (0.5, 0.75)
 
-    def __init__(self, model: Any, cond: Optional[Mapping[str, torch.Tensor]] = None):
-        self.model, self.cond, self.depth, self.num_tokens = model, cond, int(model.depth), int(model.num_tokens)
+    def __init__(self, model: Any, cond: Optional[Mapping[str, torch.Tensor]] = None, grid: Size = None):
+        """grid: the latents' (H, W) to count at (default: the model's default size)."""
+        self.model, self.cond, self.depth, self.grid = model, cond, int(model.depth), grid
+        self.num_tokens = int(model.num_tokens if grid is None else
+                              model.tokens_in(torch.empty(sample_shape(model, grid), device="meta")))
         names = {id(m): name for name, m in model.named_modules()}
         prefix = type(model).__name__
         self.blocks = [f"{prefix}.{names[id(b)]}" for b in model.routable_blocks()]
@@ -153,7 +171,7 @@ class RouteFlops:
         """(kept tokens, FLOPs outside the blocks, FLOPs per block) of one forward with every block routed."""
         route = Route(selection_ratio=ratio, start_layer_idx=0, end_layer_idx=self.depth - 1) if ratio else None
         with self.model.routing.override(routes=[route.__dict__] if route else []):
-            counts = training_flop_counter(self.model, self.cond).get_flop_counts()
+            counts = training_flop_counter(self.model, self.cond, self.grid).get_flop_counts()
         per_block = [sum(sum(ops.values()) for name, ops in counts.items() if _outermost_under(name, block, counts))
                      for block in self.blocks]
         total = sum(counts["Global"].values())
@@ -161,7 +179,7 @@ class RouteFlops:
 
     def __call__(self, routes: Optional[Sequence[Mapping[str, Any]]]) -> float:
         if not self.exact:
-            return forward_flops_with_routes(self.model, routes, self.cond)
+            return forward_flops_with_routes(self.model, routes, self.cond, self.grid)
         n = tokens_per_block(as_routes(list(routes or []), self.depth), self.depth, self.num_tokens)
         return float(self.outside + sum(_through(self.ns, ys, k) for ys, k in zip(self.per_block, n)))
 

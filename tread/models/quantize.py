@@ -16,6 +16,13 @@ the frozen weight so upstream adapters get gradients):
   F.linear dequantizes on the fly (fused by torch.compile on GPU).
 
 Quantization is a pure function of the weights, so a seeded rebuild (resume, sampling) reproduces the same base.
+
+`model.base_dtype: fp32 | bf16 | fp8` (store_base) is the lighter alternative for an adapter run: the frozen Linear
+layers (nearly all the weights) are stored in bf16 (half of fp32) and, with fp8, those of the routable blocks in
+float8 e4m3 with one fp32 scale per output row (torchao's Float8Tensor, weight-only: its matmul dequantizes, on any
+CPU or GPU); the trained parameters (adapters, class table) stay fp32 and everything else (norms, embeddings,
+buffers) fp32 as before. Such a layer computes in bf16 (what bf16 autocast does anyway); outside autocast
+(sampling, fp32 runs) its output is cast back to the input's dtype.
 """
 from __future__ import annotations
 
@@ -24,10 +31,12 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from tread.models.errors import ModelConfigError
 
 QUANTIZE_MODES = ("int8", "int4", "nf4")
+BASE_DTYPES = ("fp32", "bf16", "fp8")     # model.base_dtype: how an adapter run stores its frozen Linear weights
 NF4_BLOCK = 64            # weights per NF4 absmax block (QLoRA's value)
 NF4_SCALER_BLOCK = 256    # absmax values per double-quantization block (QLoRA's value; smaller where it must)
 
@@ -48,6 +57,28 @@ def check_quantize(mode: Optional[str], lora: Optional[Mapping[str, Any]], key: 
     if mode is not None and not lora:
         raise QuantizeConfigError(f"{key}={mode} needs adapters to train (model.lora={{rank: ..., target_modules: "
                                   f"[...]}}): a quantized base is frozen and cannot be trained itself.")
+
+
+def check_base_dtype(base_dtype: str, lora: Optional[Mapping[str, Any]], quantize: Optional[str],
+                     key: str = "model.base_dtype") -> None:
+    """A known base dtype; bf16 / fp8 only under adapters (full fine-tuning trains fp32 master weights) and not
+    over a quantized base (model.quantize stores those weights already)."""
+    if base_dtype not in BASE_DTYPES:
+        raise QuantizeConfigError(f"{key}={base_dtype!r} is not allowed; allowed: one of {list(BASE_DTYPES)}.")
+    if base_dtype != "fp32" and not lora:
+        raise QuantizeConfigError(f"{key}={base_dtype} needs adapters to train (model.lora={{rank: ..., "
+                                  f"target_modules: [...]}}): full fine-tuning trains fp32 master weights; allowed "
+                                  f"without model.lora: {key}=fp32.")
+    if base_dtype != "fp32" and quantize is not None:
+        raise QuantizeConfigError(f"{key}={base_dtype} cannot be combined with model.quantize={quantize}, which "
+                                  f"stores the base blocks' Linear weights itself; allowed: {key}=fp32 with "
+                                  f"model.quantize, or model.quantize=null.")
+
+
+def load_dtype(base_dtype: str) -> torch.dtype:
+    """The torch_dtype pretrained weights load in: bf16 for a bf16 / fp8 base (half the host memory of fp32;
+    store_base then brings the non-Linear weights back to fp32), else fp32."""
+    return torch.float32 if base_dtype == "fp32" else torch.bfloat16
 
 
 def quantize_base(model: nn.Module, mode: Optional[str], key: str = "model.quantize") -> nn.Module:
@@ -101,8 +132,70 @@ def _linears(module: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
     return ((n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear))
 
 
+def store_base(model: nn.Module, base_dtype: str = "fp32", key: str = "model.base_dtype") -> nn.Module:
+    """Store, in place, the frozen nn.Linear layers of `model` (a RoutedFamily, adapters already injected) in
+    bf16 as LowPrecisionLinear, and with fp8 those of its routable blocks as float8 e4m3 weights (one fp32 scale
+    per output row); every other floating parameter and buffer in fp32 (a bf16 load made them bf16). fp32: as
+    built (bit-identical to a run without the key)."""
+    if base_dtype not in BASE_DTYPES:
+        raise QuantizeConfigError(f"{key}={base_dtype!r} is not allowed; allowed: one of {list(BASE_DTYPES)}.")
+    if base_dtype == "fp32":
+        return model
+    frozen = [m for m in model.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
+    stored = {id(p) for m in frozen for p in m.parameters(recurse=False)}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in stored and t.is_floating_point() and t.dtype != torch.float32:
+            t.data = t.data.float()
+    blocks = {id(m) for b in model.routable_blocks() for m in b.modules()} if base_dtype == "fp8" else set()
+    for layer in frozen:
+        layer.to(torch.bfloat16)
+        layer.__class__ = LowPrecisionLinear
+        if id(layer) in blocks:
+            layer.weight = nn.Parameter(_to_fp8(layer.weight.detach()), requires_grad=False)
+    if base_dtype == "fp8":
+        model._tread_quantize = "fp8"
+    return model
+
+
+def _to_fp8(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as torchao's Float8Tensor: e4m3 codes and one fp32 scale per output row, dequantized to bf16."""
+    # deferred: torchao takes seconds to import and only fp8 bases need it here
+    from torchao.quantization import Float8Tensor, PerRow
+
+    return Float8Tensor.from_hp(weight, float8_dtype=torch.float8_e4m3fn, granularity=PerRow())
+
+
+class LowPrecisionLinear(nn.Linear):
+    """A frozen Linear stored in bf16 (or float8 weights dequantized to bf16): it computes in bf16, what bf16 autocast
+    does with an fp32 Linear, and outside autocast casts its output back to the input's dtype. A float8 weight is
+    dequantized in the forward and again in the backward, so autograd keeps the 1-byte weight, not a bf16 copy."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(self.weight.dtype)
+        plain = type(self.weight) in (torch.Tensor, nn.Parameter)
+        out = F.linear(h, self.weight, self.bias) if plain else _DequantLinear.apply(h, self.weight, self.bias)
+        autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)   # meta: shapes only
+        return out if autocast else out.to(x.dtype)
+
+
+class _DequantLinear(torch.autograd.Function):
+    """x @ dequantize(W)^T + b for a frozen quantized W (no gradient for W or b): the backward dequantizes W again
+    instead of keeping the dequantized copy between the passes (torchao's linear_nf4 does the same for NF4)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.weight = weight
+        return F.linear(x, weight.dequantize(), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+        return grad @ ctx.weight.dequantize().to(grad.dtype), None, None
+
+
 def quantize_mode(module: nn.Module) -> Optional[str]:
-    """The model.quantize mode a built model was quantized with (None: full precision)."""
+    """How a built model stores its frozen base in integer / float8 codes: model.quantize's mode, or "fp8"
+    (model.base_dtype=fp8); None: in floating point (fp32, or bf16 with model.base_dtype=bf16). Such a base is
+    shared by the EMA and left out of checkpoints (a seeded rebuild makes the same one)."""
     return next((m._tread_quantize for m in module.modules() if getattr(m, "_tread_quantize", None)), None)
 
 
@@ -114,13 +207,20 @@ def frozen_base(module: nn.Module) -> dict[int, nn.Parameter]:
     return {id(p): p for p in module.parameters() if not p.requires_grad}
 
 
+def plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors a (possibly quantized, nested subclass) tensor stores: itself, or its codes and scales
+    (torchao's NF4 / Float8 weights and 8-bit optimizer moments, quanto's weights)."""
+    if getattr(type(t), "__tensor_flatten__", None) is None or type(t) in (torch.Tensor, nn.Parameter):
+        yield t
+        return
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        yield from plain_tensors(getattr(t, name))
+
+
 def stored_bytes(t: torch.Tensor) -> int:
     """Bytes of the plain tensors a (possibly quantized, nested subclass) tensor stores: codes and scales."""
-    flatten = getattr(type(t), "__tensor_flatten__", None)
-    if flatten is None or type(t) in (torch.Tensor, nn.Parameter):
-        return t.numel() * t.element_size()
-    names, _ = t.__tensor_flatten__()
-    return sum(stored_bytes(getattr(t, n)) for n in names)
+    return sum(x.numel() * x.element_size() for x in plain_tensors(t))
 
 
 def weight_bytes(module: nn.Module) -> int:

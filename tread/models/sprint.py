@@ -69,7 +69,8 @@ class SprintDiT(DiT):
     def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
                        force_keep: Optional[torch.Tensor] = None, path_drop: Optional[torch.Tensor] = None,
                        return_aux: bool = False) -> Any:
-        x = self.x_embedder(x) + self.pos_embed                                   # (B, N, D)
+        grid = self.grid_of(x)
+        x = self.x_embedder(x) + self.pos_embed_at(grid)                         # (B, N, D)
         c = self.t_embedder(noise_level) + self.y_embedder(labels)                # (B, D)
         start, end = self.span
         tap = repa_tap(self.repa_head, return_aux)
@@ -77,7 +78,7 @@ class SprintDiT(DiT):
         deep = self._deep(x, c, plan, force_keep, path_drop, tap)                 # (B, N, D), mask-filled
         x = self.fuse(torch.cat([deep, x], dim=-1))                               # residual fusion
         x = self._blocks(range(end + 1, self.depth), x, c, None, tap)             # dense final blocks
-        x = self.unpatchify(self.final_layer(x, c))                               # (B, C, H, W)
+        x = self.unpatchify(self.final_layer(x, c), grid)                         # (B, C, H, W)
         return repa_output(x, self.repa_head, tap, return_aux)
 
     def _deep(self, x: torch.Tensor, c: torch.Tensor, plan: RoutePlan, force_keep: Optional[torch.Tensor],
@@ -116,11 +117,12 @@ class SprintDiT(DiT):
                 tap["tokens"], tap["ids"] = x, ids
         return x
 
-    def forward_flops(self, routes=None, path_dropped: bool = False) -> float:
+    def forward_flops(self, routes=None, path_dropped: bool = False, grid: Optional[tuple[int, int]] = None) -> float:
         """DiT's count with the deep span at its kept tokens, plus the fusion (2 N 2D D); `path_dropped`: a pass
-        whose deep span is skipped (path-drop guidance's unconditional branch)."""
+        whose deep span is skipped (path-drop guidance's unconditional branch); grid: latents (H, W) (default:
+        input_size square)."""
         routes = routes if routes is not None else self.routing.routes
-        N, D = self.num_tokens, self.pos_embed.shape[-1]
+        N, D = self._tokens(grid), self.pos_embed.shape[-1]
         H = self.blocks[0].mlp.fc1.out_features
         n = tokens_per_block(routes, self.depth, N)
         skip = range(self.span[0], self.span[1] + 1) if path_dropped else range(0)

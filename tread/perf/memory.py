@@ -1,5 +1,6 @@
 """Memory of a training step: the static bytes a run keeps (weights, optimizer state, EMA), the transient peak
-of a code region, and (memory_per_gpu) the static bytes per GPU of DDP vs FSDP for a model's parameter counts.
+of a code region, and (memory_per_gpu) the static bytes per GPU of DDP vs FSDP for a model's parameter counts,
+with the memory options (model.quantize, model.base_dtype, ema.mode, optimizer=adamw8bit).
 
 Transient peak = the peak above what was resident when the region began: CUDA max_memory_allocated (reset
 per region); on the CPU the process peak RSS (VmHWM in /proc/self/status, reset through /proc/self/clear_refs;
@@ -7,16 +8,18 @@ where that cannot be reset, the ru_maxrss growth, which only sees new peaks). CP
 (allocator caching)."""
 from __future__ import annotations
 
+import ctypes
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from tread.models.dit import build_dit
 from tread.models.families import FAMILIES, build_family, family_module
+from tread.models.quantize import plain_tensors
 from tread.training.setup import TrainingParts
 
 
@@ -31,7 +34,8 @@ def proc_status_kb(key: str) -> Optional[int]:
     return None
 
 
-def _reset_hwm() -> bool:
+def reset_hwm() -> bool:
+    """Reset the process's peak RSS (VmHWM) to its current RSS (Linux); False where it cannot."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -47,7 +51,7 @@ class MemoryMeter:
         self.device, self.base = device, 0
         if device.type == "cuda":
             self.method = "cuda_max_memory_allocated"
-        elif _reset_hwm() and proc_status_kb("VmHWM") is not None:
+        elif reset_hwm() and proc_status_kb("VmHWM") is not None:
             self.method = "cpu_vmhwm_clear_refs"
         else:
             self.method = "cpu_ru_maxrss_delta"
@@ -58,7 +62,7 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         elif self.method == "cpu_vmhwm_clear_refs":
-            _reset_hwm()
+            reset_hwm()
             self.base = proc_status_kb("VmRSS") * 1024
         else:
             self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -78,79 +82,162 @@ def tensor_bytes(tensors: Iterable) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def unique_bytes(tensors: Iterable) -> int:
+    """Bytes of the storages behind `tensors` (a quantized weight or an 8-bit moment: the codes and scales it
+    stores), each storage once: a frozen base the EMA shares is counted once, as is a tied weight."""
+    seen, total = set(), 0
+    for t in tensors:
+        for x in plain_tensors(t) if isinstance(t, torch.Tensor) else ():
+            storage = x.untyped_storage()
+            ident = (x.device, storage.data_ptr()) if storage.data_ptr() else id(x)
+            if ident not in seen:
+                seen.add(ident)
+                total += storage.nbytes()
+    return total
+
+
 def static_bytes(parts: TrainingParts) -> int:
-    """What a run holds between steps: the backbone's parameters, the optimizer state and the EMA copy."""
+    """What a run holds between steps: the backbone's parameters and buffers, the optimizer state and the EMA, each
+    stored tensor once (unique_bytes)."""
     state = [t for s in parts.optimizer.state.values() for t in s.values()]
-    return (tensor_bytes(parts.model.parameters()) + tensor_bytes(state)
-            + tensor_bytes(parts.ema.parameters()) + tensor_bytes(parts.ema.buffers()))
+    return unique_bytes([*parts.model.parameters(), *parts.model.buffers(), *state, *parts.ema.parameters(),
+                         *parts.ema.buffers()])
 
 
-# -- Static memory per GPU by parallelism (scripts/memory_table.py) ---------------------------------------------
+def release_free_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc's malloc_trim), so RSS shows what is held; no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def map_large_allocations(threshold: int = 1 << 20) -> None:
+    """Serve every allocation of `threshold` bytes or more by its own mapping (glibc's mallopt M_MMAP_THRESHOLD; it
+    otherwise raises the threshold to up to 32 MiB as tensors are freed, and the heap keeps what they held), so a
+    freed tensor leaves the RSS at once and a peak RSS counts live memory; no-op elsewhere. Process-wide."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)     # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+# -- Static memory per GPU (scripts/memory_table.py) -----------------------------------------------------------
 # Bytes per value: fp32 master weights and gradients (bf16 autocast computes in bf16 but keeps fp32 masters),
 # AdamW's two fp32 moments. Activations are not counted (they depend on batch, tokens, routes and checkpointing).
-FP32 = 4
+FP32, BF16 = 4, 2
 ADAM_STATES = 2
 LORA_TARGETS = {"dit": ("attn.qkv", "attn.proj")}   # a family's: its class's lora_targets
 # Stored bits per quantized weight value and the values one fp32 scale covers (int8: one per output row, set
 # per layer; int4/nf4: blocks of 64 as bitsandbytes' nf4 / int4 kernels store them).
 QUANT_BITS = {"int8": (8, None), "int4": (4, 64), "nf4": (4, 64)}
+# optimizer=adamw8bit (torchao.optim.AdamW8bit): a moment of a tensor with at least ADAM8_MIN values, a multiple of
+# the block (optimizer.block_size, 256 by default), is uint8 codes + one fp32 scale per block + its own code table
+# of 256 fp32 values; smaller tensors keep fp32 moments.
+ADAM8_MIN, ADAM8_BLOCK, ADAM8_QMAP = 4096, 256, 256
+LEAN = {"ema": "trained", "adam_block": ADAM8_BLOCK}   # ema.mode=trained + optimizer=adamw8bit
+
+
+class LinearShape(NamedTuple):
+    """A base nn.Linear: its weight (out, inp), whether it has a bias, and whether it lies in a routable block (the
+    layers model.quantize and model.base_dtype=fp8 store in low bits)."""
+
+    out: int
+    inp: int
+    bias: bool = False
+    in_block: bool = True
 
 
 @dataclass(frozen=True)
 class ParamCounts:
     """What the memory estimate needs from a model: total parameters, the largest routable block and the
-    parameters outside the blocks (FSDP's root group), LoRA adapter parameters and the adapted Linear weights."""
+    parameters outside the blocks (FSDP's root group), LoRA adapter parameters, the base Linear layers, and the
+    values of each parameter and of each adapter matrix (whose size decides 8-bit moments)."""
 
     total: int
     largest_block: int
     root: int
     lora: int
-    linear_weights: tuple[tuple[int, int], ...]    # (out_features, in_features) of every base nn.Linear
-
-    @property
-    def quantizable(self) -> int:
-        return sum(o * i for o, i in self.linear_weights)
+    linears: tuple[LinearShape, ...]
+    sizes: tuple[int, ...] = ()          # values of each parameter (full fine-tuning trains them all)
+    lora_sizes: tuple[int, ...] = ()     # values of each adapter matrix: rank x in (A), out x rank (B)
 
 
 def count_params(model: nn.Module, lora_rank: int = 16, lora_targets: Sequence[str] = ()) -> ParamCounts:
-    """Counts of a built model (meta tensors count alike): LoRA adds rank x (in + out) per targeted Linear."""
+    """Counts of a built model (meta tensors count alike): LoRA adds rank x in and out x rank per targeted Linear."""
     blocks = model.routable_blocks()
-    in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
     total = sum(p.numel() for p in model.parameters())
-    lora = sum(lora_rank * (m.in_features + m.out_features) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and any(n == t or n.endswith("." + t) for t in lora_targets))
-    linears = tuple((m.out_features, m.in_features) for m in model.modules() if isinstance(m, nn.Linear))
-    return ParamCounts(total, max(sum(p.numel() for p in b.parameters()) for b in blocks), total - in_blocks,
-                       lora, linears)
+    targets = [m for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and any(n == t or n.endswith("." + t) for t in lora_targets)]
+    lora_sizes = tuple(n for m in targets for n in (lora_rank * m.in_features, m.out_features * lora_rank))
+    linears = tuple(LinearShape(m.out_features, m.in_features, m.bias is not None, id(m) in in_blocks)
+                    for m in model.modules() if isinstance(m, nn.Linear))
+    block_params = sum(p.numel() for b in blocks for p in b.parameters())
+    return ParamCounts(total, max(sum(p.numel() for p in b.parameters()) for b in blocks), total - block_params,
+                       sum(lora_sizes), linears, tuple(p.numel() for p in model.parameters()), lora_sizes)
 
 
-def quantized_bytes(counts: ParamCounts, mode: Optional[str]) -> int:
-    """Stored bytes of the frozen base: its Linear weights at QUANT_BITS[mode] plus fp32 scales, the rest (biases,
-    norms, embeddings) fp32; mode None: all fp32."""
-    if mode is None:
-        return FP32 * counts.total
-    bits, block = QUANT_BITS[mode]
-    quant = sum(o * i * bits // 8 + FP32 * (o if block is None else -(-o * i // block))
-                for o, i in counts.linear_weights)
-    return quant + FP32 * (counts.total - counts.quantizable)
+def linear_bytes(layer: LinearShape, quantize: Optional[str], base_dtype: str) -> Optional[int]:
+    """Stored bytes of one frozen Linear's weight and bias (None: it stays fp32): model.quantize stores a block's
+    weight at QUANT_BITS plus fp32 scales (bias fp32); base_dtype=fp8 a block's weight as 1-byte codes plus one fp32
+    scale per output row (bias bf16); bf16 (and fp8 outside the blocks) weight and bias in bf16."""
+    weight, bias = layer.out * layer.inp, layer.out if layer.bias else 0
+    if quantize is not None:
+        if not layer.in_block:
+            return None
+        bits, block = QUANT_BITS[quantize]
+        return weight * bits // 8 + FP32 * (layer.out if block is None else -(-weight // block)) + FP32 * bias
+    if base_dtype == "fp8" and layer.in_block:
+        return weight + FP32 * layer.out + BF16 * bias
+    return BF16 * (weight + bias) if base_dtype in ("bf16", "fp8") else None
 
 
-def memory_per_gpu(counts: ParamCounts, parallel: str, world: int, lora: bool,
-                   quantize: Optional[str] = None) -> dict[str, int]:
-    """Static bytes per GPU: weights, gradients, AdamW moments and the EMA (tread/training/setup.py: an EMA copy of
-    the whole backbone), each divided by `world` under fsdp, plus FSDP's transient all-gathered weights (the root
-    group and two blocks: the running one and the prefetched next). LoRA trains only the adapters; `quantize`
-    stores the frozen base quantized (LoRA only; not sharded: FSDP2 cannot shard integer storage, so the
-    quantized columns are for ddp, QLoRA's setup)."""
+def base_bytes(counts: ParamCounts, quantize: Optional[str] = None, base_dtype: str = "fp32") -> int:
+    """Stored bytes of the frozen base: its Linear layers as linear_bytes stores them, everything else (norms,
+    embeddings, convolutions) fp32; fp32 with neither."""
+    stored = [(layer, linear_bytes(layer, quantize, base_dtype)) for layer in counts.linears]
+    low = [(layer.out * layer.inp + (layer.out if layer.bias else 0), b) for layer, b in stored if b is not None]
+    return sum(b for _, b in low) + FP32 * (counts.total - sum(n for n, _ in low))
+
+
+def adam_bytes(sizes: Sequence[int], block: Optional[int] = None) -> int:
+    """AdamW's state for parameters of `sizes` values: two fp32 moments (block None: optimizer=adamw), or
+    optimizer=adamw8bit's with `block` values per scale (ADAM8_* above), and the step count both keep per parameter
+    (an fp32 scalar tensor)."""
+    eight = [n for n in sizes if block is not None and n >= ADAM8_MIN and n % block == 0]
+    return ADAM_STATES * (sum(n + FP32 * (n // block + ADAM8_QMAP) for n in eight)
+                          + FP32 * (sum(sizes) - sum(eight))) + FP32 * len(sizes)
+
+
+def memory_per_gpu(counts: ParamCounts, parallel: str, world: int, lora: bool, quantize: Optional[str] = None, *,
+                   base_dtype: str = "fp32", ema: str = "full", adam_block: Optional[int] = None) -> dict[str, int]:
+    """Static bytes per GPU: weights, gradients, AdamW moments and the EMA, each divided by `world` under fsdp, plus
+    FSDP's transient all-gathered weights (the root group and two blocks: the running one and the prefetched next).
+    LoRA trains only the adapters; its frozen base is fp32, or stored by `quantize` / `base_dtype` (base_bytes). The
+    EMA (tread/training/ema.py make_ema, ema.mode): full, a copy of the backbone whose quantized / fp8 base is
+    shared (counted once, with the weights); trained, the trained parameters only; cpu (host memory) and off: none
+    on the GPU. adam_block: optimizer=adamw8bit's block (None: fp32 moments)."""
     trainable = counts.lora if lora else counts.total
-    base = quantized_bytes(counts, quantize) if lora else FP32 * counts.total
-    parts = {"weights": base + (FP32 * counts.lora if lora else 0), "grads": FP32 * trainable,
-             "adam": FP32 * ADAM_STATES * trainable, "ema": base + (FP32 * counts.lora if lora else 0)}
+    sizes = (counts.lora_sizes if lora else counts.sizes) or (trainable,)
+    base = base_bytes(counts, quantize, base_dtype) if lora else FP32 * counts.total
+    own = FP32 * counts.lora if lora else 0                       # the adapters beside the frozen base
+    shared = lora and (quantize is not None or base_dtype == "fp8")
+    copy = FP32 * trainable if shared else base + own
+    parts = {"weights": base + own, "grads": FP32 * trainable, "adam": adam_bytes(sizes, adam_block),
+             "ema": {"full": copy, "trained": FP32 * trainable, "cpu": 0, "off": 0}[ema]}
     if parallel == "ddp":
         return {**parts, "gathered": 0, "total": sum(parts.values())}
     shards = {k: -(-v // world) for k, v in parts.items()}
     gathered = FP32 * (counts.root + 2 * counts.largest_block)
     return {**shards, "gathered": gathered, "total": sum(shards.values()) + gathered}
+
+
+# The table's DDP columns beside full fine-tuning and plain LoRA: (LoRA?, memory_per_gpu's options).
+VARIANTS = {"full": {"full lean": LEAN},
+            "lora": {"lora bf16": {"base_dtype": "bf16"}, "lora bf16 lean": {"base_dtype": "bf16", **LEAN},
+                     "lora fp8 lean": {"base_dtype": "fp8", **LEAN},
+                     **{f"lora {q}": {"quantize": q} for q in QUANT_BITS}}}
 
 
 DIT_PRESETS = ("DiT-B/2", "DiT-XL/2")
@@ -190,7 +277,8 @@ def build_on_meta(family: str, preset: str) -> nn.Module:
 def memory_rows(worlds: Sequence[int] = (2, 8), lora_rank: int = 16,
                 presets: Optional[Sequence[tuple[str, str]]] = None) -> list[dict]:
     """One row per preset: parameter counts and GiB per GPU for full fine-tuning and LoRA, DDP and FSDP at each
-    world size, and LoRA over a quantized frozen base (DDP)."""
+    world size, and the DDP variants (VARIANTS: lean = ema.mode=trained + optimizer=adamw8bit; a bf16 / fp8 base;
+    a quantized base)."""
     rows = []
     for family, preset in presets or table_presets():
         model = build_on_meta(family, preset)
@@ -202,8 +290,8 @@ def memory_rows(worlds: Sequence[int] = (2, 8), lora_rank: int = 16,
             row[f"{mode} ddp"] = memory_per_gpu(counts, "ddp", 1, lora)["total"]
             for w in worlds:
                 row[f"{mode} fsdp{w}"] = memory_per_gpu(counts, "fsdp", w, lora)["total"]
-        for q in QUANT_BITS:
-            row[f"lora {q} ddp"] = memory_per_gpu(counts, "ddp", 1, True, q)["total"]
+            for name, options in VARIANTS[mode].items():
+                row[f"{name} ddp"] = memory_per_gpu(counts, "ddp", 1, lora, **options)["total"]
         rows.append(row)
     return rows
 

@@ -141,7 +141,8 @@ class RoutedBackbone(nn.Module):
     (the router's generator draws here, and a force-keep mask's keep count is read here) and then runs
     `routed_forward`, which the subclass implements with `run_blocks`. `compile()` compiles `routed_forward`
     alone, so the compiled graph has no generator calls and no host syncs: one graph per route shape, no graph
-    breaks. Subclasses set `self.routing` (a RoutingController) and provide `num_tokens`.
+    breaks. Subclasses set `self.routing` (a RoutingController) and provide `num_tokens` (and `tokens_in(x)`
+    where a batch's grid may differ from the default).
 
     `return_aux=True` asks for (output, aux): aux is a dict of auxiliary outputs computed inside routed_forward
     for a training loss (DiT's REPA tokens, tread/models/repa.py). Only backbones whose routed_forward takes
@@ -153,12 +154,17 @@ class RoutedBackbone(nn.Module):
 
     def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
                 force_keep: Optional[torch.Tensor] = None, *, return_aux: bool = False, **cond: Any) -> Any:
-        plan = self.routing.plan(x.shape[0], self.num_tokens, x.device, self.training, force_keep)
+        plan = self.routing.plan(x.shape[0], self.tokens_in(x), x.device, self.training, force_keep)
         self.last_route_plan = plan
         routed = self.__dict__.get("_compiled_routed_forward") or self.routed_forward
         if return_aux:
             cond["return_aux"] = True
         return routed(x, noise_level, labels, plan, force_keep, **cond)
+
+    def tokens_in(self, x: torch.Tensor) -> int:
+        """Routable tokens of input x, which the keep counts follow (default num_tokens; backbones that take other
+        grids read them from x's shape)."""
+        return self.num_tokens
 
     def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
                        force_keep: Optional[torch.Tensor] = None, **cond: Any) -> Any:

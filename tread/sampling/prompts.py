@@ -4,8 +4,10 @@ length and encoder dtype that the data's meta.json records). Shared by sample.py
 in-training validation prompts (eval.validation_prompts).
 
 Classifier-free guidance: the unconditional branch gets the negative prompt's embeddings; an empty negative
-prompt gives the null label instead, i.e. the zero text embeddings of training label dropout
-(tread/models/families/base.py::null_text), which is what a model trained here has learned as "unconditional".
+prompt gives what the model learned as "unconditional": the zero text embeddings of training label dropout
+(tread/models/families/base.py::null_text), or, for a run trained with caption dropout to the encoded empty
+prompt (train.caption_dropout > 0, mode empty: tread/training/caption_dropout.py), the encoded "" itself
+(learned_unconditional).
 """
 from __future__ import annotations
 
@@ -22,6 +24,33 @@ from tread.sampling.guidance import Guidance
 from tread.utils.errors import UserError
 
 ENCODER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+CAPTION_DROPOUT_MODES = ("auto", "empty", "zeros")
+# The unconditional input of each family's pipeline (train.caption_dropout_mode=auto): the encoded empty prompt "",
+# except FLUX.2 (guidance-distilled, its pipeline has no negative prompt: zeros); docs/data.md has the table.
+FAMILY_MODES = {"flux": "empty", "sd3": "empty", "wan": "empty", "auraflow": "empty", "pixart": "empty",
+                "flux2": "zeros", "qwen_image": "empty", "chroma": "empty", "sana": "empty", "z_image": "empty",
+                "lumina2": "empty", "hidream": "empty"}
+
+
+def resolve_mode(mode: str, family: Optional[str]) -> str:
+    """"empty" or "zeros": `mode`, or for "auto" the family's (FAMILY_MODES)."""
+    if mode != "auto":
+        return mode
+    if family not in FAMILY_MODES:
+        raise PromptError(f"train.caption_dropout_mode=auto needs a text-conditioned model.family (one of "
+                          f"{list(FAMILY_MODES)}), got {family!r}; allowed: empty or zeros.")
+    return FAMILY_MODES[family]
+
+
+def learned_unconditional(config: Any) -> str:
+    """What a run (its training config) learned as the unconditional input: "empty" (the encoded "") when it
+    trained with caption dropout to the empty prompt, else "zeros" (label dropout's null text)."""
+    train = config.get("train") or {}
+    if float(train.get("caption_dropout", 0.0) or 0.0) <= 0:
+        return "zeros"
+    return resolve_mode(train.get("caption_dropout_mode", "auto"), (config.get("model") or {}).get("family"))
 
 
 class PromptError(UserError):
@@ -97,11 +126,12 @@ class PromptEmbeddings:
 
 def encode_for_model(model: Any, meta: Mapping[str, Any], prompts: Sequence[str], negative_prompt: str,
                      text_encoders: Optional[str], *, key: str, device: Any = "cpu",
-                     what: str = "prompts") -> PromptEmbeddings:
+                     what: str = "prompts", unconditional: str = "zeros") -> PromptEmbeddings:
     """Encode `prompts` (and a non-empty `negative_prompt`) for `model` with the text encoders at
     `text_encoders` (a local diffusers pipeline folder; `key` names the setting in messages), at the sequence
     length and dtype of the training data's encoding. The encoders are freed before returning. `what` names
-    the prompts' setting in messages."""
+    the prompts' setting in messages. unconditional="empty" (learned_unconditional): an empty negative prompt
+    is encoded too, as "" (else it is the null label)."""
     family = check_text_model(model, meta, what)
     prompts = check_prompts(prompts)
     if not text_encoders:
@@ -116,7 +146,8 @@ def encode_for_model(model: Any, meta: Mapping[str, Any], prompts: Sequence[str]
     no_t5 = family == "sd3" and (text_meta.get("t5") is False or getattr(model, "use_t5", True) is False)
     try:
         encoders = load_text_encoders(family, str(text_encoders), device=device, dtype=dtype, t5=not no_t5)
-        texts = list(prompts) + ([negative_prompt] if negative_prompt else [])
+        negative = bool(negative_prompt) or unconditional == "empty"
+        texts = list(prompts) + ([negative_prompt] if negative else [])
         arrays = encode_prompts(family, encoders, texts, max_length=text_meta.get("max_length"), device=device,
                                 dtype=dtype)
     except TextEncoderError as err:
@@ -128,8 +159,8 @@ def encode_for_model(model: Any, meta: Mapping[str, Any], prompts: Sequence[str]
     tensors = {k: torch.from_numpy(v) for k, v in arrays.items() if k in _trained_keys(meta)}
     check_widths(model, tensors, f"{key}='{text_encoders}'")
     n = len(prompts)
-    negative = {k: v[n:] for k, v in tensors.items()} if negative_prompt else None
-    return PromptEmbeddings(list(prompts), {k: v[:n] for k, v in tensors.items()}, negative)
+    return PromptEmbeddings(list(prompts), {k: v[:n] for k, v in tensors.items()},
+                            {k: v[n:] for k, v in tensors.items()} if negative else None)
 
 
 def _trained_keys(meta: Mapping[str, Any]) -> tuple[str, ...]:

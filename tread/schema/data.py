@@ -33,7 +33,27 @@ class ToyTextArgs(Section):
     max_text_length: int = key("a positive integer (text tokens per caption)", ge=1)
 
 
-BUILTIN_ARGS = {"toy_shapes": ToyArgs, "toy_shapes_text": ToyTextArgs}
+class ToyBucketsArgs(Section):
+    """data.builtin_args of the bucketed toy_shapes data (data=toy_buckets)"""
+
+    sizes: list[str] = key("a list of image sizes WIDTHxHEIGHT (one bucket each)", min_length=1)
+    num_per_class: Union[int, list[int]] = key("images per class: an integer >= 1 for every bucket, or one per size")
+    loss_masks: bool = key("true or false (store each shape's coverage as a loss mask)", default=False)
+    seed: int = key("an integer in [0, 2**32) (generator seed)", ge=0, lt=SEED_LIMIT)
+
+
+BUILTIN_ARGS = {"toy_shapes": ToyArgs, "toy_shapes_text": ToyTextArgs, "toy_shapes_buckets": ToyBucketsArgs}
+
+
+class ResolutionPhase(Section):
+    """one phase of data.resolution_schedule (bucketed data)"""
+
+    until_step: Optional[int] = key("null (the last phase: to the end) or the step this phase ends before, above "
+                                    "the previous phase's", ge=1)
+    min_pixels: Optional[int] = key("null or the smallest bucket area (width x height in pixels) drawn", ge=1,
+                                    default=None)
+    max_pixels: Optional[int] = key("null or the largest bucket area (width x height in pixels) drawn", ge=1,
+                                    default=None)
 
 
 class DataCommon(Section):
@@ -44,6 +64,9 @@ class DataCommon(Section):
     num_classes: int = key("a positive integer (labels lie in [0, num_classes))", ge=1)
     dit_arch: Optional[Literal[tuple(DIT_ARCHS)]] = key(f"null or {one_of(DIT_ARCHS)} (model=dit/tread's default "
                                                         f"size for this data)", default=None)
+    resolution_schedule: Optional[list[ResolutionPhase]] = key(
+        "null or a list of phases {until_step, min_pixels, max_pixels} for bucketed data (e.g. small buckets first, "
+        "then large ones)", default=None, min_length=1)
     allow_nonfinite: Flag = key("false (a dataset holding NaN/inf is refused at start-up, naming the file and the "
                                 "first sample) or true (train anyway with a warning: train.nonfinite skips each step "
                                 "such a sample spoils)")

@@ -10,7 +10,7 @@ from tread.diffusion.rf import DynamicShift, RectifiedFlow
 from tread.models.dit import DIT_ARCHS, parse_arch
 from tread.models.families import FAMILIES, family_module
 from tread.models.lora import ADAPTER_TYPES, LORA_KEYS, check_type_keys
-from tread.models.quantize import QUANTIZE_MODES, check_quantize
+from tread.models.quantize import BASE_DTYPES, QUANTIZE_MODES, check_base_dtype, check_quantize
 from tread.models.repa import check_repa_block
 from tread.models.sprint import sprint_span
 from tread.routing import SELECTION_MODES
@@ -221,6 +221,9 @@ class FamilyModel(Backbone):
     quantize: Optional[Literal[QUANTIZE_MODES]] = key(
         "null (full precision) or " + one_of(QUANTIZE_MODES) + ": the frozen base blocks' Linear weights are "
         "quantized and model.lora's adapters train on top (needs model.lora; tread/models/quantize.py)", default=None)
+    base_dtype: Literal[BASE_DTYPES] = key(
+        one_of(BASE_DTYPES) + ": how an adapter run stores its frozen Linear weights (bf16: half of fp32; fp8: the "
+        "blocks' in float8 with per-row scales; needs model.lora; tread/models/quantize.py)", default="fp32")
     text_encoders: Optional[str] = key("null or a local diffusers pipeline folder with the family's text_encoder*/ "
                                        "and tokenizer*/ subfolders (prompts: sample.py, eval.validation_prompts)",
                                        default=None)
@@ -240,6 +243,7 @@ class FamilyModel(Backbone):
     def check_quantize(self) -> "FamilyModel":
         """A quantized base trains through adapters only (tread/models/quantize.py says it, once); REPA is DiT's."""
         check_quantize(self.quantize, self.lora)
+        check_base_dtype(self.base_dtype, self.lora, self.quantize)
         if self.repa is not None:
             raise ValueError(f"model.repa is set (repa=...) but model.family={self.family}; REPA alignment is "
                              f"implemented for DiT models (model=dit|tread|sprint); allowed here: repa=null.")
@@ -371,16 +375,14 @@ class RFConfig(Section):
 DIFFUSIONS = {"tread.diffusion.EDM": EDMConfig, "tread.diffusion.RectifiedFlow": RFConfig}
 
 
-class AdamW(Section):
-    """optimizer=adamw"""
+class AdamCommon(Section):
+    """the keys AdamW and its 8-bit version share"""
 
-    target: Literal["torch.optim.AdamW"] = key("torch.optim.AdamW", alias="_target_")
     partial: Literal[True] = key("true", alias="_partial_")
     lr: PositiveNumber
     betas: list[Number] = key("[beta1, beta2], each in [0, 1)", min_length=2, max_length=2)
     weight_decay: NonNegativeNumber
     eps: PositiveNumber
-    fused: Optional[bool] = key("true, false or null (torch's default implementation)")
 
     def check_betas(self) -> None:
         if not all(0 <= b < 1 for b in self.betas):
@@ -388,4 +390,18 @@ class AdamW(Section):
                               f"[0, 1).")
 
 
-OPTIMIZERS = {"torch.optim.AdamW": AdamW}
+class AdamW(AdamCommon):
+    """optimizer=adamw"""
+
+    target: Literal["torch.optim.AdamW"] = key("torch.optim.AdamW", alias="_target_")
+    fused: Optional[bool] = key("true, false or null (torch's default implementation)")
+
+
+class AdamW8bit(AdamCommon):
+    """optimizer=adamw8bit"""
+
+    target: Literal["torchao.optim.AdamW8bit"] = key("torchao.optim.AdamW8bit", alias="_target_")
+    block_size: int = key("a positive integer (values per 8-bit scale; torchao's default 256)", ge=1, default=256)
+
+
+OPTIMIZERS = {"torch.optim.AdamW": AdamW, "torchao.optim.AdamW8bit": AdamW8bit}

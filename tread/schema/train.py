@@ -1,6 +1,7 @@
 """The training config (configs/train.yaml and its groups), checked once at start-up: `check_train`."""
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -18,7 +19,9 @@ MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 WANDB_MODES = ("disabled", "offline", "online")
 NONFINITE = ("skip", "stop")
+TRACKERS = ("wandb", "tensorboard")   # train.log_with: accelerate's trackers (tread/training/run_log.py)
 PARALLEL = ("ddp", "fsdp")
+EMA_MODES = ("full", "trained", "cpu", "off")   # ema.mode (tread/training/ema.py make_ema)
 
 
 class Fsdp(Section):
@@ -46,11 +49,19 @@ class Train(Section):
     tf32: Flag = key("true (fp32 matmuls and convolutions on CUDA in TensorFloat-32) or false (full fp32)")
     grad_clip: Optional[Number] = key("null (no clipping) or a max gradient norm > 0", gt=0)
     label_dropout: Number = key("a probability in [0, 1)", ge=0, lt=1)
+    caption_dropout: Number = key("a probability in [0, 1) (text data: a sample's caption is replaced by the "
+                                  "unconditional input; needs a text-conditioned model.family)", ge=0, lt=1,
+                                  default=0.0)
+    caption_dropout_mode: Literal["auto", "empty", "zeros"] = key(
+        "auto (the family pipeline's unconditional input: docs/data.md), empty (the encoded empty prompt, stored by "
+        "precompute --empty-prompt) or zeros (zero text embeddings, as label dropout)", default="auto")
     lr_warmup_steps: int = key("an integer >= 0 (linear warm-up steps; 0: none)", ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = key(
         "constant, linear or cosine (after the warm-up; linear and cosine reach 0 at max_steps, as diffusers' "
         "get_scheduler)", default="constant")
     log_every_steps: int = key("a positive integer", ge=1)
+    log_with: list[Literal[TRACKERS]] = key("a list of trackers among wandb, tensorboard, e.g. [tensorboard] or "
+                                            "[wandb, tensorboard] ([]: metrics.jsonl only)")
     num_workers: int = key("an integer >= 0 (DataLoader workers per process)", ge=0)
     cpu: Flag
     compile: Union[Literal["auto"], bool] = key("auto (on with CUDA, or on CPU with a C++ compiler), true or false")
@@ -76,6 +87,9 @@ class EMA(Section):
 
     decay: Number = key("a number in [0, 1)", ge=0, lt=1)
     warmup: Flag
+    mode: Literal[EMA_MODES] = key(one_of(EMA_MODES) + " (full: a copy of the model; trained: only the trained "
+                                   "parameters, the frozen base shared; cpu: those in host memory; off: no EMA, the "
+                                   "model itself; tread/training/ema.py)", default="full")
 
 
 CHECKPOINT_LAYOUTS = ("auto", "single", "sharded")
@@ -168,11 +182,51 @@ def _cross_checks(s: dict[str, Any]) -> None:
         for method in ("check_family_keys", "check_range", "check_betas", "check_builtin"):
             getattr(s[name], method, lambda: None)()
     check_guidance(s["eval"], "eval.")
+    _check_trackers(s["train"].log_with, s["wandb"].mode)
+    if s["train"].caption_dropout > 0 and not isinstance(s["model"], FamilyModel):
+        raise ConfigError(f"train.caption_dropout={s['train'].caption_dropout} needs a text-conditioned model "
+                          f"(model=flux|sd3|pixart|...); this model is class-conditional: allowed: 0 (use "
+                          f"train.label_dropout for classifier-free guidance).")
     if s["checkpoint"].adapter_only and not (isinstance(s["model"], FamilyModel) and s["model"].lora is not None):
         raise ConfigError("checkpoint.adapter_only=true needs LoRA adapters (model.lora={rank: ..., target_modules: "
                           "[...]}); without them every weight trains and must be saved.")
+    _check_memory_options(s)
     if s["train"].compile is not False:
         _check_backend(s["train"].compile_backend)
+
+
+def _check_memory_options(s: dict[str, Any]) -> None:
+    """ema.mode, model.base_dtype and optimizer=adamw8bit are for DDP runs with single-file checkpoints: FSDP shards
+    the EMA like the model (a shared base would be sharded twice), all-gathers one dtype per block, and the sharded
+    checkpoint layout does not take 8-bit moments."""
+    fsdp, base = s["train"].parallel == "fsdp", getattr(s["model"], "base_dtype", "fp32")
+    if fsdp and s["ema"].mode != "full":
+        raise ConfigError(f"ema.mode={s['ema'].mode} cannot be combined with train.parallel=fsdp (the EMA is sharded "
+                          f"like the model there); allowed: ema.mode=full with fsdp, or train.parallel=ddp.")
+    if fsdp and base != "fp32":
+        raise ConfigError(f"model.base_dtype={base} cannot be combined with train.parallel=fsdp (FSDP all-gathers one "
+                          f"dtype per block); allowed: model.base_dtype=fp32 with fsdp, or train.parallel=ddp.")
+    sharded = s["checkpoint"].layout == "sharded" or (s["checkpoint"].layout == "auto" and fsdp)
+    if s["optimizer"].target == "torchao.optim.AdamW8bit" and sharded:
+        which = "train.parallel=fsdp" if fsdp else "checkpoint.layout=sharded"
+        raise ConfigError(f"optimizer=adamw8bit cannot be combined with {which} (sharded checkpoints do not take its "
+                          f"8-bit moments); allowed: optimizer=adamw there, or train.parallel=ddp with "
+                          f"checkpoint.layout=auto|single.")
+
+
+def _check_trackers(log_with: list[str], wandb_mode: str) -> None:
+    """train.log_with against wandb.mode: wandb.mode=offline|online alone implies wandb; wandb listed with
+    wandb.mode=disabled contradicts it. TensorBoard needs its package (a dependency, checked before any work)."""
+    if len(set(log_with)) != len(log_with):
+        raise ConfigError(f"train.log_with={show(log_with)} repeats a tracker; allowed: each of {list(TRACKERS)} once.")
+    if "wandb" in log_with and wandb_mode == "disabled":
+        raise ConfigError(f"train.log_with={show(log_with)} asks for wandb but wandb.mode='disabled'; allowed: "
+                          f"wandb.mode=offline or online with it (which alone implies wandb), or train.log_with "
+                          f"without wandb.")
+    if "tensorboard" in log_with and not any(find_spec(m) for m in ("tensorboard", "tensorboardX")):
+        raise ConfigError("train.log_with=[tensorboard] needs the tensorboard package, which is not installed; "
+                          "allowed: pip install tensorboard==2.21.0 (pyproject.toml's pin), or train.log_with "
+                          "without tensorboard.")
 
 
 def _check_backend(backend: str) -> None:

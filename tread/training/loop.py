@@ -21,11 +21,13 @@ from tread.evaluation.evaluator import Evaluator
 from tread.evaluation.metric_names import METRICS
 from tread.models.quantize import quantize_mode
 from tread.runtime.collectives import watch_collectives
+from tread.sampling.prompts import learned_unconditional
 from tread.runtime.preempt import StopRequest, requeue_after, stop_on_signals
 from tread.runtime.run_dir import (clean_run_dir, config_changes, describe_changes, lock_run_dir,
                                    read_resume, resume_plan, shared_run_dir, trim_metrics)
 from tread.schema import check_train, check_train_files
 from tread.training.checkpoint import save_checkpoint
+from tread.training.ema import EMA_NOTES
 from tread.training.guard import NonFiniteGuard
 from tread.training.resume_check import check_resume
 from tread.training.run_log import RunLog
@@ -56,6 +58,8 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Optional[list[str]], accel
     candidates = resume_plan(run_dir, cfg.resume)
     parts = build_parts(cfg, accelerator)                     # routes are validated here, within seconds
     dataset = open_dataset(cfg, parts.model)
+    use_mask = uses_loss_mask(cfg, dataset)
+    settings = StepSettings.from_config(cfg, use_mask, dataset.meta, parts.model.routing.enabled, dataset)
     state = TrainingState(parts.model, parts.ema.model, parts.optimizer, make_loader(cfg, dataset, accelerator),
                           accelerator.num_processes)
     # Every value of the checkpoint is checked against this run (a bad one: the previous checkpoint), and loaded,
@@ -64,7 +68,8 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Optional[list[str]], accel
     resume_from, resumed = read_resume(candidates, accelerator.process_index,
                                        lambda read, ckpt: check_resume(state, read, ckpt, config))
     changes = config_changes(resumed["config"], config) if resumed else {}
-    evaluator = Evaluator(cfg.eval, dataset, cfg.paths.cache_dir, accelerator, parts.model, cfg.model) \
+    evaluator = Evaluator(cfg.eval, dataset, cfg.paths.cache_dir, accelerator, parts.model, cfg.model,
+                          learned_unconditional(cfg)) \
         if eval_on(cfg) else None
     seed_streams(cfg, parts.model, accelerator.process_index)
     if resumed is not None:
@@ -72,8 +77,7 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Optional[list[str]], accel
     if accelerator.is_main_process:
         prepare_run_dir(run_dir, cfg, resumed)
     parts.prepare()
-    use_mask = uses_loss_mask(cfg, dataset)
-    step = TrainStep(parts, StepSettings.from_config(cfg, use_mask, dataset.meta, parts.model.routing.enabled))
+    step = TrainStep(parts, settings)
     summary = RunSummary(run_dir, overrides, cfg, parts.model, dataset, state.step)
     summary.data["config_changes"] = changes
     summary.data["mixed_precision"] = parts.accelerator.mixed_precision   # train.mixed_precision=auto resolved
@@ -142,8 +146,9 @@ class Run:
 
     def __post_init__(self) -> None:
         acc = self.parts.accelerator
-        self.log = RunLog(self.run_dir, acc.is_main_process, OmegaConf.to_container(self.cfg.wandb),
-                          OmegaConf.to_container(self.cfg, resolve=True))
+        self.log = RunLog(self.run_dir, acc.is_main_process, list(self.cfg.train.log_with),
+                          OmegaConf.to_container(self.cfg.wandb), OmegaConf.to_container(self.cfg, resolve=True),
+                          step=self.state.step)
         self.train_sec_start = self.state.train_sec
         budget = self.cfg.train.time_budget_min
         self.budget_sec = 60.0 * budget if budget else None
@@ -176,6 +181,9 @@ def announce(run: Run, resume_from: Optional[Path], use_mask: bool, changes: dic
                f"{cfg.train.batch_size} ({micro_batch_size(cfg.train, acc.num_processes)} per micro-batch) | "
                f"{acc.device}, mixed precision {acc.mixed_precision} ({precision_why}){compiled}\n"
                f"run dir: {run.run_dir}")
+    if hasattr(dataset, "buckets"):
+        tqdm.write("buckets (image width x height: samples): " + ", ".join(
+            f"{b.name}: {n}" for b, n in zip(dataset.buckets, dataset.bucket_sizes)))
     phases = run.summary.data.get("schedule")
     if phases:
         tqdm.write("routing schedule: " + "; ".join(
@@ -190,6 +198,8 @@ def announce(run: Run, resume_from: Optional[Path], use_mask: bool, changes: dic
     if use_mask:
         tqdm.write(f"masked loss: on (loss_mask.npy); masked tokens force-kept: "
                    f"{bool(cfg.train.mask_force_keep and model.routing.enabled)}")
+    if cfg.ema.get("mode", "full") in EMA_NOTES:
+        tqdm.write(EMA_NOTES[cfg.ema.mode])
 
 
 def run_steps(run: Run, step_fn: TrainStep, stop: StopRequest) -> None:
@@ -215,9 +225,11 @@ def loop_steps(run: Run, step_fn: TrainStep, stop: StopRequest, bar: tqdm) -> No
         stats = step_fn(batches, state.step)
         run.guard.update(stats.nonfinite)
         state.step += 1
-        state.train_sec += time.time() - start
+        seconds = time.time() - start
+        state.train_sec += seconds
         window.add(stats)
-        run.summary.tokens_sum += stats.tokens_fraction
+        run.summary.add_step(stats.grid if run.summary.bucket_names is not None else None, seconds,
+                             stats.tokens_fraction)
         bar.update(1)
         if run.budget_sec is not None:
             run.out_of_time = time_budget_reached(state, run.budget_sec, cfg.train.log_every_steps, acc)
@@ -314,10 +326,8 @@ def evaluate(run: Run) -> None:
     if acc.is_main_process:
         shown = ", ".join(f"{k} {record[k]:.4g}" for k in METRICS if k in record)
         tqdm.write(f"step {state.step} ({record['features']} features, {record['num_samples']} samples): {shown}")
-    if "validation_grid" in record and run.log.wandb is not None:   # the validation prompts' captioned grid
-        import wandb  # deferred: an optional service client, seconds to import (imported by RunLog when on)
-
-        run.log.wandb.log({"eval/validation": wandb.Image(record["validation_grid"])}, step=state.step)
+    if "validation_grid" in record:   # the validation prompts' captioned grid, as an image on the trackers
+        run.log.log_image("eval/validation", record["validation_grid"], state.step)
     if "fid" in record:
         run.summary.add_fid(state.step, record["fid"])
 
@@ -345,7 +355,18 @@ def checkpoint(run: Run) -> Path:
     layout = cfg.checkpoint.layout
     sharded = layout == "sharded" or (layout == "auto" and cfg.train.parallel == "fsdp")
     return save_checkpoint(run.parts.accelerator, run.run_dir, run.state, OmegaConf.to_container(cfg, resolve=True),
-                           run.dataset.meta, cfg.checkpoint.keep_last, trainable, sharded)
+                           checkpoint_data_meta(run.dataset, run.parts.model), cfg.checkpoint.keep_last, trainable,
+                           sharded)
+
+
+def checkpoint_data_meta(dataset: Any, model: Any) -> dict:
+    """The data meta a checkpoint keeps (sampling reads its shape, classes and decoding): the data's; for
+    bucketed data the buckets' shared meta at the model's square default grid, with the bucket names."""
+    if not hasattr(dataset, "buckets"):
+        return dataset.meta
+    meta = dataset.meta
+    return {**meta, "shape": [meta["shape"][0], model.input_size, model.input_size],
+            "buckets": [b.name for b in dataset.buckets]}
 
 
 def time_budget_reached(state: TrainingState, budget_sec: float, every: int, accelerator: Accelerator) -> bool:

@@ -24,12 +24,12 @@ from tread.models.repa import alignment_loss, patch_targets
 @dataclass
 class Repa:
     """What the training step needs for REPA: the frozen encoder, the loss weight, the decode options and the
-    model's token grid."""
+    model's patch (latents per token), from which each batch's token grid follows (bucketed data: per bucket)."""
 
     encoder: nn.Module
     weight: float
     decode: dict[str, Any]      # decode_to_uint8 options (eval.vae, vae_dtype, decode_batch_size)
-    grid: Optional[tuple[int, int]] = None   # the model's token grid (rows, cols); set once the model is built
+    patch: Optional[tuple[int, int]] = None   # the model's (rows, cols) of latents per token; set once it is built
 
     def loss(self, projected: torch.Tensor, ids: Optional[torch.Tensor], x: torch.Tensor,
              meta: Mapping[str, Any]) -> torch.Tensor:
@@ -38,7 +38,8 @@ class Repa:
         latents x (B, C, H, W)."""
         with torch.no_grad():
             images = decode_to_uint8(x.detach(), meta, **self.decode).permute(0, 3, 1, 2).float() / 127.5 - 1
-            targets = patch_targets(self.encoder(images), self.grid)
+            grid = (x.shape[-2] // self.patch[0], x.shape[-1] // self.patch[1])
+            targets = patch_targets(self.encoder(images), grid)
         return alignment_loss(projected, targets, ids)
 
 

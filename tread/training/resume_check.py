@@ -69,13 +69,37 @@ def check_optimizer(state: TrainingState, saved: Any) -> None:
     for index, entries in saved["state"].items():
         name, param = named[index]
         for key, value in entries.items():
-            if not isinstance(value, torch.Tensor) or (value.numel() > 1 and value.shape != param.shape):
+            if isinstance(value, dict):            # an 8-bit moment (optimizer=adamw8bit): state.plain_optimizer_state
+                check_8bit(value, param, f"optimizer.state[{index}].{key} ({name})")
+            elif not isinstance(value, torch.Tensor) or (value.numel() > 1 and value.shape != param.shape):
                 raise ResumeValueError(f"optimizer.state[{index}].{key} ({name}) does not fit the parameter's shape "
                                        f"{list(param.shape)}")
-    moments = {f"optimizer.state[{i}].{k} ({named[i][0]})": v for i, e in saved["state"].items() for k, v in e.items()}
-    bad = first_nonfinite(moments)
+    bad = first_nonfinite(moment_tensors(saved["state"], [n for n, _ in named]))
     if bad is not None:
         raise ResumeValueError(f"{bad} holds non-finite values")
+
+
+def moment_tensors(state: dict, names: list[str]) -> dict[str, torch.Tensor]:
+    """The floating tensors of a saved optimizer state by a readable name (an 8-bit moment: its scales and code
+    table; its uint8 codes cannot be non-finite)."""
+    out = {}
+    for i, entries in state.items():
+        for key, value in entries.items():
+            parts = {".scale": value["scale"], ".qmap": value["qmap"]} if isinstance(value, dict) else {"": value}
+            out.update({f"optimizer.state[{i}].{key}{part} ({names[i]})": t for part, t in parts.items()})
+    return out
+
+
+def check_8bit(value: dict, param: torch.Tensor, name: str) -> None:
+    """An 8-bit moment as the state file holds it: uint8 codes of the parameter's shape, one scale per block of
+    codes, a 256-entry code table and a sign flag (torchao's OptimState8bit)."""
+    codes, scale, qmap = (value.get(k) for k in ("codes", "scale", "qmap"))
+    if not (isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8 and codes.shape == param.shape
+            and isinstance(scale, torch.Tensor) and scale.dim() == 1 and scale.numel()
+            and codes.numel() % scale.numel() == 0 and isinstance(qmap, torch.Tensor) and qmap.shape == (256,)
+            and isinstance(value.get("signed"), bool)):
+        raise ResumeValueError(f"{name} is not an 8-bit moment of the parameter's shape {list(param.shape)} (uint8 "
+                               f"codes, a scale per block, a 256-entry code table)")
 
 
 def check_index(state: TrainingState, folder: Path, adapter_only: bool, groups: Any) -> None:

@@ -1,44 +1,104 @@
-"""The run's records: metrics.jsonl (always, on the main process) and wandb (optional)."""
+"""The run's records: metrics.jsonl (always, on the main process) and the trackers of train.log_with, through
+accelerate's tracker classes (accelerate.tracking): TensorBoard event files in <run dir>/tensorboard/, wandb
+(offline files in <run dir>/wandb/). wandb.mode=offline|online alone implies wandb (tread/schema/train.py refuses
+wandb in train.log_with with wandb.mode=disabled). A resumed run logs to the same places: each TensorBoard launch
+starts with a SessionLog.START at its first step, and TensorBoard's reader hides the earlier launches' events from
+that step on (a step logged twice shows the resumed launch's value, as metrics.jsonl keeps it)."""
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
+
+import numpy as np
+from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker
+from omegaconf import OmegaConf
+from PIL import Image
 
 from tread.utils.io import append_whole
+
+TENSORBOARD_DIR = "tensorboard"   # under the run dir; `tensorboard --logdir <run or sweep dir>` shows it
+CONFIG_TAG = "config"             # TensorBoard text: the resolved config as YAML (as config.yaml), per launch
+
+
+def tracker_names(log_with: Sequence[str], wandb_mode: str) -> list[str]:
+    """The trackers a run logs to: train.log_with, plus wandb when wandb.mode is offline or online."""
+    names = list(log_with)
+    return names + ["wandb"] if wandb_mode != "disabled" and "wandb" not in names else names
+
+
+def config_text(config: dict) -> str:
+    """The resolved config as a Markdown YAML block (TensorBoard's text plugin renders Markdown)."""
+    return f"```yaml\n{OmegaConf.to_yaml(config)}```"
+
+
+def start_trackers(run_dir: Path, names: Sequence[str], wandb_cfg: dict, config: Optional[dict],
+                   step: int) -> list[GeneralTracker]:
+    """Started trackers, each given the config: TensorBoard as text at `step` (the launch's first step), wandb as
+    its run config. wandb's client is imported by WandBTracker.start (deferred there: seconds to import)."""
+    trackers: list[GeneralTracker] = []
+    if "tensorboard" in names:
+        # -> run_dir/tensorboard; purge_step: a SessionLog.START at the first step this launch logs, so that
+        # TensorBoard hides an interrupted launch's records after the resumed checkpoint (as metrics.jsonl drops them)
+        board = TensorBoardTracker(TENSORBOARD_DIR, Path(run_dir), purge_step=step + 1)
+        board.start()
+        if config is not None:
+            board.log({CONFIG_TAG: config_text(config)}, step=step)
+        trackers.append(board)
+    if "wandb" in names:
+        run = WandBTracker(wandb_cfg.get("project"), entity=wandb_cfg.get("entity"), name=wandb_cfg.get("name"),
+                           mode=wandb_cfg["mode"], dir=str(run_dir), config=config)
+        run.start()
+        trackers.append(run)
+    return trackers
+
+
+def scalars(values: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a record (metrics.jsonl writes the others as null or text)."""
+    return {k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
 class RunLog:
     """Appends one JSON object per line to run_dir/metrics.jsonl on the main process (a line that cannot be
-    written whole is not written: WriteError), and mirrors the records to wandb when wandb.mode is offline or
-    online."""
+    written whole is not written: WriteError), and mirrors each record to the trackers as `<type>/<key>` at the
+    record's step: every value to wandb (as before), the finite numbers to TensorBoard."""
 
-    def __init__(self, run_dir: Path, is_main: bool, wandb_cfg: Optional[dict] = None, config: Optional[dict] = None):
+    def __init__(self, run_dir: Path, is_main: bool, log_with: Sequence[str] = (),
+                 wandb_cfg: Optional[dict] = None, config: Optional[dict] = None, step: int = 0):
         self.is_main = is_main
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.wandb = None
         wandb_cfg = wandb_cfg or {}
-        if is_main and wandb_cfg.get("mode", "disabled") != "disabled":
-            import wandb  # deferred: an optional service client, seconds to import
-
-            self.wandb = wandb.init(project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"),
-                                    name=wandb_cfg.get("name"), mode=wandb_cfg["mode"], dir=str(run_dir),
-                                    config=config)
+        names = tracker_names(log_with, wandb_cfg.get("mode", "disabled"))
+        self.trackers = start_trackers(Path(run_dir), names, wandb_cfg, config, step) if is_main else []
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.is_main:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         append_whole(self.path, (json.dumps(clean) + "\n").encode())   # a whole line, or WriteError and none
-        if self.wandb is not None:
-            kind = record.get("type", "train")
-            self.wandb.log({f"{kind}/{k}": v for k, v in record.items() if k not in ("type", "step")},
-                           step=record.get("step"))
+        kind = record.get("type", "train")
+        values = {f"{kind}/{k}": v for k, v in record.items() if k not in ("type", "step")}
+        for tracker in self.trackers:
+            tracker.log(values if tracker.name == "wandb" else scalars(values), step=record.get("step"))
+
+    def log_image(self, tag: str, path: str, step: int) -> None:
+        """An image file (the validation grid PNG) on every tracker at `step`, as RGB uint8 pixels."""
+        if not self.trackers:
+            return
+        pixels = np.asarray(Image.open(path).convert("RGB"))                   # (H, W, 3) uint8
+        for tracker in self.trackers:
+            if tracker.name == "tensorboard":
+                tracker.log_images({tag: pixels[None]}, step=step, dataformats="NHWC")
+                tracker.writer.flush()                                        # log_images leaves it to flush_secs
+            else:
+                tracker.log_images({tag: [pixels]}, step=step)                 # a list of one wandb.Image
 
     def close(self) -> None:
-        if self.wandb is not None:
-            self.wandb.finish()
+        """Ends the trackers (TensorBoard: the writer closed; wandb: the run finished); a second call does nothing."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.finish()
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

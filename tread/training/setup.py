@@ -3,7 +3,8 @@ EMA copy, torch.compile, the optimizer, the data and its loader, and the random 
 benchmark both build here, so the benchmark times the run's own step."""
 from __future__ import annotations
 
-import copy
+import contextlib
+import functools
 import os
 import shutil
 import warnings
@@ -15,18 +16,50 @@ import torch
 import torch.nn as nn
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from omegaconf import OmegaConf
 
-from tread.data import LatentLoader, build_dataset, check_dataset
+from tread.data import BucketedDataset, LatentLoader, build_dataset, check_dataset, make_sampler
 from tread.diffusion.build import build_diffusion
 from tread.models import build_model
-from tread.models.quantize import frozen_base
 from tread.schema import ConfigError
+from tread.training.ema import make_ema
 from tread.training.fsdp import check_parallel, shard_backbone
 from tread.training.repa import Repa, build_repa
 from tread.utils.distributed import rank
+from tread.utils.errors import UserError
 from tread.utils.targets import build_target
 
-OPTIMIZERS = {"torch.optim.AdamW": torch.optim.AdamW}
+
+
+def adamw8bit(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    """optimizer=adamw8bit: torchao's AdamW8bit (block-wise 8-bit moments, bitsandbytes' scheme: each moment of a
+    parameter with >= 4096 values, a multiple of block_size, is stored as uint8 codes plus one fp32 scale per
+    block_size values; smaller parameters keep fp32 moments), as the training loop drives it (_adamw8bit_class)."""
+    return _adamw8bit_class()(params, **kwargs)
+
+
+@functools.cache
+def _adamw8bit_class() -> type:
+    # deferred: torchao takes seconds to import, and only optimizer=adamw8bit needs its optimizer
+    from torchao.optim import AdamW8bit
+
+    class LoopAdamW8bit(AdamW8bit):
+        """torchao's AdamW8bit with the plain-float lr the loop sets every step (tread.training.step.set_lr) turned into
+        the tensor torchao keeps, and, with every parameter on the CPU, its per-parameter update run eagerly
+        (torchao compiles it: 4-17 s per parameter shape on a CPU; on CUDA the compiled kernel is the point)."""
+
+        def step(self, closure: Any = None) -> Any:
+            for group in self.param_groups:
+                if not torch.is_tensor(group["lr"]):
+                    group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+            cpu = all(p.device.type == "cpu" for group in self.param_groups for p in group["params"])
+            with torch.compiler.set_stance("force_eager") if cpu else contextlib.nullcontext():
+                return super().step(closure)
+
+    return LoopAdamW8bit
+
+
+OPTIMIZERS = {"torch.optim.AdamW": torch.optim.AdamW, "torchao.optim.AdamW8bit": adamw8bit}
 
 
 @dataclass
@@ -107,12 +140,12 @@ def build_parts(cfg: Any, accelerator: Accelerator) -> TrainingParts:
     repa = build_repa(cfg, accelerator.device)              # the encoder first: it sizes the REPA head
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
-    if repa is not None:                                    # the targets' grid: the model's tokens
-        repa.grid = model.token_grid
+    if repa is not None:                                    # the targets' grid: each batch's tokens
+        repa.patch = model_patch(model)
     diffusion = build_diffusion(cfg.diffusion)
     net = diffusion.precondition(model)
-    # A quantized frozen base (model.quantize) is shared by the EMA, not copied: it never changes.
-    ema = copy.deepcopy(net, frozen_base(model)).requires_grad_(False).eval()
+    # ema.mode (tread/training/ema.py): a copy (a quantized frozen base shared), the trained parameters only, ...
+    ema = make_ema(net, model, cfg.ema.get("mode", "full"))
     sharded = maybe_shard(cfg.train, model, ema.model)      # before the optimizer: parameters become shards
     compiled = maybe_compile(cfg.train, model, accelerator.device)
     # LoRA (model.lora) freezes the base weights: only parameters that require grad are optimised.
@@ -175,7 +208,9 @@ def open_dataset(cfg: Any, model: nn.Module):
     their integrity record (tread/data/integrity.py: a stat per file when unchanged; a scan for older datasets):
     NaN/inf data is refused, naming the file and the first sample, unless data.allow_nonfinite."""
     dataset = build_dataset(cfg.data)
-    if (dataset.channels, dataset.resolution) != (model.in_channels, model.input_size):
+    if isinstance(dataset, BucketedDataset):
+        check_bucket_grids(cfg, dataset, model)
+    elif (dataset.channels, dataset.resolution) != (model.in_channels, model.input_size):
         raise ConfigError(
             f"data at '{cfg.data.path}' is {dataset.channels}x{dataset.resolution}x{dataset.resolution} but the model "
             f"expects {model.in_channels}x{model.input_size}x{model.input_size} (model.in_channels/model.input_size).")
@@ -189,6 +224,35 @@ def open_dataset(cfg: Any, model: nn.Module):
     return dataset
 
 
+def model_patch(model: nn.Module) -> tuple[int, int]:
+    """The latent (height, width) one token covers: DiT's patch, a family's latent patch (or 2x2 packing)."""
+    if hasattr(model, "latent_patch"):
+        return tuple(model.latent_patch()[1:])
+    return model.patch_size, model.patch_size
+
+
+def check_bucket_grids(cfg: Any, dataset: BucketedDataset, model: nn.Module) -> None:
+    """Bucketed data: the model's channels, and every bucket a whole token grid (its latent sides multiples of
+    the patch); one error line naming the buckets that are not."""
+    if dataset.channels != model.in_channels:
+        raise ConfigError(f"data at '{cfg.data.path}' has {dataset.channels} channels but the model expects "
+                          f"{model.in_channels} (model.in_channels).")
+    ph, pw = model_patch(model)
+    off = [f"{b.name} (latents {h}x{w})" for b, (_, h, w) in zip(dataset.buckets, dataset.shapes) if h % ph or w % pw]
+    if off:
+        raise ConfigError(f"bucket(s) {', '.join(off)} of '{cfg.data.path}' are not whole {ph}x{pw}-latent patches "
+                          f"of {cfg.model.arch}: precompute with --bucket-stride = the VAE factor x {max(ph, pw)}.")
+    if hasattr(model, "check_size"):        # a family's own limits (position tables, padded sequence lengths)
+        for bucket, (_, h, w) in zip(dataset.buckets, dataset.shapes):
+            try:
+                model.check_size(h, w)
+            except UserError as err:
+                raise ConfigError(f"bucket {bucket.name} of '{cfg.data.path}': {err}") from None
+    # train.compile: one graph per bucket shape (and per route shape within it); dynamo's default of 8 graphs per
+    # function would send the 9th bucket to eager for good.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(dataset.buckets))
+
+
 def uses_loss_mask(cfg: Any, dataset) -> bool:
     """Whether this run weights its loss by the data's loss masks (train.masked_loss: auto | true | false)."""
     has = (getattr(dataset, "conditioning", None) or {}).get("loss_mask") is not None
@@ -200,10 +264,34 @@ def uses_loss_mask(cfg: Any, dataset) -> bool:
 
 
 def make_loader(cfg: Any, dataset, accelerator: Accelerator) -> LatentLoader:
-    """This process's shard of the data, in the deterministic, resumable order of (train.seed, epoch)."""
-    return LatentLoader(dataset, micro_batch_size(cfg.train, accelerator.num_processes), seed=cfg.train.seed,
-                        rank=accelerator.process_index, world_size=accelerator.num_processes,
-                        num_workers=cfg.train.num_workers, pin_memory=accelerator.device.type == "cuda")
+    """This process's shard of the data, in the deterministic, resumable order of (train.seed, epoch); bucketed
+    data draws each batch from one bucket (data.resolution_schedule: the phases' buckets), a bucket too small
+    for a batch on every process is dropped with a warning."""
+    batch, rank, world = micro_batch_size(cfg.train, accelerator.num_processes), accelerator.process_index, \
+        accelerator.num_processes
+    sampler = None
+    if isinstance(dataset, BucketedDataset):
+        schedule = cfg.data.get("resolution_schedule")
+        schedule = OmegaConf.to_container(schedule, resolve=True) if schedule is not None else None
+        sampler = make_sampler(dataset, batch, cfg.train.seed, rank, world, schedule, cfg.train.grad_accum_steps)
+        warn_dropped_buckets(dataset, sampler, batch * world)
+    elif cfg.data.get("resolution_schedule"):
+        raise ConfigError(f"data.resolution_schedule needs bucketed data (precompute --buckets/--bucket-pixels); "
+                          f"'{cfg.data.path}' has one shape: set data.resolution_schedule=null")
+    return LatentLoader(dataset, batch, seed=cfg.train.seed, rank=rank, world_size=world,
+                        num_workers=cfg.train.num_workers, pin_memory=accelerator.device.type == "cuda",
+                        sampler=sampler)
+
+
+def warn_dropped_buckets(dataset: BucketedDataset, sampler: Any, need: int) -> None:
+    """One warning naming the buckets with fewer samples than a batch on every process (never drawn)."""
+    phases = getattr(sampler, "phases", None) or [(0, sampler)]
+    dropped = sorted({b for _, s in phases for b in s.dropped})
+    if dropped:
+        names = ", ".join(f"{dataset.buckets[b].name} ({dataset.bucket_sizes[b]})" for b in dropped)
+        warnings.warn(f"bucket(s) {names} of '{dataset.root}' hold fewer samples than one batch on every process "
+                      f"({need}): dropped, their samples are never drawn. Lower train.batch_size or merge buckets "
+                      f"to use them.", UserWarning, stacklevel=2)
 
 
 def seed_streams(cfg: Any, model: nn.Module, rank: int) -> None:

@@ -4,6 +4,7 @@ state_dict to disk and hands it back to load_state_dict."""
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -52,7 +53,7 @@ class TrainingState:
 
     def state_dict(self) -> dict[str, Any]:
         weights = {"model": self.model.state_dict(), "ema": self.ema_model.state_dict(),
-                   "optimizer": self.optimizer.state_dict()}
+                   "optimizer": plain_optimizer_state(self.optimizer.state_dict())}
         if is_sharded(self.model):
             weights = gather_full(weights)        # a collective: every process calls state_dict() at a checkpoint
         return {**weights, **self.resume_state()}
@@ -94,8 +95,9 @@ class TrainingState:
         moments = {str(i): {path[2]: _like(p, shape_dtype) for path, shape_dtype in index.items()
                             if len(path) == 3 and path[:2] == ("optimizer", str(i))} for i, (_, p) in enumerate(named)}
         moments = {i: entries for i, entries in moments.items() if entries}
-        load_sharded({"model": weights("model", self.model.state_dict()),
-                      "ema": weights("ema", self.ema_model.state_dict()), "optimizer": moments}, folder, index)
+        ema = {} if self.ema_model is self.model else weights("ema", self.ema_model.state_dict())   # ema.mode=off
+        load_sharded({"model": weights("model", self.model.state_dict()), "ema": ema, "optimizer": moments},
+                     folder, index)
         self.optimizer.load_state_dict({"state": {int(i): m for i, m in moments.items()}, "param_groups": groups})
 
     def load_state_dict(self, state: dict[str, Any], adapter_only: bool = False, where: str = "checkpoint") -> None:
@@ -121,8 +123,37 @@ class TrainingState:
             model, ema = shard_state(self.model, model), shard_state(self.ema_model, ema)
             optimizer = shard_optimizer_state(self.optimizer, optimizer)
         load_weights(self.model, model, adapter_only, where)
-        load_weights(self.ema_model, ema, adapter_only, where)
-        self.optimizer.load_state_dict(optimizer)
+        if self.ema_model is not self.model:       # ema.mode=off: the model is its own EMA
+            load_weights(self.ema_model, ema, adapter_only, where)
+        self.optimizer.load_state_dict(live_optimizer_state(optimizer))
+
+
+def _state8bit() -> Optional[type]:
+    """torchao's OptimState8bit where torchao's optimizers were imported (optimizer=adamw8bit), else None."""
+    return getattr(sys.modules.get("torchao.optim.subclass_8bit"), "OptimState8bit", None)
+
+
+def plain_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state_dict for the state file: each 8-bit moment of optimizer=adamw8bit (torchao's OptimState8bit
+    tensor subclass) as the plain data it holds, {"codes": uint8 of the parameter's shape, "scale": one fp32 per
+    block of codes, "qmap": (256,) fp32 code values, "signed": bool}; everything else as it is."""
+    cls = _state8bit()
+    if cls is None:
+        return state
+    plain = {i: {k: {"codes": v.codes, "scale": v.scale, "qmap": v.qmap, "signed": bool(v.signed)}
+                 if isinstance(v, cls) else v for k, v in entries.items()} for i, entries in state["state"].items()}
+    return {**state, "state": plain}
+
+
+def live_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """plain_optimizer_state's inverse: its 8-bit moments as OptimState8bit again (copies: never the state file's
+    tensors), for optimizer.load_state_dict (which moves them to the parameters' device)."""
+    cls = _state8bit()
+    if cls is None:
+        return state
+    live = {i: {k: cls(v["codes"].clone(), v["scale"].clone(), v["qmap"].clone(), v["signed"], dtype=torch.float32)
+                if isinstance(v, dict) else v for k, v in entries.items()} for i, entries in state["state"].items()}
+    return {**state, "state": live}
 
 
 def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter]]:

@@ -5,7 +5,8 @@ draw latents from moments data, drop labels (classifier-free guidance training),
 embeddings and loss mask, compute the objective's loss under autocast and backpropagate (gradient sync only
 on the last micro-batch); then clip, step the optimizer and update the EMA, both skipped on the device
 when the loss or the gradient norm is not finite (tread/training/guard.py). The random draws happen in this
-order on the training stream: moments, label dropout, then the objective's sigma/t and noise.
+order on the training stream: moments, label dropout, caption dropout (only with train.caption_dropout > 0:
+tread/training/caption_dropout.py), then the objective's sigma/t and noise.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 from tread.data import COND_KEYS, draw_latents
 from tread.diffusion.common import call_with_aux
 from tread.models.repa import REPA_AUX
+from tread.training.caption_dropout import caption_dropout_settings, drop_captions
 from tread.routing import resize_loss_mask
 from tread.training.ema import ema_decay_at, ema_update
 from tread.training.fsdp import full
@@ -43,18 +45,24 @@ class StepSettings:
     use_mask: bool                  # weight the loss by the data's loss masks
     force_keep: bool                # routes never drop tokens more than half under the loss mask
     data_meta: Mapping[str, Any]    # the dataset's meta (moments data: draw_latents)
+    caption_dropout: float          # text data: probability of training a sample on the unconditional input
+    caption_dropout_mode: str       # empty | zeros (resolved; as configured when caption_dropout is 0)
+    empty_prompt: Optional[Mapping[str, torch.Tensor]]   # mode empty: the data's encoded "" (one sample's parts)
 
     @classmethod
     def from_config(cls, cfg: Any, use_mask: bool = False, data_meta: Optional[Mapping[str, Any]] = None,
-                    routed: bool = True) -> "StepSettings":
+                    routed: bool = True, dataset: Any = None) -> "StepSettings":
         """From a checked training config; `use_mask` whether this run weights its loss by loss masks (the data's
-        and train.masked_loss), `routed` whether the model has routes (force-keep needs them)."""
+        and train.masked_loss), `routed` whether the model has routes (force-keep needs them), `dataset` the run's
+        data (its stored empty prompt, for caption dropout)."""
         t = cfg.train
+        p, mode, empty = caption_dropout_settings(cfg, data_meta or {}, dataset)
         return cls(grad_accum_steps=t.grad_accum_steps, grad_clip=t.grad_clip, label_dropout=t.label_dropout,
                    lr=cfg.optimizer.lr, lr_warmup_steps=t.lr_warmup_steps, lr_schedule=t.lr_schedule,
                    max_steps=t.max_steps, ema_decay=cfg.ema.decay,
                    ema_warmup=cfg.ema.warmup, use_mask=use_mask,
-                   force_keep=bool(use_mask and t.mask_force_keep and routed), data_meta=dict(data_meta or {}))
+                   force_keep=bool(use_mask and t.mask_force_keep and routed), data_meta=dict(data_meta or {}),
+                   caption_dropout=p, caption_dropout_mode=mode, empty_prompt=empty)
 
 
 @dataclass
@@ -67,6 +75,7 @@ class StepStats:
     lr: float
     nonfinite: torch.Tensor       # 1.0 when the loss or gradient norm was NaN/inf and the update was skipped
     repa_loss: Optional[torch.Tensor] = None   # model.repa: the alignment term (mean negative cosine), detached
+    grid: Optional[tuple[int, int]] = None     # the batches' latent (height, width): their bucket's, bucketed data
 
 
 class TrainStep:
@@ -76,6 +85,7 @@ class TrainStep:
         self.parts, self.s = parts, settings
         self.null_label = parts.model.num_classes
         self.takes_text = hasattr(parts.model, "conditioning")   # DiT is class-conditional: text is ignored
+        self.empty_prompt = {k: v.to(parts.accelerator.device) for k, v in (settings.empty_prompt or {}).items()}
 
     def __call__(self, batches: Iterator, step: int) -> StepStats:
         p, s = self.parts, self.s
@@ -89,6 +99,7 @@ class TrainStep:
             batch = next(batches)
             data_sec += time.perf_counter() - start   # the time the step waited for data (0 when prefetch keeps up)
             loss, repa_loss = self.micro_step(batch, sync=micro == s.grad_accum_steps - 1)
+            grid = tuple(batch[0].shape[-2:])
             loss_sum += loss.detach() / s.grad_accum_steps
             if repa_sum is not None:
                 repa_sum += repa_loss.detach() / s.grad_accum_steps
@@ -96,7 +107,7 @@ class TrainStep:
         bad = nonfinite_flag(loss_sum, self.grad_norm())
         self.optimizer_step(bad)
         ema_update(p.ema, p.accelerator.unwrap_model(p.net), ema_decay_at(step, s.ema_decay, s.ema_warmup), skip=bad)
-        return StepStats(loss_sum, tokens, data_sec, lr, bad, repa_sum)
+        return StepStats(loss_sum, tokens, data_sec, lr, bad, repa_sum, grid)
 
     def grad_norm(self) -> torch.Tensor:
         """The total gradient norm (clipped to train.grad_clip when set), on the device; with sharded gradients
@@ -127,10 +138,12 @@ class TrainStep:
         x = draw_latents(x, s.data_meta)                   # moments data: one latent drawn per read (training RNG)
         y = drop_labels(y, s.label_dropout, self.null_label)
         cond = {k: extras[k] for k in COND_KEYS if k in extras}   # text; Kontext references: never dropped
+        if s.caption_dropout > 0 and "text" in cond:            # train.caption_dropout: after label dropout
+            cond = drop_captions(cond, s.caption_dropout, s.caption_dropout_mode, self.empty_prompt)
         mask = extras.get("loss_mask") if s.use_mask else None
         kwargs: dict[str, Any] = {"cond": cond} if cond and self.takes_text else {}
         if mask is not None and s.force_keep:
-            kwargs["force_keep"] = p.model.tokens_from_mask(mask)      # tokens > half under the mask
+            kwargs["force_keep"] = p.model.tokens_from_mask(mask, x.shape[2:])   # tokens > half under the mask
         repa_loss = None
         with p.accelerator.no_sync(p.net) if not sync else contextlib.nullcontext():
             with p.accelerator.autocast():

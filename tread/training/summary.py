@@ -25,6 +25,24 @@ def sample_conditioning(model: Any, dataset) -> Optional[dict]:
     return None
 
 
+def bucket_names(dataset) -> Optional[dict[tuple[int, int], str]]:
+    """Bucketed data: latent (h, w) -> the bucket's name (image WIDTHxHEIGHT); None for other data."""
+    if not hasattr(dataset, "buckets"):
+        return None
+    return {tuple(shape[1:]): b.name for b, shape in zip(dataset.buckets, dataset.shapes)}
+
+
+def grid_weights(dataset) -> Optional[dict[tuple[int, int], float]]:
+    """Bucketed data: latent (h, w) -> its share of the samples (of the steps, in expectation); None otherwise."""
+    if not hasattr(dataset, "buckets"):
+        return None
+    total = float(sum(dataset.bucket_sizes))
+    weights: dict[tuple[int, int], float] = {}
+    for shape, n in zip(dataset.shapes, dataset.bucket_sizes):
+        weights[tuple(shape[1:])] = weights.get(tuple(shape[1:]), 0.0) + n / total
+    return weights
+
+
 class RunSummary:
     """The summary of one launch of a run, written to <run dir>/summary.json by the main process at the end."""
 
@@ -33,6 +51,7 @@ class RunSummary:
         self.model, self.batch = model, cfg.train.batch_size
         self.cond = sample_conditioning(model, dataset)
         self._flops: dict[tuple, float] = {}
+        self.grid_weights = grid_weights(dataset)
         self.flops_per_step = self.step_flops(model.routing.routes_at(start_step))
         self.data: dict[str, Any] = {
             "status": "running", "run_dir": str(run_dir), "overrides": list(overrides or []),
@@ -43,6 +62,31 @@ class RunSummary:
             self.data["tokens_fraction_with_reference"] = self.with_reference(self.data["tokens_fraction"])
         self.run_dir, self.start = Path(run_dir), time.time()
         self.tokens_sum = 0.0     # measured token share, summed over steps
+        self.grids: dict[tuple[int, int], dict[str, float]] = {}   # latent (h, w) -> steps, seconds, token shares
+        self.bucket_names = bucket_names(dataset)
+
+    def add_step(self, grid: Optional[tuple[int, int]], seconds: float, tokens_fraction: float) -> None:
+        """Count a step of this latent grid (bucketed data: one bucket per step) with its wall time."""
+        self.tokens_sum += tokens_fraction
+        if grid is not None:
+            entry = self.grids.setdefault(tuple(grid), {"steps": 0, "first_sec": seconds, "sec": 0.0, "tokens": 0.0})
+            entry["steps"] += 1
+            entry["sec"] += seconds if entry["steps"] > 1 else 0.0
+            entry["tokens"] += tokens_fraction
+
+    def bucket_table(self) -> Optional[list[dict[str, Any]]]:
+        """Per bucket (bucketed data only): steps taken in this launch, the wall seconds of its first step (which
+        includes compiling its graph under train.compile) and the mean of the others, the measured token share, and
+        the theoretical FLOPs of a step at its grid (with the routes of the launch's first step)."""
+        if self.bucket_names is None:
+            return None
+        routes = self.model.routing.routes_at(self.data["start_step"])
+        return [{"bucket": self.bucket_names.get(g, f"latent {g[1]}x{g[0]}"), "latent_hw": list(g),
+                 "steps": e["steps"], "first_step_sec": e["first_sec"],
+                 "sec_per_step": e["sec"] / (e["steps"] - 1) if e["steps"] > 1 else None,
+                 "tokens_fraction": e["tokens"] / e["steps"],
+                 "train_flops_per_step": train_step_flops(self.forward_flops(routes, g), self.batch)}
+                for g, e in sorted(self.grids.items())]
 
     def tokens_fraction(self, routes) -> float:
         return tokens_processed_fraction(routes, self.model.depth, self.model.num_tokens)
@@ -58,13 +102,20 @@ class RunSummary:
         return (fraction * n + ref) / (n + ref)
 
     def step_flops(self, routes) -> float:
-        """Theoretical FLOPs of a training step that takes `routes` (counted once per distinct route list)."""
+        """Theoretical FLOPs of a training step that takes `routes` (counted once per distinct route list); for
+        bucketed data the mean over the buckets' grids weighted by their samples (the share of steps each gets)."""
         key = tuple(routes)
         if key not in self._flops:
-            forward = forward_flops_with_routes(self.model, [r.__dict__ for r in routes], self.cond)
-            forward += getattr(self.model, "repa_flops", lambda _: 0.0)(list(routes))   # REPA head (DiT)
+            grids = self.grid_weights or {None: 1.0}
+            forward = sum(w * self.forward_flops(routes, grid) for grid, w in grids.items())
             self._flops[key] = train_step_flops(forward, self.batch)
         return self._flops[key]
+
+    def forward_flops(self, routes, grid: Optional[tuple[int, int]]) -> float:
+        """Forward FLOPs per sample with `routes` at latent grid (H, W) (None: the default), REPA's head included."""
+        kw = {} if grid is None else {"grid": grid}
+        forward = forward_flops_with_routes(self.model, [r.__dict__ for r in routes], self.cond, **kw)
+        return forward + getattr(self.model, "repa_flops", lambda _, **k: 0.0)(list(routes), **kw)   # REPA (DiT)
 
     def phases(self) -> Optional[list[dict[str, Any]]]:
         """The routing schedule's phases with their routes, token share and FLOPs per step (at each phase's
@@ -106,6 +157,8 @@ class RunSummary:
             "steps_per_sec": per_sec(steps_run), "images_per_sec": per_sec(steps_run * cfg.train.batch_size),
             "train_flops_total": self.flops_between(0, step),
             "tokens_fraction_measured": self.tokens_sum / steps_run if steps_run else None})
+        if self.bucket_names is not None:
+            self.data["buckets"] = self.bucket_table()
         fids = [f for _, f in self.data.get("fid", [])]
         self.data.update({"final_fid": fids[-1] if fids else None, "best_fid": min(fids) if fids else None})
         if is_main:

@@ -58,7 +58,8 @@ def check_plain(train: dict) -> None:
         raise ResumeValueError(f"loader={loader!r}: allowed a mapping with epoch and batch")
     check_int(loader.get("epoch"), "loader.epoch", 0, EPOCH_LIMIT)
     check_int(loader.get("batch"), "loader.batch", 0, BATCH_LIMIT)
-    for key, low in (("seed", 0), ("batch_size", 1), ("world_size", 1), ("num_samples", 1)):
+    for key, low in (("index", 0), ("phase", 0), ("seed", 0), ("batch_size", 1), ("world_size", 1),
+                     ("num_samples", 1)):
         if key in loader:
             check_int(loader[key], f"loader.{key}", low, 2**63)
 

@@ -45,7 +45,7 @@ def build_target(node: Mapping[str, Any], allowed: Mapping[str, Callable[..., An
 PROJECT_TARGETS = {
     "model": ("tread.models.build_dit", "tread.models.build_sprint", "tread.models.families.build_family"),
     "diffusion": ("tread.diffusion.EDM", "tread.diffusion.RectifiedFlow"),
-    "optimizer": ("torch.optim.AdamW",),
+    "optimizer": ("torch.optim.AdamW", "torchao.optim.AdamW8bit"),
 }
 # The same builders under the names checkpoints written before the project became one package (`tread`) give them.
 LEGACY_TARGETS = {name.removeprefix("tread."): name for names in PROJECT_TARGETS.values() for name in names

@@ -6,7 +6,7 @@ from typing import Any, Mapping, Optional
 
 from tread.models.families.base import ClassTextEmbedder, Embedded, FamilyConfigError, RoutedFamily, load_pretrained
 from tread.models.lora import apply_lora
-from tread.models.quantize import check_quantize, quantize_base
+from tread.models.quantize import check_base_dtype, check_quantize, load_dtype, quantize_base, store_base
 
 # family name -> module under models.families; each module defines FAMILY (the class) and PRESETS.
 FAMILY_MODULES = {"flux": "flux", "sd3": "sd3", "wan": "wan", "auraflow": "auraflow", "pixart": "pixart",
@@ -27,20 +27,23 @@ def build_family(family: str, *, input_size: int, in_channels: int, num_classes:
                  config: Optional[Mapping[str, Any]] = None, routing: Optional[Mapping[str, Any]] = None,
                  text_len: int = 8, gradient_checkpointing: bool = False,
                  lora: Optional[Mapping[str, Any]] = None, arch: Optional[str] = None,
-                 text_encoders: Optional[str] = None, quantize: Optional[str] = None,
+                 text_encoders: Optional[str] = None, quantize: Optional[str] = None, base_dtype: str = "fp32",
                  **family_kwargs: Any) -> RoutedFamily:
     """Build a routed family model: a preset's diffusers config (+ `config` overrides) with fresh weights, or
     `pretrained` weights (hub id or local diffusers folder) loaded unchanged with from_pretrained.
     `text_encoders` (where prompts are encoded: tread/sampling/prompts.py) plays no part in building. `quantize`
-    (tread/models/quantize.py) quantizes the frozen base blocks before `lora`'s adapters are injected on top."""
+    (tread/models/quantize.py) quantizes the frozen base blocks before `lora`'s adapters are injected on top;
+    `base_dtype` (bf16 | fp8: pretrained weights load in bf16) stores the frozen base after they are."""
     check_quantize(quantize, lora)
+    check_base_dtype(base_dtype, lora, quantize)
     module = family_module(family)
     cls = module.FAMILY
     if pretrained:
         if config:
             raise FamilyConfigError(f"model.config={dict(config)} cannot be combined with model.pretrained="
                                     f"'{pretrained}': a pretrained transformer keeps its own config.")
-        transformer = load_pretrained(cls.transformer_class(), family, str(pretrained), subfolder, cls.hub_hint)
+        transformer = load_pretrained(cls.transformer_class(), family, str(pretrained), subfolder, cls.hub_hint,
+                                      load_dtype(base_dtype))
     else:
         if preset not in module.PRESETS:
             raise FamilyConfigError(f"model.preset={preset!r} is not a {family} preset; allowed: "
@@ -58,7 +61,7 @@ def build_family(family: str, *, input_size: int, in_channels: int, num_classes:
     quantize_base(model, quantize)
     if lora:
         apply_lora(model.transformer, lora, key="model.lora")
-    return model
+    return store_base(model, base_dtype)
 
 
 __all__ = ["ClassTextEmbedder", "Embedded", "FAMILIES", "FamilyConfigError", "RoutedFamily", "build_family",

@@ -10,8 +10,9 @@ image tokens it is given (the kept ones under a route), runs diffusers' block an
 text and registers are never dropped and the context keeps flowing through the single blocks exactly
 as in diffusers (the dense path is the same computation as diffusers' forward).
 
-Positions: diffusers' `pos_embed` (AuraFlowPatchEmbed) adds the learned absolute position table (centre
-crop of a sqrt(pos_embed_max_size)^2 grid) before the blocks, so routing gathers hidden states only;
+Positions: diffusers' `pos_embed` (AuraFlowPatchEmbed) adds the learned absolute position table (the centred
+h x w window of a sqrt(pos_embed_max_size)^2 grid, pe_selection_index_based_on_dim: any grid up to that side,
+square or not; larger ones are refused, check_grid) before the blocks, so routing gathers hidden states only;
 `per_token` is empty. Conditioning is per sample (temb) and there is no pooled text embedding.
 
 Timesteps: the AuraFlow pipeline passes t = sigma in [0, 1] (scheduler timestep / 1000) and the
@@ -25,7 +26,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
+from tread.models.families.base import Embedded, FamilyConfigError, Grid, RoutedFamily, cond32, unpack_patches
 
 AURAFLOW_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 2 joint + 6 single blocks, width 64 (paper route = blocks 2..4).
@@ -65,6 +66,19 @@ class AuraFlowFamily(RoutedFamily):
         if c.num_mmdit_layers + c.num_single_dit_layers == 0:
             raise FamilyConfigError("model.config.num_mmdit_layers + num_single_dit_layers = 0: no blocks to run.")
 
+    def check_grid(self, grid: Grid) -> None:
+        """diffusers' AuraFlowPatchEmbed picks the centred h x w window of its isqrt(pos_embed_max_size)^2 table
+        (pe_selection_index_based_on_dim), so neither side may exceed that side."""
+        _, h, w = grid
+        side = math.isqrt(int(self.transformer.config.pos_embed_max_size))
+        if max(h, w) > side:
+            p = int(self.transformer.config.patch_size)
+            raise FamilyConfigError(
+                f"model.family=auraflow: latents {h * p}x{w * p} make a {h}x{w} token grid, beyond the {side}x{side} "
+                f"position table (model.config.pos_embed_max_size={self.transformer.config.pos_embed_max_size}); "
+                f"allowed: token grid sides <= {side} (a fresh model: set model.config.pos_embed_max_size >= "
+                f"{max(h, w) ** 2}).")
+
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.joint_transformer_blocks, *transformer.single_transformer_blocks]
 
@@ -72,14 +86,14 @@ class AuraFlowFamily(RoutedFamily):
         return noise_level / 1000.0   # the AuraFlow pipeline passes t in [0, 1]; the embedding scales by 1000
 
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
-        tr = self.transformer
+        tr, grid = self.transformer, self.grid_of(x)
         hidden = tr.pos_embed(x)                                                    # (B, N, D), positions added
         dtype = next(tr.parameters()).dtype
         temb = tr.time_step_proj(tr.time_step_embed(timestep).to(dtype=dtype))      # (B, D)
         text = tr.context_embedder(cond["text"])                                    # (B, L, D)
         registers = tr.register_tokens.to(device=text.device, dtype=text.dtype).repeat(text.shape[0], 1, 1)
         context = torch.cat([registers, text], dim=1)                               # (B, 8 + L, D)
-        return Embedded(hidden, context, {}, {"temb": temb})
+        return Embedded(hidden, context, {}, {"temb": temb}, grid)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         temb = emb.extra["temb"]
@@ -104,7 +118,7 @@ class AuraFlowFamily(RoutedFamily):
         tr = self.transformer
         out = tr.proj_out(tr.norm_out(x, emb.extra["temb"]))   # (B, N, p*p*C), features (p, q, C)
         p = int(tr.config.patch_size)
-        return unpack_patches(out, self.token_grid, (1, p, p), int(tr.out_channels)).squeeze(2)
+        return unpack_patches(out, emb.grid, (1, p, p), int(tr.out_channels)).squeeze(2)
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
                           transformer: nn.Module) -> torch.Tensor:

@@ -38,6 +38,9 @@ from tread.routing import RoutedBackbone, RoutePlan, RoutingController, run_bloc
 from tread.routing.masks import token_keep_mask
 
 
+Grid = tuple[int, int, int]   # a token grid (t, h, w): frames, rows, columns of tokens
+
+
 class FamilyConfigError(ModelConfigError):
     """A family config that cannot be built; the message names the key, the value and what is allowed."""
 
@@ -49,7 +52,8 @@ class Embedded:
     x: torch.Tensor                                   # (B, N, D) routable image/video tokens
     context: Any = None                               # never routed: text stream, registers, ...
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # (B, N, ...) gathered with the tokens
-    extra: dict[str, Any] = field(default_factory=dict)               # per-sample conditioning, shapes, ...
+    extra: dict[str, Any] = field(default_factory=dict)               # per-sample conditioning, ...
+    grid: Optional[Grid] = None                       # this batch's token grid (t, h, w), N = t * h * w: grid_of
 
 
 class ClassTextEmbedder(nn.Module):
@@ -87,8 +91,10 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
 
 
-def load_pretrained(cls: type, family: str, path: str, subfolder: Optional[str], hub_hint: str) -> nn.Module:
-    """cls.from_pretrained(path) with an error that says how to provide the weights offline."""
+def load_pretrained(cls: type, family: str, path: str, subfolder: Optional[str], hub_hint: str,
+                    dtype: torch.dtype = torch.float32) -> nn.Module:
+    """cls.from_pretrained(path) in `dtype` (model.base_dtype: quantize.load_dtype) with an error that says how to
+    provide the weights offline."""
     local = Path(os.path.expanduser(path))
     looks_local = local.exists() or path.startswith((".", "/", "~"))
     if looks_local and not local.exists():
@@ -96,7 +102,7 @@ def load_pretrained(cls: type, family: str, path: str, subfolder: Optional[str],
                                 f"folder (with {subfolder + '/' if subfolder else ''}config.json and weights).")
     try:
         return cls.from_pretrained(str(local) if looks_local else path, subfolder=subfolder or None,
-                                   torch_dtype=torch.float32, local_files_only=_offline() or None)
+                                   torch_dtype=dtype, local_files_only=_offline() or None)
     except (OSError, ValueError) as err:
         raise FileNotFoundError(
             f"cannot load {cls.__name__} weights for model.pretrained='{path}' (subfolder "
@@ -267,31 +273,73 @@ class RoutedFamily(RoutedBackbone):
         return self.routing.depth
 
     @property
-    def token_grid(self) -> tuple[int, int, int]:
+    def token_grid(self) -> Grid:
+        """The default token grid (t, h, w): data.resolution square latents (model.frames for video), what sampling,
+        the FLOPs count and the memory table use by default. A batch's own grid is grid_of(x)."""
         pt, ph, pw = self.latent_patch()
         return self.frames // pt, self.input_size // ph, self.input_size // pw
 
     @property
     def num_tokens(self) -> int:
+        """Routable tokens at the default grid (a batch of another size has tokens_in(x))."""
         t, h, w = self.token_grid
         return t * h * w
 
+    def grid_of(self, x: torch.Tensor) -> Grid:
+        """The token grid (t, h, w) of latents x (B, C, H, W), or (B, C, T, H, W) for a video family (images: T = 1),
+        read from x's shape: any size the family takes (check_size refuses the others)."""
+        frames = int(x.shape[2]) if x.dim() == 5 else 1
+        height, width = int(x.shape[-2]), int(x.shape[-1])
+        self.check_size(height, width, frames)
+        pt, ph, pw = self.latent_patch()
+        return frames // pt, height // ph, width // pw
+
+    def tokens_in(self, x: torch.Tensor) -> int:
+        """Routable tokens of latents x (RoutedBackbone.forward plans the routes' keep counts with it)."""
+        t, h, w = self.grid_of(x)
+        return t * h * w
+
+    def check_size(self, height: int, width: int, frames: int = 1) -> None:
+        """Raise FamilyConfigError, one line naming the family, the size and what is allowed, for latents of height x
+        width (x frames) this family cannot take: sides that are not whole tokens, or a token grid beyond what the
+        diffusers model can position (check_grid). Cheap: call it for every bucket before training starts."""
+        pt, ph, pw = self.latent_patch()
+        if height < ph or width < pw or height % ph or width % pw or frames < 1 or frames % pt:
+            what = f"{height}x{width}" + (f" x {frames} frames" if frames != 1 or pt != 1 else "")
+            frame_rule = f", frames a multiple of {pt}" if pt != 1 else ""
+            raise FamilyConfigError(
+                f"model.family={self.family}: latents {what} are not whole tokens; allowed: height a positive "
+                f"multiple of {ph} and width of {pw} (latent cells per token){frame_rule}.")
+        self.check_grid((frames // pt, height // ph, width // pw))
+
+    def check_grid(self, grid: Grid) -> None:
+        """A family's limits on a (t, h, w) token grid (its position table or RoPE table); none by default."""
+
     def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
         """This batch's conditioning: its text (text_conditioning; label dropout zeroes text only) plus, with
-        model.kontext, the reference latents cond["reference"] of the target's shape: edit models always see their
-        input image, in both CFG branches."""
+        model.kontext, the reference latents cond["reference"] (of the target's shape: check_reference): edit models
+        always see their input image, in both CFG branches."""
         text = self.text_conditioning(labels, cond)
         if not self.kontext:
             return text
         ref = (cond or {}).get("reference")
-        want = (labels.shape[0], self.in_channels, self.input_size, self.input_size)
-        if ref is None or tuple(ref.shape) != want:
-            got = "none" if ref is None else f"shape {list(ref.shape)}"
-            raise FamilyConfigError(
-                f"model.kontext=true needs the reference image's latents cond['reference'] of the target's shape "
-                f"{list(want)} (B, data.channels, data.resolution, data.resolution), got {got}: train on data with "
-                f"reference_latents.npy (precompute --reference-images DIR), or set model.kontext=false.")
+        if ref is None:
+            raise FamilyConfigError(self._reference_error("(B, data.channels, H, W), the target latents' shape",
+                                                          "none"))
         return {**text, "reference": ref}
+
+    def check_reference(self, conditioning: Mapping[str, Any], x: torch.Tensor) -> None:
+        """With model.kontext, the reference latents conditioning["reference"] must have the shape of the target
+        latents x (B, C, H, W) of this batch (any bucket's)."""
+        ref = conditioning.get("reference") if self.kontext else None
+        if ref is not None and tuple(ref.shape) != tuple(x.shape):
+            raise FamilyConfigError(self._reference_error(list(x.shape), f"shape {list(ref.shape)}"))
+
+    @staticmethod
+    def _reference_error(want: Any, got: str) -> str:
+        return (f"model.kontext=true needs the reference image's latents cond['reference'] of the target's shape "
+                f"{want}, got {got}: train on data with reference_latents.npy (precompute --reference-images DIR), "
+                f"or set model.kontext=false.")
 
     def text_conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
         """Text conditioning for this batch: the dataset's (cond) or the class table's (labels)."""
@@ -356,8 +404,9 @@ class RoutedFamily(RoutedBackbone):
         force_keep (B, N) bool over image tokens; cond: text embeddings from the data (optional); `plan` from
         the routing controller (RoutedBackbone.forward makes it)."""
         text = self.conditioning(labels, cond)
+        self.check_reference(text, x)
         xm = self.to_model_layout(x)
-        emb = self.embed(xm, self.timestep(noise_level), text)
+        emb = self.embed(xm, self.timestep(noise_level), text)                   # emb.grid: this batch's grid
         h, emb.context = run_blocks(self.block_fns(emb), emb.x, plan, self.routing.router, force_keep,
                                     context=emb.context, per_token=emb.per_token,
                                     checkpoint=self.gradient_checkpointing and self.training)
@@ -374,15 +423,18 @@ class RoutedFamily(RoutedBackbone):
                           transformer: Optional[nn.Module] = None) -> torch.Tensor:
         """diffusers' own forward (of `transformer`, default: a pristine copy) on the same conditioning."""
         text = self.conditioning(labels, cond)
+        self.check_reference(text, x)
         transformer = transformer if transformer is not None else self.pristine_transformer()
         out = self.diffusers_forward(self.to_model_layout(x), self.timestep(noise_level), text, transformer)
         return self.from_model_layout(out, x)
 
-    def tokens_from_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """A (B, 1, H, W) coverage mask in [0, 1] -> (B, N) bool: tokens more than half covered."""
-        _, h, w = self.token_grid
+    def tokens_from_mask(self, mask: torch.Tensor, size: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """A (B, 1, Hm, Wm) coverage mask in [0, 1] (any resolution) -> (B, N) bool: tokens more than half covered,
+        on the token grid of the batch's latents, size = x.shape[2:] ((H, W), video (T, H, W); default: the default
+        grid, data.resolution square)."""
+        t, h, w = self.token_grid if size is None else self.grid_of(mask.new_empty(0, 0, *map(int, size)))
         keep = token_keep_mask(mask, (h, w))                                    # (B, h*w)
-        return keep.repeat(1, self.token_grid[0]) if self.token_grid[0] > 1 else keep
+        return keep.repeat(1, t) if t > 1 else keep
 
 
 def cond32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -113,19 +113,19 @@ class ChromaFamily(RoutedFamily):
         return torch.cat([text_mask, ones], dim=1)
 
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
-        tr = self.transformer
+        tr, grid = self.transformer, self.grid_of(x)
         hidden = tr.x_embedder(self.pack(x))                                       # (B, N, D)
         t = timestep.to(hidden.dtype) * 1000
         pooled_temb = tr.distilled_guidance_layer(tr.time_text_embed(t))           # (B, M, D)
         context = tr.context_embedder(cond["text"])                                # (B, L, D)
         L, B, N = context.shape[1], x.shape[0], hidden.shape[1]
-        cos, sin = tr.pos_embed(torch.cat([self.text_ids(L, x.device), self.image_ids(x.device)]))
+        cos, sin = tr.pos_embed(torch.cat([self.text_ids(L, x.device), self.image_ids(x.device, grid)]))
         per_token = {"rope_cos": cos[L:].unsqueeze(0).expand(B, N, -1),
                      "rope_sin": sin[L:].unsqueeze(0).expand(B, N, -1)}
         mask = cond.get("text_mask")
         extra = {"pooled_temb": pooled_temb, "text_cos": cos[:L], "text_sin": sin[:L],
                  "text_mask": None if mask is None else mask.to(device=x.device, dtype=torch.bool)}
-        return Embedded(hidden, context, per_token, extra)
+        return Embedded(hidden, context, per_token, extra, grid)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         pooled_temb, text_mask = emb.extra["pooled_temb"], emb.extra["text_mask"]
@@ -153,19 +153,19 @@ class ChromaFamily(RoutedFamily):
 
     def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
         tr = self.transformer
-        return self.unpack(tr.proj_out(tr.norm_out(x, emb.extra["pooled_temb"][:, -2:])))   # (B, C, H, W)
+        return self.unpack(tr.proj_out(tr.norm_out(x, emb.extra["pooled_temb"][:, -2:])), emb.grid)   # (B, C, H, W)
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
                           transformer: nn.Module) -> torch.Tensor:
         """diffusers' forward on the inputs ChromaPipeline builds: packed latents, ids, t / 1000, and the
         [text, image] attention mask (as booleans)."""
-        L = cond["text"].shape[1]
+        L, grid = cond["text"].shape[1], self.grid_of(x)
         mask = cond.get("text_mask")
-        mask = None if mask is None else self.attention_mask(mask.to(x.device), self.num_tokens)
+        mask = None if mask is None else self.attention_mask(mask.to(x.device), grid[1] * grid[2])
         out = transformer(hidden_states=self.pack(x), encoder_hidden_states=cond["text"], timestep=timestep,
-                          img_ids=self.image_ids(x.device), txt_ids=self.text_ids(L, x.device),
+                          img_ids=self.image_ids(x.device, grid), txt_ids=self.text_ids(L, x.device),
                           attention_mask=mask, return_dict=False)[0]
-        return self.unpack(out)
+        return self.unpack(out, grid)
 
 
 FAMILY = ChromaFamily

@@ -4,8 +4,9 @@ Route indices count over the double-stream blocks first, then the single-stream 
 sequence: with 19 + 38 blocks, index 19 is the first single-stream block and -1 the last one.
 
 Latents (B, C, H, W) are packed 2x2 into tokens (B, H/2 * W/2, 4C) as the FLUX pipeline does, with
-position ids (0, row, col). RoPE: diffusers computes one (cos, sin) table for the concatenated
-[text, image] ids. We split it: the text rows are shared by the batch, the image rows become
+position ids (0, row, col) on the batch's own (H/2, W/2) grid (any even H and W, square or not: the
+pipeline's _prepare_latent_image_ids(H/2, W/2)). RoPE: diffusers computes one (cos, sin) table for the
+concatenated [text, image] ids. We split it: the text rows are shared by the batch, the image rows become
 per-token tensors (B, N, head_dim) that run_blocks gathers with the kept tokens, so each kept token
 keeps its true 2-D position. `BatchedRopeFluxAttnProcessor` accepts these per-sample tables (and
 the shared (S, head_dim) form), with separate or fused QKV projections alike.
@@ -29,7 +30,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, pack_cells, unpack_cells
+from tread.models.families.base import (Embedded, FamilyConfigError, Grid, RoutedFamily, cond32, pack_cells,
+                                        unpack_cells)
 
 FLUX_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 2 double + 6 single blocks, width 64 (paper route = blocks 2..4).
@@ -156,13 +158,15 @@ class FluxFamily(RoutedFamily):
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         return pack_cells(x, self.PACK)
 
-    def unpack(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, N, C*2*2) with features ordered (C, 2, 2) -> (B, C, H, W): the inverse of pack."""
-        _, h, w = self.token_grid
+    def unpack(self, tokens: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """(B, N, C*2*2) with features ordered (C, 2, 2) on token grid (1, h, w) -> (B, C, 2h, 2w): pack's inverse."""
+        _, h, w = grid
         return unpack_cells(tokens, h, w, self.PACK)
 
-    def image_ids(self, device: torch.device) -> torch.Tensor:
-        _, h, w = self.token_grid
+    def image_ids(self, device: torch.device, grid: Grid) -> torch.Tensor:
+        """(h * w, 3) ids (0, row, col) of token grid (1, h, w), row-major: FluxPipeline._prepare_latent_image_ids
+        (latent height / 2, latent width / 2)."""
+        _, h, w = grid
         ids = torch.zeros(h, w, 3, device=device)
         ids[..., 1] = torch.arange(h, device=device)[:, None]
         ids[..., 2] = torch.arange(w, device=device)[None, :]
@@ -171,9 +175,9 @@ class FluxFamily(RoutedFamily):
     def text_ids(self, text_len: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(text_len, 3, device=device)
 
-    def reference_ids(self, device: torch.device) -> torch.Tensor:
+    def reference_ids(self, device: torch.device, grid: Grid) -> torch.Tensor:
         """Kontext's reference image ids: the target's grid with first coordinate 1 (FluxKontextPipeline)."""
-        ids = self.image_ids(device)
+        ids = self.image_ids(device, grid)
         ids[:, 0] = 1
         return ids
 
@@ -184,7 +188,7 @@ class FluxFamily(RoutedFamily):
         return torch.full((batch,), float(self.guidance), device=device)
 
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
-        tr = self.transformer
+        tr, grid = self.transformer, self.grid_of(x)
         hidden = tr.x_embedder(self.pack(x))                                       # (B, N, D)
         t = timestep.to(hidden.dtype) * 1000
         guidance = self._guidance(x.shape[0], x.device)
@@ -192,9 +196,9 @@ class FluxFamily(RoutedFamily):
             tr.time_text_embed(t, guidance.to(hidden.dtype) * 1000, cond["pooled"])
         context = tr.context_embedder(cond["text"])                                # (B, L, D)
         L, B, N = context.shape[1], x.shape[0], hidden.shape[1]
-        ids = [self.text_ids(L, x.device), self.image_ids(x.device)]
+        ids = [self.text_ids(L, x.device), self.image_ids(x.device, grid)]
         if self.kontext:
-            ids.append(self.reference_ids(x.device))
+            ids.append(self.reference_ids(x.device, grid))
         cos, sin = tr.pos_embed(torch.cat(ids))                                    # (L+N[+N], Dh)
         per_token = {"rope_cos": cos[L:L + N].unsqueeze(0).expand(B, N, -1),
                      "rope_sin": sin[L:L + N].unsqueeze(0).expand(B, N, -1)}
@@ -202,7 +206,7 @@ class FluxFamily(RoutedFamily):
         if self.kontext:   # never routed: the reference tokens travel with the text as context
             context = (context, tr.x_embedder(self.pack(cond["reference"])))      # (B, L, D), (B, N, D)
             extra.update(ref_cos=cos[L + N:], ref_sin=sin[L + N:])
-        return Embedded(hidden, context, per_token, extra)
+        return Embedded(hidden, context, per_token, extra, grid)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         temb, text_cos, text_sin = emb.extra["temb"], emb.extra["text_cos"], emb.extra["text_sin"]
@@ -227,22 +231,22 @@ class FluxFamily(RoutedFamily):
 
     def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
         tr = self.transformer
-        return self.unpack(tr.proj_out(tr.norm_out(x, emb.extra["temb"])))         # (B, C, H, W)
+        return self.unpack(tr.proj_out(tr.norm_out(x, emb.extra["temb"])), emb.grid)   # (B, C, H, W)
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
                           transformer: nn.Module) -> torch.Tensor:
         """diffusers' forward; with kontext on the inputs as FluxKontextPipeline builds them: hidden states
         [target, reference], ids [target ids, reference ids], the output's target part kept."""
-        L = cond["text"].shape[1]
-        hidden, img_ids = self.pack(x), self.image_ids(x.device)
+        L, grid = cond["text"].shape[1], self.grid_of(x)
+        hidden, img_ids = self.pack(x), self.image_ids(x.device, grid)
         if self.kontext:
             hidden = torch.cat([hidden, self.pack(cond["reference"])], dim=1)
-            img_ids = torch.cat([img_ids, self.reference_ids(x.device)])
+            img_ids = torch.cat([img_ids, self.reference_ids(x.device, grid)])
         out = transformer(hidden_states=hidden, encoder_hidden_states=cond["text"],
                           pooled_projections=cond["pooled"], timestep=timestep,
                           img_ids=img_ids, txt_ids=self.text_ids(L, x.device),
                           guidance=self._guidance(x.shape[0], x.device), return_dict=False)[0]
-        return self.unpack(out[:, :self.num_tokens])
+        return self.unpack(out[:, :grid[1] * grid[2]], grid)
 
 
 FAMILY = FluxFamily

@@ -210,9 +210,9 @@ class Flux2Family(RoutedFamily):
                 module.set_processor(BatchedRopeFlux2ParallelSelfAttnProcessor())
 
     # -- ids (Flux2Pipeline's conventions) --------------------------------------------------------------
-    def image_ids(self, device: torch.device, grid: Optional[Sequence[int]] = None, t: int = 0) -> torch.Tensor:
-        """(h * w, 4) ids (t, row, col, 0) of a packed grid, row-major (default: the target's grid, t = 0)."""
-        h, w = grid if grid is not None else self.token_grid[1:]
+    def image_ids(self, device: torch.device, hw: Sequence[int], t: int = 0) -> torch.Tensor:
+        """(h * w, 4) ids (t, row, col, 0) of a packed (h, w) grid, row-major (the target: t = 0)."""
+        h, w = hw
         ids = torch.zeros(h, w, self.ROPE_AXES, device=device)
         ids[..., 0] = t
         ids[..., 1] = torch.arange(h, device=device)[:, None]
@@ -241,7 +241,7 @@ class Flux2Family(RoutedFamily):
 
     def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
         """The text conditioning (RoutedFamily's; label dropout zeroes text only) plus, with kontext, the reference
-        latents cond["reference"]: the model always conditions on its references, in both CFG branches."""
+        latents cond["reference"] (any sizes): the model always conditions on its references, in both CFG branches."""
         text = self.text_conditioning(labels, cond)
         if not self.kontext:
             return text
@@ -261,9 +261,12 @@ class Flux2Family(RoutedFamily):
                 f"or set model.kontext=false.")
         return {**text, "reference": ref}
 
+    def check_reference(self, conditioning: Mapping[str, Any], x: torch.Tensor) -> None:
+        """FLUX.2's references may have any sizes (each its own grid): nothing to check against the target."""
+
     # -- the forward in three steps -------------------------------------------------------------------------
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
-        tr = self.transformer
+        tr, grid = self.transformer, self.grid_of(x)
         guidance = self._guidance(x.shape[0], x.device)
         t = timestep.to(x.dtype) * 1000                                           # as diffusers: input dtype
         temb = tr.time_guidance_embed(t, None if guidance is None else guidance.to(x.dtype) * 1000)   # (B, D)
@@ -271,7 +274,7 @@ class Flux2Family(RoutedFamily):
         context = tr.context_embedder(cond["text"])                                # (B, L, D)
         L, B, N = context.shape[1], x.shape[0], hidden.shape[1]
         refs = self.references(cond) if self.kontext else []
-        ids = [self.text_ids(L, x.device), self.image_ids(x.device)]
+        ids = [self.text_ids(L, x.device), self.image_ids(x.device, grid[1:])]
         if refs:
             ids.append(self.reference_ids(refs, x.device))
         cos, sin = tr.pos_embed(torch.cat(ids))                                    # (L + N [+ R], Dh)
@@ -284,7 +287,7 @@ class Flux2Family(RoutedFamily):
         if refs:   # never routed: the reference tokens travel with the text as context
             context = (context, tr.x_embedder(torch.cat([self.pack(r) for r in refs], dim=1)))   # (B, R, D)
             extra.update(ref_cos=cos[L + N:], ref_sin=sin[L + N:])
-        return Embedded(hidden, context, per_token, extra)
+        return Embedded(hidden, context, per_token, extra, grid)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         e = emb.extra
@@ -316,14 +319,14 @@ class Flux2Family(RoutedFamily):
 
     def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
         tr = self.transformer
-        return self.unpack(tr.proj_out(tr.norm_out(x, emb.extra["temb"])))         # (B, C, H, W)
+        return self.unpack(tr.proj_out(tr.norm_out(x, emb.extra["temb"])), emb.grid)   # (B, C, H, W)
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
                           transformer: nn.Module) -> torch.Tensor:
         """diffusers' forward on the inputs Flux2Pipeline builds: packed latents [target, references...], ids
         [target ids, reference ids], text ids, t / 1000, guidance; the output's target part kept."""
-        L = cond["text"].shape[1]
-        hidden, img_ids = self.pack(x), self.image_ids(x.device)
+        L, grid = cond["text"].shape[1], self.grid_of(x)
+        hidden, img_ids = self.pack(x), self.image_ids(x.device, grid[1:])
         refs = self.references(cond) if self.kontext else []
         if refs:
             hidden = torch.cat([hidden, *(self.pack(r) for r in refs)], dim=1)
@@ -331,7 +334,7 @@ class Flux2Family(RoutedFamily):
         out = transformer(hidden_states=hidden, encoder_hidden_states=cond["text"], timestep=timestep,
                           img_ids=img_ids, txt_ids=self.text_ids(L, x.device),
                           guidance=self._guidance(x.shape[0], x.device), return_dict=False)[0]
-        return self.unpack(out[:, :self.num_tokens])
+        return self.unpack(out[:, :grid[1] * grid[2]], grid)
 
 
 FAMILY = Flux2Family

@@ -16,10 +16,13 @@ image token; the text ids are all zero. RoPE (HiDreamImageEmbedND, theta 10000, 
 matrices and diffusers' own HiDreamAttnProcessor already takes per-sample tables, so no attention processor is
 replaced: the image rows are per-token tensors that run_blocks gathers with the kept tokens (each kept token
 keeps its true (row, col)); the text rows (identity rotations, ids 0) stay with the text. Attention is over
-[image, text] (image first) in both block kinds. Only square latents are supported (data.resolution is one
-number): for non-square latents diffusers pads the token sequence to max_resolution / p^2 tokens with a key mask
-(`hidden_states_masks`, zero ids for the padding), which we do not build; square latents have no padding and no
-mask, exactly diffusers' square path.
+[image, text] (image first) in both block kinds. Square latents (any size) have no padding and no mask, diffusers'
+square path. Non-square latents: diffusers' `patchify` pads the image stream to max_seq = max_resolution[0] *
+max_resolution[1] / p^2 tokens (zero patches through x_embedder, position ids 0) and multiplies the pad tokens'
+KEYS by 0 (`hidden_states_masks`): a zero key still takes softmax weight exp(0 - max), so the pads do take part in
+the attention and run through every block. We build the same: the pad tokens are never-routed context (after the
+image tokens, before the text, as diffusers orders them), with the same key mask, so a route never drops them
+and they pass every block in full (check_grid refuses h * w > max_seq, which diffusers cannot pad).
 
 Text (never routed): T5 (B, L5, caption_channels[0]), a LIST of Llama-3.1 hidden states indexed by layer, one per
 block (`llama_layers[i]` picks the Llama layer block i uses; released: layers 0..31 then 31 for the last 16
@@ -69,7 +72,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from tread.models.families.base import (ClassTextEmbedder, Embedded, FamilyConfigError, RoutedFamily, cond32,
+from tread.models.families.base import (ClassTextEmbedder, Embedded, FamilyConfigError, Grid, RoutedFamily, cond32,
                                         unpack_patches)
 
 # Llama-3.1-8B-Instruct has 32 layers: HiDream-I1 uses layer i for block i and the last layer for blocks 32..47.
@@ -167,6 +170,16 @@ class HiDreamFamily(RoutedFamily):
                 "model.config.force_inference_output=true runs the experts through diffusers' moe_infer under "
                 "torch.no_grad even in training, so the experts and the gate would never train; allowed: false.")
 
+    def check_grid(self, grid: Grid) -> None:
+        """Non-square latents are padded to transformer.max_seq tokens (diffusers' patchify): at most that many."""
+        _, h, w = grid
+        tr, p = self.transformer, int(self.transformer.config.patch_size)
+        if h != w and h * w > tr.max_seq:
+            raise FamilyConfigError(
+                f"model.family=hidream: non-square latents {h * p}x{w * p} make {h}x{w} = {h * w} tokens, more than "
+                f"the {tr.max_seq} that diffusers pads non-square latents to (model.config.max_resolution="
+                f"{list(tr.config.max_resolution)} / patch {p}^2); allowed: square latents, or h * w <= {tr.max_seq}.")
+
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.double_stream_blocks, *transformer.single_stream_blocks]
 
@@ -232,11 +245,11 @@ class HiDreamFamily(RoutedFamily):
 
     # -- the three steps ----------------------------------------------------------------------------
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
-        tr = self.transformer
-        B = x.shape[0]
-        tokens, _, _, img_ids = tr.patchify(x)                 # square: no mask; img_ids (B, N, 3) = (0, row, col)
-        hidden = tr.x_embedder(tokens)                          # (B, N, D)
-        N, D = hidden.shape[1], hidden.shape[2]
+        tr, B, grid = self.transformer, x.shape[0], self.grid_of(x)
+        N = grid[1] * grid[2]
+        tokens, _, _, img_ids = tr.patchify(x)     # (B, N [+ P pads if non-square], .); img_ids (0, row, col), pads 0
+        hidden = tr.x_embedder(tokens)                          # (B, N + P, D)
+        D = hidden.shape[2]
         temb = tr.t_embedder(timestep, x.dtype) + tr.p_embedder(cond["pooled"])
         states = self.llama_states(cond)
         llama = [tr.caption_projection[i](states[k]).view(B, -1, D) for i, k in enumerate(self.llama_layers)]
@@ -244,30 +257,47 @@ class HiDreamFamily(RoutedFamily):
         context = torch.cat([t5, llama[-1]], dim=1)              # initial_encoder_hidden_states (B, L0, D)
         L = t5.shape[1] + llama[-1].shape[1] + llama[0].shape[1]  # what each block attends to beside the image
         ids = torch.cat([img_ids, img_ids.new_zeros(B, L, 3)], dim=1)
-        rope = tr.pe_embedder(ids)                              # (B, N + L, 1, Dh/2, 2, 2)
-        return Embedded(hidden, context, {"rope": rope[:, :N]},
-                        {"temb": temb, "text_rope": rope[:, N:], "llama": llama})
+        rope = tr.pe_embedder(ids)                              # (B, N + P + L, 1, Dh/2, 2, 2)
+        if hidden.shape[1] > N:   # non-square: the pad tokens are never-routed context, as the text
+            context = (context, hidden[:, N:])
+        return Embedded(hidden[:, :N], context, {"rope": rope[:, :N]},
+                        {"temb": temb, "text_rope": rope[:, N:], "llama": llama}, grid)
+
+    @staticmethod
+    def _key_mask(kept: int, pads: int, rest: int, like: torch.Tensor) -> torch.Tensor:
+        """diffusers' hidden_states_masks over [kept image tokens, pad tokens, rest]: 1, 0 (their keys zeroed), 1."""
+        B = like.shape[0]
+        return torch.cat([like.new_ones(B, kept), like.new_zeros(B, pads), like.new_ones(B, rest)], dim=1)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         temb, text_rope, llama = emb.extra["temb"], emb.extra["text_rope"], emb.extra["llama"]
-        n_dual = len(self.transformer.double_stream_blocks)
+        n_dual, padded = len(self.transformer.double_stream_blocks), isinstance(emb.context, tuple)
 
         def dual(block: nn.Module, i: int) -> Callable[..., Any]:
-            def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
-                L0 = context.shape[1]
+            def fn(x: torch.Tensor, context: Any, tok: Mapping[str, torch.Tensor]):
+                context, pad = context if padded else (context, None)
+                K, L0 = x.shape[1], context.shape[1]
                 text = torch.cat([context, cond32(llama[i])], dim=1)
-                x, text = block(hidden_states=x, hidden_states_masks=None, encoder_hidden_states=text,
-                                temb=cond32(temb), image_rotary_emb=torch.cat([tok["rope"], text_rope], dim=1))
-                return x, text[:, :L0]                          # the Llama part's update is dropped
+                img, masks = (x, None) if pad is None else (torch.cat([x, pad], 1),
+                                                            self._key_mask(K, pad.shape[1], 0, x))
+                img, text = block(hidden_states=img, hidden_states_masks=masks, encoder_hidden_states=text,
+                                  temb=cond32(temb), image_rotary_emb=torch.cat([tok["rope"], text_rope], dim=1))
+                text = text[:, :L0]                                  # the Llama part's update is dropped
+                return img[:, :K], (text if pad is None else (text, img[:, K:]))
             return fn
 
         def single(block: nn.Module, i: int) -> Callable[..., Any]:
-            def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
+            def fn(x: torch.Tensor, context: Any, tok: Mapping[str, torch.Tensor]):
+                context, pad = context if padded else (context, None)
                 K, L0 = x.shape[1], context.shape[1]
-                h = torch.cat([x, context, cond32(llama[i])], dim=1)
-                h = block(hidden_states=h, hidden_states_masks=None, encoder_hidden_states=None, temb=cond32(temb),
+                P = 0 if pad is None else pad.shape[1]
+                h = torch.cat([x, context, cond32(llama[i])] if pad is None else
+                              [x, pad, context, cond32(llama[i])], dim=1)
+                masks = None if pad is None else self._key_mask(K, P, h.shape[1] - K - P, x)
+                h = block(hidden_states=h, hidden_states_masks=masks, encoder_hidden_states=None, temb=cond32(temb),
                           image_rotary_emb=torch.cat([tok["rope"], text_rope], dim=1))
-                return h[:, :K], h[:, K:K + L0]
+                text = h[:, K + P:K + P + L0]
+                return h[:, :K], (text if pad is None else (text, h[:, K:K + P]))
             return fn
 
         return [(dual if i < n_dual else single)(b, i) for i, b in enumerate(self.routable_blocks())]
@@ -275,19 +305,19 @@ class HiDreamFamily(RoutedFamily):
     def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
         out = self.transformer.final_layer(x, emb.extra["temb"])          # (B, N, p*p*C), features (p, p, C)
         p = int(self.transformer.config.patch_size)
-        return -unpack_patches(out, self.token_grid, (1, p, p), self.out_channels).squeeze(2)
+        return -unpack_patches(out, emb.grid, (1, p, p), self.out_channels).squeeze(2)
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
                           transformer: nn.Module) -> torch.Tensor:
         """diffusers' forward as HiDreamImagePipeline calls it (output negated, line `noise_pred = -noise_pred`); in
-        training mode diffusers returns (B, C, N, p*p) patches, turned back into (B, C, H, W) here."""
+        training mode diffusers returns (B, C, N [+ pads], p*p) patches, turned back into (B, C, H, W) here."""
         out = transformer(hidden_states=x, timesteps=timestep, encoder_hidden_states_t5=cond["text"],
                           encoder_hidden_states_llama3=self.llama_states(cond), pooled_embeds=cond["pooled"],
                           return_dict=False)[0]
         if transformer.training and not transformer.config.force_inference_output:
             B, C, _, p2 = out.shape
-            p, (_, h, w) = int(p2 ** 0.5), self.token_grid
-            out = out.reshape(B, C, h, w, p, p).permute(0, 1, 2, 4, 3, 5).reshape(B, C, h * p, w * p)
+            p, (_, h, w) = int(p2 ** 0.5), self.grid_of(x)
+            out = out[:, :, :h * w].reshape(B, C, h, w, p, p).permute(0, 1, 2, 4, 3, 5).reshape(B, C, h * p, w * p)
         return -out
 
 

@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
+from tread.models.families.base import Embedded, FamilyConfigError, Grid, RoutedFamily, cond32, unpack_patches
 
 LUMINA2_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 8 joint layers (+ 2 never-routed refiners each side), width 64 (4 heads x 16,
@@ -104,6 +104,16 @@ class Lumina2Family(RoutedFamily):
             raise FamilyConfigError(f"model.config.axes_lens={list(c.axes_lens)}: the {side}x{side} token grid needs "
                                     f"axes_lens[1] and axes_lens[2] >= {side} (RoPE table rows).")
 
+    def check_grid(self, grid: Grid) -> None:
+        """Lumina2RotaryPosEmbed looks rows and columns up in tables of axes_lens[1] / axes_lens[2] positions."""
+        _, h, w = grid
+        c = self.transformer.config
+        if h > c.axes_lens[1] or w > c.axes_lens[2]:
+            raise FamilyConfigError(
+                f"model.family=lumina2: latents {h * c.patch_size}x{w * c.patch_size} make a {h}x{w} token grid, "
+                f"beyond the RoPE tables (model.config.axes_lens={list(c.axes_lens)}); allowed: rows <= "
+                f"axes_lens[1]={c.axes_lens[1]} and columns <= axes_lens[2]={c.axes_lens[2]}.")
+
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.layers)   # the refiners run before, in embed: never routed
 
@@ -148,9 +158,8 @@ class Lumina2Family(RoutedFamily):
         temb, caption = tr.time_caption_embed(x, 1 - timestep, text)              # (B, Dt), (B, L, D)
         mask = None if mask is None else mask.to(device=x.device, dtype=torch.bool)
         cap_len = torch.full((B,), L, device=x.device) if mask is None else mask.sum(dim=1)
-        p = int(tr.config.patch_size)
-        grid = (x.shape[-2] // p, x.shape[-1] // p)
-        cap_rope, img_rope, valid = self.rope(cap_len, L, grid, x.device)
+        grid = self.grid_of(x)
+        cap_rope, img_rope, valid = self.rope(cap_len, L, grid[1:], x.device)
         hidden = tr.x_embedder(self.patchify(x))                                  # (B, N, D)
         for layer in tr.context_refiner:          # never routed: the caption alone, with its own mask
             caption = layer(caption, mask, cap_rope)
@@ -158,9 +167,8 @@ class Lumina2Family(RoutedFamily):
             hidden = layer(hidden, None, img_rope, temb)
         if mask is not None:                      # padding rows: hidden from every query below; no NaN carried
             caption = torch.where(valid[..., None], caption, torch.zeros((), dtype=caption.dtype, device=x.device))
-        extra = {"temb": temb, "cap_rope": cap_rope, "cap_valid": None if mask is None else valid,
-                 "grid": (1, *grid)}
-        return Embedded(hidden, caption, {"rope": img_rope}, extra)
+        extra = {"temb": temb, "cap_rope": cap_rope, "cap_valid": None if mask is None else valid}
+        return Embedded(hidden, caption, {"rope": img_rope}, extra, grid)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         temb, cap_rope, cap_valid = emb.extra["temb"], emb.extra["cap_rope"], emb.extra["cap_valid"]
@@ -180,7 +188,7 @@ class Lumina2Family(RoutedFamily):
 
     def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
         tr = self.transformer
-        out = unpack_patches(tr.norm_out(x, emb.extra["temb"]), emb.extra["grid"], self.latent_patch(),
+        out = unpack_patches(tr.norm_out(x, emb.extra["temb"]), emb.grid, self.latent_patch(),
                              tr.out_channels).squeeze(2)
         return -out   # Lumina predicts x0 - noise (the pipeline steps with -noise_pred); we predict noise - x0
 

@@ -1,7 +1,8 @@
 """PixArt-alpha / PixArt-sigma (diffusers PixArtTransformer2DModel) with TREAD routing.
 
 Latents (B, C, H, W) are patchified by diffusers' PatchEmbed, which also adds the absolute 2-D sincos
-position embedding, so every image token carries its position in its features before the first block:
+position embedding (recomputed by PatchEmbed for a grid other than sample_size's, square or not: any size
+of whole patches), so every image token carries its position in its features before the first block:
 routing needs no position bookkeeping. Conditioning is adaLN-single: one (B, 6D) modulation per sample,
 shared by all of its tokens, so it is bound per sample (not a per-token tensor). The T5 text stream is
 context: projected once by diffusers' caption projection, never routed, cross-attended in every block
@@ -96,16 +97,14 @@ class PixArtFamily(RoutedFamily):
                 "aspect_ratio": torch.tensor([[H / W]], dtype=x.dtype, device=x.device).repeat(B, 1)}
 
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
-        tr = self.transformer
-        B, p = x.shape[0], int(tr.config.patch_size)
+        tr, B, grid = self.transformer, x.shape[0], self.grid_of(x)
         hidden = tr.pos_embed(x)                                                     # (B, N, D) + positions
         t6, t_emb = tr.adaln_single(timestep, self._added_cond(x), batch_size=B, hidden_dtype=hidden.dtype)
         context = cond["text"]
         if tr.caption_projection is not None:
             context = tr.caption_projection(context).view(B, -1, hidden.shape[-1])  # (B, L, D)
-        extra = {"timestep": t6, "embedded_timestep": t_emb, "grid": (1, x.shape[-2] // p, x.shape[-1] // p),
-                 "mask": mask_bias(cond.get("text_mask"), hidden.dtype)}
-        return Embedded(hidden, context, {}, extra)
+        extra = {"timestep": t6, "embedded_timestep": t_emb, "mask": mask_bias(cond.get("text_mask"), hidden.dtype)}
+        return Embedded(hidden, context, {}, extra, grid)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         t6, mask = emb.extra["timestep"], emb.extra["mask"]
@@ -123,7 +122,7 @@ class PixArtFamily(RoutedFamily):
         tr = self.transformer
         shift, scale = (tr.scale_shift_table[None] + emb.extra["embedded_timestep"][:, None]).chunk(2, dim=1)
         x = tr.proj_out(tr.norm_out(x) * (1 + scale) + shift)
-        out = unpack_patches(x, emb.extra["grid"], self.latent_patch(), tr.out_channels).squeeze(2)
+        out = unpack_patches(x, emb.grid, self.latent_patch(), tr.out_channels).squeeze(2)
         return out[:, :self.out_channels]                                           # drop learned sigma
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],

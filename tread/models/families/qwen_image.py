@@ -48,7 +48,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, pack_cells, unpack_cells
+from tread.models.families.base import (Embedded, FamilyConfigError, Grid, RoutedFamily, cond32, pack_cells,
+                                        unpack_cells)
 
 _ROPE = dict(axes_dims_rope=(16, 56, 56))
 
@@ -195,14 +196,15 @@ class QwenImageFamily(RoutedFamily):
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         return pack_cells(x, self.PACK)
 
-    def unpack(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, N, C*2*2) with features ordered (C, 2, 2) -> (B, C, H, W): the inverse of pack."""
-        _, h, w = self.token_grid
+    def unpack(self, tokens: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """(B, N, C*2*2) with features ordered (C, 2, 2) on token grid (1, h, w) -> (B, C, 2h, 2w): pack's inverse."""
+        _, h, w = grid
         return unpack_cells(tokens, h, w, self.PACK)
 
-    def img_shapes(self) -> list[tuple[int, int, int]]:
-        """One sample's img_shapes: the target's (1, h, w) token grid, then the reference's with edit."""
-        _, h, w = self.token_grid
+    def img_shapes(self, grid: Grid) -> list[tuple[int, int, int]]:
+        """One sample's img_shapes: the target's (1, h, w) token grid, then the reference's with edit (the same:
+        the pipelines' (1, latent height / 2, latent width / 2))."""
+        _, h, w = grid
         return [(1, h, w)] * (2 if self.kontext else 1)
 
     # -- editing: the conditioning image's latents ----------------------------------------------------
@@ -214,13 +216,13 @@ class QwenImageFamily(RoutedFamily):
         return self.transformer.time_text_embed(t, like)
 
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
-        tr = self.transformer
+        tr, grid = self.transformer, self.grid_of(x)
         hidden = tr.img_in(self.pack(x))                                             # (B, N, D)
         temb = self._temb(timestep, hidden)
         context = tr.txt_in(tr.txt_norm(cond["text"]))                               # (B, L, D)
         B, N, L = hidden.shape[0], hidden.shape[1], context.shape[1]
         mask = cond.get("text_mask")
-        img_freqs, txt_freqs = tr.pos_embed([self.img_shapes()], max_txt_seq_len=L, device=x.device)
+        img_freqs, txt_freqs = tr.pos_embed([self.img_shapes(grid)], max_txt_seq_len=L, device=x.device)
         per_token = {"rope": torch.view_as_real(img_freqs[:N]).unsqueeze(0).expand(B, -1, -1, -1)}  # (B,N,Dh/2,2)
         if self.zero_cond_t:     # the target's tokens take the t rows (index 0)
             per_token["modulate_index"] = torch.zeros(B, N, dtype=torch.int, device=x.device)
@@ -228,7 +230,7 @@ class QwenImageFamily(RoutedFamily):
         if self.kontext:            # never routed: the reference tokens travel with the text as context
             context = (context, tr.img_in(self.pack(cond["reference"])))             # (B, L, D), (B, N, D)
             extra["ref_freqs"] = img_freqs[N:]
-        return Embedded(hidden, context, per_token, extra)
+        return Embedded(hidden, context, per_token, extra, grid)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         temb, txt_freqs, mask = emb.extra["temb"], emb.extra["txt_freqs"], emb.extra["mask"]
@@ -256,20 +258,20 @@ class QwenImageFamily(RoutedFamily):
         tr, temb = self.transformer, emb.extra["temb"]
         if self.zero_cond_t:
             temb = temb.chunk(2, dim=0)[0]
-        return self.unpack(tr.proj_out(tr.norm_out(x, temb)))                       # (B, C, H, W)
+        return self.unpack(tr.proj_out(tr.norm_out(x, temb)), emb.grid)             # (B, C, H, W)
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
                           transformer: nn.Module) -> torch.Tensor:
         """diffusers' forward on the inputs as QwenImagePipeline builds them (with edit: QwenImageEditPlusPipeline's
         hidden states [target, reference] and img_shapes, the output's target part kept)."""
-        hidden = self.pack(x)
+        hidden, grid = self.pack(x), self.grid_of(x)
         if self.kontext:
             hidden = torch.cat([hidden, self.pack(cond["reference"])], dim=1)
         mask = cond.get("text_mask")
         out = transformer(hidden_states=hidden, encoder_hidden_states=cond["text"],
                           encoder_hidden_states_mask=None if mask is None else mask.to(torch.bool),
-                          timestep=timestep, img_shapes=[self.img_shapes()] * x.shape[0], return_dict=False)[0]
-        return self.unpack(out[:, :self.num_tokens])
+                          timestep=timestep, img_shapes=[self.img_shapes(grid)] * x.shape[0], return_dict=False)[0]
+        return self.unpack(out[:, :grid[1] * grid[2]], grid)
 
 
 FAMILY = QwenImageFamily

@@ -181,9 +181,8 @@ class SanaFamily(RoutedFamily):
         return g * self.transformer.config.guidance_embeds_scale
 
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
-        tr = self.transformer
-        B, p = x.shape[0], int(tr.config.patch_size)
-        h, w = x.shape[-2] // p, x.shape[-1] // p
+        tr, B, grid = self.transformer, x.shape[0], self.grid_of(x)
+        _, h, w = grid
         hidden = tr.patch_embed(x)                                      # (B, N, D) (+ sincos table if any)
         guidance = self._guidance(B, x.device, cond["text"].dtype)
         if guidance is not None:
@@ -193,12 +192,11 @@ class SanaFamily(RoutedFamily):
         context = tr.caption_projection(cond["text"]).view(B, -1, hidden.shape[-1])
         context = tr.caption_norm(context)                              # (B, L, D)
         grid_pos = torch.arange(h * w, device=x.device).view(1, h * w, 1).expand(B, -1, -1)
-        extra = {"timestep": t6, "embedded_timestep": t_emb, "grid": (h, w),
-                 "mask": mask_bias(cond.get("text_mask"), x.dtype)}
-        return Embedded(hidden, context, {"grid_pos": grid_pos}, extra)
+        extra = {"timestep": t6, "embedded_timestep": t_emb, "mask": mask_bias(cond.get("text_mask"), x.dtype)}
+        return Embedded(hidden, context, {"grid_pos": grid_pos}, extra, grid)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
-        t6, mask, grid = emb.extra["timestep"], emb.extra["mask"], emb.extra["grid"]
+        t6, mask, grid = emb.extra["timestep"], emb.extra["mask"], emb.grid[1:]
 
         def run(block: nn.Module) -> Callable[..., Any]:
             def fn(x: torch.Tensor, context: torch.Tensor, tok: Mapping[str, torch.Tensor]):
@@ -210,8 +208,7 @@ class SanaFamily(RoutedFamily):
     def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
         tr = self.transformer
         x = tr.proj_out(tr.norm_out(x, emb.extra["embedded_timestep"], tr.scale_shift_table))
-        h, w = emb.extra["grid"]
-        return unpack_patches(x, (1, h, w), self.latent_patch(), tr.config.out_channels or self.out_channels
+        return unpack_patches(x, emb.grid, self.latent_patch(), tr.config.out_channels or self.out_channels
                               ).squeeze(2)
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],

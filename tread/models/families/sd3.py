@@ -5,10 +5,11 @@ built with context_pre_only=True: it reads the text stream but returns none, so 
 (the context after it is None, and nothing follows but the output layer).
 
 Latents (B, C, H, W) go through diffusers' own `pos_embed` (PatchEmbed: conv patchify + the centre
-crop of the fixed 2-D sin-cos table), so every image token already carries its absolute position
-before the first block: routing gathers hidden states only, no per-token position tables are needed
-and `per_token` is empty. The conditioning is per sample (temb = timestep + pooled text), so kept
-tokens need nothing else to be gathered with them.
+h x w crop of the fixed pos_embed_max_size^2 2-D sin-cos table, `cropped_pos_embed`: any grid up to
+pos_embed_max_size a side, square or not, gets diffusers' positions; larger ones are refused, check_grid),
+so every image token already carries its absolute position before the first block: routing gathers
+hidden states only, no per-token position tables are needed and `per_token` is empty. The conditioning
+is per sample (temb = timestep + pooled text), so kept tokens need nothing else to be gathered with them.
 
 SD3.5 blocks with dual attention (`dual_attention_layers`) run a second, image-only self-attention
 (attn2) after the joint one; under a route it simply attends over the kept image tokens. QK-norm
@@ -29,7 +30,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
+from tread.models.families.base import Embedded, FamilyConfigError, Grid, RoutedFamily, cond32, unpack_patches
 
 CLIP_TOKENS = 77   # the SD3 text embeddings: 77 CLIP positions, then the T5 output (tread/encoders/text.py)
 
@@ -109,6 +110,18 @@ class SD3Family(RoutedFamily):
             raise FamilyConfigError(f"model.config.dual_attention_layers={list(c.dual_attention_layers)} has "
                                     f"indices {bad} outside the {c.num_layers} blocks (0..{c.num_layers - 1}).")
 
+    def check_grid(self, grid: Grid) -> None:
+        """diffusers' PatchEmbed crops the centre h x w of its pos_embed_max_size^2 sin-cos table (cropped_pos_embed),
+        so neither side may exceed pos_embed_max_size."""
+        _, h, w = grid
+        side, p = self.transformer.config.pos_embed_max_size, int(self.transformer.config.patch_size)
+        if max(h, w) > side:
+            raise FamilyConfigError(
+                f"model.family=sd3: latents {h * p}x{w * p} make a {h}x{w} "
+                f"token grid, beyond the {side}x{side} position table (model.config.pos_embed_max_size={side}); "
+                f"allowed: token grid sides <= {side} (a fresh model: set model.config.pos_embed_max_size >= "
+                f"{max(h, w)}).")
+
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
 
@@ -116,11 +129,11 @@ class SD3Family(RoutedFamily):
         return noise_level   # the SD3 pipeline passes sigma * 1000; the embedding does not rescale
 
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
-        tr = self.transformer
-        hidden = tr.pos_embed(x).contiguous()                  # (B, N, D), absolute positions added
+        tr, grid = self.transformer, self.grid_of(x)
+        hidden = tr.pos_embed(x).contiguous()                  # (B, N, D), the centre crop's positions added
         temb = tr.time_text_embed(timestep, cond["pooled"])    # (B, D)
         context = tr.context_embedder(cond["text"])            # (B, L, D)
-        return Embedded(hidden, context, {}, {"temb": temb})
+        return Embedded(hidden, context, {}, {"temb": temb}, grid)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         temb = emb.extra["temb"]
@@ -137,7 +150,7 @@ class SD3Family(RoutedFamily):
         tr = self.transformer
         out = tr.proj_out(tr.norm_out(x, emb.extra["temb"]))   # (B, N, p*p*C), features (p, q, C)
         p = int(tr.config.patch_size)
-        return unpack_patches(out, self.token_grid, (1, p, p), tr.out_channels).squeeze(2)
+        return unpack_patches(out, emb.grid, (1, p, p), tr.out_channels).squeeze(2)
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
                           transformer: nn.Module) -> torch.Tensor:

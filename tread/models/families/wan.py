@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
+from tread.models.families.base import Embedded, FamilyConfigError, Grid, RoutedFamily, cond32, unpack_patches
 
 WAN_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 8 blocks, width 64 (4 heads x 16), umT5 stand-in of width 32.
@@ -100,6 +100,15 @@ class WanFamily(RoutedFamily):
                 f"model.config.image_dim={c.image_dim} / added_kv_proj_dim={c.added_kv_proj_dim}: image-conditioned "
                 f"Wan (I2V, CLIP image tokens) is not supported; allowed: null (text-to-video / TI2V models).")
 
+    def check_grid(self, grid: Grid) -> None:
+        """WanRotaryPosEmbed slices its rope_max_seq_len rows per axis: no side (frames included) may exceed it."""
+        limit, (pt, ph, pw), (t, h, w) = self.transformer.config.rope_max_seq_len, self.latent_patch(), grid
+        if max(grid) > limit:
+            raise FamilyConfigError(
+                f"model.family=wan: latents {h * ph}x{w * pw} x {t * pt} frames make a {h}x{w} x {t} token grid, "
+                f"beyond the RoPE table (model.config.rope_max_seq_len={limit}); allowed: token grid sides (frames "
+                f"included) <= {limit}.")
+
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.blocks)
 
@@ -121,10 +130,7 @@ class WanFamily(RoutedFamily):
         return timestep
 
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
-        tr = self.transformer
-        B, _, T, H, W = x.shape
-        pt, ph, pw = self.latent_patch()
-        grid = (T // pt, H // ph, W // pw)
+        tr, B, grid = self.transformer, x.shape[0], self.grid_of(x)
         cos, sin = tr.rope(x)                                                        # (1, N, 1, Dh) each
         hidden = tr.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()       # (B, N, D)
         N = hidden.shape[1]
@@ -133,12 +139,12 @@ class WanFamily(RoutedFamily):
         temb, proj, context, _ = tr.condition_embedder(timestep.flatten() if per_tok else timestep, self._text(cond),
                                                        None, timestep_seq_len=N if per_tok else None)
         per_token = {"rope_cos": cos.expand(B, -1, -1, -1), "rope_sin": sin.expand(B, -1, -1, -1)}
-        extra: dict[str, Any] = {"temb": temb, "grid": grid}
+        extra: dict[str, Any] = {"temb": temb}
         if per_tok:
             per_token["timestep_proj"] = proj.unflatten(2, (6, -1))                  # (B, N, 6, D)
         else:
             extra["timestep_proj"] = proj.unflatten(1, (6, -1))                      # (B, 6, D)
-        return Embedded(hidden, context, per_token, extra)
+        return Embedded(hidden, context, per_token, extra, grid)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         shared_proj = emb.extra.get("timestep_proj")
@@ -159,12 +165,12 @@ class WanFamily(RoutedFamily):
         else:                   # per sample (B, D)
             shift, scale = (tr.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         x = (tr.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
-        return unpack_patches(tr.proj_out(x), emb.extra["grid"], self.latent_patch(), self.out_channels)
+        return unpack_patches(tr.proj_out(x), emb.grid, self.latent_patch(), self.out_channels)
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
                           transformer: nn.Module) -> torch.Tensor:
-        pt, ph, pw = self.latent_patch()
-        N = (x.shape[2] // pt) * (x.shape[3] // ph) * (x.shape[4] // pw)
+        T, h, w = self.grid_of(x)
+        N = T * h * w
         return transformer(hidden_states=x, timestep=self._timestep(timestep, N),
                            encoder_hidden_states=self._text(cond), return_dict=False)[0]
 

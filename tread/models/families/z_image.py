@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32, unpack_patches
+from tread.models.families.base import Embedded, FamilyConfigError, Grid, RoutedFamily, cond32, unpack_patches
 
 SEQ_MULTI_OF = 32   # diffusers transformer_z_image.SEQ_MULTI_OF: every sequence is padded to a multiple of it
 
@@ -127,6 +127,16 @@ class ZImageFamily(RoutedFamily):
                                     f"(data.resolution={self.input_size} / patch {self.patch}); axes_lens[1] and "
                                     f"axes_lens[2] must be at least {side}.")
 
+    def check_grid(self, grid: Grid) -> None:
+        """RopeEmbedder looks rows and columns up in tables of axes_lens[1] / axes_lens[2] positions."""
+        _, h, w = grid
+        lens = list(self.transformer.config.axes_lens)
+        if h > lens[1] or w > lens[2]:
+            raise FamilyConfigError(
+                f"model.family=z_image: latents {h * self.patch}x{w * self.patch} make a {h}x{w} token grid, beyond "
+                f"the RoPE tables (model.config.axes_lens={lens}); allowed: rows <= axes_lens[1]={lens[1]} and "
+                f"columns <= axes_lens[2]={lens[2]}.")
+
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.layers)
 
@@ -164,9 +174,8 @@ class ZImageFamily(RoutedFamily):
 
     # -- the three steps --------------------------------------------------------------------------------------
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
-        tr, dev = self.transformer, x.device
-        B = x.shape[0]
-        _, h, w = self.token_grid
+        tr, dev, grid = self.transformer, x.device, self.grid_of(x)
+        B, (_, h, w) = x.shape[0], grid
         N = h * w
         P = (-N) % SEQ_MULTI_OF                                                  # image pad tokens
         adaln = tr.t_embedder((1 - timestep) * tr.t_scale).type_as(x)             # pipeline: t = 1 - sigma
@@ -213,7 +222,7 @@ class ZImageFamily(RoutedFamily):
 
         joint_mask = None if cap_mask is None else torch.cat([cap_mask.new_ones(B, P), cap_mask], 1)  # pads + cap
         extra = {"adaln": adaln, "ctx_freqs": torch.cat([img_freqs[:, N:], cap_freqs], 1), "ctx_mask": joint_mask}
-        return Embedded(seq[:, :N], (seq[:, N:], cap), {"rope": img_freqs[:, :N]}, extra)
+        return Embedded(seq[:, :N], (seq[:, N:], cap), {"rope": img_freqs[:, :N]}, extra, grid)
 
     def block_fns(self, emb: Embedded) -> list[Callable[..., Any]]:
         adaln, ctx_freqs, ctx_mask = emb.extra["adaln"], emb.extra["ctx_freqs"], emb.extra["ctx_mask"]
@@ -232,8 +241,7 @@ class ZImageFamily(RoutedFamily):
 
     def head(self, x: torch.Tensor, emb: Embedded) -> torch.Tensor:
         out = self.transformer.all_final_layer[self.key](x, c=emb.extra["adaln"])   # (B, N, p*p*C)
-        _, h, w = self.token_grid
-        img = unpack_patches(out, (1, h, w), (1, self.patch, self.patch), self.out_channels).squeeze(2)
+        img = unpack_patches(out, emb.grid, (1, self.patch, self.patch), self.out_channels).squeeze(2)
         return -img                                       # the pipeline's noise_pred = -output: velocity noise - x0
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],

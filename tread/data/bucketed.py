@@ -1,0 +1,280 @@
+"""Bucketed latent datasets: images of mixed aspect ratios and sizes, each encoded at its bucket's shape
+(tread/data/buckets.py), stored as one latent dataset (tread/data/meta.py) per bucket under one folder:
+
+    meta.json    {"format": "tread-buckets", "version": 1, "vae_factor": 8, "bucket_stride": 16,
+                  "buckets": [{"name": "768x512", "path": "768x512", "image_size": [512, 768],
+                               "num_samples": n, "crops": "768x512/crops.npy"}, ...],
+                  "source": "...", ...extra keys}
+    768x512/     a latent dataset at that bucket's latent shape (C, 512 / 8, 768 / 8), meta.json, latents.npy, ...
+    768x512/crops.npy   (n, 6) int32 per sample: CROP_COLUMNS (original size, resized size, crop top-left)
+
+The buckets share everything but their shape: channels, classes, latent scale and kind, decoding, and which
+conditioning files they hold (checked on opening). BucketedDataset reads them as one dataset whose index runs
+through the buckets in order; a batch (`__getitems__`) comes from one bucket, as BucketBatchSampler draws them.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from tread.utils.io import atomic_write, atomic_write_json
+from tread.utils.readers import read_json, read_npy
+
+from .buckets import CROP_COLUMNS, Bucket, BucketError
+from .loader import PHASE_STRIDE, BucketBatchSampler, EpochBatch, PhasedSampler
+from .meta import FIX_META, LatentDatasetExistsError, PathLike
+from .reader import LatentDataset
+from .writer import write_latent_dataset
+
+BUCKETS_FORMAT, BUCKETS_VERSION = "tread-buckets", 1
+SHARED_META = ("num_classes", "latent_scale", "decode", "class_names", "dtype")   # equal in every bucket
+
+
+def is_bucketed(path: PathLike) -> bool:
+    """Whether `path` holds a bucketed dataset (its meta.json says format tread-buckets)."""
+    meta = Path(path).expanduser() / "meta.json"
+    return meta.is_file() and f'"{BUCKETS_FORMAT}"' in meta.read_text(errors="replace")[:4096]
+
+
+def _entry_problem(entry: Any) -> Optional[str]:
+    if not isinstance(entry, dict):
+        return "an object"
+    for key in ("name", "path"):
+        if not isinstance(entry.get(key), str) or not entry[key] or "/" in entry[key] or entry[key].startswith("."):
+            return f"an object whose '{key}' is a plain folder name"
+    size = entry.get("image_size")
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size)):
+        return "an object with 'image_size': [height, width] in pixels"
+    if not isinstance(entry.get("num_samples"), int) or entry["num_samples"] < 1:
+        return "an object with 'num_samples' >= 1"
+    return None
+
+
+def read_buckets_meta(root: Path) -> dict:
+    """The bucketed meta.json, checked: format, version and every bucket entry."""
+    where = root / "meta.json"
+    meta = read_json(where, "", "a JSON object (the bucketed dataset's description)", BucketError, FIX_META)
+    if not isinstance(meta, dict) or meta.get("format") != BUCKETS_FORMAT or meta.get("version") != BUCKETS_VERSION:
+        raise BucketError(f"{where}: not a v{BUCKETS_VERSION} '{BUCKETS_FORMAT}' description. {FIX_META}")
+    buckets = meta.get("buckets")
+    if not isinstance(buckets, list) or not buckets:
+        raise BucketError(f"{where}: key 'buckets' is {buckets!r} but must be a non-empty list. {FIX_META}")
+    for i, entry in enumerate(buckets):
+        problem = _entry_problem(entry)
+        if problem:
+            raise BucketError(f"{where}: buckets[{i}] is {entry!r} but must be {problem}. {FIX_META}")
+    return meta
+
+
+class BucketedDataset(torch.utils.data.Dataset):
+    """A bucketed dataset read as one: items as LatentDataset's, indices running through the buckets in order;
+    `__getitems__` takes the indices of one bucket (a batch of one shape)."""
+
+    def __init__(self, path: PathLike, expected_channels: Optional[int] = None,
+                 expected_num_classes: Optional[int] = None):
+        self.root = Path(path).expanduser().absolute()
+        self._buckets_meta = read_buckets_meta(self.root)
+        self.entries = self._buckets_meta["buckets"]
+        self.parts = [LatentDataset(self.root / e["path"], expected_channels, None, expected_num_classes)
+                      for e in self.entries]
+        self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
+        self._check_parts()
+
+    def _check_parts(self) -> None:
+        first = self.parts[0]
+        for entry, part in zip(self.entries, self.parts):
+            if len(part) != entry["num_samples"]:
+                raise BucketError(f"bucket '{entry['name']}' at '{part.root}' holds {len(part)} samples but "
+                                  f"'{self.root / 'meta.json'}' says {entry['num_samples']}. {FIX_META}")
+            differ = [k for k in SHARED_META if part.meta.get(k) != first.meta.get(k)]
+            if part.channels != first.channels or part.latent_kind != first.latent_kind:
+                differ.append("shape[0] / latent_kind")
+            if {k for k, v in part.conditioning.items() if v} != {k for k, v in first.conditioning.items() if v}:
+                differ.append("conditioning files")
+            if differ:
+                raise BucketError(f"buckets '{self.entries[0]['name']}' and '{entry['name']}' of '{self.root}' differ "
+                                  f"in {', '.join(differ)}: the buckets of one dataset share all but their shape. "
+                                  f"Rebuild it with scripts/precompute_latents.py --buckets/--bucket-pixels.")
+
+    # -- what the training code reads of a dataset (LatentMeta's interface, shape aside) ----------------------
+    @property
+    def meta(self) -> dict:
+        """The first bucket's meta: the keys every bucket shares (its "shape" is that bucket's)."""
+        return self.parts[0].meta
+
+    @property
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Model-space latent shape (C, h, w) of each bucket."""
+        return [p.shape for p in self.parts]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        raise BucketError(f"data at '{self.root}' is bucketed ({len(self.parts)} shapes: "
+                          f"{', '.join(e['name'] for e in self.entries)}): it has no single shape")
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [Bucket(*e["image_size"]) for e in self.entries]
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        return [len(p) for p in self.parts]
+
+    @property
+    def channels(self) -> int:
+        return self.parts[0].channels
+
+    @property
+    def num_classes(self) -> int:
+        return self.parts[0].num_classes
+
+    @property
+    def latent_scale(self) -> float:
+        return self.parts[0].latent_scale
+
+    @property
+    def latent_kind(self) -> str:
+        return self.parts[0].latent_kind
+
+    @property
+    def conditioning(self) -> dict[str, Any]:
+        return self.parts[0].conditioning
+
+    @property
+    def has_extras(self) -> bool:
+        return self.parts[0].has_extras
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def bucket_of(self, index: int) -> int:
+        return int(np.searchsorted(self.offsets, index, side="right")) - 1
+
+    def crops(self, bucket: int) -> np.ndarray:
+        """(n, 6) int32 crop records of a bucket's samples (CROP_COLUMNS), checked against its sample count."""
+        entry = self.entries[bucket]
+        file = self.root / str(entry.get("crops") or f"{entry['path']}/crops.npy")
+        arr = read_npy(file, "cannot read crops file", mmap=False, error=BucketError, hint=FIX_META)
+        if arr.shape != (entry["num_samples"], len(CROP_COLUMNS)) or not np.issubdtype(arr.dtype, np.integer):
+            raise BucketError(f"'{file}' holds a {arr.dtype} array of shape {list(arr.shape)} but must be integer of "
+                              f"shape [{entry['num_samples']}, {len(CROP_COLUMNS)}] ({', '.join(CROP_COLUMNS)})")
+        return arr
+
+    def __getitem__(self, index: int):
+        b = self.bucket_of(int(index))
+        return self.parts[b][int(index) - int(self.offsets[b])]
+
+    def __getitems__(self, indices: Sequence[int]):
+        idx = np.asarray(indices, dtype=np.int64)
+        b = self.bucket_of(int(idx[0]))
+        if not (self.offsets[b] <= idx).all() or not (idx < self.offsets[b + 1]).all():
+            raise ValueError(f"a batch of a bucketed dataset must come from one bucket (BucketBatchSampler); "
+                             f"indices {idx.tolist()[:8]} span several")
+        local = (idx - self.offsets[b]).tolist()
+        if hasattr(indices, "epoch"):   # a loader batch: its epoch and seed, and where this bucket starts (captions)
+            local = EpochBatch(local, indices.epoch, indices.seed, indices.index_base + int(self.offsets[b]))
+        return self.parts[b].__getitems__(local)
+
+
+
+def phase_buckets(dataset: BucketedDataset, schedule: Sequence[Any]) -> list[tuple[int, list[int]]]:
+    """A resolution schedule -> [(first step, bucket indices)] per phase. Each phase {until_step, min_pixels,
+    max_pixels} draws from the buckets whose image area lies in [min_pixels, max_pixels] (null: no bound), up to
+    its until_step (null: to the end); one error line for a phase without buckets or steps out of order."""
+    phases, start = [], 0
+    for i, phase in enumerate(schedule):
+        lo, hi, until = phase.get("min_pixels"), phase.get("max_pixels"), phase.get("until_step")
+        chosen = [b for b, bucket in enumerate(dataset.buckets)
+                  if (lo is None or bucket.area >= lo) and (hi is None or bucket.area <= hi)]
+        if not chosen:
+            raise BucketError(f"data.resolution_schedule[{i}] ({dict(phase)}) selects no bucket of '{dataset.root}' "
+                              f"(bucket areas: {', '.join(f'{b.name}={b.area}' for b in dataset.buckets)})")
+        if (until is None) != (i == len(schedule) - 1) or (until is not None and until <= start):
+            raise BucketError(f"data.resolution_schedule[{i}].until_step={until!r}: the phases' until_step must "
+                              f"increase, and only the last phase has until_step null (it runs to the end)")
+        phases.append((start, chosen))
+        start = until if until is not None else start
+    return phases
+
+
+def make_sampler(dataset: BucketedDataset, batch_size: int, seed: int, rank: int, world_size: int,
+                 schedule: Optional[Sequence[Any]] = None, batches_per_step: int = 1):
+    """The batch sampler of a bucketed dataset: BucketBatchSampler, or with a resolution schedule a
+    PhasedSampler (phase p from batch first_step * batches_per_step, seeded seed + PHASE_STRIDE * p)."""
+    sizes = dataset.bucket_sizes
+    if not schedule:
+        return BucketBatchSampler(sizes, batch_size, seed, rank, world_size)
+    return PhasedSampler([(step * batches_per_step,
+                           BucketBatchSampler(sizes, batch_size, seed + PHASE_STRIDE * p, rank, world_size, chosen))
+                          for p, (step, chosen) in enumerate(phase_buckets(dataset, schedule))])
+
+
+class BucketedWriter:
+    """Writes a bucketed dataset atomically: every bucket into a hidden staging folder beside `out`, which is
+    renamed into place with its meta.json when the `with` block ends without error (removed otherwise). Each
+    bucket's latent dataset is written at `bucket_dir(bucket)` (by LatentDatasetWriter / write_latent_dataset),
+    then `add(bucket, crops)` records it."""
+
+    def __init__(self, out: PathLike, vae_factor: int, stride: int, **extra_meta: Any):
+        self.out = Path(out).expanduser().absolute()
+        if self.out.exists() and not (self.out.is_dir() and not any(self.out.iterdir())):
+            raise LatentDatasetExistsError(f"'{self.out}' already exists; refusing to overwrite it. Delete it or choose another "
+                              f"path.")
+        self.meta = {"format": BUCKETS_FORMAT, "version": BUCKETS_VERSION, "vae_factor": vae_factor,
+                     "bucket_stride": stride, "buckets": [], **extra_meta}
+        self.staging: Optional[Path] = None
+
+    def __enter__(self) -> "BucketedWriter":
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.staging = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        return self
+
+    def bucket_dir(self, bucket: Bucket) -> Path:
+        return self.staging / bucket.name
+
+    def add(self, bucket: Bucket, crops: np.ndarray) -> None:
+        crops = np.asarray(crops, dtype=np.int32)
+        atomic_write(self.bucket_dir(bucket) / "crops.npy", lambda f: np.save(f, crops), fsync=True)
+        self.meta["buckets"].append({"name": bucket.name, "path": bucket.name, "image_size": [bucket.height,
+                                     bucket.width], "num_samples": int(len(crops)), "crops": f"{bucket.name}/crops.npy",
+                                     "crop_columns": list(CROP_COLUMNS)})
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None or not self.meta["buckets"]:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            if exc_type is None:
+                raise BucketError(f"no bucket was written to '{self.out}'")
+            return
+        atomic_write_json(self.staging / "meta.json", self.meta, fsync=True)
+        try:
+            if self.out.is_dir() and not any(self.out.iterdir()):
+                self.out.rmdir()                              # the empty folder __init__ allowed
+            self.staging.rename(self.out)
+        except OSError as err:                                # another process renamed its copy into place first
+            shutil.rmtree(self.staging, ignore_errors=True)
+            if self.out.exists():
+                raise LatentDatasetExistsError(f"'{self.out}' was written by another process meanwhile") from err
+            raise
+
+
+def write_bucketed_dataset(out: PathLike, parts: Sequence[Mapping[str, Any]], *, vae_factor: int = 1,
+                           stride: int = 1, source: str = "", builtin: Optional[dict] = None, **common: Any) -> Path:
+    """A bucketed dataset from whole arrays: parts [{"bucket": Bucket, "latents": (n, C, h, w), "labels": (n,),
+    "extras": {...} or absent, "crops": (n, 6) or absent (zeros)}], `common` passed to every bucket's
+    write_latent_dataset (num_classes, latent_scale, decode, ...); `builtin`: the built-in generator's parameters,
+    kept in meta.json."""
+    extra = {"builtin": builtin} if builtin is not None else {}
+    with BucketedWriter(out, vae_factor, stride, source=source, **extra) as writer:
+        for part in parts:
+            bucket = part["bucket"]
+            write_latent_dataset(writer.bucket_dir(bucket), part["latents"], part["labels"], source=source,
+                                 extras=part.get("extras"), **common)
+            crops = part.get("crops")
+            writer.add(bucket, np.zeros((len(part["labels"]), len(CROP_COLUMNS)), np.int32) if crops is None
+                       else crops)
+    return Path(out).expanduser().absolute()

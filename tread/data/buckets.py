@@ -1,0 +1,154 @@
+"""Aspect-ratio and size buckets: the image sizes a bucketed dataset is encoded at, which bucket each image goes
+to, and the minimal resize and crop that brings it there.
+
+A bucket is an image size (height, width) in pixels, written WIDTHxHEIGHT as image sizes are ("768x512" is
+landscape). Its sides are multiples of the bucket stride: the VAE's downsampling factor times the model's patch
+side (8 x 2 = 16 for SD-VAE / FLUX / SD3 latents with 2x2 patches), so every bucket is a whole token grid.
+
+Buckets come from a list (`parse_buckets`) or from pixel budgets (`derive_buckets`): for each budget A, every
+width w = stride, 2 stride, ... with the largest height h (a multiple of the stride) such that w * h <= A,
+keeping the aspect ratios within [1 / max_aspect, max_aspect]. Several budgets give mixed-area buckets
+(multi-resolution).
+
+Assignment (`assign_bucket`): among the buckets an image fills without upscaling, the one closest in aspect ratio
+(|log(aspect / bucket aspect)|, rounded to 1e-6 so ties are ties), then the largest; an image smaller than every
+bucket goes to the closest aspect, then the smallest (the least upscaling). So large images land in the large
+buckets and small ones in the small buckets of a multi-resolution list, each at its own shape.
+
+Resize and crop (`fit_crop`): ADM's recipe generalised to a rectangle: halve with BOX filtering while both sides
+are at least twice the bucket's, resize with BICUBIC by the one scale that makes the image cover the bucket
+(max(bw / W, bh / H), sides rounded, never below the bucket), then cut the centre. For a square bucket this is
+exactly `center_crop_arr` (tests/test_buckets.py). The crop record is SDXL's micro-conditioning: the original size,
+the size after resizing, and the crop's top-left corner in the resized image (diffusers' SDXL training script's
+`original_size`, `crop_top_left`; the target size is the bucket).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from PIL import Image
+
+from .meta import LatentDatasetError
+
+CROP_COLUMNS = ("original_height", "original_width", "resized_height", "resized_width", "crop_top", "crop_left")
+_SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+class BucketError(LatentDatasetError):
+    """A bucket list, pixel budget or bucketed dataset that cannot be used."""
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """An image size in pixels (sorted by height, then width)."""
+
+    height: int
+    width: int
+
+    @property
+    def name(self) -> str:
+        """WIDTHxHEIGHT, as image sizes are written."""
+        return f"{self.width}x{self.height}"
+
+    @property
+    def area(self) -> int:
+        return self.height * self.width
+
+    @property
+    def aspect(self) -> float:
+        """width / height."""
+        return self.width / self.height
+
+    def latent(self, factor: int) -> tuple[int, int]:
+        """(height, width) of its latents under a VAE that downsamples by `factor`."""
+        return self.height // factor, self.width // factor
+
+
+def parse_buckets(text: str, flag: str = "--buckets") -> list[Bucket]:
+    """'768x512,512x512,...' (WIDTHxHEIGHT, comma-separated) -> distinct buckets in that order."""
+    out: list[Bucket] = []
+    for item in str(text).split(","):
+        match = _SIZE.match(item)
+        if not match or min(int(match[1]), int(match[2])) < 1:
+            raise BucketError(f"{flag}={text!r} is not valid: {item.strip()!r} is not WIDTHxHEIGHT in pixels; "
+                              f"expected a comma-separated list such as '768x512,512x512,512x768'")
+        bucket = Bucket(height=int(match[2]), width=int(match[1]))
+        if bucket in out:
+            raise BucketError(f"{flag}={text!r} lists {bucket.name} twice; list each size once")
+        out.append(bucket)
+    return out
+
+
+def check_stride(buckets: Sequence[Bucket], stride: int, flag: str, why: str) -> None:
+    """Every bucket side a multiple of `stride` (`why` says where the stride comes from), else one error."""
+    off = [b.name for b in buckets if b.height % stride or b.width % stride]
+    if off:
+        raise BucketError(f"{flag}: bucket(s) {', '.join(off)} are off the bucket stride {stride} ({why}); every "
+                          f"side must be a multiple of {stride}, e.g. "
+                          f"{_round_to(buckets[0].width, stride)}x{_round_to(buckets[0].height, stride)}")
+
+
+def _round_to(value: int, stride: int) -> int:
+    return max(stride, int(round(value / stride)) * stride)
+
+
+def derive_buckets(pixel_budgets: Sequence[int], stride: int, max_aspect: float = 2.0) -> list[Bucket]:
+    """The buckets of each pixel budget (see the module doc), sorted; one error if a budget gives none."""
+    if max_aspect < 1:
+        raise BucketError(f"--max-aspect={max_aspect} is not valid: a number >= 1 (the widest width/height allowed)")
+    found: set[Bucket] = set()
+    for budget in pixel_budgets:
+        side = math.isqrt(budget) // stride * stride
+        if side < stride:
+            raise BucketError(f"--bucket-pixels={budget} is not valid: it must hold at least one {stride}x{stride} "
+                              f"bucket (the bucket stride), e.g. {stride * stride * 64} ({stride * 8}x{stride * 8})")
+        for width in range(stride, budget // stride + 1, stride):
+            height = budget // width // stride * stride
+            if height >= stride and 1 / max_aspect <= width / height <= max_aspect:
+                found.add(Bucket(height, width))
+    return sorted(found)
+
+
+def assign_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> int:
+    """The index in `buckets` of the bucket an image of this size goes to (see the module doc)."""
+    def aspect_gap(b: Bucket) -> float:
+        return round(abs(math.log((width / height) / b.aspect)), 6)
+
+    fits = [i for i, b in enumerate(buckets) if b.width <= width and b.height <= height]
+    if fits:
+        return min(fits, key=lambda i: (aspect_gap(buckets[i]), -buckets[i].area, i))
+    return min(range(len(buckets)), key=lambda i: (aspect_gap(buckets[i]), buckets[i].area, i))
+
+
+def fit_crop(pil_image: Image.Image, bucket: Bucket) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 (bucket.height, bucket.width, 3) RGB, int32 crop record (CROP_COLUMNS)) by the module doc's recipe."""
+    image = pil_image.convert("RGB")
+    original = image.size                                              # (W, H)
+    while image.size[0] >= 2 * bucket.width and image.size[1] >= 2 * bucket.height:
+        image = image.resize(tuple(side // 2 for side in image.size), resample=Image.BOX)
+    scale = max(bucket.width / image.size[0], bucket.height / image.size[1])
+    size = (max(bucket.width, round(image.size[0] * scale)), max(bucket.height, round(image.size[1] * scale)))
+    image = image.resize(size, resample=Image.BICUBIC)
+    arr = np.asarray(image)
+    top, left = (arr.shape[0] - bucket.height) // 2, (arr.shape[1] - bucket.width) // 2
+    crop = np.array([original[1], original[0], size[1], size[0], top, left], dtype=np.int32)
+    return np.ascontiguousarray(arr[top:top + bucket.height, left:left + bucket.width]), crop
+
+
+def mirrored_crop(crop: np.ndarray, bucket: Bucket) -> np.ndarray:
+    """The crop record of the horizontally flipped copy: the crop's left edge measured from the other side."""
+    out = np.array(crop, dtype=np.int32, copy=True)
+    out[..., 5] = out[..., 3] - bucket.width - out[..., 5]
+    return out
+
+
+def histogram(counts: Sequence[int], buckets: Sequence[Bucket], width: int = 30) -> str:
+    """One line per bucket: its name, its image count and a bar (for logs and notes)."""
+    top = max(counts) or 1
+    return "\n".join(f"  {b.name:>11}  {n:6d}  {'#' * max(1 if n else 0, round(width * n / top))}"
+                     for b, n in zip(buckets, counts))
+
