@@ -61,6 +61,8 @@ class ValidationPrompts:
         return torch.cat([letterbox(im, height, width) for im in images]), captions
 
     def save(self, images: torch.Tensor, captions: list[str], step: int, samples_dir: Path) -> Path:
-        """The captioned grid (one row per prompt when there are several seeds per prompt); returns its path."""
-        nrow = len(self.seeds) if len(self.seeds) > 1 else None
+        """The captioned grid (one row per bucket with several shapes, else one row per prompt when there are several
+        seeds per prompt); returns its path."""
+        per_shape = len(self.embeddings.prompts) * len(self.seeds)     # several shapes (buckets): one row each
+        nrow = per_shape if len(self.shapes) > 1 else len(self.seeds) if len(self.seeds) > 1 else None
         return save_captioned_grid(images, captions, Path(samples_dir) / f"validation_step_{step:07d}.png", nrow=nrow)
