@@ -131,6 +131,8 @@ def test_resume_refuses_another_architecture_and_lists_other_changes(trained, tm
     run = copy_run(trained, tmp_path)
     with pytest.raises(Exception, match=r"model.arch: 'DiT-T/4' -> 'DiT-S/4'"):
         train(tiny_cfg(*QUIET, "train.max_steps=6", "resume=auto", "model.arch=DiT-S/4"), run)
+    with pytest.raises(Exception, match=r"would change the optimizer \(torch.optim.AdamW -> torchao.optim.AdamW8bit\)"):
+        train(tiny_cfg(*QUIET, "train.max_steps=6", "resume=auto", "optimizer=adamw8bit"), run)
     summary = train(tiny_cfg(*QUIET, "train.max_steps=6", "resume=auto", "train.batch_size=4",
                              "routing.routes.0.selection_ratio=0.25"), run)
     assert summary["config_changes"]["train.batch_size"] == [8, 4]

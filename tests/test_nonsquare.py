@@ -276,7 +276,7 @@ def test_sprint_at_a_non_square_grid():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["dit", "flux"])
+@pytest.mark.parametrize("family", ["dit"])     # FLUX gives the same counts (docs/buckets.md): 19 s more of CI
 def test_compiled_model_one_graph_per_bucket_shape(family):
     """model.compile (as train.compile does it: RoutedBackbone.compile, aot_eager here) over two bucket shapes: one
     graph per shape, no graph break, and no recompile when a shape comes back."""

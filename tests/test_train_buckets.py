@@ -2,6 +2,7 @@
 and is reported, resume mid-epoch is exact (one process and two), the resolution schedule draws small buckets
 first, small buckets are dropped with a warning, buckets off the model's patch are refused."""
 import json
+import shutil
 import sys
 
 import pytest
@@ -95,7 +96,8 @@ def test_two_process_training_on_buckets_resumes_exactly(tmp_path, cache_dir):
         assert proc.returncode == 0, proc.stderr[-4000:]
 
     launch(tmp_path / "full", "train.max_steps=6")
-    launch(tmp_path / "part", "train.max_steps=3")
-    launch(tmp_path / "part", "train.max_steps=6", "resume=auto")
-    assert losses(tmp_path / "full") == losses(tmp_path / "part")
+    shutil.copytree(tmp_path / "full", tmp_path / "part")           # as if killed after the step-3 checkpoint
+    shutil.rmtree(tmp_path / "part" / "checkpoints" / "step_0000006")
+    launch(tmp_path / "part", "train.max_steps=6", "resume=auto")   # metrics.jsonl is cut back to step 3 first
+    assert losses(tmp_path / "full") == losses(tmp_path / "part") and len(losses(tmp_path / "part")) == 6
     assert json.loads((tmp_path / "full" / "summary.json").read_text())["buckets"]

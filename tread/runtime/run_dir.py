@@ -140,13 +140,19 @@ def config_changes(saved: dict, now: dict) -> dict[str, list]:
 
 
 def check_changes(changes: dict[str, list], ckpt: Path) -> None:
-    """Refuse architecture changes, naming the keys; the others are the user's choice."""
+    """Refuse architecture and optimizer changes, naming the keys; the others are the user's choice."""
     arch = [k for k in changes if k.startswith("model.") and not k.startswith(MUTABLE_MODEL_KEYS)]
     if arch:
         shown = ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in arch[:5])
         raise ResumeError(f"resume from '{ckpt}' would change the architecture ({shown}); a checkpoint only "
                           f"continues the model it was trained with. Resume with the checkpoint's model keys, or start "
                           f"a new run (another hydra.run.dir).")
+    if "optimizer._target_" in changes:
+        was, now = changes["optimizer._target_"]
+        raise ResumeError(f"resume from '{ckpt}' would change the optimizer ({was} -> {now}); its saved state only "
+                          f"loads into the optimizer that wrote it. Resume with the checkpoint's optimizer (e.g. "
+                          f"optimizer=adamw for torch.optim.AdamW, adamw8bit for torchao.optim.AdamW8bit), or start a "
+                          f"new run (another hydra.run.dir).")
 
 
 def describe_changes(changes: dict[str, list]) -> str:
