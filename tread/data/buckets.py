@@ -63,10 +63,6 @@ class Bucket:
         """width / height."""
         return self.width / self.height
 
-    def latent(self, factor: int) -> tuple[int, int]:
-        """(height, width) of its latents under a VAE that downsamples by `factor`."""
-        return self.height // factor, self.width // factor
-
 
 def parse_buckets(text: str, flag: str = "--buckets") -> list[Bucket]:
     """'768x512,512x512,...' (WIDTHxHEIGHT, comma-separated) -> distinct buckets in that order."""

@@ -160,10 +160,6 @@ class BucketBatchSampler(EpochSampler):
         order = torch.randperm(len(labels), generator=gen).tolist()
         return [next(queues[labels[i]]) for i in order]
 
-    def bucket_of(self, index: int) -> int:
-        """The bucket a sample index lies in."""
-        return max(b for b, start in enumerate(self.offsets) if start <= index)
-
 
 class PhasedSampler:
     """A resolution schedule: phase p (from its first batch on) draws from its own sampler, seeded apart
