@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # files sharing a session fixture (tests/conftest.py), stays on one worker. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
-.PHONY: setup train test sample benchmark gpu-check gpu-wheels ablation ablation-seeds study precision example example-buckets clean
+.PHONY: setup train test sample benchmark gpu-check gpu-wheels ablation ablation-seeds study precision example example-buckets example-video clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -111,6 +111,26 @@ example-buckets: $(STAMP)
 	$(BIN)/python train.py experiment=flux_buckets data.path=$(abspath $(BUCKETS_DIR))/latents \
 	  model.text_encoders=$(abspath $(EXAMPLE_ENCODERS)) hydra.run.dir=$(BUCKETS_DIR)/run $(ARGS)
 	$(BIN)/python scripts/diffusers_pipeline.py $(BUCKETS_DIR)/run --prompts $(EXAMPLE_PROMPTS)
+
+# The video loop of docs/video.md ("Worked example"), offline on a CPU: moving toy shapes as clips (mp4, GIF and frame
+# folders) of two aspect ratios and two lengths with caption files -> precompute with frame buckets (a tiny fitted
+# Wan VAE, tiny umT5 encoders) -> a Wan LoRA with routing, one bucket per batch -> validation videos -> the exported
+# adapter in diffusers' WanPipeline. The VAE (fitted once, a few minutes) and the encoders are written under .cache.
+VIDEO_DIR := outputs/example/video_$(shell date +%Y%m%d-%H%M%S)
+VIDEO_VAE := .cache/tiny_video_vae
+VIDEO_ENCODERS := .cache/tiny_text_encoders/wan
+VIDEO_SIZES := 32x32,48x32,32x48
+VIDEO_PROMPTS := "a red disc moving right" "a blue triangle moving down"
+example-video: $(STAMP)
+	test -f $(VIDEO_ENCODERS)/model_index.json || $(BIN)/python scripts/tiny_text_encoders.py wan $(VIDEO_ENCODERS)
+	test -f $(VIDEO_VAE)/config.json || OMP_NUM_THREADS=1 $(BIN)/python scripts/tiny_video_vae.py $(VIDEO_VAE) --steps 1000
+	$(BIN)/python scripts/toy_clips.py $(VIDEO_DIR)/clips --sizes $(VIDEO_SIZES) --frames 5,9 --per-class 12
+	$(BIN)/python scripts/precompute_latents.py --videos $(VIDEO_DIR)/clips --out $(VIDEO_DIR)/latents \
+	  --vae $(VIDEO_VAE) --frame-buckets 5,9 --buckets $(VIDEO_SIZES) --bucket-stride 4 --caption-sidecars \
+	  --text-family wan --text-encoders $(VIDEO_ENCODERS) --max-text-length 16 --device cpu --workers 0
+	$(BIN)/python train.py experiment=wan_clips data.path=$(abspath $(VIDEO_DIR))/latents \
+	  model.text_encoders=$(abspath $(VIDEO_ENCODERS)) hydra.run.dir=$(VIDEO_DIR)/run $(ARGS)
+	$(BIN)/python scripts/diffusers_pipeline.py $(VIDEO_DIR)/run --prompts $(VIDEO_PROMPTS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

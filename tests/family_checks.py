@@ -48,6 +48,15 @@ def inputs(model, batch: int = 3, seed: int = 1, frames: Optional[int] = None, s
     return x, noise_level, labels
 
 
+def per_token_timesteps(model, batch: int = 3, seed: int = 4) -> torch.Tensor:
+    """(B, N) timesteps, different per token; for video the first frame's tokens at 0 (the I2V pipeline's)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.rand(batch, model.num_tokens, generator=g) * 1000
+    if model.token_grid[0] > 1:
+        t[:, : model.num_tokens // model.token_grid[0]] = 0.0
+    return t
+
+
 @contextlib.contextmanager
 def capture_routes():
     """Record every gather (x_full, ids) and scatter (x_start, x_kept, ids, out) that run_blocks does."""

@@ -91,6 +91,7 @@ NEW_PIPELINES = {
                                          "img_mlp.net.2"]),
     "lumina2": ("Lumina2Pipeline", ["to_q", "to_k", "to_v", "to_out.0", "linear_1"]),
     "z_image": ("ZImagePipeline", ["to_q", "to_k", "to_v", "to_out.0", "feed_forward.w2"]),
+    "ltx_video": ("LTXPipeline", ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]),
 }
 
 

@@ -35,7 +35,8 @@ SCHEMA_CASES = [
           needles=("model.sprint.end=40 must be a block index in -12..11",)),
     train("dit_key_on_flux", "model=flux", "+model.depth=4", needles=("model.depth is not a known key",)),
     train("wan_key_on_flux", "model=flux", "+model.frames=2",
-          needles=("model.frames is a key of model.family=wan; model.family=flux does not take it",)),
+          needles=("model.frames is a key of model.family=wan | ltx_video | cosmos | hunyuan_video; model.family=flux "
+                  "does not take it",)),
     # DiT architecture overrides: each in its range, and fitting together (DiT-T/4 under debug=tiny)
     train("mlp_ratio_tiny", "+model.mlp_ratio=0.001", needles=("model.mlp_ratio=0.001 is not allowed", "[0.25, 16]")),
     train("mlp_ratio_huge", "+model.mlp_ratio=64", needles=("model.mlp_ratio=64 is not allowed",)),

@@ -197,7 +197,7 @@ def bad_extras(**changes):
     (bad_extras(loss_mask=np.full((4, HM, HM), 300)), r"integer mask, so it must lie in \[0, 255\]"),
     (bad_extras(text=np.full((4, L, D), 1e6)), r"extras\['text'\] .*non-finite .*float16 overflows"),
     (bad_extras(caption=np.zeros(4)), r"unknown key\(s\) \['caption'\]; allowed: \['text', 'text_mask', 'pooled', "
-                                      r"'llama', 'loss_mask', 'reference'\]"),
+                                      r"'llama', 'loss_mask', 'reference', 'first_frame'\]"),
 ])
 def test_write_validates_extras(tmp_path, extras, message):
     x, y = make_latents(4)
@@ -269,9 +269,8 @@ def resave(name, array):
      r"key 'loss_mask' is \{'shape': \[0, 8\]\} but must be an object \{'shape': \[Hm, Wm\]\}"),
     (lambda p: edit_meta(p, lambda m: m.update(conditioning=[1])), r"key 'conditioning' is \[1\]"),
     (lambda p: edit_meta(p, lambda m: m["files"].update(captions="c.npy")),
-     r"key 'files' is .* optionally any of \['llama_embeds', 'loss_mask', 'pooled_embeds', 'reference_latents', "
-     r"'text_embeds', "
-     r"'text_mask'\]"),
+     r"key 'files' is .* optionally any of \['first_frame_latents', 'llama_embeds', 'loss_mask', 'pooled_embeds', "
+     r"'reference_latents', 'text_embeds', 'text_mask'\]"),
 ])
 def test_corrupt_extras_errors_name_file_key_and_value(cond_ds, corrupt, message):
     path = cond_ds[0]
@@ -581,5 +580,6 @@ def test_package_exports():
         assert name not in data.__all__ and not hasattr(data, name)
     for name in ("token_keep_mask", "resize_loss_mask"):  # loss-mask geometry lives next to routing
         assert name in routing.__all__ and hasattr(routing, name)
-    assert TEXT_FAMILIES == OWN_FAMILIES + ("flux2", "qwen_image", "chroma", "sana", "z_image", "lumina2", "hidream")
+    assert TEXT_FAMILIES == OWN_FAMILIES + ("flux2", "qwen_image", "chroma", "sana", "z_image", "lumina2", "hidream",
+                                            "ltx_video", "cosmos", "hunyuan_video")
     assert issubclass(TextEncoderError, EncoderError) and issubclass(TextEncoderError, ValueError)

@@ -322,7 +322,8 @@ def test_build_dataset(tmp_path, monkeypatch):
     assert ds.root == tmp_path / "toy" and len(ds) == 20
     with pytest.raises(LatentDatasetError, match=r"in_channels=4 \(data\.channels\)"):
         build_dataset({**OmegaConf.to_container(cfg), "channels": 4})
-    with pytest.raises(LatentDatasetError, match=r"data\.builtin='mnist'.*\['toy_shapes', 'toy_shapes_buckets', 'toy_shapes_text'\]"):
+    with pytest.raises(LatentDatasetError, match=r"data\.builtin='mnist'.*\['toy_shapes', 'toy_shapes_buckets', "
+                                                   r"'toy_shapes_clips', 'toy_shapes_text'\]"):
         build_dataset({"path": str(tmp_path / "x"), "builtin": "mnist"})
     with pytest.raises(LatentDatasetError, match=r"data\.path is not set"):
         build_dataset(OmegaConf.create({"path": "???", "builtin": None}))

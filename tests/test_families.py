@@ -167,6 +167,48 @@ FAMILIES = {
                        (r"axes_dim_rope=\[4, 4, 4\]", {"config": {"axes_dim_rope": [4, 4, 4]}}),
                        (r"axes_lens=\[300, 2, 2\]", {"config": {"axes_lens": [300, 2, 2]}}),
                        ("num_layers=0", {"config": {"num_layers": 0}}))),
+    "ltx_video": Family(   # 8 blocks of one kind, packed (C, pt, p, p) tokens, fractional 3-D RoPE, T5 + text mask
+        dense=Cases({"image-T1": {}, "video-T3": VIDEO, "video-T3-per-token": PER_TOKEN, "16px-rgb": RGB16,
+                     "frame-rate-12": {**VIDEO, "frame_rate": 12}}),
+        ratio_zero=Cases({"image-T1": {}, "video-T3": VIDEO, "video-T3-per-token": PER_TOKEN}),
+        set_aside=Cases({"image-T1": (SPAN, {}), "video-T3": (SPAN, VIDEO)}),
+        gradients=Cases({"video-T3": (SPAN, VIDEO), "video-T3-per-token": (SPAN, PER_TOKEN)}),
+        force_keep=Cases({"image-T1": (TWO_ROUTES, {}), "video-T3-per-token": (TWO_ROUTES, PER_TOKEN)}),
+        checkpointing=Cases({"video-T3-per-token": (SPAN, PER_TOKEN)}),
+        text={"routes": SPAN, "with_mask": True, **VIDEO}, pooled=False, timestep_divisor=1, toy_batch=2,
+        config_errors=(("out_channels=8", {"config": {"out_channels": 8}}),
+                       ("cross_attention_dim=32", {"config": {"cross_attention_dim": 32}}),
+                       ("qk_norm='rms_norm'", {"config": {"qk_norm": "rms_norm"}}),
+                       ("model.frames=3", {"frames": 3, "config": {"patch_size_t": 2}}),
+                       ("model.frame_rate=0", {"frame_rate": 0}))),
+    "cosmos": Family(   # Predict2: 8 blocks (one kind), 3D RoPE, T5 cross-attn; PER_TOKEN: (B,) -> per-frame (B, T) t
+        dense=Cases({"image-T1": {}, "video-T3": VIDEO, "video-T3-per-frame": PER_TOKEN, "16px-rgb": RGB16,
+                     "fps": {"frames": 3, "frame_rate": 16},
+                     "video2world-geometry": {"frames": 3, "config": {"in_channels": 5}}}),
+        ratio_zero=Cases({"image-T1": {}, "video-T3": VIDEO, "video-T3-per-frame": PER_TOKEN}),
+        set_aside=Cases({"image-T1": (SPAN, {}), "video-T3": (SPAN, VIDEO)}),
+        gradients=Cases({"video-T3": (SPAN, VIDEO), "video-T3-per-frame": (SPAN, PER_TOKEN)}),
+        force_keep=Cases({"image-T1": (TWO_ROUTES, {}), "video-T3-per-frame": (TWO_ROUTES, PER_TOKEN)}),
+        checkpointing=Cases({"video-T3-per-frame": (SPAN, PER_TOKEN)}), text={"with_mask": True, **VIDEO},
+        pooled=False, timestep_divisor=1000, toy_batch=2,   # t = sigma / (sigma + 1) in [0, 1]
+        config_errors=(("out_channels=8", {"config": {"out_channels": 8}}),
+                       (r"patch_size=\[2, 2, 2\]", {"config": {"patch_size": (2, 2, 2)}}),
+                       ("attention_head_dim=10", {"config": {"attention_head_dim": 10}}),
+                       ("use_crossattn_projection=True", {"config": {"use_crossattn_projection": True}}),
+                       (r"max_size=\[4, 4, 4\]", {"config": {"max_size": (4, 4, 4)}}),
+                       ("model.frame_rate=0", {"frame_rate": 0}))),
+    "hunyuan_video": Family(   # 8 dual-stream blocks; [latents, cond latents, mask] channels; per-sample timesteps
+        # only (the model has no per-token / per-frame timestep: tests/test_family_hunyuan_video.py refuses (B, N))
+        dense=Cases({"image-T1": {}, "video-T3": VIDEO, "16px-rgb": RGB16}),
+        ratio_zero=Cases({"image-T1": {}, "video-T3": VIDEO}),
+        set_aside=Cases({"image-T1": (SPAN, {}), "video-T3": (SPAN, VIDEO)}),
+        gradients=Cases({"video-T3": (SPAN, VIDEO)}), force_keep=Cases({"video-T3": (TWO_ROUTES, VIDEO)}),
+        checkpointing=Cases({"video-T3": (SPAN, VIDEO)}), text={"routes": SPAN, "with_mask": True, **VIDEO},
+        pooled=False, timestep_divisor=1, toy_batch=2,
+        config_errors=(("out_channels=8", {"config": {"out_channels": 8}}),
+                       (r"rope_axes_dim=\[4, 4, 4\]", {"config": {"rope_axes_dim": (4, 4, 4)}}),
+                       ("model.frames=3", {"frames": 3, "config": {"patch_size_t": 2}}),
+                       ("use_meanflow=true", {"config": {"use_meanflow": True}}))),
     # -- new families above this line --
 }
 

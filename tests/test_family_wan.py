@@ -15,20 +15,11 @@ FAMILY = "wan"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def per_token_timesteps(model, batch: int = 3, seed: int = 4) -> torch.Tensor:
-    """(B, N) timesteps, different per token (for video TI2V-like: the first frame's tokens at 0)."""
-    g = torch.Generator().manual_seed(seed)
-    t = torch.rand(batch, model.num_tokens, generator=g) * 1000
-    if model.token_grid[0] > 1:
-        t[:, : model.num_tokens // model.token_grid[0]] = 0.0
-    return t
-
-
 @pytest.mark.parametrize("frames", [1, 3])
 def test_dense_per_token_timesteps_equal_diffusers(frames):
     model = fc.make(FAMILY, frames=frames).eval()
     x, _, y = fc.inputs(model, frames=frames)
-    t = per_token_timesteps(model)
+    t = fc.per_token_timesteps(model)
     with torch.no_grad():
         ours, ref = model(x, t, y), model.reference_forward(x, t, y)
         uniform = model(x, t.mean(1), y)
@@ -40,7 +31,7 @@ def test_ratio_zero_permuted_per_token_timesteps_equals_dense():
     """A permutation moves each token's own timestep modulation with it."""
     model = fc.make(FAMILY, [{"selection_ratio": 0.0, "start_layer_idx": 1, "end_layer_idx": -2}], **VIDEO).train()
     x, _, y = fc.inputs(model, frames=3)
-    t = per_token_timesteps(model)
+    t = fc.per_token_timesteps(model)
     with torch.no_grad(), fc.fixed_selection(model, fc.random_permutation(7)) as calls:
         with torch.enable_grad():
             routed = model(x, t, y)
@@ -57,7 +48,7 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, frames, per_token):
     """3. Kept tokens after the route = diffusers' blocks (default WanAttnProcessor) run on the kept
     subsequence, per sample, with the RoPE rows of the kept tokens' true (t, h, w) positions sliced from
     diffusers' full table and, for per-token timesteps, the modulation computed from their own timesteps."""
-    r = fc.routed_run(FAMILY, routes, frames=frames, timesteps=per_token_timesteps if per_token else None)
+    r = fc.routed_run(FAMILY, routes, frames=frames, timesteps=fc.per_token_timesteps if per_token else None)
     model, x, t, y, seen, route = r.model, r.x, r.t, r.y, r.dense, r.route
     _, x_kept, ids, _ = r.scatter
     K = ids.shape[1]
@@ -95,7 +86,7 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, frames, per_token):
 
 def test_fused_projections_same_routed_output():
     """diffusers' fused QKV / KV projections go through the same (unreplaced) processor."""
-    fc.check_fused_projections(FAMILY, SPAN, timesteps=per_token_timesteps, **VIDEO)
+    fc.check_fused_projections(FAMILY, SPAN, timesteps=fc.per_token_timesteps, **VIDEO)
 
 
 def test_masked_text_positions_are_zeroed():

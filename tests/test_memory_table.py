@@ -30,10 +30,11 @@ def test_data_channels_come_from_the_family_modules():
     """No table of channels per family: a preset's own geometry (FLUX: 4 transformer channels per latent channel,
     packed 2x2), else the family's first released one; the VAEs' latent channels (FLUX, SD3, Wan 2.1: 16;
     AuraFlow and PixArt, SD-VAE: 4; Wan 2.2: 48; FLUX.2, Sana's DC-AE: 32; Qwen-Image, and Chroma, HiDream, Z-Image,
-    Lumina2 on FLUX's VAE: 16)."""
+    Lumina2 on FLUX's VAE: 16; LTX-Video's: 128; Cosmos-Predict2 on the Wan 2.1 VAE: 16)."""
     got = {f: data_channels(f, "mid") for f in FAMILIES}
     assert got == {"flux": 16, "sd3": 16, "wan": 16, "auraflow": 4, "pixart": 4, "flux2": 32, "qwen_image": 16,
-                   "chroma": 16, "sana": 32, "hidream": 16, "z_image": 16, "lumina2": 16}
+                   "chroma": 16, "sana": 32, "hidream": 16, "z_image": 16, "lumina2": 16, "ltx_video": 128,
+                   "cosmos": 16, "hunyuan_video": 32}
     assert data_channels("flux", "dev") == 16 and data_channels("wan", "wan2.2-5b") == 48
     for family in FAMILIES:                # the meta build takes exactly the channels its preset states
         for preset, config in family_module(family).PRESETS.items():

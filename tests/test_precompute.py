@@ -490,7 +490,7 @@ def test_changed_captions_refuse_the_parts_folder(tmp_path, class_folder, vae_di
 @pytest.mark.parametrize("argv, message", [
     (["--captions", "{captions}"], r"--captions/--caption-from-class need --text-family \(one of flux, sd3, wan, "
                                    r"auraflow, pixart, flux2, qwen_image, chroma, sana, z_image, lumina2, "
-                                   r"hidream\)"),
+                                   r"hidream, ltx_video, cosmos, hunyuan_video\)"),
     (["--captions", "{missing}"], r"--captions='.*missing' is not valid: no such file"),
     (["--text-family", "pixart"], r"--text-family pixart needs captions: --captions FILE and/or --caption-from-class"),
     (["--text-family", "sdxl", "--captions", "{captions}"],

@@ -50,7 +50,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 # Every mode on FLUX and SD3; the other families (their Linear layers are the same kind) with int8.
 QUANTIZED = [(f, m) for f in ("flux", "sd3") for m in QUANTIZE_MODES] + \
-    [(f, "int8") for f in ("chroma", "sana", "flux2", "hidream", "qwen_image", "lumina2", "z_image")]
+    [(f, "int8") for f in ("chroma", "sana", "flux2", "hidream", "qwen_image", "lumina2", "z_image", "ltx_video",
+                              "hunyuan_video", "cosmos")]
 
 
 @pytest.mark.parametrize("family,mode", QUANTIZED)

@@ -42,7 +42,7 @@ BAD_TRAIN = [
     ("routing.fp32_after_route=yes", "routing.fp32_after_route='yes' is not allowed; allowed: true or false"),
     ("model.arch=DiT-M/2", "model.arch='DiT-M/2' is not allowed; allowed: one of DiT-T/2"),
     ("data.format=zip", "data.format='zip' is not allowed; allowed: latents or wds"),
-    ("data.builtin=mnist", "data.builtin='mnist' is not allowed; allowed: null (use data.path as is) or one of toy_shapes, toy_shapes_text, toy_shapes_buckets."),
+    ("data.builtin=mnist", "data.builtin='mnist' is not allowed; allowed: null (use data.path as is) or one of toy_shapes, toy_shapes_text, toy_shapes_buckets, toy_shapes_clips."),
     ("train.compile=maybe", "train.compile='maybe' is not allowed; allowed: auto (on with CUDA, or on CPU with a C++ compiler), true or false"),
     ("wandb.mode=loud", "wandb.mode='loud' is not allowed; allowed: one of disabled, offline, online"),
     ("resume=5", "resume=5 is not allowed"),
@@ -77,7 +77,7 @@ def test_a_missing_eval_reference_is_refused_before_work():
 @pytest.mark.parametrize("overrides,message", [
     (["model=flux", "model.lora={rank:0,target_modules:[to_q]}"], "model.lora.rank=0 is not allowed"),
     (["model=flux", "model.lora={rank:2,target_modules:[to_q],bad:1}"], "model.lora.bad is not a known key"),
-    (["model=flux", "+model.frames=2"], "model.frames is a key of model.family=wan; model.family=flux does not take it"),
+    (["model=flux", "+model.frames=2"], "model.frames is a key of model.family=wan"),   # | the other video families
     (["data=imagenet256_wds"], "data.path is not set (the config leaves it ???): pass data.path="),
     (["data=imagenet256_wds", "data.path=/x", "data.builtin=toy_shapes"], "data.builtin='toy_shapes' is not allowed"),
     (["eval=inception"], "eval.reference is not set"),

@@ -1,7 +1,8 @@
 """Prompts -> text embeddings for the families whose encoding is delegated to their diffusers pipeline's own
-encode_prompt (tread/encoders/text_pipelines.py): flux2, qwen_image, chroma, sana, z_image, lumina2, hidream (four
-encoders: T5 text, CLIP pooled, Llama states; more in tests/test_hidream_prompts.py). Tiny random encoders of the
-pipelines' real classes (tread.encoders.tiny_text) stand in for the real ones; nothing touches the network."""
+encode_prompt (tread/encoders/text_pipelines.py): flux2, qwen_image, chroma, sana, z_image, lumina2, ltx_video,
+hunyuan_video, hidream (four encoders: T5 text, CLIP pooled, Llama states; more in tests/test_hidream_prompts.py). Tiny
+random encoders of the pipelines' real classes (tread.encoders.tiny_text) stand in for the real ones; nothing touches
+the network."""
 from __future__ import annotations
 
 import inspect
@@ -18,14 +19,17 @@ from tread.encoders.tiny_text import save_tiny_text_encoders
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NEW = ("flux2", "qwen_image", "chroma", "sana", "z_image", "lumina2", "hidream")
+NEW = ("flux2", "qwen_image", "chroma", "sana", "z_image", "lumina2", "hidream", "ltx_video", "hunyuan_video")
 PROMPTS = ["a photo of a red disc", "", "a cat and a dog on a tree with stripes"]
 # max_length per family: flux2's and lumina2's count their system prompt's tokens (about 30 here)
-LENGTH = {"flux2": 64, "qwen_image": 20, "chroma": 16, "sana": 16, "z_image": 24, "lumina2": 48, "hidream": 12}
-WIDTH = {"flux2": 96, "qwen_image": 32, "chroma": 32, "sana": 32, "z_image": 32, "lumina2": 32, "hidream": 32}
+LENGTH = {"flux2": 64, "qwen_image": 20, "chroma": 16, "sana": 16, "z_image": 24, "lumina2": 48, "hidream": 12,
+          "ltx_video": 16, "hunyuan_video": 16}
+WIDTH = {"flux2": 96, "qwen_image": 32, "chroma": 32, "sana": 32, "z_image": 32, "lumina2": 32, "hidream": 32,
+         "ltx_video": 32, "hunyuan_video": 32}
 MODEL = {"flux2": "Mistral3ForConditionalGeneration", "qwen_image": "Qwen2_5_VLForConditionalGeneration",
          "chroma": "T5EncoderModel", "sana": "Gemma2Model", "z_image": "Qwen3Model", "lumina2": "Gemma2Model",
-         "hidream": "CLIPTextModelWithProjection"}
+         "hidream": "CLIPTextModelWithProjection", "ltx_video": "T5EncoderModel",
+         "hunyuan_video": "Qwen2_5_VLTextModel"}
 # The outputs besides "text" and "text_mask": hidream's pooled CLIP projections and Llama hidden states (6 layers)
 OTHER = {"hidream": {"pooled": (32,), "llama": (6, LENGTH["hidream"], 24)}}
 ZERO_PADDED = ("qwen_image", "z_image")  # variable-length pipeline outputs, zero-padded to max_length here
@@ -43,10 +47,11 @@ def loaded(folders):
 
 
 def test_families_are_registered():
-    assert TEXT_FAMILIES[-7:] == NEW and all(FAMILIES[f].via_pipeline for f in NEW)
+    assert set(NEW) <= set(TEXT_FAMILIES) and all(FAMILIES[f].via_pipeline for f in NEW)
     assert [f for f in NEW if FAMILIES[f].pooled] == ["hidream"]
     assert {f: FAMILIES[f].max_length for f in NEW} == {"flux2": 512, "qwen_image": 512, "chroma": 512, "sana": 300,
-                                                       "z_image": 512, "lumina2": 256, "hidream": 128}
+                                                       "z_image": 512, "lumina2": 256, "hidream": 128,
+                                                       "ltx_video": 128, "hunyuan_video": 1000}
 
 
 @pytest.mark.parametrize("family", NEW)
@@ -96,7 +101,7 @@ def test_encode_prompts_shapes_masks_determinism(loaded, family):
         np.testing.assert_allclose(alone[key][0], out[key][2], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["chroma", "z_image", "lumina2", "hidream"])
+@pytest.mark.parametrize("family", ["chroma", "z_image", "lumina2", "hidream", "ltx_video"])
 def test_default_length_is_the_pipelines(loaded, family):
     out = encode_prompts(family, loaded[family], "a cat")
     lengths = {k: v.shape[-1 if k == "text_mask" else -2] for k, v in out.items() if k != "pooled"}
@@ -109,7 +114,9 @@ def _pipeline(family, enc):
     cls = getattr(diffusers, FAMILIES[family].pipeline)
     parts = {k: v for s in FAMILIES[family].slots
              for k, v in ((s.model, enc.models[s.model]), (s.tokenizer, enc.tokenizers[s.tokenizer]))}
-    return cls(**parts, vae=None, transformer=None, scheduler=diffusers.FlowMatchEulerDiscreteScheduler())
+    if family == "hunyuan_video":   # its __init__ reads vae.config and takes a guider
+        parts.update(guider=None, vae=diffusers.AutoencoderKLHunyuanVideo15(block_out_channels=(8,) * 5))
+    return cls(**{"vae": None, **parts}, transformer=None, scheduler=diffusers.FlowMatchEulerDiscreteScheduler())
 
 
 def _reference(family, pipe, length):
@@ -133,6 +140,9 @@ def _reference(family, pipe, length):
     if family == "z_image":
         return pipe.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False,
                                   max_sequence_length=length)[0], None
+    if family == "hunyuan_video":   # (Qwen text, mask, ByT5 glyph, mask): encode_prompts keeps the Qwen stream
+        pipe.tokenizer_max_length = length
+        return pipe.encode_prompt(prompts, device="cpu", batch_size=len(prompts))[:2]
     r = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=length)
     if family == "hidream":   # (t5, neg, llama (layers, B, L, Dl), neg, pooled, neg)
         return r[0], None, {"pooled": r[4], "llama": r[2].transpose(0, 1)}
@@ -165,7 +175,8 @@ def test_encode_prompts_matches_the_diffusers_pipeline(loaded, family):
 
 
 def _other_model(family):
-    return "sana" if family == "chroma" else "chroma"  # a Gemma-2 folder for chroma, a T5 folder for the rest
+    # a Gemma-2 folder for the T5 families (chroma, ltx_video; hunyuan_video's ByT5), a T5 folder for the rest
+    return "sana" if family in ("chroma", "ltx_video", "hunyuan_video") else "chroma"
 
 
 def _lm_slot(family):

@@ -1,6 +1,6 @@
 """diffusers_pipeline.py: a run's exported adapter in the family's diffusers pipeline, as a user would load it.
 
-Builds the family's pipeline (FluxPipeline, StableDiffusion3Pipeline) around the run's base transformer (the
+Builds the family's pipeline (FluxPipeline, StableDiffusion3Pipeline, WanPipeline for video) around the run's base transformer (the
 seeded initialisation or model.pretrained, in full precision), the text encoders of model.text_encoders and a
 flow-matching scheduler with the run's shift, loads the checkpoint's exported adapter with
 `pipe.load_lora_weights(step_dir)`, and then
@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from tread.cli.errors import user_errors
 from tread.data import decode_to_uint8, model_shape
 from tread.encoders.text import load_text_encoders
+from tread.encoders.vae import load_vae
 from tread.diffusion import StackedRandomGenerator
 from tread.evaluation.images import save_captioned_grid
 from tread.models import build_model
@@ -33,7 +34,8 @@ from tread.training.checkpoint import DIFFUSERS_LORA_FILE
 from tread.utils.checkpoints import find_checkpoint, load_model_file
 from tread.utils.errors import UserError
 
-PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}
+PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "wan": "WanPipeline"}
+VIDEO_PIPELINES = ("wan",)   # latents (B, C, T, H, W); the pipeline's VAE is the data's video VAE when it has one
 
 
 class PipelineError(UserError):
@@ -77,13 +79,34 @@ def build_pipeline(config: Any, meta: dict, transformer: torch.nn.Module):
     no_t5 = family == "sd3" and config.model.get("use_t5") is False
     enc = load_text_encoders(family, str(config.model.text_encoders), t5=not no_t5)
     extra = {"text_encoder_3": None, "tokenizer_3": None} if no_t5 else {}
-    factor = int(decode_to_uint8(torch.zeros(1, *model_shape(meta)), meta).shape[1]) // int(model_shape(meta)[1])
-    levels = max(1, factor.bit_length())       # vae_scale_factor = 2 ** (levels - 1)
-    vae = diffusers.AutoencoderKL(block_out_channels=(8,) * levels, norm_num_groups=8, layers_per_block=1,
-                                  down_block_types=("DownEncoderBlock2D",) * levels,
-                                  up_block_types=("UpDecoderBlock2D",) * levels, latent_channels=model_shape(meta)[0])
+    if family in VIDEO_PIPELINES:
+        vae, factor = video_vae(meta), None
+    else:
+        factor = int(decode_to_uint8(torch.zeros(1, *model_shape(meta)), meta).shape[1]) // int(model_shape(meta)[1])
+        levels = max(1, factor.bit_length())       # vae_scale_factor = 2 ** (levels - 1)
+        vae = diffusers.AutoencoderKL(block_out_channels=(8,) * levels, norm_num_groups=8, layers_per_block=1,
+                                      down_block_types=("DownEncoderBlock2D",) * levels,
+                                      up_block_types=("UpDecoderBlock2D",) * levels,
+                                      latent_channels=model_shape(meta)[0])
     return getattr(diffusers, PIPELINES[family])(transformer=transformer, scheduler=scheduler(config), vae=vae,
                                                  **enc.models, **enc.tokenizers, **extra), factor
+
+
+def video_vae(meta: dict) -> Optional[torch.nn.Module]:
+    """The data's video VAE (meta decode.class, e.g. AutoencoderKLWan), or None for identity-decoded clips: then the
+    pipeline takes its default scale factors (Wan: 4 in time, 8 in space), which only size its arguments, since
+    the latents are passed in and come back as latents."""
+    decode = meta.get("decode") or {}
+    if decode.get("type") != "vae":
+        return None
+    return load_vae(decode["vae"], subfolder=decode.get("subfolder"), cls=decode.get("class") or "AutoencoderKLWan")
+
+
+def video_size(pipe: Any, shape: Sequence[int]) -> dict[str, int]:
+    """The pipeline's num_frames / height / width arguments for latents of `shape` (C, T, H, W)."""
+    t, h, w = (int(v) for v in shape[1:])
+    temporal, spatial = int(pipe.vae_scale_factor_temporal), int(pipe.vae_scale_factor_spatial)
+    return {"num_frames": (t - 1) * temporal + 1, "height": h * spatial, "width": w * spatial}
 
 
 def scheduler(config: Any):
@@ -107,13 +130,14 @@ def pipeline_images(pipe: Any, family: str, model: Any, prompts: list[str], seed
                     meta: dict, factor: int, num_steps: int, max_length: Optional[int]) -> torch.Tensor:
     """Every prompt with every seed through the pipeline's own __call__ (no CFG), decoded as the data is."""
     images = []
-    side = int(shape[-1]) * factor
+    size = video_size(pipe, shape) if family in VIDEO_PIPELINES else \
+        {"height": int(shape[-1]) * factor, "width": int(shape[-1]) * factor}
     for prompt in prompts:
         noise = StackedRandomGenerator(torch.device("cpu"), seeds).randn([len(seeds), *shape])
         kwargs = {"max_sequence_length": max_length} if max_length else {}
-        out = pipe(prompt=[prompt] * len(seeds), latents=pipeline_latents(family, model, noise), height=side,
-                   width=side, num_inference_steps=num_steps, guidance_scale=1.0, output_type="latent",
-                   **kwargs).images
+        out = pipe(prompt=[prompt] * len(seeds), latents=pipeline_latents(family, model, noise),
+                   num_inference_steps=num_steps, guidance_scale=1.0, output_type="latent", **size, **kwargs)
+        out = out.frames if family in VIDEO_PIPELINES else out.images
         latents = model.unpack(out, model.token_grid) if family == "flux" else out
         images.append(decode_to_uint8(latents.float(), meta))
     return torch.cat(images)
@@ -158,8 +182,8 @@ def run(checkpoint: str, prompts: list[str], seeds: list[int], num_steps: int, o
     ours = our_images(net, diffusion, model, meta, config, prompts, seeds, num_steps)
     captions = [p for p in prompts for _ in seeds]
     out.mkdir(parents=True, exist_ok=True)
-    save_captioned_grid(theirs, captions, out / "diffusers_pipeline.png", nrow=len(seeds))
-    save_captioned_grid(ours, captions, out / "ours.png", nrow=len(seeds))
+    save_captioned_grid(middle_frames(theirs), captions, out / "diffusers_pipeline.png", nrow=len(seeds))
+    save_captioned_grid(middle_frames(ours), captions, out / "ours.png", nrow=len(seeds))
     report = {"checkpoint": str(step_dir), "pipeline": type(pipe).__name__, "adapter": DIFFUSERS_LORA_FILE,
               "quantize": config.model.get("quantize"), "prompts": prompts, "seeds": seeds, "num_steps": num_steps,
               "transformer_max_abs_diff_vs_adapter_on_full_precision_base": export_diff,
@@ -168,6 +192,12 @@ def run(checkpoint: str, prompts: list[str], seeds: list[int], num_steps: int, o
               "image_mean_abs_diff_uint8": float((theirs.float() - ours.float()).abs().mean())}
     (out / "pipeline.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def middle_frames(samples: torch.Tensor) -> torch.Tensor:
+    """Decoded clips (N, F, H, W, 3) -> their middle frames, for the grids (images pass unchanged); the differences
+    in pipeline.json cover every frame."""
+    return samples[:, samples.shape[1] // 2] if samples.dim() == 5 else samples
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

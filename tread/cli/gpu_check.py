@@ -43,7 +43,7 @@ NEEDED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "antlr4": "antlr4-pyt
           "typing_inspection": "typing-inspection", "diffusers": "diffusers",
           "importlib_metadata": "importlib-metadata",
           "accelerate": "accelerate", "transformers": "transformers", "peft": "peft", "safetensors": "safetensors",
-          "psutil": "psutil", "tqdm": "tqdm", "PIL": "pillow", "scipy": "scipy", "pytest": "pytest"}
+          "psutil": "psutil", "tqdm": "tqdm", "PIL": "pillow", "scipy": "scipy", "pytest": "pytest", "av": "av"}
 
 
 # torch's and libraries' log lines (W1126 12:00:00.000 ...: warnings), kept in the step's log, left out of the report

@@ -8,6 +8,8 @@ one preset's LoRA run built and stepped on this machine, its counted and peak me
     python scripts/memory_table.py --preset flux:dev --preset DiT-XL/2
     python scripts/memory_table.py --measure flux:mid --set model.base_dtype=bf16 --set ema.mode=trained \\
         --set optimizer=adamw8bit                          # 3 steps of batch 2 (16x32x32 latents)
+    python scripts/memory_table.py --video wan:mid         # saved activations of the video step, checkpointed,
+                                                           # routing none vs paper (tread/perf/video_memory.py)
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from tread.perf.memory import (ParamCounts, count_params, data_channels, markdow
                                map_large_allocations, proc_status_kb, release_free_memory, reset_hwm, static_bytes,
                                table_presets)
 from tread.perf.overrides import check_sets, compose_or_raise
+from tread.perf.video_memory import (CPU_FRAMES, CPU_LATENTS, GPU_FRAMES, GPU_LATENTS, activation_rows,
+                                     activation_table, video_table)
 from tread.utils.errors import UserError
 
 GiB = 2 ** 30
@@ -118,8 +122,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         help="with --measure: a training-config override, e.g. model.base_dtype=bf16; repeatable")
     parser.add_argument("--steps", type=int, default=3, help="with --measure: training steps (batch 2)")
+    add_video_args(parser)
     args = parser.parse_args(argv)
     with user_errors():
+        if args.video:
+            return video_main(args)
         if any(w < 2 for w in args.world) or args.lora_rank < 1 or args.steps < 1:
             raise MemoryTableError(f"--world {args.world} must all be >= 2 (FSDP shards over several GPUs), "
                                    f"--lora-rank={args.lora_rank} and --steps={args.steps} >= 1.")
@@ -135,6 +142,36 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rows = memory_rows(args.world, args.lora_rank, parse_presets(args.preset))
     print(markdown_table(rows))
     print(NOTE)
+
+
+def add_video_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--video", metavar="FAMILY:PRESET", help="measure the saved activations of this video preset's step here "
+        "(gradient checkpointing, --routes), then carry them to --to-latents x --to-frames")
+    add("--routes", nargs="+", default=["none", "paper"], help="with --video: routing configs, the dense one first")
+    add("--frames", type=int, nargs="+", default=list(CPU_FRAMES), help="with --video: latent frames measured")
+    add("--latents", default="x".join(map(str, CPU_LATENTS)), help="with --video: latent HxW measured")
+    add("--to-frames", type=int, nargs="+", default=list(GPU_FRAMES), help="with --video: frames of the table")
+    add("--to-latents", default="x".join(map(str, GPU_LATENTS)), help="with --video: latent HxW of the table")
+
+
+def latent_size(flag: str, value: str) -> tuple[int, int]:
+    """'60x104' -> (60, 104), or MemoryTableError naming the flag."""
+    parts = value.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise MemoryTableError(f"{flag} {value!r} is not a latent size; allowed: HxW in latent cells, e.g. 60x104.")
+    return int(parts[0]), int(parts[1])
+
+
+def video_main(args: argparse.Namespace) -> None:
+    """--video: the measured rows (activation_table), then the full-size table (video_table)."""
+    family, _, preset = args.video.partition(":")
+    latents, to_latents = latent_size("--latents", args.latents), latent_size("--to-latents", args.to_latents)
+    if len(set(args.frames)) < 2 or min(args.frames + args.to_frames) < 1 or args.routes[0] != "none":
+        raise MemoryTableError(f"--frames {args.frames} / --to-frames {args.to_frames} / --routes {args.routes}: "
+                               f"allowed: two or more distinct frame counts >= 1, routes starting with none.")
+    rows = activation_rows(family, preset, args.frames, latents, args.routes)
+    print(activation_table(rows) + "\n\n" + video_table(rows, args.to_frames, to_latents))
 
 
 MEASURE_HEAD = ("| run | settings | autocast | static counted (GiB) | table (GiB) | RSS built (GiB) "

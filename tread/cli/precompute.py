@@ -44,6 +44,18 @@ use a small --shard-size (e.g. 64) and --batch-size, and a shorter --max-text-le
 grayscale mask per image at DIR/<the image's relative path with its stem>.png (any image extension; the image's
 size; 255 = inside), center-cropped like its image to --resolution (flipped copies get flipped masks).
 
+Clips (video data; docs/video.md, "Precompute clips"): --videos DIR instead of --images, a folder of clips (video
+files .mp4 .webm .gif .mov .mkv .avi, or frame folders: folders of images, one clip each) in class sub-folders or
+directly in it. --frames F reads each clip's frames 0, s, ..., (F - 1) s (s = --frame-stride), or --frame-buckets
+1,9,17 gives each clip the most frames it has among those (crossed with --buckets / --bucket-pixels, or the
+--resolution square); every count is 1 + k * the VAE's temporal factor. Every clip is probed before any work: a
+corrupt one, one with no frames, a frame folder of mixed sizes or one too short is named, with nothing encoded.
+The VAE (a diffusers video VAE: AutoencoderKLWan, AutoencoderKLLTXVideo, AutoencoderKLHunyuanVideo15; its class from
+the folder's config.json, or --vae-class) stores the posterior mean in model space (the family pipeline's
+normalisation), latents (N, C, T, h, w); --first-frame also stores each clip's first frame encoded alone
+(first_frame_latents.npy, for image-to-video). Captions: <clip stem>.txt sidecars and manifests as for images (a clip
+is named by its file or folder path relative to --videos).
+
 Edit pairs (FLUX Kontext, model=flux_kontext): --reference-images DIR adds reference_latents.npy: one reference
 image per target image at DIR/<the image's relative path with its stem> (any image extension), center-cropped
 to --resolution and encoded by the same VAE as the posterior mean (as FluxKontextPipeline encodes its image,
@@ -93,8 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _io_args(p: argparse.ArgumentParser) -> None:
-    """--images, --labels, --out, --max-images."""
+    """--images, --labels, --out, --max-images, and the clip flags (--videos, ...)."""
     io = p.add_argument_group("input and output")
+    io.add_argument("--videos", metavar="DIR", help="clip folder instead of --images: video files or frame folders, "
+                                                    "in class sub-folders or directly in it")
+    io.add_argument("--frames", type=int, metavar="F", help="--videos: pixel frames per clip (1 + k * the VAE's "
+                                                            "temporal factor, e.g. 17 for Wan)")
+    io.add_argument("--frame-stride", type=int, default=1, metavar="S", help="--videos: read every S-th source "
+                                                                             "frame (default 1)")
+    io.add_argument("--frame-buckets", metavar="F1,F2,...", help="--videos: frame counts instead of --frames; each "
+                                                                 "clip gets the most frames it has among them")
+    io.add_argument("--first-frame", action="store_true", help="--videos: also store each clip's first frame "
+                                                               "encoded alone (first_frame_latents.npy)")
+    io.add_argument("--vae-class", metavar="NAME", help="--videos: the video VAE's diffusers class when its folder's "
+                                                        "config.json does not say (e.g. AutoencoderKLWan)")
     io.add_argument("--images", metavar="DIR", help="image folder: one sub-folder per class, or flat with --labels "
                                                     "(required)")
     io.add_argument("--labels", metavar="FILE", help="labels of a flat image folder: CSV/TSV 'file name,label' "
@@ -126,9 +150,9 @@ def _encoding_args(p: argparse.ArgumentParser) -> None:
                                                         f"(default {DEFAULT_VAE})")
     enc.add_argument("--vae-subfolder", metavar="NAME", help="folder of the VAE inside the model (e.g. 'vae' for a "
                                                              "full pipeline repo)")
-    enc.add_argument("--kind", default="moments", help="moments: store posterior (mean, logvar), training draws a "
-                                                       "latent each step (default, as the paper); sample: store "
-                                                       "one draw per image")
+    enc.add_argument("--kind", help="moments: store posterior (mean, logvar), training draws a latent each step "
+                                     "(default for images, as the paper); sample: store one draw per image; clips "
+                                     "store the posterior mean (mean, their only kind)")
     enc.add_argument("--flip", action="store_true", help="also store a horizontally flipped copy of every image")
     enc.add_argument("--seed", type=int, default=0, help="seed of the per-image draws of --kind sample and of the "
                                                          "--max-images subset (default 0)")

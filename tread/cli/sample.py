@@ -1,4 +1,5 @@
-"""sample.py: generate images from a checkpoint into a PNG folder, a grid, an ADM-format .npz and sampling.json;
+"""sample.py: generate images from a checkpoint into a PNG folder, a grid, an ADM-format .npz and sampling.json
+(a video checkpoint: a video file per sample, a grid of their first, middle and last frames, the frames in the .npz);
 by seed (classes, or the training data's text), or from prompts (prompts=[...] / prompts_file=PATH) for
 text-conditioned checkpoints, encoded by the family's own text encoders (tread/sampling/prompts.py)."""
 from __future__ import annotations
@@ -15,6 +16,7 @@ from tread.cli.errors import user_errors
 from tread.data import check_decodable, decode_to_uint8, model_shape
 from tread.evaluation.evaluator import decode_options
 from tread.evaluation.images import write_samples
+from tread.evaluation.videos import video_fps, write_video_samples
 from tread.sampling import Guidance, generate, load_for_inference, parse_seeds, sampling_cost, text_conditioning
 from tread.sampling.prompts import encode_for_model, generate_for_prompts, learned_unconditional, read_prompts_file
 from tread.schema import ConfigError, check_sample
@@ -53,7 +55,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     sample_sec = time.time() - start
     out = Path(cfg.out_dir) if cfg.out_dir else run_dir_of(cfg.checkpoint) / "samples" / \
         f"sample_{time.strftime('%Y%m%d-%H%M%S')}"
-    paths = write_samples(images, labels, out, nrow, captions=captions)
+    paths = write_outputs(images, labels, out, nrow, captions, meta)
     cost = sampling_cost(net, guidance, stats, len(images), cond_fn, seeds[0])
     info = {"checkpoint": str(cfg.checkpoint), "num_samples": len(images), "use_ema": cfg.use_ema,
             "num_steps": cfg.num_steps or config.diffusion.get("num_steps"), **guidance.describe(), **extra, **cost,
@@ -63,6 +65,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
           f"sampling cost: {cost['forward_passes_per_image']:g} forward passes and "
           f"{cost['sample_gflops_per_image']:.4g} GFLOPs per image ({out / 'sampling.json'})")
     return info
+
+
+def write_outputs(images: torch.Tensor, labels: torch.Tensor, out: Path, nrow: int, captions: Any,
+                  meta: dict) -> dict:
+    """Images: a PNG folder, grid.png and samples.npz (write_samples). Videos (uint8 (N, F, H, W, 3), F > 1): a
+    video file per sample at the data's frame rate, a grid of each one's first, middle and last frame and the
+    frames in samples.npz (write_video_samples)."""
+    if images.ndim == 5 and images.shape[1] == 1:          # one-frame clips are images
+        images = images[:, 0]
+    if images.ndim == 5:
+        return write_video_samples(images, labels, out, video_fps(meta), captions=captions)
+    return write_samples(images, labels, out, nrow, captions=captions)
 
 
 def sample_by_seed(cfg: Any, net, diffusion, meta: dict, config: Any, seeds: list[int], guidance: Guidance,
@@ -102,7 +116,7 @@ def net_device(net) -> torch.device:
     return next(net.parameters()).device
 
 
-SAMPLE_OUTPUTS = ("sampling.json", "samples.npz", "grid.png", "images")   # what write_samples + run put in out_dir
+SAMPLE_OUTPUTS = ("sampling.json", "samples.npz", "grid.png", "images", "videos")   # what write_outputs + run write
 
 
 def check_out_dir(out_dir: Any) -> None:

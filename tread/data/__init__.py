@@ -17,13 +17,15 @@ from .meta import (COND_KEYS, EXTRA_KEYS, LatentDatasetError, LatentDatasetExist
 from .reader import LatentDataset
 from .toy import TOY_CLASS_NAMES, ensure_toy_classifier, ensure_toy_dataset, generate_toy_shapes
 from .toy_buckets import ensure_toy_buckets
+from .toy_clips import ensure_toy_clips
 from .toy_text import ensure_toy_text_dataset
 from .wds import WebDatasetLatents
 from .writer import LatentDatasetWriter, write_latent_dataset
 
 BUILTINS = {"toy_shapes": ensure_toy_dataset,   # data.builtin name -> builder(path, **data.builtin_args)
             "toy_shapes_text": ensure_toy_text_dataset,
-            "toy_shapes_buckets": ensure_toy_buckets}
+            "toy_shapes_buckets": ensure_toy_buckets,
+            "toy_shapes_clips": ensure_toy_clips}
 FORMATS = ("latents", "wds")  # data.format: our directory format | WebDataset tar shards (TREAD/MaskDiT latents)
 # What data.format=wds reads from the data config, which is their one source (configs/data/imagenet256_wds.yaml)
 WDS_KEYS = ("num_classes", "latent_scale", "latent_kind", "vae", "index_dir")

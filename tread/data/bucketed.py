@@ -8,6 +8,10 @@
     768x512/     a latent dataset at that bucket's latent shape (C, 512 / 8, 768 / 8), meta.json, latents.npy, ...
     768x512/crops.npy   (n, 6) int32 per sample: CROP_COLUMNS (original size, resized size, crop top-left)
 
+Video buckets (tread/data/buckets.py; docs/video.md "Frame buckets") add "frames": F (pixel frames per clip) to
+their entry, named "WxHxF" ("48x32x17"): each bucket a video latent dataset (C, T, h, w) with its own meta "video"
+(frames F; stride, fps and temporal factor shared by all buckets). The sampler is the images' (one bucket a batch).
+
 The buckets share everything but their shape: channels, classes, latent scale and kind, decoding, and which
 conditioning files they hold (checked on opening). BucketedDataset reads them as one dataset whose index runs
 through the buckets in order; a batch (`__getitems__`) comes from one bucket, as BucketBatchSampler draws them.
@@ -52,6 +56,9 @@ def _entry_problem(entry: Any) -> Optional[str]:
         return "an object with 'image_size': [height, width] in pixels"
     if not isinstance(entry.get("num_samples"), int) or entry["num_samples"] < 1:
         return "an object with 'num_samples' >= 1"
+    frames = entry.get("frames", 0)
+    if not isinstance(frames, int) or isinstance(frames, bool) or frames < 0:
+        return "an object whose optional 'frames' is a positive integer (pixel frames of a video bucket)"
     return None
 
 
@@ -94,6 +101,11 @@ class BucketedDataset(torch.utils.data.Dataset):
             differ = [k for k in SHARED_META if part.meta.get(k) != first.meta.get(k)]
             if part.channels != first.channels or part.latent_kind != first.latent_kind:
                 differ.append("shape[0] / latent_kind")
+            if _shared_video(part.meta) != _shared_video(first.meta):
+                differ.append("video (frame_stride, fps, temporal_factor)")
+            if (part.video or {}).get("frames", 0) != entry.get("frames", 0):
+                differ.append(f"frames (meta video.frames {(part.video or {}).get('frames')} against the entry's "
+                              f"{entry.get('frames')})")
             if {k for k, v in part.conditioning.items() if v} != {k for k, v in first.conditioning.items() if v}:
                 differ.append("conditioning files")
             if differ:
@@ -108,8 +120,8 @@ class BucketedDataset(torch.utils.data.Dataset):
         return self.parts[0].meta
 
     @property
-    def shapes(self) -> list[tuple[int, int, int]]:
-        """Model-space latent shape (C, h, w) of each bucket."""
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Model-space latent shape (C, h, w) (video: (C, T, h, w)) of each bucket."""
         return [p.shape for p in self.parts]
 
     @property
@@ -119,7 +131,7 @@ class BucketedDataset(torch.utils.data.Dataset):
 
     @property
     def buckets(self) -> list[Bucket]:
-        return [Bucket(*e["image_size"]) for e in self.entries]
+        return [Bucket(*e["image_size"], e.get("frames", 0)) for e in self.entries]
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -148,6 +160,11 @@ class BucketedDataset(torch.utils.data.Dataset):
     @property
     def has_extras(self) -> bool:
         return self.parts[0].has_extras
+
+    @property
+    def video(self) -> Optional[dict]:
+        """The first bucket's meta "video" (None: image buckets); its frames are that bucket's."""
+        return self.parts[0].video
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -180,6 +197,12 @@ class BucketedDataset(torch.utils.data.Dataset):
             local = EpochBatch(local, indices.epoch, indices.seed, indices.index_base + int(self.offsets[b]))
         return self.parts[b].__getitems__(local)
 
+
+
+def _shared_video(meta: Mapping[str, Any]) -> Optional[dict]:
+    """meta "video" less its frames (what the buckets of one dataset share), None for images."""
+    video = meta.get("video")
+    return None if video is None else {k: v for k, v in video.items() if k != "frames"}
 
 
 def phase_buckets(dataset: BucketedDataset, schedule: Sequence[Any]) -> list[tuple[int, list[int]]]:
@@ -242,7 +265,8 @@ class BucketedWriter:
         atomic_write(self.bucket_dir(bucket) / "crops.npy", lambda f: np.save(f, crops), fsync=True)
         self.meta["buckets"].append({"name": bucket.name, "path": bucket.name, "image_size": [bucket.height,
                                      bucket.width], "num_samples": int(len(crops)), "crops": f"{bucket.name}/crops.npy",
-                                     "crop_columns": list(CROP_COLUMNS)})
+                                     "crop_columns": list(CROP_COLUMNS), **({"frames": bucket.frames}
+                                                                            if bucket.frames else {})})
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None or not self.meta["buckets"]:
@@ -264,8 +288,9 @@ class BucketedWriter:
 
 def write_bucketed_dataset(out: PathLike, parts: Sequence[Mapping[str, Any]], *, vae_factor: int = 1,
                            stride: int = 1, source: str = "", builtin: Optional[dict] = None, **common: Any) -> Path:
-    """A bucketed dataset from whole arrays: parts [{"bucket": Bucket, "latents": (n, C, h, w), "labels": (n,),
-    "extras": {...} or absent, "crops": (n, 6) or absent (zeros)}], `common` passed to every bucket's
+    """A bucketed dataset from whole arrays: parts [{"bucket": Bucket, "latents": (n, C, h, w) (video: (n, C, T, h,
+    w)), "labels": (n,), "extras": {...} or absent, "crops": (n, 6) or absent (zeros), "video": meta "video" of a
+    video bucket or absent}], `common` passed to every bucket's
     write_latent_dataset (num_classes, latent_scale, decode, ...); `builtin`: the built-in generator's parameters,
     kept in meta.json."""
     extra = {"builtin": builtin} if builtin is not None else {}
@@ -273,7 +298,7 @@ def write_bucketed_dataset(out: PathLike, parts: Sequence[Mapping[str, Any]], *,
         for part in parts:
             bucket = part["bucket"]
             write_latent_dataset(writer.bucket_dir(bucket), part["latents"], part["labels"], source=source,
-                                 extras=part.get("extras"), **common)
+                                 extras=part.get("extras"), video=part.get("video"), **common)
             crops = part.get("crops")
             writer.add(bucket, np.zeros((len(part["labels"]), len(CROP_COLUMNS)), np.int32) if crops is None
                        else crops)

@@ -21,13 +21,19 @@ are at least twice the bucket's, resize with BICUBIC by the one scale that makes
 exactly `center_crop_arr` (tests/test_buckets.py). The crop record is SDXL's micro-conditioning: the original size,
 the size after resizing, and the crop's top-left corner in the resized image (diffusers' SDXL training script's
 `original_size`, `crop_top_left`; the target size is the bucket).
+
+Video buckets (docs/video.md, "Frame buckets"): a bucket with `frames` F > 0 is a clip size (height, width, F pixel
+frames), written "WxHxF" ("48x32x17"). `video_buckets` crosses the aspect buckets with the frame counts of
+--frame-buckets; each F is 1 + k * the VAE's temporal factor (`check_frame_counts`). A clip goes to its aspect bucket
+by its frame size, as an image does, and to the largest frame count it fills at the frame stride without repeating
+a frame (`frames_for`: (F - 1) * stride + 1 source frames); a clip shorter than the smallest count has no bucket.
 """
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from PIL import Image
@@ -44,15 +50,22 @@ class BucketError(LatentDatasetError):
 
 @dataclass(frozen=True, order=True)
 class Bucket:
-    """An image size in pixels (sorted by height, then width)."""
+    """An image size in pixels (sorted by height, then width), or with frames > 0 a clip size: F pixel frames of
+    that size (frames 0: an image bucket)."""
 
     height: int
     width: int
+    frames: int = 0
 
     @property
     def name(self) -> str:
-        """WIDTHxHEIGHT, as image sizes are written."""
-        return f"{self.width}x{self.height}"
+        """WIDTHxHEIGHT, as image sizes are written; a video bucket WIDTHxHEIGHTxFRAMES."""
+        return f"{self.width}x{self.height}" + (f"x{self.frames}" if self.frames else "")
+
+    @property
+    def size(self) -> "Bucket":
+        """The frame size alone (an image bucket)."""
+        return Bucket(self.height, self.width)
 
     @property
     def area(self) -> int:
@@ -118,6 +131,49 @@ def assign_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> int:
     if fits:
         return min(fits, key=lambda i: (aspect_gap(buckets[i]), -buckets[i].area, i))
     return min(range(len(buckets)), key=lambda i: (aspect_gap(buckets[i]), buckets[i].area, i))
+
+
+def parse_frame_buckets(text: str, flag: str = "--frame-buckets") -> list[int]:
+    """'1,9,17' -> distinct positive frame counts, ascending; one error naming the flag otherwise."""
+    items = [item.strip() for item in str(text).split(",")]
+    if not all(item.isdigit() and int(item) >= 1 for item in items):
+        raise BucketError(f"{flag}={text!r} is not valid: expected comma-separated frame counts >= 1, e.g. '1,9,17'")
+    counts = [int(item) for item in items]
+    if len(set(counts)) != len(counts):
+        raise BucketError(f"{flag}={text!r} lists a frame count twice; list each once")
+    return sorted(counts)
+
+
+def check_frame_counts(counts: Sequence[int], temporal_factor: int, flag: str, why: str) -> None:
+    """Every frame count 1 + k * temporal_factor (`why` says whose factor it is), else one error."""
+    off = [f for f in counts if (f - 1) % temporal_factor]
+    if off:
+        fix = sorted({1 + max(0, round((f - 1) / temporal_factor)) * temporal_factor for f in off})
+        raise BucketError(f"{flag}: frame count(s) {', '.join(map(str, off))} are not 1 + k * {temporal_factor} "
+                          f"({why}); use e.g. {', '.join(map(str, fix))}")
+
+
+def video_buckets(sizes: Sequence[Bucket], frame_counts: Sequence[int]) -> list[Bucket]:
+    """Every aspect bucket at every frame count, sorted."""
+    return sorted(Bucket(b.height, b.width, f) for b in sizes for f in frame_counts)
+
+
+def frames_for(num_frames: int, stride: int, frame_counts: Sequence[int]) -> Optional[int]:
+    """The largest of `frame_counts` a clip of `num_frames` fills at `stride` ((F - 1) * stride + 1 frames, none
+    repeated); None when it is shorter than the smallest."""
+    fits = [f for f in frame_counts if (f - 1) * stride + 1 <= num_frames]
+    return max(fits) if fits else None
+
+
+def assign_video_bucket(width: int, height: int, num_frames: int, stride: int, buckets: Sequence[Bucket]
+                        ) -> Optional[int]:
+    """The index in `buckets` (video buckets) of a clip's bucket: its aspect bucket by frame size (assign_bucket),
+    then the largest frame count of that size it fills at `stride` (frames_for); None when it fills none."""
+    sizes = sorted({b.size for b in buckets})
+    size = sizes[assign_bucket(width, height, sizes)]
+    counts = {b.frames: i for i, b in enumerate(buckets) if b.size == size}
+    frames = frames_for(num_frames, stride, sorted(counts))
+    return None if frames is None else counts[frames]
 
 
 def fit_crop(pil_image: Image.Image, bucket: Bucket) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,7 @@
 """Decoding model-space latents to uint8 pixels as a dataset's meta describes it (identity data directly, VAE data
-with the VAE named in meta.json or a local override), and the start-up check that this will work."""
+with the VAE named in meta.json or a local override), and the start-up check that this will work. Video data
+(latents (B, C, T, H, W)) decodes to clips (B, F, H', W', 3): identity clips frame by frame, video VAE data
+(decode.class a video VAE) with tread.encoders.vae.decode_video."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +10,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from tread.encoders.errors import EncoderError
-from tread.encoders.vae import decode_raw_to_uint8, load_vae, vae_dtype as check_dtype
+from tread.encoders.vae import (VIDEO_VAE_CLASSES, decode_raw_to_uint8, decode_video, latent_channels, load_vae,
+                                vae_dtype as check_dtype)
 
 from .meta import DECODE_TYPES, LatentDatasetError, latent_kind, model_shape, shift_factor
 
@@ -28,7 +31,8 @@ def _load_decoder(meta: Mapping[str, Any], vae: Optional[str], vae_dtype: str, d
     decode = meta["decode"]
     name, subfolder = _vae_location(decode, vae)
     try:
-        return load_vae(name, subfolder=subfolder, device=device, dtype=vae_dtype)
+        return load_vae(name, subfolder=subfolder, device=device, dtype=vae_dtype,
+                        cls=decode.get("class") or "AutoencoderKL")
     except EncoderError as err:
         raise LatentDatasetError(f"data meta decode.type='vae', vae={decode.get('vae')!r}"
                                  f"{'' if vae is None else f' (overridden by vae={vae!r})'}: {err} Training needs "
@@ -38,27 +42,35 @@ def _load_decoder(meta: Mapping[str, Any], vae: Optional[str], vae_dtype: str, d
 
 def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any], *, vae: Optional[str] = None,
                     vae_dtype: str = "float32", batch_size: int = 32) -> torch.Tensor:
-    """Model-space latents (B, C, H, W) -> uint8 images (B, H', W', 3) on the latents' device, per meta["decode"].
+    """Model-space latents (B, C, H, W) -> uint8 images (B, H', W', 3) on the latents' device, per meta["decode"];
+    video latents (B, C, T, H, W) -> uint8 clips (B, F, H', W', 3).
 
     identity: pixels = latents / latent_scale in [-1, 1]. vae: raw = latents / latent_scale + shift_factor
     (decode.shift_factor, default 0) is decoded by the VAE named in decode.vae (or the local directory `vae`,
     e.g. on an offline machine) in `vae_dtype`, `batch_size` latents at a time; its [-1, 1] output is
-    rounded to uint8 exactly as identity pixels are. The VAE is loaded once per process (tread.encoders.vae.load_vae).
+    rounded to uint8 exactly as identity pixels are. Video VAE data (decode.class in VIDEO_VAE_CLASSES): latents /
+    latent_scale are model space as tread.encoders.vae.to_model_space gives it (decode's latents_mean, latents_std,
+    scaling_factor), decoded by decode_video. The VAE is loaded once per process (tread.encoders.vae.load_vae).
     """
     decode = meta.get("decode") or {"type": "identity"}
+    if decode.get("type") == "vae" and decode.get("class") in VIDEO_VAE_CLASSES:
+        model = _load_decoder(meta, vae, vae_dtype, latents.device)
+        return decode_video(model, latents.float() / float(meta.get("latent_scale", 1.0)), decode,
+                            batch_size=batch_size)
     if decode.get("type") == "vae":
         model = _load_decoder(meta, vae, vae_dtype, latents.device)
         raw = latents.float() / float(meta.get("latent_scale", 1.0)) + shift_factor(meta)
         return decode_raw_to_uint8(model, raw, batch_size=batch_size)
     if decode.get("type") != "identity":
         raise LatentDatasetError(f"meta decode.type={decode.get('type')!r} is unknown; allowed: {list(DECODE_TYPES)}")
-    if latents.ndim != 4 or latents.shape[1] not in (1, 3):
-        raise LatentDatasetError(f"identity decoding needs (B, C, H, W) latents with C = 1 or 3 (pixels), got shape "
-                                 f"{list(latents.shape)}; data with other channel counts needs a decoder "
-                                 f"(meta decode.type='vae')")
+    if latents.ndim not in (4, 5) or latents.shape[1] not in (1, 3):
+        raise LatentDatasetError(f"identity decoding needs (B, C, H, W) or (B, C, T, H, W) latents with C = 1 or 3 "
+                                 f"(pixels), got shape {list(latents.shape)}; data with other channel counts needs a "
+                                 f"decoder (meta decode.type='vae')")
     x = latents.float() / float(meta.get("latent_scale", 1.0))
-    images = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)  # [-1, 1] -> [0, 255]
-    return images.expand(-1, -1, -1, 3).contiguous() if images.shape[-1] == 1 else images.contiguous()
+    channels_last = (0, 2, 3, 1) if x.ndim == 4 else (0, 2, 3, 4, 1)
+    images = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(*channels_last)  # [-1, 1] -> [0, 255]
+    return images.expand(*images.shape[:-1], 3).contiguous() if images.shape[-1] == 1 else images.contiguous()
 
 
 def check_decodable(meta: Mapping[str, Any], *, vae: Optional[str] = None, vae_dtype: str = "float32",
@@ -78,8 +90,8 @@ def check_decodable(meta: Mapping[str, Any], *, vae: Optional[str] = None, vae_d
         raise LatentDatasetError(f"VAE decode batch size is {batch_size}; it must be >= 1")
     model = _load_decoder(meta, vae, vae_dtype, device)
     c = model_shape(meta)[0]
-    if model.config.latent_channels != c:
+    if latent_channels(model) != c:
         name, _ = _vae_location(decode, vae)
         raise LatentDatasetError(f"the data has {c}-channel latents (meta.json shape {meta['shape']}, latent_kind "
-                                 f"{latent_kind(meta)!r}) but the VAE '{name}' takes {model.config.latent_channels} "
+                                 f"{latent_kind(meta)!r}) but the VAE '{name}' takes {latent_channels(model)} "
                                  f"channels: the data was encoded with another VAE")

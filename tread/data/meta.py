@@ -1,7 +1,8 @@
 """The on-disk latent dataset format (a directory with meta.json, latents.npy and labels.npy): the meta.json
 schema and its checks, and the latent kinds ("sample" | "moments") with the draw that turns items into latents.
 
-    meta.json    {"format": "tread-latents", "version": 1, "shape": [C, H, W], "dtype": "float16"|"float32",
+    meta.json    {"format": "tread-latents", "version": 1, "shape": [C, H, W] (images) or [C, T, H, W] (video: T
+                  latent frames), "dtype": "float16"|"float32",
                   "num_samples": N, "num_classes": K, "latent_scale": s, "decode": {"type": "identity"} or
                   {"type": "vae", "vae": "<hub id or path>", "subfolder": null|"vae", "scaling_factor": s,
                    "shift_factor": null|f}, "source": "...", "class_names": [...] | null,
@@ -10,7 +11,8 @@ schema and its checks, and the latent kinds ("sample" | "moments") with the draw
                   "integrity": {...}   (optional: each file's size, mtime, digest and non-finite samples, which
                                         the writer records and training checks: tread/data/integrity.py),
                   ...extra keys}
-    latents.npy  (N, C, H, W) of `dtype`; model-space latents are stored values * latent_scale.
+    latents.npy  (N, C, H, W) of `dtype` (video: (N, C, T, H, W)); model-space latents are stored values *
+                 latent_scale.
                  latent_kind "moments": (N, 2C, H, W) VAE posterior moments (mean, logvar) in raw VAE
                  units; every read draws one latent, mean + exp(logvar / 2) * eps, then shifts and scales it.
     labels.npy   (N,) int64 in [0, K)
@@ -66,10 +68,23 @@ Reading draws one caption per sample per epoch (tread/data/reader.py caption_cho
 LatentDataset items are (x, y) without such files and (x, y, extras) with them: extras is a dict with the
 keys present among "text" float32 (L, D), "text_mask" bool (L,), "pooled" float32 (P,), "llama" float32 (n, L, Dl),
 "loss_mask" float32
-(1, Hm, Wm) in [0, 1], "reference" float32 (C, H, W) model-space latents (batched by __getitems__: a leading B).
+(1, Hm, Wm) in [0, 1], "reference" float32 (C, H, W) model-space latents, "first_frame" float32 (C, 1, H, W) model-space
+latents (video) (batched by __getitems__: a leading B).
 COND_KEYS are the extras a model takes as per-sample conditioning (cond=...; training, sampling and FLOPs
 counting pass exactly these on); the loss mask is the training step's. routing.token_keep_mask /
 routing.resize_loss_mask bring a loss mask to the token grid / latent resolution.
+
+Video data (docs/video.md, "Format"): meta "shape" is [C, T, H, W] and latents.npy (N, C, T, H, W), T latent frames
+per clip, and meta has (only then) the key
+
+    meta "video"  {"frames": F pixel frames per clip, "frame_stride": s (source frames between two read),
+                   "fps": the source fps / s (null: unknown), "temporal_factor": k (the VAE's; 1 for identity-decoded
+                   clips)}, with T = 1 + (F - 1) / k
+    files.first_frame_latents  first_frame_latents.npy  (N, C, 1, H, W) of `dtype`, C, H, W as reference_latents:
+                   each clip's first frame encoded alone (as the image-to-video pipelines encode their image),
+                   stored like "sample" latents (the posterior mean) and read * latent_scale into extras
+                   "first_frame" (a COND_KEYS member: models that take it get cond["first_frame"]). Video data only;
+                   like the reference, no describing meta key.
 
 Writing: tread/data/writer.py; reading: tread/data/reader.py; decoding to pixels: tread/data/decode.py.
 """
@@ -83,6 +98,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from tread.encoders.vae import VAE_CLASSES
 from tread.utils.errors import UserError
 from tread.utils.readers import read_json
 
@@ -94,20 +110,25 @@ DEFAULT_FILES = {"latents": "latents.npy", "labels": "labels.npy"}
 # Optional per-sample files: meta "files" key -> default file name.
 EXTRA_FILES = {"text_embeds": "text_embeds.npy", "text_mask": "text_mask.npy", "pooled_embeds": "pooled_embeds.npy",
                "llama_embeds": "llama_embeds.npy", "loss_mask": "loss_mask.npy",
-               "reference_latents": "reference_latents.npy"}
+               "reference_latents": "reference_latents.npy", "first_frame_latents": "first_frame_latents.npy"}
 # A caption table (several captions per sample, see the module doc): the offsets file, and the extras with one row
 # per caption in it.
 CAPTION_FILES = {"caption_offsets": "caption_offsets.npy"}
 CAPTION_KEYS = ("text", "text_mask", "pooled", "llama")
 # Keys of an extras dict (writer input, reader output), in this order, and the files holding them.
-EXTRA_KEYS = ("text", "text_mask", "pooled", "llama", "loss_mask", "reference")
+EXTRA_KEYS = ("text", "text_mask", "pooled", "llama", "loss_mask", "reference", "first_frame")
 EXTRA_FILE_OF = {"text": "text_embeds", "text_mask": "text_mask", "pooled": "pooled_embeds", "llama": "llama_embeds",
-                 "loss_mask": "loss_mask", "reference": "reference_latents"}
+                 "loss_mask": "loss_mask", "reference": "reference_latents", "first_frame": "first_frame_latents"}
 # The optional meta key of each file's size, mtime, digest and non-finite samples (tread/data/integrity.py).
 INTEGRITY_KEY = "integrity"
 # The extras that are the model's per-sample conditioning (cond=...): text embeddings (HiDream's Llama states too),
-# Kontext reference latents.
-COND_KEYS = ("text", "text_mask", "pooled", "llama", "reference")
+# Kontext reference latents, a clip's first frame (image-to-video).
+COND_KEYS = ("text", "text_mask", "pooled", "llama", "reference", "first_frame")
+# meta "video" (video data only): key -> what is allowed.
+VIDEO_KEYS = {"frames": "a positive integer (pixel frames per clip)",
+              "frame_stride": "a positive integer (source frames between two frames read)",
+              "fps": "null or a finite number > 0 (the source fps / frame_stride)",
+              "temporal_factor": "a positive integer (the VAE's temporal compression; 1 for identity decoding)"}
 # Top-level meta.json keys and the JSON types they must have (checked in detail in read_meta).
 META_TYPES: dict[str, tuple[type, ...]] = {
     "format": (str,), "version": (int,), "shape": (list,), "dtype": (str,), "num_samples": (int,),
@@ -146,6 +167,14 @@ DECODE_VAE_KEYS = (
      "null or a finite number > 0 (the VAE config's scaling_factor, e.g. 0.18215)"),
     ("shift_factor", lambda v: v is None or _number(v),
      "null or a finite number (the VAE config's shift_factor; null/absent means 0)"),
+    # video VAEs (tread/encoders/vae.py video_vae_info; docs/video.md "Video VAEs")
+    ("class", lambda v: v is None or v in VAE_CLASSES, f"null or one of {list(VAE_CLASSES)} (the diffusers class)"),
+    ("latents_mean", lambda v: v is None or (isinstance(v, list) and all(_number(x) for x in v)),
+     "null or a list of finite numbers (per-channel latent mean)"),
+    ("latents_std", lambda v: v is None or (isinstance(v, list) and all(_number(x) and x > 0 for x in v)),
+     "null or a list of finite numbers > 0 (per-channel latent std)"),
+    ("temporal_factor", lambda v: _pos_int(v), "a positive integer (pixel frames per latent frame)"),
+    ("spatial_factor", lambda v: _pos_int(v), "a positive integer (pixels per latent along each side)"),
 )
 
 
@@ -168,8 +197,8 @@ def validate_meta(meta: Any, where: str, advice: str = FIX_META) -> dict:
     if meta["version"] != VERSION:
         raise fail("version", f"{VERSION} (the only version this code reads)")
     shape = meta["shape"]
-    if len(shape) != 3 or not all(_is_type(s, (int,)) and s > 0 for s in shape):
-        raise fail("shape", "[C, H, W] with three positive integers")
+    if len(shape) not in (3, 4) or not all(_is_type(s, (int,)) and s > 0 for s in shape):
+        raise fail("shape", "[C, H, W] (images) or [C, T, H, W] (video) with positive integers")
     if meta["dtype"] not in DTYPES:
         raise fail("dtype", f"one of {list(DTYPES)}")
     if meta["num_samples"] < 1:
@@ -196,6 +225,7 @@ def validate_meta(meta: Any, where: str, advice: str = FIX_META) -> dict:
         raise fail("latent_kind", f"one of {list(LATENT_KINDS)} (absent means 'sample')")
     if kind == "moments" and shape[0] % 2:
         raise fail("shape", "[2C, H, W] with an even channel count for latent_kind 'moments' (mean and logvar)")
+    _validate_video(meta, where, advice)
     files = meta["files"]
     if not set(DEFAULT_FILES) <= set(files) <= set(DEFAULT_FILES) | set(EXTRA_FILES) | set(CAPTION_FILES) or \
             not all(isinstance(f, str) and f for f in files.values()):
@@ -203,6 +233,35 @@ def validate_meta(meta: Any, where: str, advice: str = FIX_META) -> dict:
                             f"{sorted(EXTRA_FILES)} (and {sorted(CAPTION_FILES)} with conditioning.captions)")
     _validate_conditioning(meta, where, advice)
     return meta
+
+
+def _validate_video(meta: dict, where: str, advice: str) -> None:
+    """meta "video" goes with a [C, T, H, W] shape (both or neither), its keys as VIDEO_KEYS say, and T = 1 + (F - 1)
+    / temporal_factor; first_frame_latents only with video data."""
+    video, shape = meta.get("video"), meta["shape"]
+    if (video is not None) != (len(shape) == 4):
+        raise LatentDatasetError(f"{where}: key 'shape' is {shape} but meta " + (
+            "has a 'video' key: video data has shape [C, T, H, W]" if video is not None else
+            "has no 'video' key: [C, T, H, W] data needs 'video': {frames, frame_stride, fps, temporal_factor}")
+            + f". {advice}")
+    if video is None:
+        if "first_frame_latents" in meta["files"]:
+            raise LatentDatasetError(f"{where}: meta has files.first_frame_latents but is not video data (shape "
+                                     f"{shape}, no 'video' key): a first frame belongs to a clip. {advice}")
+        return
+    if not isinstance(video, dict):
+        raise LatentDatasetError(f"{where}: key 'video' is {video!r} but must be an object {{{', '.join(VIDEO_KEYS)}}}. "
+                                 f"{advice}")
+    for key, expected in VIDEO_KEYS.items():
+        v = video.get(key)
+        ok = (v is None or (_number(v) and v > 0)) if key == "fps" else _pos_int(v)
+        if key not in video or not ok:
+            raise LatentDatasetError(f"{where}: key 'video.{key}' is {v!r} but must be {expected}. {advice}")
+    frames, k = video["frames"], video["temporal_factor"]
+    if (frames - 1) % k or shape[1] != 1 + (frames - 1) // k:
+        raise LatentDatasetError(f"{where}: key 'video' says {frames} frames at temporal_factor {k}, which is not "
+                                 f"shape[1] = {shape[1]} latent frames: F must be 1 + T' * k, T = 1 + (F - 1) / k "
+                                 f"(e.g. {1 + (shape[1] - 1) * k} frames for T = {shape[1]}). {advice}")
 
 
 LLAMA_KEYS = ("layers", "seq_len", "dim")   # conditioning.llama: the (n, L, Dl) of each sample's Llama states
@@ -284,8 +343,9 @@ def caption_table(meta: Mapping[str, Any], bad: Any) -> Optional[dict]:
 
 def has_model_conditioning(conditioning: Mapping[str, Any]) -> bool:
     """Whether a reader's `conditioning` ({"text": ..., "reference": ..., ...}) holds per-sample conditioning
-    the model takes (COND_KEYS: text embeddings or reference latents), so it is passed on as cond=...."""
-    return conditioning.get("text") is not None or conditioning.get("reference") is not None
+    the model takes (COND_KEYS: text embeddings, reference latents or first frames), so it is passed on as
+    cond=...."""
+    return any(conditioning.get(k) is not None for k in ("text", "reference", "first_frame"))
 
 
 def read_meta(path: PathLike) -> dict:
@@ -318,15 +378,22 @@ def shift_factor(meta: Mapping[str, Any]) -> float:
     return float(decode.get("shift_factor") or 0.0) if decode.get("type") == "vae" else 0.0
 
 
-def model_shape(meta: Mapping[str, Any]) -> tuple[int, int, int]:
-    """Shape (C, H, W) of the latents the model sees: the stored shape, halved in C for moments."""
-    c, h, w = meta["shape"]
-    return (c // 2, h, w) if latent_kind(meta) == "moments" else (c, h, w)
+def model_shape(meta: Mapping[str, Any]) -> tuple[int, ...]:
+    """Shape (C, H, W) (images) or (C, T, H, W) (video) of the latents the model sees: the stored shape, halved in
+    C for moments."""
+    c, *rest = meta["shape"]
+    return (c // 2 if latent_kind(meta) == "moments" else c, *rest)
+
+
+def first_frame_shape(meta: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """Shape (C, 1, H, W) of a video sample's first-frame latents (model space, as model_shape)."""
+    c, _, h, w = model_shape(meta)
+    return c, 1, h, w
 
 
 def draw_latents(x: torch.Tensor, meta: Mapping[str, Any], mode: str = "sample",
                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Dataset items -> model-space latents (B, C, H, W).
+    """Dataset items -> model-space latents (B, C, H, W) (video: (B, C, T, H, W)).
 
     "sample" data is returned as is (already scaled). "moments" data (B, 2C, H, W) = (mean, logvar) in raw
     VAE units gives latent_scale * (mean + exp(logvar / 2) * eps - shift) with eps ~ N(0, I) from `generator`
@@ -337,8 +404,9 @@ def draw_latents(x: torch.Tensor, meta: Mapping[str, Any], mode: str = "sample",
         raise ValueError(f"draw_latents mode={mode!r}; allowed: 'sample', 'mean'")
     if latent_kind(meta) != "moments":
         return x
-    if x.ndim != 4 or x.shape[1] % 2:
-        raise LatentDatasetError(f"moments data needs (B, 2C, H, W) items, got shape {list(x.shape)}")
+    if x.ndim not in (4, 5) or x.shape[1] % 2:
+        raise LatentDatasetError(f"moments data needs (B, 2C, H, W) or (B, 2C, T, H, W) items, got shape "
+                                 f"{list(x.shape)}")
     mean, logvar = x.float().chunk(2, dim=1)
     if mode == "sample":
         std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))  # the clamp diffusers' DiagonalGaussianDistribution uses

@@ -26,6 +26,7 @@ from .images import ImageFolderError, short_list
 from .meta import CAPTION_KEYS, EXTRA_KEYS
 from .precompute_plan import Plan, read_shard, settings_text
 from .precompute_request import PrecomputeError
+from .precompute_video import load_clip, video_dataset_meta, video_meta
 from .writer import LatentDatasetWriter
 
 
@@ -76,8 +77,12 @@ class Encoder:
 def load_item(plan: Plan, index: int, masks: bool) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
     """Image `index` resized and cropped to its target (plan.target: its bucket, or the --resolution square, where
     fit_crop is ADM's center crop), with masks=True its loss mask cropped alike (grayscale, 255 = in), and the
-    crop record: (uint8 (h, w, 3), uint8 (h, w) or None, int32 (6,))."""
+    crop record: (uint8 (h, w, 3), uint8 (h, w) or None, int32 (6,)). A clip (--videos): its frames (uint8 (F, h, w,
+    3)), None, its frames' crop record."""
     target, path = plan.target(index), plan.paths[index]
+    if plan.video:
+        clip, crop = load_clip(path, target, plan.request.frame_stride)
+        return clip, None, crop
     pil = read_image(path, "cannot read image", error=ImageFolderError)
     image, crop = fit_crop(pil, target)
     if not masks:
@@ -129,7 +134,7 @@ def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[Thread
         arrays["flipped"] = np.concatenate(flipped)
     arrays.update({key: np.concatenate(values) for key, values in refs.items()})   # reference[, flipped_reference]
     for key, value in arrays.items():
-        ref = "reference" in key
+        ref = "reference" in key or key == "first_frame"
         arrays[key] = _cast_stored(value, store, plan, start, "reference latents" if ref else "latents",
                                    "the references of " if ref else "", f16 + vae_advice)
     if masks:
@@ -148,8 +153,8 @@ def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[Thread
 def _encode_images(plan: Plan, start: int, stop: int, encoder: Encoder, pool: Optional[ThreadPoolExecutor],
                    progress=None) -> tuple[list, list, list, dict[str, list], dict[str, list], list]:
     """Images [start, stop) encoded batch by batch: (latents, latents of the flipped copies, loss masks,
-    {text key: arrays}, {"reference", "flipped_reference": reference latents}, crop records), each a list of
-    per-batch arrays (empty lists / dicts where not stored)."""
+    {text key: arrays}, {"reference", "flipped_reference": reference latents; "first_frame": a clip's first frame},
+    crop records), each a list of per-batch arrays (empty lists / dicts where not stored)."""
     n, with_masks = plan.num_images, plan.mask_paths is not None
     lat, flipped, masks, text, refs, crops = [], [], [], {}, {}, []
     for idx, images, mask, crop in iter_images(plan, start, stop, plan.request.batch_size, pool, masks=with_masks):
@@ -162,6 +167,8 @@ def _encode_images(plan: Plan, start: int, stop: int, encoder: Encoder, pool: Op
         if plan.reference_paths is not None:
             for key, value in _encode_references(plan, idx, encoder, pool).items():
                 refs.setdefault(key, []).append(value)
+        if plan.video and plan.settings["video"]["first_frame"]:   # each clip's first frame encoded alone
+            refs.setdefault("first_frame", []).append(_finite(encoder.first_frame(images), plan, idx, "first frame "))
         if encoder.text is not None:  # each caption once: flipped copies reuse them
             for key, value in _encode_captions(plan, encoder.text, idx).items():
                 text.setdefault(key, []).append(value)
@@ -252,7 +259,7 @@ def _cast_stored(value: np.ndarray, store: np.dtype, plan: Plan, start: Any, wha
     return out
 
 
-def merge_shards(plan: Plan, meta: dict, vae_factor: int = 1) -> Path:
+def merge_shards(plan: Plan, meta: dict, vae_factor: int = 1, vae: Any = None) -> Path:
     """Stream every shard, in image order, into the final dataset (LatentDatasetWriter: atomic, memory-mapped);
     with buckets, one latent dataset per bucket inside a bucketed dataset (BucketedWriter: atomic too)."""
     missing = [s for s in range(plan.num_shards) if not plan.shard_file(s).is_file()]
@@ -261,7 +268,7 @@ def merge_shards(plan: Plan, meta: dict, vae_factor: int = 1) -> Path:
                               f"rerun the same command to encode them")
     empty = read_empty_prompt(plan)
     if plan.buckets is None:
-        _merge(plan, plan.out, list(range(plan.num_shards)), meta, empty)
+        _merge(plan, plan.out, list(range(plan.num_shards)), meta, empty, vae)
         return plan.out
     by_bucket: dict[int, list[int]] = {}
     for shard in range(plan.num_shards):
@@ -270,17 +277,17 @@ def merge_shards(plan: Plan, meta: dict, vae_factor: int = 1) -> Path:
                         source=meta["source"], flip=plan.settings["flip"]) as writer:
         for b, shards in sorted(by_bucket.items()):
             bucket = plan.buckets[b]
-            crops = _merge(plan, writer.bucket_dir(bucket), shards, meta, empty)
+            crops = _merge(plan, writer.bucket_dir(bucket), shards, meta, empty, vae)
             writer.add(bucket, np.concatenate([crops, mirrored_crop(crops, bucket)]) if plan.settings["flip"]
                        else crops)
     return plan.out
 
 
-def _merge(plan: Plan, out: Path, shards: list[int], meta: dict, empty: Optional[dict] = None
+def _merge(plan: Plan, out: Path, shards: list[int], meta: dict, empty: Optional[dict] = None, vae: Any = None
            ) -> Optional[np.ndarray]:
     """The consecutive `shards` as one latent dataset at `out` (flipped copies after the originals; with a caption
     table, the flipped copies' caption rows after the originals' too, then `empty`, the empty prompt's row);
-    returns their crop records (with buckets), in order."""
+    returns their crop records (with buckets), in order. Clips: meta "video" from `vae` and the shards' frames."""
     n, flip = sum(stop - start for start, stop in map(plan.shard_range, shards)), plan.settings["flip"]
     first, base = read_shard(plan, shards[0]), plan.shard_range(shards[0])[0]
     keys = [k for k in EXTRA_KEYS if k in first]
@@ -294,6 +301,9 @@ def _merge(plan: Plan, out: Path, shards: list[int], meta: dict, empty: Optional
                              text_mask="text_mask" in shapes, pooled_dim=shapes["pooled"][0] if "pooled" in shapes
                              else None, llama_shape=shapes.get("llama"), loss_mask_shape=shapes.get("loss_mask"),
                              reference_latents="reference" in shapes, empty_prompt=empty is not None,
+                             first_frame_latents="first_frame" in shapes,
+                             video=video_meta(plan, vae, plan.target(plan.shard_range(shards[0])[0]).frames)
+                             if plan.video else None,
                              caption_counts=None if counts is None else np.tile(counts, 2 if flip else 1),
                              **meta) as writer:
         for shard in shards:
@@ -322,21 +332,10 @@ def _merge(plan: Plan, out: Path, shards: list[int], meta: dict, empty: Optional
 
 
 def dataset_meta(plan: Plan, vae) -> dict:
-    """LatentDatasetWriter keyword arguments describing the VAE, the images and the settings."""
-    scale = float(vae.config.scaling_factor)
-    shift = getattr(vae.config, "shift_factor", None)
+    """LatentDatasetWriter keyword arguments describing the VAE, the images (clips: video_dataset_meta) and the
+    settings."""
+    meta = video_dataset_meta(plan, vae) if plan.video else _image_meta(plan, vae)
     s = plan.settings
-    size = f"{s['resolution']}px" if "buckets" not in s else f"{len(s['buckets']['sizes'])} bucket sizes"
-    source = (f"scripts/precompute_latents.py: {s['num_images']} images from {plan.root}"
-              f"{' (+ horizontal flips)' if s['flip'] else ''} at {size}, VAE {s['vae']}")
-    meta = {"latent_scale": scale, "source": source,
-            "decode": {"type": "vae", "vae": s["vae"], "subfolder": s["vae_subfolder"], "scaling_factor": scale,
-                       "shift_factor": None if shift is None else float(shift)},
-            "extra_meta": {"latent_kind": s["kind"], "image_resolution": None if "buckets" in s else s["resolution"], "flip": s["flip"],
-                           "num_source_images": s["num_images"], "encode_vae_dtype": s["vae_dtype"], "seed": s["seed"],
-                           "labels_file": None if plan.request.labels is None
-                           else str(Path(plan.request.labels).expanduser().absolute()),
-                           "images_sha256": s["images_sha256"]}}
     if "text" in s:
         t, req = s["text"], plan.request
         length = t["max_length"] or default_max_length(t["family"], req.text_encoder_paths())
@@ -353,3 +352,21 @@ def dataset_meta(plan: Plan, vae) -> dict:
     if "reference_images" in s:
         meta["extra_meta"]["reference_images_dir"] = s["reference_images"]["dir"]
     return meta
+
+
+def _image_meta(plan: Plan, vae) -> dict:
+    """dataset_meta's VAE and image part."""
+    scale = float(vae.config.scaling_factor)
+    shift = getattr(vae.config, "shift_factor", None)
+    s = plan.settings
+    size = f"{s['resolution']}px" if "buckets" not in s else f"{len(s['buckets']['sizes'])} bucket sizes"
+    source = (f"scripts/precompute_latents.py: {s['num_images']} images from {plan.root}"
+              f"{' (+ horizontal flips)' if s['flip'] else ''} at {size}, VAE {s['vae']}")
+    return {"latent_scale": scale, "source": source,
+            "decode": {"type": "vae", "vae": s["vae"], "subfolder": s["vae_subfolder"], "scaling_factor": scale,
+                       "shift_factor": None if shift is None else float(shift)},
+            "extra_meta": {"latent_kind": s["kind"], "image_resolution": None if "buckets" in s else s["resolution"], "flip": s["flip"],
+                           "num_source_images": s["num_images"], "encode_vae_dtype": s["vae_dtype"], "seed": s["seed"],
+                           "labels_file": None if plan.request.labels is None
+                           else str(Path(plan.request.labels).expanduser().absolute()),
+                           "images_sha256": s["images_sha256"]}}

@@ -20,6 +20,7 @@ from .buckets import Bucket, assign_bucket
 from .captions import read_caption_manifest, read_sidecar, sidecar_of, with_trigger
 from .images import IMAGE_EXTS, ImageFolderError, images_under, list_image_folder, short_list
 from .precompute_request import PrecomputeError, PrecomputeRequest, request_buckets
+from .precompute_video import plan_clips
 
 SETTINGS_FILE = "settings.json"
 PARTS_VERSION = 1
@@ -51,6 +52,12 @@ class Plan:
     reference_paths: Optional[list[Path]] = field(default=None, repr=False)  # per image, --reference-images
     buckets: Optional[list[Bucket]] = None                              # --buckets / --bucket-pixels
     image_bucket: Optional[np.ndarray] = field(default=None, repr=False)  # per image: its index in buckets
+    clip_target: Optional[Bucket] = None                                # --videos of one shape: (res, res, frames)
+
+    @property
+    def video(self) -> bool:
+        """Whether the inputs are clips (--videos): paths are clips, buckets video buckets (frames > 0)."""
+        return "video" in self.settings
 
     @property
     def num_images(self) -> int:
@@ -80,7 +87,7 @@ class Plan:
     def target(self, index: int) -> Bucket:
         """The size image `index` is cropped to: its bucket, or the --resolution square."""
         if self.buckets is None:
-            return Bucket(self.request.resolution, self.request.resolution)
+            return self.clip_target or Bucket(self.request.resolution, self.request.resolution)
         return self.buckets[int(self.image_bucket[index])]
 
     def shard_file(self, shard: int) -> Path:
@@ -92,6 +99,8 @@ class Plan:
 
 def make_plan(req: PrecomputeRequest) -> Plan:
     """List the images (after check_request) and fix the settings that finished shards must match."""
+    if req.videos is not None:
+        return make_video_plan(req)
     root = Path(req.images).expanduser().absolute()
     out = Path(req.out).expanduser().absolute()
     skipped: list[Path] = []
@@ -120,26 +129,13 @@ def make_plan(req: PrecomputeRequest) -> Plan:
     digest = hashlib.sha256()
     for p, y in zip(paths, labels):
         digest.update(f"{p.relative_to(root).as_posix()}\t{y}\n".encode())
-    vae_path = Path(req.vae).expanduser()
     settings = {
         "parts_version": PARTS_VERSION, "images": str(root), "num_images": len(paths),
-        "images_sha256": digest.hexdigest(), "resolution": req.resolution,
-        "vae": str(vae_path.absolute()) if vae_path.is_dir() else req.vae, "vae_subfolder": req.vae_subfolder,
-        "vae_dtype": req.vae_dtype, "kind": req.kind, "flip": bool(req.flip), "dtype": req.dtype,
+        "images_sha256": digest.hexdigest(), "resolution": req.resolution, **_vae_settings(req),
+        "kind": req.kind or "moments", "flip": bool(req.flip), "dtype": req.dtype,
         "shard_size": req.shard_size, "seed": req.seed, "max_images": req.max_images,
     }
-    if buckets is not None:   # only then: settings of square runs stay as they were
-        settings["buckets"] = {"sizes": [b.name for b in buckets], "stride": req.bucket_stride,
-                               "assignment_sha256": _digest([str(b) for b in image_bucket.tolist()])}
-    text_paths = None
-    if captions is not None:  # only with these options: settings of plain runs stay as they were
-        text_paths = {k: str(v) for k, v in resolve_text_encoder_paths(req.text_family, req.text_encoder_paths(),
-                                                                        t5=not req.no_t5).items()}
-        settings["text"] = {"family": req.text_family, "encoders": text_paths, "max_length": req.max_text_length,
-                            "encoder_dtype": req.text_encoder_dtype, "captions_sha256": captions_digest(captions)}
-        if req.no_t5:  # only then: settings of runs with T5 stay as they were
-            settings["text"]["t5"] = False
-        settings["text"].update(caption_settings(req, captions))
+    text_paths = _shared_settings(settings, req, buckets, image_bucket, captions)
     if mask_paths is not None:
         settings["loss_masks"] = {"dir": str(Path(req.loss_masks).expanduser().absolute()),
                                   "sha256": _digest([p.as_posix() for p in mask_paths])}
@@ -149,6 +145,52 @@ def make_plan(req: PrecomputeRequest) -> Plan:
     return Plan(root, out, parts_dir_of(out), paths, labels, class_names, num_classes, settings, req.shard_size,
                 req, captions, mask_paths, text_paths, skipped, reference_paths=reference_paths, buckets=buckets,
                 image_bucket=image_bucket)
+
+
+def make_video_plan(req: PrecomputeRequest) -> Plan:
+    """The plan of a --videos run (tread/data/precompute_video.py plan_clips): clips probed and given their targets,
+    grouped by bucket; captions as for images (a clip is named by its file or folder path)."""
+    root, out = Path(req.videos).expanduser().absolute(), Path(req.out).expanduser().absolute()
+    clips = plan_clips(req, root)
+    paths, labels, buckets, clip_bucket = clips["paths"], clips["labels"], clips["buckets"], clips["clip_bucket"]
+    captions = plan_captions(req, root, paths, labels, clips["class_names"]) if req.text_family else None
+    if buckets is not None:   # grouped by bucket (stable): every shard has one clip shape
+        order = np.argsort(clip_bucket, kind="stable")
+        paths, labels, clip_bucket = [paths[i] for i in order], labels[order], clip_bucket[order]
+        captions = None if captions is None else [captions[i] for i in order]
+    settings = {
+        "parts_version": PARTS_VERSION, "images": str(root), "num_images": len(paths),
+        "images_sha256": _digest([f"{p.relative_to(root).as_posix()}\t{y}" for p, y in zip(paths, labels)]),
+        "resolution": req.resolution, **_vae_settings(req), "kind": "mean", "flip": False,
+        "dtype": req.dtype, "shard_size": req.shard_size, "seed": req.seed, "max_images": None,
+        "video": clips["settings"]}
+    text_paths = _shared_settings(settings, req, buckets, clip_bucket, captions)
+    return Plan(root, out, parts_dir_of(out), paths, labels, clips["class_names"], int(labels.max()) + 1
+                if clips["class_names"] is None else len(clips["class_names"]), settings, req.shard_size, req,
+                captions, None, text_paths, buckets=buckets, image_bucket=clip_bucket, clip_target=clips["target"])
+
+
+def _vae_settings(req: PrecomputeRequest) -> dict:
+    vae_path = Path(req.vae).expanduser()
+    return {"vae": str(vae_path.absolute()) if vae_path.is_dir() else req.vae, "vae_subfolder": req.vae_subfolder,
+            "vae_dtype": req.vae_dtype}
+
+
+def _shared_settings(settings: dict, req: PrecomputeRequest, buckets: Optional[Sequence[Bucket]],
+                     assignment: Optional[np.ndarray], captions: Optional[list]) -> Optional[dict]:
+    """Add the settings of images and clips alike, each only when used (so plain runs' settings stay as they
+    were): the buckets and the assignment, the text encoders and captions. Returns the text encoders' paths."""
+    if buckets is not None:
+        settings["buckets"] = {"sizes": [b.name for b in buckets], "stride": req.bucket_stride,
+                               "assignment_sha256": _digest([str(b) for b in assignment.tolist()])}
+    if captions is None:
+        return None
+    text_paths = {k: str(v) for k, v in resolve_text_encoder_paths(req.text_family, req.text_encoder_paths(),
+                                                                    t5=not req.no_t5).items()}
+    settings["text"] = {"family": req.text_family, "encoders": text_paths, "max_length": req.max_text_length,
+                        "encoder_dtype": req.text_encoder_dtype, "captions_sha256": captions_digest(captions),
+                        **({"t5": False} if req.no_t5 else {}), **caption_settings(req, captions)}
+    return text_paths
 
 
 def assign_buckets(paths: Sequence[Path], buckets: Sequence[Bucket]) -> np.ndarray:

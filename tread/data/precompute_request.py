@@ -9,9 +9,10 @@ from typing import Any, Optional
 
 from tread.encoders.text import TextEncoderError, resolve_text_encoder_paths
 from tread.encoders.text_families import FAMILIES, TEXT_FAMILIES, encoder_keys
+from tread.encoders.vae import VIDEO_VAE_CLASSES
 from tread.utils.errors import UserError
 
-from .buckets import Bucket, BucketError, check_stride, derive_buckets, parse_buckets
+from .buckets import Bucket, BucketError, check_stride, derive_buckets, parse_buckets, parse_frame_buckets
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 KINDS = ("moments", "sample")
@@ -32,7 +33,13 @@ class PrecomputeRequest:
     `python scripts/precompute_latents.py --help` says what each means. Checked by check_request, which
     precompute runs first (it looks at the file system, so it runs when the work starts, not when this is built)."""
 
-    images: Optional[str] = None                  # image folder (required)
+    images: Optional[str] = None                  # image folder (required, or videos)
+    videos: Optional[str] = None                  # clip folder instead of images (tread/data/precompute_video.py)
+    frames: Optional[int] = None                  # pixel frames per clip (or frame_buckets)
+    frame_stride: int = 1                         # read every s-th source frame
+    frame_buckets: Optional[str] = None           # frame counts 'F1,F2,...': each clip the most it fills
+    first_frame: bool = False                     # also store each clip's first frame encoded alone
+    vae_class: Optional[str] = None               # the video VAE's diffusers class (default: its config.json's)
     labels: Optional[str] = None                  # labels file of a flat folder
     out: Optional[str] = None                     # latent dataset to write (required; must not exist)
     max_images: Optional[int] = None              # a fixed random subset of N images
@@ -43,7 +50,7 @@ class PrecomputeRequest:
     max_aspect: float = 2.0                       # derived buckets' widest width/height (and height/width)
     vae: str = DEFAULT_VAE                        # VAE hub id or local AutoencoderKL folder
     vae_subfolder: Optional[str] = None           # folder of the VAE inside the model
-    kind: str = "moments"                         # moments | sample
+    kind: Optional[str] = None                    # moments | sample (None: moments; clips: mean, the only choice)
     flip: bool = False                            # also store a flipped copy of every image
     seed: int = 0                                 # per-image draws (kind sample) and the max_images subset
     dtype: str = "float16"                        # storage dtype
@@ -89,14 +96,30 @@ def bad_value(flag: str, value: Any, allowed: str) -> PrecomputeError:
 
 def check_request(req: PrecomputeRequest) -> None:
     """Cheap checks of every argument (no VAE, no images read); errors name the flag, value and what is allowed."""
+    if req.videos is not None:
+        check_video_request(req)
+    else:
+        check_image_only_flags(req)
+        check_images_flag(req)
+    check_common(req)
+
+
+def check_images_flag(req: PrecomputeRequest) -> None:
+    """--images (and --labels, --kind) of an image run."""
+    if req.kind is not None and req.kind not in KINDS:
+        raise bad_value("--kind", req.kind, f"one of {', '.join(KINDS)}")
     if not req.images:
         raise PrecomputeError("--images DIR is required: a folder with one sub-folder of images per class, or a "
-                              "flat folder of images with --labels FILE")
+                              "flat folder of images with --labels FILE (or --videos DIR, a folder of clips)")
     if not Path(req.images).expanduser().is_dir():
         raise bad_value("--images", req.images, "no such folder (expected a folder of class sub-folders, or of images "
                                                 "with --labels)")
     if req.labels is not None and not Path(req.labels).expanduser().is_file():
         raise bad_value("--labels", req.labels, "no such file (a CSV/TSV 'file name,label' or JSON labels file)")
+
+
+def check_common(req: PrecomputeRequest) -> None:
+    """The flags images and clips share."""
     if not req.out:
         raise PrecomputeError("--out DIR is required: the latent dataset directory to write (must not exist)")
     out = Path(req.out).expanduser().absolute()
@@ -106,8 +129,6 @@ def check_request(req: PrecomputeRequest) -> None:
     if req.resolution is None or req.resolution < 8:
         raise bad_value("--resolution", req.resolution, "an integer >= 8 that is a multiple of the VAE's downsampling "
                                                         "factor (8 for SD-VAE), e.g. 256")
-    if req.kind not in KINDS:
-        raise bad_value("--kind", req.kind, f"one of {', '.join(KINDS)}")
     if req.dtype not in STORE_DTYPES:
         raise bad_value("--dtype", req.dtype, f"one of {', '.join(STORE_DTYPES)}")
     if req.vae_dtype not in VAE_DTYPES:
@@ -256,3 +277,51 @@ def _check_text_family(req: PrecomputeRequest, captioned: bool) -> None:
                                                                   "family's default")
     if req.text_encoder_dtype not in TEXT_ENCODER_DTYPES:
         raise bad_value("--text-encoder-dtype", req.text_encoder_dtype, f"one of {', '.join(TEXT_ENCODER_DTYPES)}")
+
+
+# Flags of image runs only (--images itself too).
+IMAGE_ONLY = (("--flip", "flip"), ("--loss-masks", "loss_masks"), ("--reference-images", "reference_images"),
+              ("--ref-out", "ref_out"), ("--labels", "labels"), ("--images", "images"),
+              ("--max-images", "max_images"))
+
+
+def frame_counts(req: PrecomputeRequest) -> list[int]:
+    """The frame counts clips are read at: --frame-buckets, else [--frames]."""
+    return parse_frame_buckets(req.frame_buckets) if req.frame_buckets is not None else [req.frames]
+
+
+def check_video_request(req: PrecomputeRequest) -> None:
+    """The --videos flags (cheap: nothing read); errors name the flag, value and what is allowed."""
+    if not Path(req.videos).expanduser().is_dir():
+        raise bad_value("--videos", req.videos, "no such folder (expected a folder of clips: video files or frame "
+                                                "folders, in class sub-folders or directly in it)")
+    used = [flag for flag, name in IMAGE_ONLY if getattr(req, name)]
+    if used:
+        raise PrecomputeError(f"{'/'.join(used)} cannot be used with --videos (images only); clips are labelled by "
+                              f"their class sub-folder")
+    if req.kind not in (None, "mean"):
+        raise bad_value("--kind", req.kind, "'mean' or left out with --videos: clips store the VAE posterior mean "
+                                            "(as the video pipelines encode), in model space")
+    if (req.frames is None) == (req.frame_buckets is None):
+        raise PrecomputeError("--videos needs --frames F (every clip F frames) or --frame-buckets F1,F2,... (each "
+                              "clip the most frames it has), exactly one of them")
+    if req.frames is not None and req.frames < 1:
+        raise bad_value("--frames", req.frames, "an integer >= 1 (pixel frames per clip, 1 + k * the VAE's temporal "
+                                                "factor, e.g. 17 for Wan's 4)")
+    if req.frame_stride < 1:
+        raise bad_value("--frame-stride", req.frame_stride, "an integer >= 1 (read every s-th source frame)")
+    if req.vae_class is not None and req.vae_class not in VIDEO_VAE_CLASSES:
+        raise bad_value("--vae-class", req.vae_class, f"one of {', '.join(VIDEO_VAE_CLASSES)}")
+    try:
+        frame_counts(req)
+    except BucketError as err:
+        raise PrecomputeError(str(err)) from None
+
+
+def check_image_only_flags(req: PrecomputeRequest) -> None:
+    """The video flags without --videos: one error naming them."""
+    used = [f for f, v in (("--frames", req.frames), ("--frame-buckets", req.frame_buckets),
+                           ("--first-frame", req.first_frame), ("--vae-class", req.vae_class),
+                           ("--frame-stride", req.frame_stride != 1)) if v]
+    if used:
+        raise PrecomputeError(f"{'/'.join(used)} only apply with --videos DIR (a folder of clips)")

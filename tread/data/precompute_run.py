@@ -33,6 +33,7 @@ from .precompute import Encoder, TextEncoder, dataset_meta, encode_shard, merge_
 from .precompute_plan import (Plan, check_parts_settings, make_plan, read_shard, skipped_note, unfinished_images,
                               unreadable_images_error, write_parts_settings)
 from .precompute_request import PrecomputeError, PrecomputeRequest, bad_value, check_request
+from .precompute_video import load_video_encoder
 
 
 def collective(work: Callable[[], Any]) -> Any:
@@ -78,8 +79,12 @@ def check_images(plan: Plan, state) -> None:
 
 
 def load_encoder(plan: Plan, device) -> Encoder:
-    """The VAE (checked against --resolution) and, with captions, the text encoders."""
+    """The VAE (checked against --resolution; clips: load_video_encoder) and, with captions, the text encoders."""
     req = plan.request
+    if plan.video:
+        encoder = load_video_encoder(plan, device)
+        encoder.text = _text_encoder(plan, device)
+        return encoder
     vae = load_vae(req.vae, subfolder=req.vae_subfolder, device=device, dtype=req.vae_dtype)
     factor = downsample_factor(vae)
     if plan.buckets is not None and req.bucket_stride % factor:
@@ -90,13 +95,18 @@ def load_encoder(plan: Plan, device) -> Encoder:
         raise bad_value("--resolution", req.resolution, f"a multiple of {factor} (the VAE '{req.vae}' downsamples by "
                                                         f"{factor})")
     shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
-    text = None
-    if plan.captions is not None:
-        dtype = getattr(torch, req.text_encoder_dtype)
-        encoders = load_text_encoders(req.text_family, req.text_encoder_paths(), device=device, dtype=dtype,
-                                      t5=not req.no_t5)
-        text = TextEncoder(req.text_family, encoders, req.max_text_length, device, dtype)
-    return Encoder(vae, req.kind, req.seed, shift, text)
+    return Encoder(vae, plan.settings["kind"], req.seed, shift, _text_encoder(plan, device))
+
+
+def _text_encoder(plan: Plan, device) -> Optional[TextEncoder]:
+    """With captions, the family's text encoders, loaded; else None."""
+    req = plan.request
+    if plan.captions is None:
+        return None
+    dtype = getattr(torch, req.text_encoder_dtype)
+    encoders = load_text_encoders(req.text_family, req.text_encoder_paths(), device=device, dtype=dtype,
+                                  t5=not req.no_t5)
+    return TextEncoder(req.text_family, encoders, req.max_text_length, device, dtype)
 
 
 def run_encoding(plan: Plan, state, device, encoder: Optional[Encoder] = None) -> tuple[Any, int]:
@@ -155,17 +165,21 @@ def encode_dataset(run: Run) -> dict:
     parts folder; {"out", "num_images", "shards", "encoded_here"}."""
     plan, state = run.plan, run.state
     encoder = collective(lambda: load_encoder(plan, run.device))  # a bad VAE fails before the long image check
-    check_images(plan, state)                                     # nothing is written before this
+    if not plan.video:                                            # clips were probed by the plan
+        check_images(plan, state)                                 # nothing is written before this
     vae, encoded = collective(lambda: run_encoding(plan, state, run.device, encoder))
-    out = collective(lambda: merge_shards(plan, dataset_meta(plan, vae), downsample_factor(vae))
+    factor = encoder.info["spatial_factor"] if plan.video else downsample_factor(vae)
+    out = collective(lambda: merge_shards(plan, dataset_meta(plan, vae), factor, vae)
                      if state.is_main_process else None)
     if state.is_main_process:
         shutil.rmtree(plan.parts, ignore_errors=True)
+        what = "clips" if plan.video else "images"
         print(f"Wrote {plan.num_images * (2 if plan.settings['flip'] else 1)} latents "
-              f"({plan.num_images} images{' + flips' if plan.settings['flip'] else ''}) to {out}", flush=True)
+              f"({plan.num_images} {what}{' + flips' if plan.settings['flip'] else ''}) to {out}", flush=True)
         if plan.buckets is not None:
             counts = np.bincount(plan.image_bucket, minlength=len(plan.buckets)).tolist()
             used = [(n, b) for n, b in zip(counts, plan.buckets) if n]
-            print(f"images per bucket (width x height; {len(used)} of {len(plan.buckets)} buckets used):\n"
+            print(f"{what} per bucket ({'width x height x frames' if plan.video else 'width x height'}; {len(used)} "
+                  f"of {len(plan.buckets)} buckets used):\n"
                   + histogram([n for n, _ in used], [b for _, b in used]), flush=True)
     return {"out": plan.out, "num_images": plan.num_images, "shards": plan.num_shards, "encoded_here": encoded}

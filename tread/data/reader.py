@@ -25,7 +25,7 @@ import torch
 from tread.utils.readers import read_npy
 
 from .meta import (CAPTION_KEYS, DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, INTEGRITY_KEY, LLAMA_KEYS,
-                   REBUILD, LatentDatasetError, PathLike, latent_kind, model_shape, read_meta)
+                   REBUILD, LatentDatasetError, PathLike, first_frame_shape, latent_kind, model_shape, read_meta)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -92,7 +92,7 @@ class LatentMeta:
 
     def _check_expected(self, channels: Optional[int], resolution: Optional[int],
                         num_classes: Optional[int]) -> None:
-        c, h, w = model_shape(self._meta)
+        c, *_, h, w = model_shape(self._meta)
         head, src, fix = f"data at '{self.root}'", self._shape_source(), self._FIX
         if channels is not None and c != channels:
             raise LatentDatasetError(f"{head} has {c} channels ({src}) but the model expects in_channels={channels} "
@@ -110,9 +110,20 @@ class LatentMeta:
         return self._meta
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """Model-space latent shape (C, H, W) (for moments data: half the stored channels)."""
+    def shape(self) -> tuple[int, ...]:
+        """Model-space latent shape (C, H, W), video (C, T, H, W) (for moments data: half the stored channels)."""
         return model_shape(self._meta)
+
+    @property
+    def frames(self) -> int:
+        """Latent frames T of each sample: 1 for images (shape (C, H, W))."""
+        shape = self._meta["shape"]
+        return shape[1] if len(shape) == 4 else 1
+
+    @property
+    def video(self) -> Optional[dict]:
+        """meta "video" ({frames, frame_stride, fps, temporal_factor}: pixel frames per clip, ...), None for images."""
+        return self._meta.get("video")
 
     @property
     def channels(self) -> int:
@@ -127,7 +138,7 @@ class LatentMeta:
     @property
     def resolution(self) -> int:
         """Latent side H (= W); non-square data has no single resolution."""
-        _, h, w = self._meta["shape"]
+        h, w = self._meta["shape"][-2:]
         if h != w:
             raise LatentDatasetError(f"data at '{self.root}' is {h}x{w}: not square, so it has no single "
                                      f"resolution (the models take square latents)")
@@ -149,7 +160,8 @@ class LatentMeta:
         "llama": (n, L, Dl) or None (HiDream's Llama states), "loss_mask": (Hm, Wm) or None} (from meta
         "conditioning" and "loss_mask"), and "reference": (C, H, W), the
         model-space latent shape, only for data with files.reference_latents (FLUX Kontext edit pairs; absent
-        otherwise, so read it with .get)."""
+        otherwise, so read it with .get), and "first_frame": (C, 1, H, W) only for video data with
+        files.first_frame_latents (image-to-video; read it with .get too)."""
         cond = self._meta.get("conditioning") or {}
         text, pooled, lm = cond.get("text"), cond.get("pooled"), self._meta.get("loss_mask")
         llama = cond.get("llama")
@@ -160,6 +172,8 @@ class LatentMeta:
                "loss_mask": None if lm is None else tuple(lm["shape"])}
         if "reference_latents" in self._meta["files"]:
             out["reference"] = model_shape(self._meta)
+        if "first_frame_latents" in self._meta["files"]:
+            out["first_frame"] = first_frame_shape(self._meta)
         return out
 
     @property
@@ -172,14 +186,15 @@ class LatentMeta:
     def has_extras(self) -> bool:
         """True when items carry an extras dict (text / pooled embeddings, loss masks, references) after (x, y)."""
         c = self.conditioning
-        return any(c.get(k) is not None for k in ("text", "pooled", "llama", "loss_mask", "reference"))
+        return any(c.get(k) is not None for k in ("text", "pooled", "llama", "loss_mask", "reference", "first_frame"))
 
     def __len__(self) -> int:
         return self._meta["num_samples"]
 
 
 class LatentDataset(LatentMeta, torch.utils.data.Dataset):
-    """Memory-mapped latent dataset; items are (float32 latent (C, H, W) * latent_scale, int64 label), or
+    """Memory-mapped latent dataset; items are (float32 latent (C, H, W) (video: (C, T, H, W)) * latent_scale,
+    int64 label), or
     (latent, label, extras) when the dataset has per-sample conditioning / loss masks (has_extras; see the
     module doc)."""
 
@@ -239,7 +254,9 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
                               f"{rows}, conditioning.llama layers, seq_len and dim"),
                     "loss_mask": ((n, *(c["loss_mask"] or ())), ("uint8",), "num_samples, loss_mask.shape"),
                     "reference": ((n, *(c.get("reference") or ())), (m["dtype"],),
-                                  "num_samples, dtype and the model-space shape")}
+                                  "num_samples, dtype and the model-space shape"),
+                    "first_frame": ((n, *(c.get("first_frame") or ())), (m["dtype"],),
+                                    "num_samples, dtype and the model-space shape with T = 1")}
         for key, array in (self._extras or {}).items():
             shape, dtypes, source = expected[key]
             if array.shape != shape or array.dtype.name not in dtypes:
@@ -274,7 +291,7 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> Union[tuple[torch.Tensor, torch.Tensor],
                                                tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         latents, labels = self._open()
-        arr = np.array(latents[index], dtype=np.float32)  # (C, H, W), copied off the memmap
+        arr = np.array(latents[index], dtype=np.float32)  # (C[, T], H, W), copied off the memmap
         warn_non_finite(arr[None], np.array([int(index) % len(self)]), self._reported, self._where)
         x, y = torch.from_numpy(arr) * self._scale(), torch.tensor(int(labels[index]), dtype=torch.int64)
         if not self._extras:
@@ -320,10 +337,10 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> Union[tuple[torch.Tensor, torch.Tensor],
                                                             tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
-        """Batched fetch, (x (B, C, H, W) float32, y (B,) int64), with one fancy-indexed read of each memmap;
-        with extras (x, y, {"text": (B, L, D) float32, "text_mask": (B, L) bool, "pooled": (B, P) float32,
-        "llama": (B, n, L, Dl) float32, "loss_mask": (B, 1, Hm, Wm) float32 in [0, 1], "reference": (B, C, H, W)
-        float32}), the keys the dataset has, in request order. With a caption table the text parts are each
+        """Batched fetch, (x (B, C, H, W) float32 (video: (B, C, T, H, W)), y (B,) int64), with one fancy-indexed
+        read of each memmap; with extras (x, y, {"text": (B, L, D) float32, "text_mask": (B, L) bool, "pooled":
+        (B, P) float32, "llama": (B, n, L, Dl) float32, "loss_mask": (B, 1, Hm, Wm) float32 in [0, 1], "reference":
+        (B, C, H, W) float32, "first_frame": (B, C, 1, H, W) float32}), the keys the dataset has, in request order. With a caption table the text parts are each
         sample's caption for this batch (caption_rows: drawn per epoch for a loader's EpochBatch)."""
         latents, labels = self._open()
         idx = np.asarray(indices, dtype=np.int64)
@@ -347,10 +364,10 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
 
 def _extra_tensor(key: str, batch: np.ndarray, latent_scale: float) -> torch.Tensor:
     """A batch read from an extras file -> its tensor: float32 embeddings (text, pooled, llama), bool mask,
-    (B, 1, Hm, Wm) float loss mask in [0, 1] (uint8 / 255), float32 model-space reference latents (stored values *
-    latent_scale)."""
+    (B, 1, Hm, Wm) float loss mask in [0, 1] (uint8 / 255), float32 model-space reference / first-frame latents
+    (stored values * latent_scale)."""
     t = torch.from_numpy(batch)
-    if key == "reference":
+    if key in ("reference", "first_frame"):
         return t.float() * latent_scale
     if key == "text_mask":
         return t

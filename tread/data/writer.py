@@ -15,7 +15,7 @@ import numpy as np
 from .integrity import integrity_record
 from .meta import (CAPTION_FILES, CAPTION_KEYS, DEFAULT_FILES, EXTRA_FILE_OF, EXTRA_FILES, EXTRA_KEYS, FORMAT,
                    INTEGRITY_KEY, LLAMA_KEYS, VERSION, LatentDatasetError, LatentDatasetExistsError, PathLike,
-                   caption_offsets, model_shape, validate_meta)
+                   caption_offsets, first_frame_shape, model_shape, validate_meta)
 
 
 def _exists_error(root: Path) -> LatentDatasetExistsError:
@@ -33,10 +33,11 @@ EXTRA_WHAT = {"text": "(n, L, D) float array of text embeddings", "text_mask": "
               "pooled": "(n, P) float array of pooled embeddings",
               "llama": "(n, layers, L, Dl) float array of Llama hidden states",
               "loss_mask": "(n, Hm, Wm) loss mask (uint8 0..255, or float in [0, 1])",
-              "reference": "(n, C, H, W) float array of reference latents (stored values, like the latents)"}
-_EXTRA_NDIM = {"text": 3, "text_mask": 2, "pooled": 2, "llama": 4, "loss_mask": 3, "reference": 4}
+              "reference": "(n, C, H, W) float array of reference latents (stored values, like the latents)",
+              "first_frame": "(n, C, 1, H, W) float array of first-frame latents (stored values, like the latents)"}
+_EXTRA_NDIM = {"text": 3, "text_mask": 2, "pooled": 2, "llama": 4, "loss_mask": 3, "reference": 4, "first_frame": 5}
 DECLARE = ("text_shape=(L, D), text_mask=True, pooled_dim=P, llama_shape=(layers, L, Dl), loss_mask_shape=(Hm, Wm), "
-           "reference_latents=True")
+           "reference_latents=True, first_frame_latents=True")
 # conditioning keys the writer sets itself, and the writer argument each part comes from
 _RESERVED = {"text": ("seq_len", "dim", "mask"), "pooled": ("dim",), "llama": LLAMA_KEYS,
              "captions": ("rows", "empty_prompt")}
@@ -141,6 +142,10 @@ class LatentDatasetWriter:
         with LatentDatasetWriter(path, shape=(C, H, W), num_samples=N, num_classes=K, ...) as writer:
             writer.write(start, latents, labels)   # stored values (N_i, C, H, W) and labels (N_i,), any order
 
+    Video data: shape=(C, T, H, W) and video={"frames": F, "frame_stride": s, "fps": f, "temporal_factor": k} (meta
+    "video"); first_frame_latents=True adds first_frame_latents.npy ((C, 1, H, W) per clip, dataset dtype, stored
+    like "sample" latents), given with every write as extras["first_frame"].
+
     Optional per-sample arrays (see the module doc): text_shape=(L, D) (text_embeds.npy, in the dataset
     dtype), text_mask=True (text_mask.npy, needs text_shape), pooled_dim=P (pooled_embeds.npy, dataset
     dtype), loss_mask_shape=(Hm, Wm) (loss_mask.npy, uint8), reference_latents=True (reference_latents.npy,
@@ -170,7 +175,8 @@ class LatentDatasetWriter:
                  loss_mask_shape: Optional[Sequence[int]] = None,
                  conditioning_meta: Optional[Mapping[str, Any]] = None, reference_latents: bool = False,
                  llama_shape: Optional[Sequence[int]] = None, caption_counts: Optional[Sequence[int]] = None,
-                 empty_prompt: bool = False):
+                 empty_prompt: bool = False, video: Optional[Mapping[str, Any]] = None,
+                 first_frame_latents: bool = False):
         self.root = root = Path(path).expanduser().absolute()
         to_int = lambda v: int(v) if isinstance(v, np.integer) else v  # numpy ints are not JSON-serialisable
         self.meta = {"format": FORMAT, "version": VERSION, "shape": [to_int(s) for s in shape], "dtype": dtype,
@@ -178,11 +184,13 @@ class LatentDatasetWriter:
                      "latent_scale": float(latent_scale), "decode": dict(decode or {"type": "identity"}),
                      "source": source, "class_names": None if class_names is None else list(class_names),
                      "files": dict(DEFAULT_FILES), **(extra_meta or {})}
-        clash = sorted({"conditioning", "loss_mask", INTEGRITY_KEY} & set(extra_meta or {}))
+        if video is not None:
+            self.meta["video"] = {k: to_int(v) for k, v in dict(video).items()}
+        clash = sorted({"conditioning", "loss_mask", INTEGRITY_KEY, "video"} & set(extra_meta or {}))
         if clash:
             raise LatentDatasetError(f"extra_meta for '{root}' sets {clash}: describe conditioning and loss masks "
-                                     f"with text_shape/text_mask/pooled_dim/loss_mask_shape/conditioning_meta (the "
-                                     f"writer records '{INTEGRITY_KEY}' itself)")
+                                     f"with text_shape/text_mask/pooled_dim/loss_mask_shape/conditioning_meta, video "
+                                     f"data with video=... (the writer records '{INTEGRITY_KEY}' itself)")
         self._offsets = caption_offsets(root, caption_counts, empty_prompt, to_int(num_samples))
         self.empty_row = int(self._offsets[-1]) if self._offsets is not None and empty_prompt else None
         captions = None if self._offsets is None else {"rows": int(self._offsets[-1]) + bool(empty_prompt),
@@ -192,15 +200,17 @@ class LatentDatasetWriter:
         self.meta.update(extra)
         if captions is not None:
             self.meta["files"].update(CAPTION_FILES)
-        if not isinstance(reference_latents, (bool, np.bool_)):
-            raise LatentDatasetError(f"reference_latents for '{root}' is {reference_latents!r} but must be True or "
-                                     f"False")
+        for name, flag in (("reference_latents", reference_latents), ("first_frame_latents", first_frame_latents)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise LatentDatasetError(f"{name} for '{root}' is {flag!r} but must be True or False")
+            if flag:
+                self.meta["files"][name] = EXTRA_FILES[name]
         self.meta["files"].update({EXTRA_FILE_OF[k]: EXTRA_FILES[EXTRA_FILE_OF[k]] for k in self._specs})
-        if reference_latents:
-            self.meta["files"]["reference_latents"] = EXTRA_FILES["reference_latents"]
         validate_meta(self.meta, f"meta for '{root}'", "Fix the write_latent_dataset() arguments.")
         if reference_latents:   # the model-space shape (validated above): C halved for moments data
             self._specs["reference"] = (model_shape(self.meta), dtype)
+        if first_frame_latents:
+            self._specs["first_frame"] = (first_frame_shape(self.meta), dtype)
         try:
             json.dumps(self.meta)
         except (TypeError, ValueError) as err:
@@ -268,7 +278,7 @@ class LatentDatasetWriter:
                 want = ", ".join(map(str, (n, *tail)))
                 raise LatentDatasetError(f"{head} must be a {EXTRA_WHAT[key]} of shape ({want}) (one per "
                                          f"{'caption row' if captions else 'latent'}), got shape {a.shape}")
-            if key in ("text", "pooled", "llama", "reference"):
+            if key in ("text", "pooled", "llama", "reference", "first_frame"):
                 if not (np.issubdtype(a.dtype, np.floating) or a.size == 0):
                     raise LatentDatasetError(f"{head} must be a float array, got {a.dtype}")
                 a = _cast_finite(a, dtype, f"{head} contains", start, start + n, "use dtype='float32'")
@@ -312,7 +322,7 @@ class LatentDatasetWriter:
             raise RuntimeError(f"writer for '{self.root}' is already closed")
         latents, labels = np.asarray(latents), np.asarray(labels)
         n, stop = self.meta["num_samples"], start + len(latents)
-        if latents.shape[1:] != tuple(self.meta["shape"]) or latents.ndim != 4:
+        if latents.shape[1:] != tuple(self.meta["shape"]):
             want = ", ".join(map(str, self.meta["shape"]))
             raise LatentDatasetError(f"latents for '{self.root}' must be (n, {want}) arrays, got shape {latents.shape}")
         if labels.shape != (len(latents),) or not (np.issubdtype(labels.dtype, np.integer) or len(labels) == 0):
@@ -405,11 +415,12 @@ class LatentDatasetWriter:
 
 
 def _check_arrays(root: Path, latents: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The latents (N, C, H, W) and integer labels (N,) of write_latent_dataset as arrays, or one error."""
+    """The latents (N, C, H, W) (video: (N, C, T, H, W)) and integer labels (N,) of write_latent_dataset as arrays,
+    or one error."""
     latents, labels = np.asarray(latents), np.asarray(labels)
-    if latents.ndim != 4 or min(latents.shape) < 1:
-        raise LatentDatasetError(f"latents for '{root}' must be a non-empty (N, C, H, W) array, got shape "
-                                 f"{latents.shape}")
+    if latents.ndim not in (4, 5) or min(latents.shape) < 1:
+        raise LatentDatasetError(f"latents for '{root}' must be a non-empty (N, C, H, W) array (video: (N, C, T, H, "
+                                 f"W)), got shape {latents.shape}")
     if labels.shape != (len(latents),) or not np.issubdtype(labels.dtype, np.integer):
         raise LatentDatasetError(f"labels for '{root}' must be a 1-D integer array of length N={len(latents)} "
                                  f"(one per latent), got {labels.dtype} array of shape {labels.shape}")
@@ -423,13 +434,16 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
                          extras: Optional[Mapping[str, np.ndarray]] = None,
                          conditioning_meta: Optional[Mapping[str, Any]] = None,
                          caption_counts: Optional[Sequence[int]] = None,
-                         empty_prompt: Optional[Mapping[str, np.ndarray]] = None) -> Path:
+                         empty_prompt: Optional[Mapping[str, np.ndarray]] = None,
+                         video: Optional[Mapping[str, Any]] = None) -> Path:
     """Write a dataset atomically: build it in a temporary sibling directory, then rename it into place.
 
-    `latents` (N, C, H, W) are the *stored* values (model space / latent_scale). `extra_meta` adds keys to
+    `latents` (N, C, H, W) are the *stored* values (model space / latent_scale); video data: (N, C, T, H, W) with
+    `video` = meta "video" {"frames", "frame_stride", "fps", "temporal_factor"} (tread/data/meta.py). `extra_meta` adds keys to
     meta.json (e.g. "builtin"). `extras` optionally adds per-sample conditioning / loss masks as full arrays
     {"text": (N, L, D), "text_mask": (N, L) bool, "pooled": (N, P), "llama": (N, n, L, Dl), "loss_mask":
-    (N, Hm, Wm) uint8 or float in [0, 1], "reference": (N, C, H, W) stored reference latents} (any subset;
+    (N, Hm, Wm) uint8 or float in [0, 1], "reference": (N, C, H, W) stored reference latents, "first_frame":
+    (N, C, 1, H, W) stored first-frame latents (video)} (any subset;
     text_mask and llama need text),
     described further by `conditioning_meta` (see LatentDatasetWriter). A caption table (tread/data/meta.py):
     `caption_counts` (N,) captions per sample, the text parts then holding sum(caption_counts) rows (sample by
@@ -458,7 +472,8 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
                              pooled_dim=extras["pooled"].shape[1] if "pooled" in extras else None,
                              loss_mask_shape=shape_of("loss_mask"), conditioning_meta=conditioning_meta,
                              reference_latents="reference" in extras, llama_shape=shape_of("llama"),
-                             caption_counts=caption_counts, empty_prompt=empty_prompt is not None) as writer:
+                             caption_counts=caption_counts, empty_prompt=empty_prompt is not None, video=video,
+                             first_frame_latents="first_frame" in extras) as writer:
         if not (labels.min() >= 0 and labels.max() < writer.meta["num_classes"]):  # checked before any copying
             raise LatentDatasetError(f"labels for '{root}' range over [{labels.min()}, {labels.max()}] but must lie "
                                      f"in [0, num_classes={num_classes}); pass the right num_classes or remap the "

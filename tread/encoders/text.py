@@ -347,7 +347,7 @@ def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]]
             out = _encode_flux(models, enc.tokenizers, prompts, length, device)
         elif family == "sd3":
             out = _encode_sd3(models, enc.tokenizers, prompts, length, device, _zeros_width(enc, use_t5))
-        else:  # one T5-type encoder that sees the attention mask: wan, auraflow, pixart
+        else:  # one T5-type encoder that sees the attention mask: wan, auraflow, pixart, cosmos
             out = _encode_masked_t5(family, models, enc.tokenizers, prompts, length, device)
     arrays = {k: v.detach().cpu().numpy() if v.dtype == torch.bool else v.detach().float().cpu().numpy()
               for k, v in out.items()}
@@ -406,11 +406,11 @@ def _encode_sd3(models: dict, tok: dict, prompts: list[str], length: int, device
 
 def _encode_masked_t5(family: str, models: dict, tok: dict, prompts: list[str], length: int, device: torch.device
                       ) -> dict[str, torch.Tensor]:
-    """wan, auraflow, pixart: one T5-type encoder that sees the attention mask; the mask is returned too."""
+    """wan, auraflow, pixart, cosmos: one T5-type encoder that sees the attention mask; the mask is returned too."""
     if family == "wan":
         prompts = [_wan_clean(p) for p in prompts]
     ids, mask = _tokenize(tok["tokenizer"], prompts, length, device)
     hidden = models["text_encoder"](input_ids=ids, attention_mask=mask)[0]
-    if family in ("wan", "auraflow"):  # padding positions zeroed (Wan keeps the first seq_len rows)
+    if family in ("wan", "auraflow", "cosmos"):  # padding positions zeroed (Wan keeps the first seq_len rows)
         hidden = hidden * mask[..., None].to(hidden.dtype)
     return {"text": hidden, "text_mask": mask.bool()}

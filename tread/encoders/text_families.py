@@ -11,7 +11,7 @@ from typing import Optional, Union
 from tread.encoders.errors import TextEncoderError
 
 TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart", "flux2", "qwen_image", "chroma", "sana", "z_image",
-                 "lumina2", "hidream")
+                 "lumina2", "hidream", "ltx_video", "cosmos", "hunyuan_video")
 PathLike = Union[str, os.PathLike]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
 CLIP_DEFAULT_LENGTH = 77
@@ -90,12 +90,37 @@ FAMILIES.update({
                           128, mask=False, pooled=True, repo="HiDream-ai/HiDream-I1-Full",
                           pipeline="HiDreamImagePipeline", via_pipeline=True),
 })
+# LTX-Video: LTXPipeline's T5 (T5-v1.1-XXL, 4096 wide), run WITHOUT the attention mask (the pipeline passes none to
+# T5), padded to max_sequence_length=128; the mask goes to the transformer's cross-attention.
+FAMILIES.update({
+    "ltx_video": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "T5 (T5EncoderModel)"),), 128, mask=True,
+                            pooled=False, repo="Lightricks/LTX-Video", pipeline="LTXPipeline", via_pipeline=True),
+})
+# Cosmos-Predict2: Cosmos2TextToImagePipeline / Cosmos2VideoToWorldPipeline._get_t5_prompt_embeds: T5 (google-t5/t5-11b,
+# 1024 wide) with the attention mask, max_sequence_length=512, padding rows zeroed (text.py's _encode_masked_t5).
+FAMILIES.update({
+    "cosmos": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "t5", "T5 (T5EncoderModel)"),), 512, mask=True,
+                         pooled=False, repo="nvidia/Cosmos-Predict2-2B-Text2Image",
+                         pipeline="Cosmos2TextToImagePipeline"),
+})
+# HunyuanVideo 1.5: HunyuanVideo15Pipeline.encode_prompt: Qwen2.5-VL's text model (hidden_states[-3]) on the pipeline's
+# system-message chat template, padded to tokenizer_max_length=1000 after its 108-token template prefix is dropped, + the
+# tokenizer's mask; its ByT5 (Glyph-SDXL-v2, T5EncoderModel) encodes the quoted text of a prompt (zeros and mask 0 for a
+# prompt without: text_pipelines.py returns it as "glyph" / "glyph_mask").
+FAMILIES.update({
+    "hunyuan_video": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "qwen2_5_vl_text",
+                                             "Qwen2.5-VL text model (Qwen2_5_VLTextModel)"),
+                                 EncoderSlot("text_encoder_2", "tokenizer_2", "t5", "ByT5 (T5EncoderModel)")), 1000,
+                                mask=True, pooled=False, repo="hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
+                                pipeline="HunyuanVideo15Pipeline", via_pipeline=True),
+})
 PIXART_SIGMA_LENGTH = 300
 # transformers model classes by encoder kind and config.json model_type (the classes the pipelines load)
 MODEL_TYPES: dict[str, dict[str, str]] = {
     "t5": {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel"},
     "mistral3": {"mistral3": "Mistral3ForConditionalGeneration"},
     "qwen2_5_vl": {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},
+    "qwen2_5_vl_text": {"qwen2_5_vl_text": "Qwen2_5_VLTextModel"},
     "gemma2": {"gemma2": "Gemma2Model"},
     "qwen3": {"qwen3": "Qwen3Model"},
     "llama": {"llama": "LlamaForCausalLM"},

@@ -26,6 +26,11 @@ HiDream's):
                 tokens; llama (B, n, L, Dl): Llama-3.1's hidden_states[1:] (n = its layers, 32) with the attention
                 mask (the pipeline's pad token is the tokenizer's eos), stacked layer first by the pipeline,
                 stored batch first. No mask (the transformer takes none).
+    ltx_video   LTXPipeline: T5 run without the attention mask on the prompt padded to max_length (128); the
+                tokenizer's mask is returned (the transformer's encoder_attention_mask).
+    hunyuan_video  HunyuanVideo15Pipeline: Qwen2.5-VL's text model, hidden_states[-3], on its system-message template
+                padded to max_length (1000) after the 108-token template prefix is dropped, + the tokenizer's mask;
+                besides, "glyph" (B, 256, D2) / "glyph_mask": ByT5 on the prompt's quoted text (zeros, mask 0 without).
 """
 from __future__ import annotations
 
@@ -88,9 +93,33 @@ def _hidream(pipe, prompts: list[str], length: int, device) -> Encoded:
     return t5, None, {"pooled": pooled, "llama": llama.transpose(0, 1)}   # (n, B, L, Dl) -> batch first
 
 
+def _ltx_video(pipe, prompts: list[str], length: int, device) -> tuple[Rows, Optional[torch.Tensor]]:
+    text, mask, _, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, num_videos_per_prompt=1,
+                                          device=device, max_sequence_length=length)
+    return text, mask
+
+
+def _hunyuan_video(pipe, prompts: list[str], length: int, device) -> Encoded:
+    pipe.tokenizer_max_length = length     # encode_prompt reads it (the pipeline's 1000 by default)
+    text, mask, glyph, glyph_mask = pipe.encode_prompt(prompts, device=device, batch_size=len(prompts),
+                                                       num_videos_per_prompt=1)
+    return text, mask, {"glyph": glyph, "glyph_mask": glyph_mask.bool()}
+
+
 CALLS: dict[str, Callable[..., Encoded]] = {
     "flux2": _flux2, "qwen_image": _qwen_image, "chroma": _chroma, "sana": _sana, "z_image": _z_image,
-    "lumina2": _lumina2, "hidream": _hidream}
+    "lumina2": _lumina2, "hidream": _hidream, "ltx_video": _ltx_video, "hunyuan_video": _hunyuan_video}
+
+
+def _pipeline_extras(pipeline: str) -> dict[str, Any]:
+    """What a pipeline's __init__ needs besides its text parts: HunyuanVideo15Pipeline reads vae.config whenever it
+    has a vae slot (a tiny AutoencoderKLHunyuanVideo15 stands in: encode_prompt never uses it) and takes a guider."""
+    import diffusers
+
+    if pipeline != "HunyuanVideo15Pipeline":
+        return {"vae": None}
+    vae = diffusers.AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8,) * 5, layers_per_block=1)
+    return {"vae": vae, "guider": None}
 
 
 def build_pipeline(pipeline: str, models: dict[str, Any], tokenizers: dict[str, Any]):
@@ -99,8 +128,8 @@ def build_pipeline(pipeline: str, models: dict[str, Any], tokenizers: dict[str, 
     import diffusers
 
     cls = getattr(diffusers, pipeline)
-    return cls(**models, **tokenizers, vae=None, transformer=None,
-               scheduler=diffusers.FlowMatchEulerDiscreteScheduler())
+    return cls(**models, **tokenizers, transformer=None, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+               **_pipeline_extras(pipeline))
 
 
 def fixed_length(rows: Rows, mask: Optional[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ apply_chat_template; punctuation and line breaks are tokens, so Qwen-Image's tem
 pipeline drops."""
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Sequence
@@ -135,6 +136,50 @@ def _tiny_qwen2_5_vl(words: Sequence[str]):
     return Qwen2_5_VLForConditionalGeneration(config), tokenizer
 
 
+HUNYUAN_PREFIX = 108   # HunyuanVideo15Pipeline's prompt_template_encode_start_idx: the tokens it drops
+
+
+def _hunyuan_chat(tokenizer) -> str:
+    """QWEN_CHAT with '.' tokens after the system message, so that HunyuanVideo15Pipeline's template prefix (up to the
+    user's text) is the 108 tokens it drops, as with the real Qwen tokenizer."""
+    from diffusers.pipelines.hunyuan_video1_5 import pipeline_hunyuan_video1_5 as hv  # deferred: a heavy import
+
+    system = inspect.signature(hv.HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+    tokenizer.chat_template = QWEN_CHAT
+    text = tokenizer.apply_chat_template(hv.format_text_input(["x"], system), tokenize=False)[0]
+    prefix = text[:text.index("<|im_start|>user\n") + len("<|im_start|>user\n")]
+    filler = HUNYUAN_PREFIX - len(tokenizer(prefix)["input_ids"])
+    if filler < 0:
+        raise ValueError(f"the tiny tokenizer's HunyuanVideo template prefix is {HUNYUAN_PREFIX - filler} tokens, "
+                         f"more than the {HUNYUAN_PREFIX} the pipeline drops")
+    return QWEN_CHAT.replace("{{ m['content'] }}", "{{ m['content'] }}{% if m['role'] == 'system' %}"
+                             + " ." * filler + "{% endif %}")
+
+
+def _tiny_qwen2_5_vl_text(words: Sequence[str]):
+    """hunyuan_video: Qwen2_5_VLTextModel (3 layers: the pipeline takes hidden_states[-3]) and the chat template
+    _hunyuan_chat."""
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    tokenizer, vocab = _tiny_chat_tokenizer("qwen", words)
+    tokenizer.chat_template = _hunyuan_chat(tokenizer)
+    config = Qwen2_5_VLTextConfig(**dict(_lm_sizes(vocab), num_hidden_layers=3),
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1]},
+                                  bos_token_id=None, eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"])
+    return Qwen2_5_VLTextModel(config), tokenizer
+
+
+def _tiny_byt5():
+    """hunyuan_video's text_encoder_2: a 32-wide T5EncoderModel over ByT5's 384 ids, and ByT5Tokenizer (bytes: no
+    vocabulary file, built offline)."""
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+    tokenizer = ByT5Tokenizer()
+    config = T5Config(d_model=32, d_ff=37, num_layers=2, num_heads=4, d_kv=8, vocab_size=len(tokenizer),
+                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    return T5EncoderModel(config), tokenizer
+
+
 def _tiny_gemma2(words: Sequence[str]):
     """sana, lumina2: Gemma2Model."""
     from transformers import Gemma2Config, Gemma2Model
@@ -167,7 +212,7 @@ def _tiny_llama(words: Sequence[str]):
 
 
 LM_BUILDERS = {"mistral3": _tiny_mistral3, "qwen2_5_vl": _tiny_qwen2_5_vl, "gemma2": _tiny_gemma2,
-               "qwen3": _tiny_qwen3, "llama": _tiny_llama}
+               "qwen3": _tiny_qwen3, "llama": _tiny_llama, "qwen2_5_vl_text": _tiny_qwen2_5_vl_text}
 # CLIP positions (and tokenizer model_max_length) per family: HiDreamImagePipeline feeds its CLIPs
 # min(max_sequence_length, 218) tokens (128 by default), more than the usual 77.
 CLIP_POSITIONS = {"hidream": 218}
@@ -180,6 +225,8 @@ def _tiny_encoder(family: str, slot: EncoderSlot, words: Sequence[str], clip_wid
 
     if slot.kind in LM_BUILDERS:
         return LM_BUILDERS[slot.kind](words)
+    if family == "hunyuan_video" and slot.model == "text_encoder_2":
+        return _tiny_byt5()
     if slot.kind in ("clip", "clip_proj"):
         positions = CLIP_POSITIONS.get(family, CLIP_DEFAULT_LENGTH)
         tokenizer, vocab = _tiny_tokenizer("clip", words, positions)

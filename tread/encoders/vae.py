@@ -1,5 +1,6 @@
-"""The VAE (diffusers AutoencoderKL) behind "vae"-decoded latent data: loading (cached, offline-aware),
-encoding images to raw latents / posterior moments, and decoding model-space latents to uint8 pixels.
+"""The VAE (diffusers AutoencoderKL, or a video VAE) behind "vae"-decoded latent data: loading (cached,
+offline-aware), encoding images to raw latents / posterior moments, and decoding model-space latents to uint8
+pixels; for video VAEs (VIDEO_VAE_CLASSES) encoding clips, their model-space normalisation and decoding clips.
 
 Conventions (tread/data/meta.py describes how a dataset records them):
     raw latents   what vae.encode() gives (mean or a draw of the posterior) and vae.decode() takes.
@@ -29,9 +30,12 @@ from tread.utils.device import DeviceLike, resolve_device
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 VAE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENCODE_KINDS = ("moments", "sample", "mean")
+# diffusers classes of video VAEs (clips (B, 3, F, H, W) <-> latents (B, C, T, h, w)); load_vae's `cls`
+VIDEO_VAE_CLASSES = ("AutoencoderKLWan", "AutoencoderKLLTXVideo", "AutoencoderKLHunyuanVideo15")
+VAE_CLASSES = ("AutoencoderKL",) + VIDEO_VAE_CLASSES
 HUB_PROBE_TIMEOUT_S = 3.0
 
-_CACHE: dict[tuple[str, Optional[str], str, str], Any] = {}
+_CACHE: dict[tuple[str, Optional[str], str, str, str], Any] = {}
 _LOCK = threading.Lock()
 
 
@@ -110,24 +114,25 @@ def _fail(name: str, subfolder: Optional[str], reason: str) -> EncoderError:
     return EncoderError(f"cannot load the VAE {where}: {reason}. {how_to_provide(name, subfolder)}")
 
 
-def _from_disk_or_hub(name: str, subfolder: Optional[str]):
+def _from_disk_or_hub(name: str, subfolder: Optional[str], cls: str = "AutoencoderKL"):
     import warnings
 
     with warnings.catch_warnings():  # diffusers passes a deprecated argument to huggingface_hub
         warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*", category=UserWarning)
-        return _from_disk_or_hub_(name, subfolder)
+        return _from_disk_or_hub_(name, subfolder, cls)
 
 
-def _from_disk_or_hub_(name: str, subfolder: Optional[str]):
-    from diffusers import AutoencoderKL
+def _from_disk_or_hub_(name: str, subfolder: Optional[str], cls: str):
+    import diffusers  # deferred: diffusers takes seconds to import
 
+    AutoencoderKL = getattr(diffusers, cls)  # noqa: N806 - the class named by `cls` (AutoencoderKL by default)
     kwargs = {"subfolder": subfolder} if subfolder else {}
     local = _local_dir(name)
     if local is not None:
         try:
             return AutoencoderKL.from_pretrained(str(local), **kwargs)
         except Exception as err:  # noqa: BLE001 - any failure to read the directory is reported the same way
-            raise _fail(name, subfolder, f"the directory '{local}' is not a loadable AutoencoderKL "
+            raise _fail(name, subfolder, f"the directory '{local}' is not a loadable {cls} "
                                          f"({type(err).__name__}: {str(err).strip()[:300]})") from None
     try:
         return AutoencoderKL.from_pretrained(name, local_files_only=True, **kwargs)
@@ -145,28 +150,36 @@ def _from_disk_or_hub_(name: str, subfolder: Optional[str]):
 
 
 def load_vae(name_or_path: str, *, subfolder: Optional[str] = None, device: DeviceLike = "cpu",
-             dtype: str = "float32"):
-    """A diffusers AutoencoderKL in eval mode without gradients, cached per process.
+             dtype: str = "float32", cls: str = "AutoencoderKL"):
+    """A diffusers VAE of class `cls` (VAE_CLASSES: AutoencoderKL, or a video VAE) in eval mode without gradients,
+    cached per process.
 
-    The cache key is (name, subfolder, device, dtype); a second device or dtype of an already loaded VAE is
+    The cache key is (name, subfolder, device, dtype, cls); a second device or dtype of an already loaded VAE is
     a copy of it, so the weights are read from disk (or the hub) once per process. Raises EncoderError
     naming the VAE and how to provide it when it cannot be loaded.
     """
     if not isinstance(name_or_path, str) or not name_or_path:
         raise EncoderError(f"VAE name/path must be a non-empty string, got {name_or_path!r}")
+    if cls not in VAE_CLASSES:
+        raise EncoderError(f"VAE class {cls!r} is not supported; allowed: {list(VAE_CLASSES)}")
     torch_dtype, dev = vae_dtype(dtype), resolve_device(device)
     local = Path(name_or_path).expanduser()
     name = str(local.absolute()) if local.is_dir() else name_or_path
-    key = (name, subfolder or None, str(dev), dtype)
+    key = (name, subfolder or None, str(dev), dtype, cls)
     with _LOCK:
         if key in _CACHE:
             return _CACHE[key]
-        same = [v for k, v in _CACHE.items() if k[:2] == key[:2]]
-        vae = copy.deepcopy(same[0]) if same else _from_disk_or_hub(name, subfolder or None)
+        same = [v for k, v in _CACHE.items() if k[:2] == key[:2] and k[4] == cls]
+        vae = copy.deepcopy(same[0]) if same else _from_disk_or_hub(name, subfolder or None, cls)
         # nn.Module.to: diffusers' override warns about fp32-only modules even when there are none
         vae = torch.nn.Module.to(vae, device=dev, dtype=torch_dtype).eval().requires_grad_(False)
         _CACHE[key] = vae
         return vae
+
+
+def latent_channels(vae) -> int:
+    """Channels of the VAE's latents (AutoencoderKLWan calls them z_dim)."""
+    return int(vae.config.get("z_dim", None) or vae.config.latent_channels)
 
 
 def downsample_factor(vae) -> int:
@@ -228,4 +241,143 @@ def decode_raw_to_uint8(vae, raw: torch.Tensor, batch_size: int = 32) -> torch.T
     for start in range(0, len(raw), batch_size):
         x = vae.decode(raw[start:start + batch_size].to(device=device, dtype=dtype)).sample.float()
         out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).to(raw.device))
+    return torch.cat(out).contiguous()
+
+
+# ----------------------------------------------------------------------------- video VAEs
+#
+# Model space = what the family's diffusers pipeline feeds its transformer, one formula for all (absent = neutral):
+#     model = (raw - shift_factor - latents_mean) * scaling_factor / latents_std      (per channel, dim 1)
+# Wan (WanPipeline):                  (raw - latents_mean) / latents_std          (config latents_mean / latents_std)
+# LTX-Video (LTXPipeline._normalize_latents): (raw - latents_mean) * scaling_factor / latents_std  (the VAE's buffers)
+# HunyuanVideo 1.5 (its pipelines):   raw * scaling_factor
+
+def check_frame_count(frames: int, temporal_factor: int) -> None:
+    """Raise EncoderError unless a clip of `frames` pixel frames suits a VAE of this temporal factor: frames =
+    1 + k * temporal_factor (the first frame alone, then temporal_factor frames per latent frame)."""
+    k = temporal_factor
+    if isinstance(frames, bool) or not isinstance(frames, (int, np.integer)) or frames < 1 or (frames - 1) % k:
+        near = 1 + max(0, (int(frames) - 1) // k) * k if isinstance(frames, (int, np.integer)) else 1
+        raise EncoderError(f"a clip of {frames!r} frames does not suit a VAE of temporal factor {k}: allowed "
+                           f"1 + k * {k} frames (1, {1 + k}, {1 + 2 * k}, ...), e.g. {near} or {near + k}")
+
+
+def _video_factors(vae) -> tuple[int, int]:
+    """(temporal, spatial) compression of a video VAE, from its architecture."""
+    config = vae.config
+    if type(vae).__name__ == "AutoencoderKLWan":
+        stages = len(config.dim_mult) - 1
+        return 2 ** sum(map(bool, config.temperal_downsample[:stages])), 2 ** stages * (config.patch_size or 1)
+    if type(vae).__name__ == "AutoencoderKLLTXVideo":
+        return int(vae.temporal_compression_ratio), int(vae.spatial_compression_ratio)
+    return int(config.temporal_compression_ratio), int(config.spatial_compression_ratio)
+
+
+def _floats(values) -> Optional[list[float]]:
+    return None if values is None else [float(v) for v in torch.as_tensor(values).flatten().tolist()]
+
+
+def video_vae_info(vae) -> dict:
+    """The decode fields of a loaded video VAE (meta "decode" less "vae" / "subfolder", which the caller knows):
+    {"type": "vae", "class", "scaling_factor", "shift_factor", "latents_mean", "latents_std", "temporal_factor",
+    "spatial_factor"}; absent normalisation parts are None (see to_model_space)."""
+    name = type(vae).__name__
+    if name not in VIDEO_VAE_CLASSES:
+        raise EncoderError(f"{name} is not a video VAE; allowed: {list(VIDEO_VAE_CLASSES)}")
+    config = vae.config
+    if name == "AutoencoderKLWan":
+        scale, mean, std = None, _floats(config.latents_mean), _floats(config.latents_std)
+    elif name == "AutoencoderKLLTXVideo":
+        scale, mean, std = float(config.scaling_factor), _floats(vae.latents_mean), _floats(vae.latents_std)
+    else:
+        scale, mean, std = float(config.scaling_factor), None, None
+    temporal, spatial = _video_factors(vae)
+    return {"type": "vae", "class": name, "scaling_factor": scale, "shift_factor": None, "latents_mean": mean,
+            "latents_std": std, "temporal_factor": temporal, "spatial_factor": spatial}
+
+
+def _normalisation(info: dict, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(shift + mean, std) as (1, C, 1, ...) tensors like `like` (channels on dim 1), and the scaling factor."""
+    c = like.shape[1]
+    view = (1, c) + (1,) * (like.ndim - 2)
+
+    def per_channel(key: str, neutral: float) -> torch.Tensor:
+        values = info.get(key)
+        t = torch.full((c,), neutral) if values is None else torch.as_tensor(values, dtype=torch.float32)
+        if t.numel() != c:
+            raise EncoderError(f"decode.{key} has {t.numel()} values but the latents have {c} channels")
+        return t.view(view).to(like.device, torch.float32)
+
+    offset = per_channel("latents_mean", 0.0) + float(info.get("shift_factor") or 0.0)
+    return offset, per_channel("latents_std", 1.0), float(info.get("scaling_factor") or 1.0)
+
+
+def to_model_space(raw: torch.Tensor, info: dict) -> torch.Tensor:
+    """Raw video latents (B, C, ...) -> model space (float32), per `info` (video_vae_info / meta "decode")."""
+    offset, std, scale = _normalisation(info, raw)
+    return (raw.float() - offset) * scale / std
+
+
+def from_model_space(latents: torch.Tensor, info: dict) -> torch.Tensor:
+    """Model-space latents (B, C, ...) -> raw latents the VAE decodes (float32); the inverse of to_model_space."""
+    offset, std, scale = _normalisation(info, latents)
+    return latents.float() * std / scale + offset
+
+
+def _check_clips(vae, clips: torch.Tensor) -> tuple[int, int]:
+    temporal, spatial = _video_factors(vae)
+    if clips.ndim != 5 or clips.shape[1] != 3 or not clips.is_floating_point():
+        raise EncoderError(f"clips must be float (B, 3, F, H, W) in [-1, 1], got {clips.dtype} {list(clips.shape)}")
+    check_frame_count(int(clips.shape[2]), temporal)
+    if clips.shape[3] % spatial or clips.shape[4] % spatial:
+        raise EncoderError(f"clip frames of {clips.shape[4]}x{clips.shape[3]} (WxH) do not suit {type(vae).__name__}: "
+                           f"width and height must be multiples of its spatial factor {spatial}")
+    return temporal, spatial
+
+
+@torch.no_grad()
+def encode_video(vae, clips: torch.Tensor, kind: str = "mean",
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Clips float (B, 3, F, H, W) in [-1, 1] -> raw latents float32 (B, C, T, H / s, W / s) on the VAE's device,
+    T = 1 + (F - 1) / temporal_factor, s the spatial factor. kind "mean": the posterior mean (what the pipelines'
+    retrieve_latents(..., sample_mode="argmax") gives); "sample": mean + std * eps, eps from `generator`."""
+    if kind not in ("mean", "sample"):
+        raise ValueError(f"encode_video kind={kind!r}; allowed: ['mean', 'sample']")
+    _check_clips(vae, clips)
+    device, dtype = _vae_device_dtype(vae)
+    step = _clips_per_call(vae, len(clips))
+    dists = [vae.encode(clips[i:i + step].to(device=device, dtype=dtype)).latent_dist for i in range(0, len(clips), step)]
+    mean = torch.cat([d.mean.float() for d in dists])
+    if kind == "mean":
+        return mean
+    eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+    return mean + torch.cat([d.std.float() for d in dists]) * eps
+
+
+def _clips_per_call(vae, wanted: int) -> int:
+    """Clips one encode / decode call takes: 1 for AutoencoderKLHunyuanVideo15, whose attention mask (diffusers
+    0.42) does not broadcast over a batch of more than one clip; else `wanted`."""
+    return 1 if type(vae).__name__ == "AutoencoderKLHunyuanVideo15" else max(1, wanted)
+
+
+@torch.no_grad()
+def decode_video(vae, latents: torch.Tensor, info: dict, batch_size: int = 1) -> torch.Tensor:
+    """Model-space latents (B, C, T, h, w) -> uint8 clips (B, F, H, W, 3) on the latents' device, F = 1 + (T - 1) *
+    temporal_factor, `batch_size` clips at a time. LTX VAEs with timestep conditioning decode at timestep 0 (what
+    LTXPipeline does by default, decode_timestep=0)."""
+    if batch_size < 1:
+        raise ValueError(f"decode batch_size must be >= 1, got {batch_size}")
+    channels = latent_channels(vae)
+    if latents.ndim != 5 or latents.shape[1] != channels:
+        raise EncoderError(f"{type(vae).__name__} takes (B, {channels}, T, h, w) latents, got shape "
+                           f"{list(latents.shape)}: the data and the VAE do not match")
+    device, dtype = _vae_device_dtype(vae)
+    raw = from_model_space(latents, info)
+    out, batch_size = [], _clips_per_call(vae, batch_size)
+    for start in range(0, len(raw), batch_size):
+        z = raw[start:start + batch_size].to(device=device, dtype=dtype)
+        timestep = {"temb": torch.zeros(len(z), device=device, dtype=dtype)} \
+            if vae.config.get("timestep_conditioning", False) else {}
+        x = vae.decode(z, **timestep).sample.float()
+        out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 4, 1).to(latents.device))
     return torch.cat(out).contiguous()

@@ -14,7 +14,7 @@ import torch
 from tread.data import check_decodable, decode_to_uint8
 from tread.evaluation.fdd import FDD, FddScorer, without_fdd
 from tread.evaluation.extractors import feature_extractor
-from tread.evaluation.images import save_image_grid
+from tread.evaluation.images import as_frames, save_image_grid
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.reference import load_reference_full, read_reference_file, reference_for_dataset
 from tread.evaluation.validation import ValidationPrompts
@@ -30,10 +30,12 @@ def decode_options(cfg: Any) -> dict[str, Any]:
 
 def metric_shape(dataset: Any, model: Any) -> tuple[int, ...]:
     """The latent shape metric samples are drawn at: the data's; bucketed data (several shapes): the model's
-    square default grid (data.resolution), scored against the center crops of the data's images at that side."""
+    square default grid (data.resolution; video: model.frames), scored against the center crops of the data's images
+    at that side."""
     if not hasattr(dataset, "buckets"):
         return tuple(dataset.shape)
-    return dataset.channels, model.input_size, model.input_size
+    frames = (model.frames,) if getattr(model, "frames_axis", False) and getattr(model, "frames", 1) > 1 else ()
+    return dataset.channels, *frames, model.input_size, model.input_size
 
 
 class Evaluator:
@@ -58,7 +60,9 @@ class Evaluator:
         check_decodable(dataset.meta, **self.decode, device=self.device)
         self.sample_shape = metric_shape(dataset, model)
         zeros = torch.zeros(1, *self.sample_shape, device=self.device)
-        self.image_shape = tuple(decode_to_uint8(zeros, dataset.meta, **self.decode).shape[1:])  # (H, W, 3)
+        decoded = decode_to_uint8(zeros, dataset.meta, **self.decode)       # (1, H, W, 3); video (1, F, H, W, 3)
+        self.image_shape = tuple(decoded.shape[-3:])                        # (H, W, 3)
+        self.frames = int(decoded.shape[1]) if decoded.dim() == 5 else 1   # video: FID/IS/FDD over every frame
         self.square = self.image_shape[0] if hasattr(dataset, "buckets") else None   # bucketed: crop references
         ref = eval_cfg.get("reference")
         if ref:                 # a given reference: its file is checked before any feature network is made
@@ -96,11 +100,13 @@ class Evaluator:
                                     batch_size=cfg.batch_size, num_steps=cfg.num_steps, guidance=self.guidance,
                                     cond_fn=text_conditioning_for_seeds(self.dataset, net),
                                     class_labels=cfg.get("class_labels") or "cycle"):
-            images = decode_to_uint8(x, self.dataset.meta, **self.decode)            # (B, H, W, 3) uint8
-            feats.add(images.permute(0, 3, 1, 2), batch)                             # indexed by seed
+            decoded = decode_to_uint8(x, self.dataset.meta, **self.decode)   # (B, H, W, 3) uint8, video (B, F, ...)
+            images, index = as_frames(decoded, batch, self.frames)             # indexed by seed (and frame)
+            feats.add(images.permute(0, 3, 1, 2), index)
             if fdd is not None:
-                fdd.add(images.permute(0, 3, 1, 2), batch)
-            grid.update({s - offset: img.cpu() for s, img in zip(batch, images) if s - offset < grid_n})
+                fdd.add(images.permute(0, 3, 1, 2), index)
+            stills = decoded[:, decoded.shape[1] // 2] if decoded.dim() == 5 else decoded   # video: middle frame
+            grid.update({s - offset: img.cpu() for s, img in zip(batch, stills) if s - offset < grid_n})
         feats.gather()
         scores = compute_metrics(feats, self.reference, self.main_metrics) if self.main_metrics else {}
         if fdd is not None:
@@ -114,7 +120,7 @@ class Evaluator:
                             nrow=min(self.dataset.num_classes, grid_n),
                             upscale=max(1, 64 // grid_images.shape[1]))
             if validation is not None:
-                extra["validation_grid"] = str(self.validation.save(*validation, step, Path(samples_dir)))
+                extra.update(self.validation.save(*validation, step, Path(samples_dir)))   # grid (+ videos)
         return {"type": "eval", "step": step, **scores, "num_samples": cfg.num_samples,
                 "features": self.extractor.name, **extra, "eval_sec": time.time() - start}
 

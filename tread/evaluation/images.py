@@ -26,6 +26,26 @@ def to_nhwc_uint8(images: ImagesLike, what: str = "images") -> np.ndarray:
     return images
 
 
+def as_frames(images: torch.Tensor, indices, per_clip: int) -> tuple[torch.Tensor, np.ndarray]:
+    """Decoded samples as images for the frame-level metrics: uint8 videos (B, F, H, W, 3) -> their B * F frames, frame
+    f of item i at index i * per_clip + f (per_clip >= F: every clip's frames have their own indices); images
+    (B, H, W, 3) pass unchanged with their indices."""
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if images.dim() != 5:
+        return images, idx
+    b, f = images.shape[:2]
+    if f > per_clip:
+        raise ValueError(f"clips of {f} frames do not fit {per_clip} indices per clip")
+    return images.reshape(b * f, *images.shape[2:]), (idx[:, None] * per_clip + np.arange(f)).reshape(-1)
+
+
+def clip_frames(dataset) -> int:
+    """Pixel frames per clip of video data (the most of any frame bucket), 1 for images."""
+    if hasattr(dataset, "buckets"):
+        return max([int(getattr(b, "frames", 0) or 1) for b in dataset.buckets])
+    return int((dataset.meta.get("video") or {}).get("frames", 1))
+
+
 def make_grid(images: ImagesLike, nrow: Optional[int] = None, upscale: int = 1, padding: int = 2) -> np.ndarray:
     """Tile images into one (H', W', 3) array, `nrow` images per row, black `padding` px between them."""
     images = to_nhwc_uint8(images)

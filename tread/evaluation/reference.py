@@ -21,7 +21,8 @@ import tread.data as data_mod
 from tread.encoders.features import extractor_device, forward_features
 from tread.evaluation.extractors import extract_features
 from tread.evaluation.frechet import FeatureStats
-from tread.evaluation.images import (ImagesLike, image_files, iter_image_folder, npz_images_shape, to_nhwc_uint8)
+from tread.evaluation.images import (ImagesLike, as_frames, clip_frames, image_files, iter_image_folder,
+                                     npz_images_shape, to_nhwc_uint8)
 from tread.evaluation.metric_names import ROW_METRICS, check_metrics
 from tread.utils.distributed import all_gather_rows, is_distributed
 from tread.utils.errors import UserError
@@ -422,7 +423,8 @@ def square_images(images: torch.Tensor, side: int) -> torch.Tensor:
 def reference_for_dataset(dataset, extractor: nn.Module, out_path: PathLike, max_images: Optional[int] = None,
                           batch_size: int = 250, force: bool = False, decode_kwargs: Optional[dict] = None,
                           store_images: Optional[int] = 10000, square: Optional[int] = None) -> Path:
-    """Decode the dataset's latents (the posterior mean for 'moments' data) to uint8 images and save an
+    """Decode the dataset's latents (the posterior mean for 'moments' data) to uint8 images (video: every frame of
+    each clip, as_frames) and save an
     ADM-style reference (mu/sigma, mu_s/sigma_s, up to `store_images` images as arr_0) to out_path.
     Reuses out_path (unless force) if it holds all of that for the same features, dataset, image count and
     decode options; older files (e.g. without mu_s/sigma_s or arr_0) are rebuilt. `square`: each image is
@@ -432,16 +434,19 @@ def reference_for_dataset(dataset, extractor: nn.Module, out_path: PathLike, max
     decode = _describe_decode(decode_kwargs)
     if not force and _cached_reference_ok(out_path, extractor, len(indices), source, decode, store_images):
         return out_path
-    print(f"Building reference statistics ({extractor.name}, {len(indices)} images) -> {out_path}", flush=True)
+    per_clip = clip_frames(dataset)        # video data: every frame of every clip is a reference image
+    what = f"{len(indices)} clips, every frame" if per_clip > 1 else f"{len(indices)} images"
+    print(f"Building reference statistics ({extractor.name}, {what}) -> {out_path}", flush=True)
     device = extractor_device(extractor)
-    builder = ReferenceBuilder(extractor, len(indices), store_images, local=True)   # every image, on this process
+    builder = ReferenceBuilder(extractor, len(indices) * per_clip, store_images, local=True)   # all on this process
     done = 0
     for chunk in tqdm(_batches(dataset, indices, batch_size), desc=f"reference ({extractor.name})", unit="batch",
                       dynamic_ncols=True, leave=False):
         x = _latents(dataset, chunk).to(device)
         x = data_mod.draw_latents(x, dataset.meta, mode="mean")
-        images = data_mod.decode_to_uint8(x, dataset.meta, **(decode_kwargs or {}))
-        builder.add(images if square is None else square_images(images, square), np.arange(done, done + len(x)))
+        images, idx = as_frames(data_mod.decode_to_uint8(x, dataset.meta, **(decode_kwargs or {})),
+                                np.arange(done, done + len(x)), per_clip)
+        builder.add(images if square is None else square_images(images, square), idx)
         done += len(x)
     return builder.save(out_path, source, extra={"decode": np.array(decode)})
 

@@ -1,7 +1,9 @@
 """Validation prompts during training (eval.validation_prompts): at every evaluation the EMA model samples each
 prompt with fixed seeds (0..eval.validation_per_prompt-1, so grids are comparable across steps) into a
-captioned grid, samples/validation_step_XXXXXXX.png. The prompts are encoded once, at start-up, by the
-model's own text encoders (model.text_encoders), which are then freed; they do not count toward the metrics.
+captioned grid, samples/validation_step_XXXXXXX.png; video models also write each sample as a video file,
+validation/step_XXXXXXX/<index>_<slug>.mp4 (tread/evaluation/videos.py), and grid its first, middle and last
+frame. The prompts are encoded once, at start-up, by the model's own text encoders (model.text_encoders), which
+are then freed; they do not count toward the metrics.
 """
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ import torch
 
 from tread.data import decode_to_uint8
 from tread.evaluation.images import save_captioned_grid
+from tread.evaluation.videos import STILL_NAMES, is_video, save_videos, slug, still_captions, stills, video_fps
 from tread.sampling import Guidance
 from tread.sampling.prompts import encode_for_model, generate_for_prompts
+
+VIDEO_DIR = "validation"    # under the run dir: validation/step_XXXXXXX/<index>_<slug>.mp4, a video per sample
 
 
 def letterbox(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -46,23 +51,51 @@ class ValidationPrompts:
                                            model_cfg.get("text_encoders"), key="model.text_encoders", device=device,
                                            what="eval.validation_prompts", unconditional=unconditional)
 
-    def sample(self, net: Any, diffusion: Any, guidance: Guidance, decode: dict) -> tuple[torch.Tensor, list[str]]:
-        """Every prompt with every seed: (uint8 images (n, H, W, 3), their captions). Run on every process (a
-        sharded EMA (train.parallel=fsdp) samples in lockstep); the images are the same on each."""
-        images, captions = [], []
+    def sample(self, net: Any, diffusion: Any, guidance: Guidance,
+               decode: dict) -> tuple[list[torch.Tensor], list[str]]:
+        """Every prompt with every seed at every shape, prompt-major within a shape: (uint8 samples, each an image
+        (H, W, 3) or, for video data, a video (F, H, W, 3); their captions). Run on every process (a sharded EMA
+        (train.parallel=fsdp) samples in lockstep); the samples are the same on each."""
+        samples, captions = [], []
         prompts, ds = self.embeddings.prompts, self.dataset
         for shape, label in self.shapes:
             for index, batch, x in generate_for_prompts(net, diffusion, self.embeddings, self.seeds, shape,
                                                         ds.num_classes, self.device, batch_size=self.cfg.batch_size,
                                                         num_steps=self.cfg.num_steps, guidance=guidance):
-                images.append(decode_to_uint8(x, ds.meta, **decode).cpu())
+                decoded = decode_to_uint8(x, ds.meta, **decode).cpu()          # (B, H, W, 3) | (B, F, H, W, 3)
+                samples += list(decoded[:, 0] if decoded.ndim == 5 and decoded.shape[1] == 1 else decoded)
                 captions += [f"{prompts[index]} ({label})" if label else prompts[index]] * len(batch)
-        height, width = max(im.shape[1] for im in images), max(im.shape[2] for im in images)
-        return torch.cat([letterbox(im, height, width) for im in images]), captions
+        return samples, captions
 
-    def save(self, images: torch.Tensor, captions: list[str], step: int, samples_dir: Path) -> Path:
-        """The captioned grid (one row per bucket with several shapes, else one row per prompt when there are several
-        seeds per prompt); returns its path."""
+    def save(self, samples: list[torch.Tensor], captions: list[str], step: int, samples_dir: Path) -> dict[str, Any]:
+        """The captioned grid, samples_dir/validation_step_XXXXXXX.png (one row per bucket with several shapes,
+        else one row per prompt when there are several seeds per prompt; videos: one row of first, middle and
+        last frame per video), and for videos one file each, <run dir>/validation/step_XXXXXXX/<index>_<slug>.mp4
+        (.gif without an mp4 encoder; run dir = samples_dir's parent). Returns the record's
+        {"validation_grid": path, "validation_videos": [paths] (videos only)}."""
+        grid_path = Path(samples_dir) / f"validation_step_{step:07d}.png"
+        if any(is_video(x) for x in samples):
+            return self.save_videos([x if x.ndim == 4 else x[None] for x in samples], captions, grid_path,
+                                    Path(samples_dir).parent / VIDEO_DIR / f"step_{step:07d}")
         per_shape = len(self.embeddings.prompts) * len(self.seeds)     # several shapes (buckets): one row each
         nrow = per_shape if len(self.shapes) > 1 else len(self.seeds) if len(self.seeds) > 1 else None
-        return save_captioned_grid(images, captions, Path(samples_dir) / f"validation_step_{step:07d}.png", nrow=nrow)
+        return {"validation_grid": str(save_captioned_grid(letterboxed(samples), captions, grid_path, nrow=nrow))}
+
+    def save_videos(self, videos: list[torch.Tensor], captions: list[str], grid_path: Path,
+                    folder: Path) -> dict[str, Any]:
+        """Each uint8 (F, H, W, 3) video as folder/<index>_<slug>[_seed<s>].mp4 at the data's frame rate, and the
+        grid of their first, middle and last frames (one row per video) at `grid_path`."""
+        several = len(self.seeds) > 1
+        names = [f"{i:02d}_{slug(c)}" + (f"_seed{self.seeds[i % len(self.seeds)]}" if several else "")
+                 for i, c in enumerate(captions)]
+        paths = save_videos(videos, names, folder, video_fps(self.dataset.meta))
+        frames = letterboxed([still for video in videos for still in stills(video)])
+        labels = [text for video, c in zip(videos, captions) for text in still_captions(c, len(video))]
+        grid = save_captioned_grid(frames, labels, grid_path, nrow=len(STILL_NAMES))
+        return {"validation_grid": str(grid), "validation_videos": [str(p) for p in paths]}
+
+
+def letterboxed(images: list[torch.Tensor]) -> torch.Tensor:
+    """uint8 (H, W, 3) images of several sizes as one uint8 (n, H_max, W_max, 3) batch (letterbox)."""
+    height, width = max(im.shape[0] for im in images), max(im.shape[1] for im in images)
+    return torch.cat([letterbox(im[None], height, width) for im in images])

@@ -6,7 +6,7 @@ matmuls only, a multiply-add is 2 FLOPs. Per DiT block with n tokens, width D an
 final linear: 2 * (2 N D p^2 C). The diffusers families are counted on one sample by torch's
 FlopCounterMode (matmuls and attention). A training step is 3x the forward (backward = 2x forward)
 times the batch. Every forward count takes an optional grid = a batch's latent (H, W) (an aspect-ratio
-bucket's; keep counts follow its tokens); the default is the model's input_size square.
+bucket's; keep counts follow its tokens; video: (T, H, W)); the default is the model's input_size square.
 """
 from __future__ import annotations
 
@@ -121,11 +121,13 @@ def training_flop_counter(model: Any, cond: Optional[Mapping[str, torch.Tensor]]
 
 def sample_shape(model: Any, grid: Size = None) -> list[int]:
     """The shape of one sample a family's FLOPs are counted on: (1, C, H, W), video (1, C, frames, H, W), with
-    (H, W) = grid or the default input_size square."""
-    size = (model.input_size, model.input_size) if grid is None else (int(grid[0]), int(grid[1]))
-    shape = [1, model.in_channels, *size]
-    if getattr(model, "frames_axis", False) and getattr(model, "frames", 1) > 1:
-        shape.insert(2, model.frames)
+    (H, W) = grid or the default input_size square; a video grid (T, H, W) (a frame bucket's latents) sets the
+    frames too (default: model.frames)."""
+    size = (model.input_size, model.input_size) if grid is None else tuple(int(g) for g in grid)
+    frames = size[0] if len(size) == 3 else getattr(model, "frames", 1)
+    shape = [1, model.in_channels, *size[-2:]]
+    if getattr(model, "frames_axis", False) and (frames > 1 or len(size) == 3):
+        shape.insert(2, frames)
     return shape
 
 

@@ -251,14 +251,19 @@ def table_presets() -> list[tuple[str, str]]:
 
 def data_channels(family: str, preset: str) -> int:
     """Latent channels of the data a family preset trains on, from the family module's own statements: the
-    preset's transformer in_channels mapped back through the family's data_config (FLUX packs 2x2 latent cells
+    preset's out_channels where it states them (the predicted latent), else its transformer in_channels mapped back
+    through the family's data_config (FLUX packs 2x2 latent cells
     into a token: 4 per data channel), or, for a preset that leaves them to the data (tiny, mid), those of the
     family's first released geometry (the first preset that fixes them: its VAE's latent channels)."""
     module = family_module(family)
-    per_data_channel = int(module.FAMILY.data_config(1, 64, {})["in_channels"])
+    out_per_channel = module.FAMILY.data_config(1, 64, {}).get("out_channels")
+    if module.PRESETS[preset].get("out_channels") and out_per_channel:   # the predicted latent: the data's channels
+        return int(module.PRESETS[preset]["out_channels"]) // int(out_per_channel)   # (Cosmos V2W: in = data + mask)
+    fixed = int(module.FAMILY.data_config(0, 64, {})["in_channels"])     # e.g. HunyuanVideo 1.5's mask channel
+    per_data_channel = int(module.FAMILY.data_config(1, 64, {})["in_channels"]) - fixed
     stated = [c["in_channels"] for c in module.PRESETS.values() if "in_channels" in c]
     own = module.PRESETS[preset].get("in_channels")
-    return int(own if own is not None else stated[0]) // per_data_channel
+    return (int(own if own is not None else stated[0]) - fixed) // per_data_channel
 
 
 def build_on_meta(family: str, preset: str) -> nn.Module:

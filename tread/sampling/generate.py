@@ -9,7 +9,8 @@ import torch
 
 from tread.data import COND_KEYS, has_model_conditioning
 from tread.diffusion import StackedRandomGenerator
-from tread.sampling.guidance import UNCOND, Guidance, per_sample_routing
+from tread.models.families.first_frame import FIRST_FRAME, conditioned, restore_frames
+from tread.sampling.guidance import UNCOND, Guidance, backbone, per_sample_routing
 
 CondFn = Callable[[list[int]], dict]   # seeds -> per-sample conditioning (text embeddings) for those seeds
 
@@ -80,7 +81,14 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
             cond = {**(cond or {}), UNCOND: {k: v.to(device) for k, v in uncond_fn(batch).items()}}
         with per_sample_routing(net, batch, device, guidance):
             x = diffusion.sample(denoise, noise, labels, num_steps=num_steps, randn_like=gen.randn_like, cond=cond)
-        yield batch, labels, x
+        yield batch, labels, given_frames(net, x, cond)
+
+
+def given_frames(net, x: torch.Tensor, cond: Optional[dict]) -> torch.Tensor:
+    """A model.i2v model's samples ("frames" mode) with their conditioning frames put back after the last step, as the
+    image-to-video pipelines do (tread/models/families/first_frame.py); x unchanged otherwise."""
+    use = conditioned(cond, x.shape[0], x.device) if getattr(backbone(net), "i2v_frames", False) else None
+    return x if use is None else restore_frames(x, cond[FIRST_FRAME], use)
 
 
 def text_conditioning_for_seeds(dataset, net) -> Optional[CondFn]:

@@ -42,7 +42,19 @@ class ToyBucketsArgs(Section):
     seed: int = key("an integer in [0, 2**32) (generator seed)", ge=0, lt=SEED_LIMIT)
 
 
-BUILTIN_ARGS = {"toy_shapes": ToyArgs, "toy_shapes_text": ToyTextArgs, "toy_shapes_buckets": ToyBucketsArgs}
+class ToyClipsArgs(Section):
+    """data.builtin_args of the moving toy shapes (data=toy_clips)"""
+
+    num_per_class: int = key("a positive integer (clips per class)", ge=1)
+    frames: int = key("a positive integer (frames per clip)", ge=1)
+    resolution: int = key("an integer >= 4 (frame side)", ge=4)
+    seed: int = key("an integer in [0, 2**32) (generator seed)", ge=0, lt=SEED_LIMIT)
+    first_frame: bool = key("true or false (also store each clip's first frame as first_frame_latents)",
+                            default=False)
+
+
+BUILTIN_ARGS = {"toy_shapes": ToyArgs, "toy_shapes_text": ToyTextArgs, "toy_shapes_buckets": ToyBucketsArgs,
+                "toy_shapes_clips": ToyClipsArgs}
 
 
 class ResolutionPhase(Section):
@@ -61,6 +73,8 @@ class DataCommon(Section):
 
     channels: int = key("a positive integer (latent channels the model expects)", ge=1)
     resolution: int = key("a positive integer (latent side the model expects)", ge=1)
+    frames: int = key("a positive integer (latent frames T of the model's default grid; 1 = images; video data of "
+                      "one shape must have this many)", ge=1, default=1)
     num_classes: int = key("a positive integer (labels lie in [0, num_classes))", ge=1)
     dit_arch: Optional[Literal[tuple(DIT_ARCHS)]] = key(f"null or {one_of(DIT_ARCHS)} (model=dit/tread's default "
                                                         f"size for this data)", default=None)

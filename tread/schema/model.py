@@ -202,8 +202,8 @@ def check_sprint_key(m: DiTModel, depth: int) -> None:
 
 # model keys only some families take: key -> those families (a family module adds itself where it takes one).
 FAMILY_ONLY = {"guidance": ("flux", "sana", "flux2"), "kontext": ("flux", "flux2", "qwen_image"), "use_t5": ("sd3",),
-               "frames": ("wan",),
-               "expand_timesteps": ("wan",), "vae_scale_factor": ("pixart",)}
+               "frames": ("wan", "ltx_video", "cosmos", "hunyuan_video"), "frame_rate": ("ltx_video", "cosmos"),
+               "expand_timesteps": ("wan", "ltx_video", "cosmos"), "i2v": ("wan", "ltx_video", "hunyuan_video"), "vae_scale_factor": ("pixart",)}
 
 
 class FamilyModel(Backbone):
@@ -232,8 +232,14 @@ class FamilyModel(Backbone):
                         "reference_latents.npy, condition every sample as never-routed image tokens)", default=False)
     use_t5: bool = key("true or false (SD3: false zeroes the T5 part of the text embeddings, the positions after "
                        "the 77 CLIP tokens, as StableDiffusion3Pipeline with text_encoder_3=None)", default=True)
-    frames: Optional[int] = key("a positive integer (Wan latent frames)", ge=1, default=None)
-    expand_timesteps: Optional[bool] = key("true or false (Wan)", default=None)
+    frames: Optional[int] = key("a positive integer (video families: latent frames)", ge=1, default=None)
+    frame_rate: Optional[Number] = key("a number > 0 (LTX-Video, Cosmos: frames per second, RoPE's temporal scale)",
+                                       gt=0, default=None)
+    expand_timesteps: Optional[bool] = key("true or false (Wan, LTX-Video: per-token (B, N) timesteps; Cosmos: "
+                                           "per-frame (B, T))", default=None)
+    i2v: Optional[bool] = key("true or false (video families with per-token timesteps: the data's first-frame latents, "
+                              "first_frame_latents.npy, condition the clip as the image-to-video pipelines do)",
+                              default=None)
     vae_scale_factor: Optional[int] = key("a positive integer (PixArt)", ge=1, default=None)
 
     repa: Optional[Any] = key("null (REPA, repa=toy|dinov2, is for DiT models: model=dit|tread|sprint)",

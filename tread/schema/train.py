@@ -55,6 +55,8 @@ class Train(Section):
     caption_dropout_mode: Literal["auto", "empty", "zeros"] = key(
         "auto (the family pipeline's unconditional input: docs/data.md), empty (the encoded empty prompt, stored by "
         "precompute --empty-prompt) or zeros (zero text embeddings, as label dropout)", default="auto")
+    i2v_probability: Number = key("a probability in (0, 1] (model.i2v: the share of samples trained image-to-video, "
+                                  "on their clip's first frame; the others text-to-video)", gt=0, le=1, default=1.0)
     lr_warmup_steps: int = key("an integer >= 0 (linear warm-up steps; 0: none)", ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = key(
         "constant, linear or cosine (after the warm-up; linear and cosine reach 0 at max_steps, as diffusers' "

@@ -328,6 +328,8 @@ def evaluate(run: Run) -> None:
         tqdm.write(f"step {state.step} ({record['features']} features, {record['num_samples']} samples): {shown}")
     if "validation_grid" in record:   # the validation prompts' captioned grid, as an image on the trackers
         run.log.log_image("eval/validation", record["validation_grid"], state.step)
+    if "validation_videos" in record:   # a video model's validation samples, one file each
+        run.log.log_videos("eval/validation_video", record["validation_videos"], state.step)
     if "fid" in record:
         run.summary.add_fid(state.step, record["fid"])
 
@@ -361,11 +363,18 @@ def checkpoint(run: Run) -> Path:
 
 def checkpoint_data_meta(dataset: Any, model: Any) -> dict:
     """The data meta a checkpoint keeps (sampling reads its shape, classes and decoding): the data's; for
-    bucketed data the buckets' shared meta at the model's square default grid, with the bucket names."""
+    bucketed data the buckets' shared meta at the model's square default grid (video: model.frames latent frames),
+    with the bucket names."""
     if not hasattr(dataset, "buckets"):
         return dataset.meta
     meta = dataset.meta
-    return {**meta, "shape": [meta["shape"][0], model.input_size, model.input_size],
+    size = [model.input_size, model.input_size]
+    video = meta.get("video")
+    if video is None:
+        return {**meta, "shape": [meta["shape"][0], *size], "buckets": [b.name for b in dataset.buckets]}
+    frames = int(model.frames)            # video buckets: the model's default clip, T latent frames
+    video = {**video, "frames": (frames - 1) * int(video.get("temporal_factor", 1)) + 1}
+    return {**meta, "shape": [meta["shape"][0], frames, *size], "video": video,
             "buckets": [b.name for b in dataset.buckets]}
 
 

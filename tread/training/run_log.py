@@ -6,6 +6,7 @@ starts with a SessionLog.START at its first step, and TensorBoard's reader hides
 that step on (a step logged twice shows the resumed launch's value, as metrics.jsonl keeps it)."""
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -15,7 +16,9 @@ import numpy as np
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker
 from omegaconf import OmegaConf
 from PIL import Image
+from tensorboard.compat.proto.summary_pb2 import Summary
 
+from tread.evaluation.videos import gif_bytes
 from tread.utils.io import append_whole
 
 TENSORBOARD_DIR = "tensorboard"   # under the run dir; `tensorboard --logdir <run or sweep dir>` shows it
@@ -94,11 +97,34 @@ class RunLog:
             else:
                 tracker.log_images({tag: [pixels]}, step=step)                 # a list of one wandb.Image
 
+    def log_videos(self, tag: str, paths: Sequence[str], step: int) -> None:
+        """Video files (the validation videos) on every tracker at `step`, each as `<tag>/<file stem>`: on
+        TensorBoard an animated GIF in an image summary (its image plugin plays it; add_video would need moviepy),
+        on wandb a wandb.Video of the file."""
+        if not self.trackers:
+            return
+        tags = {f"{tag}/{Path(p).stem}": Path(p) for p in paths}
+        for tracker in self.trackers:
+            if tracker.name == "tensorboard":
+                for name, path in tags.items():
+                    tracker.writer.file_writer.add_summary(gif_summary(name, gif_bytes(path)), step)
+                tracker.writer.flush()
+            else:
+                import wandb    # deferred: seconds to import, and only a run that logs to wandb gets here
+                tracker.log({name: wandb.Video(str(path)) for name, path in tags.items()}, step=step)
+
     def close(self) -> None:
         """Ends the trackers (TensorBoard: the writer closed; wandb: the run finished); a second call does nothing."""
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:
             tracker.finish()
+
+
+def gif_summary(tag: str, gif: bytes) -> Summary:
+    """An image summary of animated-GIF bytes (what torch's add_video writes, without moviepy)."""
+    width, height = Image.open(io.BytesIO(gif)).size
+    image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=gif)
+    return Summary(value=[Summary.Value(tag=tag, image=image)])
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

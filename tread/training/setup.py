@@ -214,6 +214,7 @@ def open_dataset(cfg: Any, model: nn.Module):
         raise ConfigError(
             f"data at '{cfg.data.path}' is {dataset.channels}x{dataset.resolution}x{dataset.resolution} but the model "
             f"expects {model.in_channels}x{model.input_size}x{model.input_size} (model.in_channels/model.input_size).")
+    check_frames(cfg, dataset, model)
     if hasattr(model, "check_text_data"):      # text-conditioned families: the embedding widths
         model.check_text_data(getattr(dataset, "conditioning", None) or {}, f"'{cfg.data.path}'")
     notes, warned = check_dataset(dataset, cfg.data.allow_nonfinite)
@@ -222,6 +223,37 @@ def open_dataset(cfg: Any, model: nn.Module):
     for text in notes if rank() == 0 else ():
         print(text, flush=True)
     return dataset
+
+
+def check_frames(cfg: Any, dataset: Any, model: nn.Module) -> None:
+    """Video data (meta "video": (C, T, H, W) latents) needs a video family (model.frames), and single-shape data
+    has the latent frames data.frames says and, for a video family, model.frames (1 for images); model.i2v needs the
+    clips' first-frame latents; one error line."""
+    first = dataset.parts[0] if isinstance(dataset, BucketedDataset) else dataset
+    video, frames = getattr(first, "video", None), getattr(first, "frames", 1)
+    takes_video = bool(getattr(model, "frames_axis", False))
+    if getattr(model, "i2v", False) and (getattr(first, "conditioning", None) or {}).get("first_frame") is None:
+        raise ConfigError(f"model.i2v=true but the data at '{cfg.data.path}' has no first-frame latents "
+                          f"(first_frame_latents.npy): precompute the clips with --first-frame, or set model.i2v=false.")
+    if video is not None and not takes_video:
+        raise ConfigError(f"data at '{cfg.data.path}' is video ({video['frames']} frames per clip, latents "
+                          f"{list(first.shape)}) but model {cfg.model.arch} takes images; use a video family "
+                          f"(model=wan) or image data.")
+    if isinstance(dataset, BucketedDataset):     # frame buckets: every bucket its own T, whole temporal patches
+        pt = model.latent_patch()[0] if takes_video and hasattr(model, "latent_patch") else 1
+        off = [f"{b.name} (T={shape[1]})" for b, shape in zip(dataset.buckets, dataset.shapes)
+               if len(shape) == 4 and shape[1] % pt]
+        if off:
+            raise ConfigError(f"bucket(s) {', '.join(off)} of '{cfg.data.path}' are not whole {pt}-frame temporal "
+                              f"patches of {cfg.model.arch}: precompute with --frame-buckets giving T a multiple "
+                              f"of {pt}.")
+        return
+    want = int(cfg.data.get("frames", 1))
+    if frames != want or (takes_video and int(model.frames) != frames):
+        model_frames = f", model.frames={model.frames}" if takes_video else ""
+        raise ConfigError(f"data at '{cfg.data.path}' has {frames} latent frame(s) per sample"
+                          f"{' (images)' if video is None else ''} but data.frames={want}{model_frames}; set "
+                          f"data.frames={frames} (video families take model.frames from it).")
 
 
 def model_patch(model: nn.Module) -> tuple[int, int]:
@@ -238,12 +270,13 @@ def check_bucket_grids(cfg: Any, dataset: BucketedDataset, model: nn.Module) -> 
         raise ConfigError(f"data at '{cfg.data.path}' has {dataset.channels} channels but the model expects "
                           f"{model.in_channels} (model.in_channels).")
     ph, pw = model_patch(model)
-    off = [f"{b.name} (latents {h}x{w})" for b, (_, h, w) in zip(dataset.buckets, dataset.shapes) if h % ph or w % pw]
+    off = [f"{b.name} (latents {h}x{w})" for b, (*_, h, w) in zip(dataset.buckets, dataset.shapes)
+           if h % ph or w % pw]
     if off:
         raise ConfigError(f"bucket(s) {', '.join(off)} of '{cfg.data.path}' are not whole {ph}x{pw}-latent patches "
                           f"of {cfg.model.arch}: precompute with --bucket-stride = the VAE factor x {max(ph, pw)}.")
     if hasattr(model, "check_size"):        # a family's own limits (position tables, padded sequence lengths)
-        for bucket, (_, h, w) in zip(dataset.buckets, dataset.shapes):
+        for bucket, (*_, h, w) in zip(dataset.buckets, dataset.shapes):
             try:
                 model.check_size(h, w)
             except UserError as err:

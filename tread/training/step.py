@@ -20,6 +20,7 @@ import torch
 
 from tread.data import COND_KEYS, draw_latents
 from tread.diffusion.common import call_with_aux
+from tread.models.families.first_frame import FIRST_FRAME, I2V_MASK, frame_loss_weight
 from tread.models.repa import REPA_AUX
 from tread.training.caption_dropout import caption_dropout_settings, drop_captions
 from tread.routing import resize_loss_mask
@@ -48,6 +49,7 @@ class StepSettings:
     caption_dropout: float          # text data: probability of training a sample on the unconditional input
     caption_dropout_mode: str       # empty | zeros (resolved; as configured when caption_dropout is 0)
     empty_prompt: Optional[Mapping[str, torch.Tensor]]   # mode empty: the data's encoded "" (one sample's parts)
+    i2v_probability: Optional[float] = None   # model.i2v: share of samples conditioned on their first frame; None: off
 
     @classmethod
     def from_config(cls, cfg: Any, use_mask: bool = False, data_meta: Optional[Mapping[str, Any]] = None,
@@ -62,7 +64,8 @@ class StepSettings:
                    max_steps=t.max_steps, ema_decay=cfg.ema.decay,
                    ema_warmup=cfg.ema.warmup, use_mask=use_mask,
                    force_keep=bool(use_mask and t.mask_force_keep and routed), data_meta=dict(data_meta or {}),
-                   caption_dropout=p, caption_dropout_mode=mode, empty_prompt=empty)
+                   caption_dropout=p, caption_dropout_mode=mode, empty_prompt=empty,
+                   i2v_probability=float(t.i2v_probability) if cfg.model.get("i2v") else None)
 
 
 @dataclass
@@ -75,7 +78,7 @@ class StepStats:
     lr: float
     nonfinite: torch.Tensor       # 1.0 when the loss or gradient norm was NaN/inf and the update was skipped
     repa_loss: Optional[torch.Tensor] = None   # model.repa: the alignment term (mean negative cosine), detached
-    grid: Optional[tuple[int, int]] = None     # the batches' latent (height, width): their bucket's, bucketed data
+    grid: Optional[tuple[int, ...]] = None     # the batches' latent (H, W) or video (T, H, W): their bucket's
 
 
 class TrainStep:
@@ -86,6 +89,7 @@ class TrainStep:
         self.null_label = parts.model.num_classes
         self.takes_text = hasattr(parts.model, "conditioning")   # DiT is class-conditional: text is ignored
         self.empty_prompt = {k: v.to(parts.accelerator.device) for k, v in (settings.empty_prompt or {}).items()}
+        self.i2v_frames = bool(getattr(parts.model, "i2v_frames", False))   # given frames are left out of the loss
 
     def __call__(self, batches: Iterator, step: int) -> StepStats:
         p, s = self.parts, self.s
@@ -99,7 +103,7 @@ class TrainStep:
             batch = next(batches)
             data_sec += time.perf_counter() - start   # the time the step waited for data (0 when prefetch keeps up)
             loss, repa_loss = self.micro_step(batch, sync=micro == s.grad_accum_steps - 1)
-            grid = tuple(batch[0].shape[-2:])
+            grid = tuple(batch[0].shape[2:])        # latent (H, W), video (T, H, W)
             loss_sum += loss.detach() / s.grad_accum_steps
             if repa_sum is not None:
                 repa_sum += repa_loss.detach() / s.grad_accum_steps
@@ -140,6 +144,7 @@ class TrainStep:
         cond = {k: extras[k] for k in COND_KEYS if k in extras}   # text; Kontext references: never dropped
         if s.caption_dropout > 0 and "text" in cond:            # train.caption_dropout: after label dropout
             cond = drop_captions(cond, s.caption_dropout, s.caption_dropout_mode, self.empty_prompt)
+        cond = self.first_frames(cond, x.shape[0])
         mask = extras.get("loss_mask") if s.use_mask else None
         kwargs: dict[str, Any] = {"cond": cond} if cond and self.takes_text else {}
         if mask is not None and s.force_keep:
@@ -149,12 +154,22 @@ class TrainStep:
             with p.accelerator.autocast():
                 # REPA: the backbone also returns its projected tokens and their ids (tread/models/repa.py)
                 loss, aux = call_with_aux(p.diffusion.loss, p.net, x, y, return_aux=p.repa is not None, **kwargs)
-                loss = reduce_loss(loss, mask)
+                loss = reduce_loss(loss, mask, frame_loss_weight(loss, cond) if self.i2v_frames else None)
                 if aux is not None:                     # align the model's tokens with the encoder's
                     repa_loss = p.repa.loss(*aux[REPA_AUX], x, s.data_meta)
                     loss = loss + p.repa.weight * repa_loss
             p.accelerator.backward(loss / s.grad_accum_steps)
         return loss, repa_loss
+
+    def first_frames(self, cond: dict, batch: int) -> dict:
+        """model.i2v: which samples train image-to-video (train.i2v_probability < 1: one draw per sample on the
+        training stream, after caption dropout); without model.i2v the data's first frames are not passed on."""
+        p = self.s.i2v_probability
+        if FIRST_FRAME not in cond or p is None:
+            return {k: v for k, v in cond.items() if k != FIRST_FRAME}
+        if p < 1:
+            cond = {**cond, I2V_MASK: torch.rand(batch, device=cond[FIRST_FRAME].device) < p}
+        return cond
 
 
 def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int) -> float:
@@ -193,12 +208,17 @@ def split_batch(batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch
     return x, y, extras
 
 
-def reduce_loss(loss: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def reduce_loss(loss: torch.Tensor, mask: Optional[torch.Tensor], frames: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
     """Mean of the unreduced loss (B, C, ...); with a loss mask (B, 1, h, w) in [0, 1], the mask-weighted mean
-    over the covered latent cells (the mask is area-resized to the latent grid)."""
-    if mask is None:
+    over the covered latent cells (the mask is area-resized to the latent grid); video frame weights `frames`
+    (B, 1, T, 1, 1) (model.i2v: 0 on given frames) weight it per frame."""
+    if mask is None and frames is None:
         return loss.mean()
-    weight = resize_loss_mask(mask, loss.shape[-2:]).to(loss.dtype)
-    if loss.dim() == 5:  # video (B, C, T, H, W): the same mask for every frame
-        weight = weight.unsqueeze(2)
+    weight = torch.ones_like(loss[:, :1])
+    if mask is not None:
+        cells = resize_loss_mask(mask, loss.shape[-2:]).to(loss.dtype)
+        weight = weight * (cells.unsqueeze(2) if loss.dim() == 5 else cells)   # video: one mask for every frame
+    if frames is not None:
+        weight = weight * frames
     return (loss * weight).sum() / (weight.sum() * loss.shape[1]).clamp_min(1e-8)

@@ -81,7 +81,7 @@ class RunSummary:
         if self.bucket_names is None:
             return None
         routes = self.model.routing.routes_at(self.data["start_step"])
-        return [{"bucket": self.bucket_names.get(g, f"latent {g[1]}x{g[0]}"), "latent_hw": list(g),
+        return [{"bucket": self.bucket_names.get(g, f"latent {g[-1]}x{g[-2]}" + (f"x{g[0]}" if len(g) == 3 else "")), "latent_hw": list(g),
                  "steps": e["steps"], "first_step_sec": e["first_sec"],
                  "sec_per_step": e["sec"] / (e["steps"] - 1) if e["steps"] > 1 else None,
                  "tokens_fraction": e["tokens"] / e["steps"],

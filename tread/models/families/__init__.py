@@ -4,14 +4,16 @@ from __future__ import annotations
 import importlib
 from typing import Any, Mapping, Optional
 
-from tread.models.families.base import ClassTextEmbedder, Embedded, FamilyConfigError, RoutedFamily, load_pretrained
+from tread.models.families.base import ClassTextEmbedder, Embedded, FamilyConfigError, RoutedFamily
+from tread.models.families.pretrained import load_pretrained
 from tread.models.lora import apply_lora
 from tread.models.quantize import check_base_dtype, check_quantize, load_dtype, quantize_base, store_base
 
 # family name -> module under models.families; each module defines FAMILY (the class) and PRESETS.
 FAMILY_MODULES = {"flux": "flux", "sd3": "sd3", "wan": "wan", "auraflow": "auraflow", "pixart": "pixart",
                   "flux2": "flux2", "qwen_image": "qwen_image", "chroma": "chroma", "sana": "sana",
-                  "hidream": "hidream", "z_image": "z_image", "lumina2": "lumina2"}
+                  "hidream": "hidream", "z_image": "z_image", "lumina2": "lumina2",
+                  "ltx_video": "ltx_video", "hunyuan_video": "hunyuan_video", "cosmos": "cosmos"}
 FAMILIES = tuple(FAMILY_MODULES)
 
 

@@ -25,15 +25,14 @@ passes `cond` = {"text": (B, L, D), "text_mask": (B, L), "pooled": (B, P)} from 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from tread.models.errors import ModelConfigError
+from tread.models.families.first_frame import FIRST_FRAME, condition_inputs, conditioned
 from tread.routing import RoutedBackbone, RoutePlan, RoutingController, run_blocks
 from tread.routing.masks import token_keep_mask
 
@@ -87,31 +86,6 @@ def null_text(cond: Mapping[str, torch.Tensor], drop: torch.Tensor) -> dict[str,
     return out
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-
-
-def load_pretrained(cls: type, family: str, path: str, subfolder: Optional[str], hub_hint: str,
-                    dtype: torch.dtype = torch.float32) -> nn.Module:
-    """cls.from_pretrained(path) in `dtype` (model.base_dtype: quantize.load_dtype) with an error that says how to
-    provide the weights offline."""
-    local = Path(os.path.expanduser(path))
-    looks_local = local.exists() or path.startswith((".", "/", "~"))
-    if looks_local and not local.exists():
-        raise FileNotFoundError(f"model.pretrained='{path}' ({family}) does not exist. Point it at a diffusers "
-                                f"folder (with {subfolder + '/' if subfolder else ''}config.json and weights).")
-    try:
-        return cls.from_pretrained(str(local) if looks_local else path, subfolder=subfolder or None,
-                                   torch_dtype=dtype, local_files_only=_offline() or None)
-    except (OSError, ValueError) as err:
-        raise FileNotFoundError(
-            f"cannot load {cls.__name__} weights for model.pretrained='{path}' (subfolder "
-            f"{subfolder!r}): {str(err).splitlines()[0]}\nNo network here? Download them once elsewhere, e.g. "
-            f"`hf download {hub_hint} --include '{subfolder or ''}{'/' if subfolder else ''}*' --local-dir "
-            f"/models/{family}`, copy the folder over and pass model.pretrained=/models/{family} (or set "
-            f"HF_HOME to a cache that holds them).") from None
-
-
 class RoutedFamily(RoutedBackbone):
     """Base class of the diffusers families: config checks, conditioning, routing and the forward loop."""
 
@@ -133,6 +107,11 @@ class RoutedFamily(RoutedBackbone):
     takes_llama: ClassVar[bool] = False   # the data's Llama hidden states (cond["llama"]): HiDream only
     reference_advice: ClassVar[str] = "set model.kontext=true"
     kontext: bool = False
+    # How a family takes image-to-video conditioning frames (model.i2v, cond["first_frame"]: first_frame.py): "frames"
+    # (the clean frames in place at timestep 0, force-kept, left out of the loss, put back after sampling: the families
+    # whose embed takes (B, N) timesteps), "channels" (the family's embed builds its pipeline's condition channels
+    # itself: HunyuanVideo 1.5), "" (none).
+    i2v_mode: ClassVar[str] = ""
 
     @contextlib.contextmanager
     def shape_only(self) -> Iterator[None]:
@@ -142,13 +121,17 @@ class RoutedFamily(RoutedBackbone):
 
     def __init__(self, transformer: nn.Module, *, input_size: int, in_channels: int, num_classes: int,
                  routing: Optional[Mapping[str, Any]] = None, text_len: int = 8, arch: str = "",
-                 gradient_checkpointing: bool = False, frames: int = 1):
+                 gradient_checkpointing: bool = False, frames: int = 1, i2v: bool = False):
         super().__init__()
         self.transformer = transformer
         self.arch = arch or self.family
         self.input_size, self.in_channels, self.out_channels = int(input_size), int(in_channels), int(in_channels)
         self.num_classes, self.frames = int(num_classes), int(frames)
         self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.i2v = bool(i2v)
+        if self.i2v and not (self.frames_axis and self.i2v_mode):
+            raise FamilyConfigError(f"model.i2v=true: model.family={self.family} takes no image-to-video conditioning "
+                                    f"frames; allowed: false (model.i2v is for wan, ltx_video and hunyuan_video).")
         self.check_shapes()
         self.conditioner = ClassTextEmbedder(num_classes, text_len, self.text_dim, self.pooled_dim) \
             if num_classes else None
@@ -266,6 +249,16 @@ class RoutedFamily(RoutedBackbone):
     def timestep(self, noise_level: torch.Tensor) -> torch.Tensor:
         """noise_level (t * 1000) -> the family's timestep convention (default: t * 1000 as given)."""
         return noise_level
+
+    def token_timestep(self, timestep: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """A video family's timestep for N = num_tokens tokens: (B,) per sample, or (B, N) per token (checked);
+        model.expand_timesteps (self.expand_timesteps) turns (B,) into (B, N), as Wan 2.2 TI2V's pipeline does."""
+        if timestep.dim() == 1 and getattr(self, "expand_timesteps", False):
+            return timestep[:, None].expand(-1, num_tokens)
+        if timestep.dim() == 2 and timestep.shape[1] != num_tokens:
+            raise FamilyConfigError(f"a per-token timestep must be (B, N) with N = {num_tokens} video tokens; "
+                                    f"got {tuple(timestep.shape)}.")
+        return timestep
 
     # -- shared --------------------------------------------------------------------------------
     @property
@@ -396,6 +389,25 @@ class RoutedFamily(RoutedBackbone):
 
     def from_model_layout(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return out.squeeze(2) if self.frames_axis and like.dim() == 4 else out
+
+    def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
+                force_keep: Optional[torch.Tensor] = None, *, return_aux: bool = False, **kwargs: Any) -> Any:
+        """RoutedBackbone.forward; with model.i2v ("frames" mode) and cond["first_frame"], first the image-to-video
+        pipelines' inputs (first_frame.py): the clean conditioning frames in place, their tokens at timestep 0 and
+        force-kept."""
+        use = conditioned(kwargs.get("cond"), x.shape[0], x.device) if self.i2v_frames else None
+        if use is not None:
+            pt, ph, pw = self.latent_patch()
+            t, h, w = self.grid_of(x)
+            x, noise_level, given = condition_inputs(self.to_model_layout(x), noise_level,
+                                                     kwargs["cond"][FIRST_FRAME], use, h * w, pt)
+            force_keep = given if force_keep is None else force_keep | given
+        return super().forward(x, noise_level, labels, force_keep, return_aux=return_aux, **kwargs)
+
+    @property
+    def i2v_frames(self) -> bool:
+        """model.i2v in the "frames" mode: the given frames replace the noisy ones (and are kept out of the loss)."""
+        return self.i2v and self.i2v_mode == "frames"
 
     def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
                        force_keep: Optional[torch.Tensor] = None, cond: Optional[Mapping[str, torch.Tensor]] = None

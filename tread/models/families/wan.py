@@ -61,6 +61,7 @@ class WanFamily(RoutedFamily):
     diffusers_class = "WanTransformer3DModel"
     text_dim_key = "text_dim"
     frames_axis = True
+    i2v_mode = "frames"             # model.i2v: the given frames at per-token timestep 0 (first_frame.py)
 
     @classmethod
     def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,20 +122,12 @@ class WanFamily(RoutedFamily):
             return text
         return text * mask.to(text.dtype).unsqueeze(-1)
 
-    def _timestep(self, timestep: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        if timestep.dim() == 1 and self.expand_timesteps:
-            return timestep[:, None].expand(-1, num_tokens)
-        if timestep.dim() == 2 and timestep.shape[1] != num_tokens:
-            raise FamilyConfigError(f"a per-token timestep must be (B, N) with N = {num_tokens} video tokens; "
-                                    f"got {tuple(timestep.shape)}.")
-        return timestep
-
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
         tr, B, grid = self.transformer, x.shape[0], self.grid_of(x)
         cos, sin = tr.rope(x)                                                        # (1, N, 1, Dh) each
         hidden = tr.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()       # (B, N, D)
         N = hidden.shape[1]
-        timestep = self._timestep(timestep, N)
+        timestep = self.token_timestep(timestep, N)
         per_tok = timestep.dim() == 2
         temb, proj, context, _ = tr.condition_embedder(timestep.flatten() if per_tok else timestep, self._text(cond),
                                                        None, timestep_seq_len=N if per_tok else None)
@@ -171,7 +164,7 @@ class WanFamily(RoutedFamily):
                           transformer: nn.Module) -> torch.Tensor:
         T, h, w = self.grid_of(x)
         N = T * h * w
-        return transformer(hidden_states=x, timestep=self._timestep(timestep, N),
+        return transformer(hidden_states=x, timestep=self.token_timestep(timestep, N),
                            encoder_hidden_states=self._text(cond), return_dict=False)[0]
 
 

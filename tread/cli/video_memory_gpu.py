@@ -1,0 +1,80 @@
+"""Peak CUDA memory of a video family's training step (tread/perf/video_memory.py gpu_rows): Wan `mid` at 1, 5, 9 and
+21 latent frames of 60x104 latents (480x832 pixels), bf16 autocast, gradient checkpointing, routing=none vs
+routing=paper; per step the peak (torch.cuda.max_memory_allocated), what was held before it, and the bytes saved
+for backward. Prints a markdown table and writes the rows as JSON to --out.
+
+    PYTHONPATH=. python3 scripts/video_memory_gpu.py --wheels .whl --out outputs/video_memory_gpu.json
+    PYTHONPATH=. python3 scripts/video_memory_gpu.py --device cpu --tiny --out /tmp/v.json   # the same, tiny, here
+
+It starts with the standard library: with --wheels, the project's dependencies the machine lacks (hydra-core,
+omegaconf, pydantic, diffusers, ...: tread/cli/gpu_check.py NEEDED) are installed from that folder first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from tread.cli.gpu_check import install_wheels, missing_modules
+
+TINY = {"preset": "tiny", "frames": [1, 3], "latents": "8x12"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--family", default="wan", help="a video family (inputs B, C, T, H, W)")
+    add("--preset", default="mid", help="its preset")
+    add("--frames", type=int, nargs="+", default=[1, 5, 9, 21], help="latent frames, smallest first")
+    add("--latents", default="60x104", help="latent HxW (60x104: 480x832 pixels)")
+    add("--routes", nargs="+", default=["none", "paper"], help="routing configs")
+    add("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: saved bytes only (no CUDA peak)")
+    add("--tiny", action="store_true", help="the tiny preset at 1 and 3 frames of 8x12 latents (tries it in seconds)")
+    add("--out", default="outputs/video_memory_gpu.json", help="JSON of the rows")
+    add("--wheels", default=None, help="a folder of wheels for the dependencies this machine lacks")
+    return p
+
+
+def bootstrap(wheels: Optional[str]) -> None:
+    """Install the missing dependencies from `wheels` into a temporary folder put first on sys.path."""
+    missing = missing_modules()
+    if not missing or wheels is None:
+        return
+    site = Path(tempfile.mkdtemp(prefix="video_memory_site_"))
+    complaint = install_wheels(Path(wheels), site)
+    if complaint:
+        sys.exit(f"error: --wheels {wheels}: {complaint}")
+    sys.path.insert(0, str(site))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.tiny:
+        args.preset, args.frames, args.latents = TINY["preset"], TINY["frames"], TINY["latents"]
+    bootstrap(args.wheels)
+    # deferred: torch, hydra and diffusers may only be importable once bootstrap has installed the wheels
+    from tread.cli.errors import user_errors
+    from tread.cli.memory_table import latent_size
+    from tread.perf.video_memory import gpu_rows, gpu_table
+
+    with user_errors():
+        latents = latent_size("--latents", args.latents)
+        start = time.monotonic()
+        rows = gpu_rows(args.family, args.preset, sorted(args.frames), latents, args.routes, device=args.device)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": device_name(args.device), "seconds": round(time.monotonic() - start, 1),
+                               "rows": rows}, indent=1, default=list))
+    print(gpu_table(rows))
+    print(f"\n{device_name(args.device)}; rows in {out}")
+    return 0
+
+
+def device_name(device: str) -> str:
+    import torch     # deferred with the others (see main)
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+    return f"{name}, torch {torch.__version__}"

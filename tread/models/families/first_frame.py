@@ -1,0 +1,75 @@
+"""Image-to-video conditioning frames (`model.i2v`): the clean latents of a clip's first frame condition the
+video, as the diffusers image-to-video pipelines of the families with per-token timesteps feed them.
+
+Wan 2.2 TI2V (`WanImageToVideoPipeline` with `expand_timesteps`) and LTX-Video (`LTXImageToVideoPipeline`) encode
+the conditioning image alone into Tc latent frames (Tc = 1) and, at every denoising step, put those clean latents in
+place of the first Tc frames of the noisy latents, give their tokens timestep 0 (the per-token timesteps
+t * (1 - mask)), and after the last step put the clean frames back into the result. Training does the same to the
+noisy input (`condition_inputs`) and leaves the conditioning frames out of the loss (`frame_loss_weight`): they are
+given, not predicted.
+
+Routing never drops a conditioning token: their tokens are force-kept, so every route keeps them (the force-keep
+mask of the routes, tread/routing/controller.py; a model without routes has nothing to drop). The data stores the
+conditioning latents apart (`first_frame_latents.npy`, read as cond["first_frame"] (B, C, Tc, H, W), model space:
+tread/data/meta.py); cond["i2v"] (B,) bool, when present, says which samples are conditioned (the others train as
+text-to-video, as Wan 2.2 TI2V trains both).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+FIRST_FRAME, I2V_MASK = "first_frame", "i2v"
+
+
+def conditioned(cond: Optional[Mapping[str, torch.Tensor]], batch: int, device: torch.device) -> Optional[torch.Tensor]:
+    """(B,) bool: the samples whose first frames are given (cond["i2v"], default all), or None without
+    cond["first_frame"]."""
+    if not cond or cond.get(FIRST_FRAME) is None:
+        return None
+    use = cond.get(I2V_MASK)
+    return torch.ones(batch, dtype=torch.bool, device=device) if use is None else use.to(device=device, dtype=torch.bool)
+
+
+def condition_inputs(x: torch.Tensor, noise_level: torch.Tensor, first: torch.Tensor, use: torch.Tensor,
+                     tokens_per_frame: int, frames_per_token: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pipeline's inputs at one step. x (B, C, T, H, W) noisy latents, noise_level (B,) or (B, N) per token
+    (N = T / frames_per_token * tokens_per_frame, tokens in (t, h, w) order), first (B, C, Tc, H, W) clean conditioning
+    latents, use (B,) bool. Returns (x with the first Tc frames of the `use` samples replaced, (B, N) noise levels
+    that are 0 on their tokens, (B, N) bool: those tokens)."""
+    B, Tc = x.shape[0], first.shape[2]
+    if tuple(first.shape[:2]) != tuple(x.shape[:2]) or tuple(first.shape[3:]) != tuple(x.shape[3:]) or \
+            Tc > x.shape[2] or Tc % frames_per_token:
+        raise ValueError(f"conditioning frames cond['first_frame'] {list(first.shape)} do not fit latents "
+                         f"{list(x.shape)}: they need the latents' batch, channels and frame size, and at most their "
+                         f"frames (a multiple of {frames_per_token}).")
+    sel = use.view(B, 1, 1, 1, 1)
+    x = torch.cat([torch.where(sel, first.to(x.dtype), x[:, :, :Tc]), x[:, :, Tc:]], dim=2)
+    n = x.shape[2] // frames_per_token * tokens_per_frame
+    level = noise_level[:, None].expand(B, n) if noise_level.dim() == 1 else noise_level
+    given = torch.zeros(B, n, dtype=torch.bool, device=x.device)
+    given[:, :Tc // frames_per_token * tokens_per_frame] = True
+    given &= use[:, None]
+    return x, torch.where(given, torch.zeros_like(level), level), given
+
+
+def restore_frames(x: torch.Tensor, first: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+    """After the last step: the `use` samples' first frames of x (B, C, T, H, W) are the clean conditioning latents
+    first (B, C, Tc, H, W), as the pipelines put them back."""
+    Tc = first.shape[2]
+    sel = use.to(torch.bool).view(-1, 1, 1, 1, 1)
+    return torch.cat([torch.where(sel, first.to(x.dtype), x[:, :, :Tc]), x[:, :, Tc:]], dim=2)
+
+
+def frame_loss_weight(loss: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> Optional[torch.Tensor]:
+    """(B, 1, T, 1, 1) weights of an unreduced video loss (B, C, T, H, W): 0 on the conditioned samples' given
+    frames, 1 elsewhere; None when no frame is given."""
+    use = conditioned(cond, loss.shape[0], loss.device)
+    if use is None or loss.dim() != 5:
+        return None
+    Tc = cond[FIRST_FRAME].shape[2]
+    weight = torch.ones(loss.shape[0], 1, loss.shape[2], 1, 1, device=loss.device, dtype=loss.dtype)
+    weight[:, :, :Tc] = (~use).to(loss.dtype).view(-1, 1, 1, 1, 1)
+    return weight
