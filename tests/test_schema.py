@@ -37,7 +37,7 @@ BAD_TRAIN = [
     ("eval.vae_dtype=int8", "eval.vae_dtype='int8' is not allowed; allowed: one of float32, bfloat16, float16"),
     ("+train.foo=1", "train.foo is not a known key; train takes ["),
     ("routing.routes.0.selection_ratio=1.5", "routing.routes[0].selection_ratio=1.5 is not allowed"),
-    ("routing.selection.mode=topk", "routing.selection.mode='topk' is not allowed; allowed: one of random, importance"),
+    ("routing.selection.mode=topk", "routing.selection.mode='topk' is not allowed; allowed: one of random, importance, structured"),
     ("routing.selection.importance_weight=1.5", "routing.selection.importance_weight=1.5 is not allowed"),
     ("routing.fp32_after_route=yes", "routing.fp32_after_route='yes' is not allowed; allowed: true or false"),
     ("model.arch=DiT-M/2", "model.arch='DiT-M/2' is not allowed; allowed: one of DiT-T/2"),

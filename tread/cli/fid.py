@@ -1,4 +1,6 @@
-"""fid.py: build references (mode=ref), score images (mode=calc), benchmark checkpoints (mode=bench)."""
+"""fid.py: build references (mode=ref), score images (mode=calc), benchmark checkpoints (mode=bench).
+FDD (tread/evaluation/fdd.py) has its own DINOv2 network and reference: mode=ref fdd_out=... builds it from the
+same images, mode=calc metrics=[...,fdd] fdd_ref=... scores it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,9 +14,11 @@ from tqdm.auto import tqdm
 from tread.cli.errors import user_errors
 from tread.data import LatentDataset, model_shape, read_meta
 from tread.encoders.errors import EncoderError
+from tread.encoders.features import build_dino_features
 from tread.evaluation.checkpoint_fid import (BenchError, append_row, bench_settings, benchmark_checkpoint,
                                        expand_checkpoints, min_samples, read_rows, settings_key)
 from tread.evaluation.evaluator import decode_options
+from tread.evaluation.fdd import FDD, load_fdd_reference, without_fdd
 from tread.evaluation.extractors import feature_extractor
 from tread.evaluation.images import check_image_folder, image_files, iter_image_folder, npz_images_shape
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
@@ -36,13 +40,27 @@ def run(cfg: DictConfig) -> Any:
     """Everything fid.py does, callable without Hydra (cfg: the keys of configs/fid.yaml)."""
     validate(cfg)
     state = PartialState(cpu=cfg.device == "cpu") if cfg.mode == "bench" else None   # seeds shard over processes
+    device = state.device if state else cfg.device
     try:
         extractor = feature_extractor(cfg.features, inception_weights=cfg.inception_weights,
-                                      cache_dir=cfg.cache_dir, device=state.device if state else cfg.device,
-                                      resolution=image_side(cfg))
+                                      cache_dir=cfg.cache_dir, device=device,
+                                      resolution=image_side(cfg)) if needs_main(cfg) else None
+        dino = build_dino_features(cfg.dinov2_weights, "dinov2_weights", device) if needs_fdd(cfg) else None
     except EncoderError as err:  # e.g. Inception weights missing with no network: says how to provide them
         raise BenchError(str(err)) from None
-    return {"ref": run_ref, "calc": run_calc, "bench": run_bench}[cfg.mode](cfg, extractor, state)
+    if cfg.mode == "bench":
+        return run_bench(cfg, extractor, state)
+    return {"ref": run_ref, "calc": run_calc}[cfg.mode](cfg, extractor, dino)
+
+
+def needs_main(cfg: DictConfig) -> bool:
+    """Whether this mode uses the main feature network (not for FDD alone: out=null or metrics=[fdd])."""
+    return {"ref": cfg.out is not None, "calc": bool(without_fdd(cfg.metrics)), "bench": True}[cfg.mode]
+
+
+def needs_fdd(cfg: DictConfig) -> bool:
+    """Whether this mode uses FDD's DINOv2 network (mode=ref fdd_out=..., mode=calc with fdd in metrics)."""
+    return (cfg.mode == "ref" and cfg.fdd_out is not None) or (cfg.mode == "calc" and FDD in cfg.metrics)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -50,9 +68,10 @@ def validate(cfg: DictConfig) -> None:
     check_fid(cfg)
     if cfg.inception_weights is not None and cfg.features == "inception":
         existing(cfg, "inception_weights")
-    for key in {"ref": ("source",), "calc": ("ref", "images"), "bench": ("ref",)}[cfg.mode]:
-        existing(cfg, key)
-    for key in {"ref": ("out",), "calc": ("out_json",), "bench": ()}[cfg.mode]:
+    for key in {"ref": ("source",), "calc": ("ref", "images", "fdd_ref"), "bench": ("ref",)}[cfg.mode]:
+        if cfg[key] is not None:
+            existing(cfg, key)
+    for key in {"ref": ("out", "fdd_out"), "calc": ("out_json",), "bench": ()}[cfg.mode]:
         if cfg[key] is not None and Path(str(cfg[key])).expanduser().exists():
             raise FileExistsError(f"{key}={cfg[key]} already exists; refusing to overwrite it. Delete it or choose "
                                   f"another path.")
@@ -76,8 +95,9 @@ def validate(cfg: DictConfig) -> None:
 def check_inputs(cfg: DictConfig) -> None:
     """The formats of the files this mode reads, before any network is loaded: the reference .npz (calc, bench),
     the images (calc: every image's header, or the .npz's arr_0 header) and the source (ref)."""
-    if cfg.mode in ("calc", "bench"):
-        read_reference_file(Path(str(cfg.ref)).expanduser())
+    for key in {"ref": (), "calc": ("ref", "fdd_ref"), "bench": ("ref",)}[cfg.mode]:
+        if cfg[key] is not None:
+            read_reference_file(Path(str(cfg[key])).expanduser())
     key = {"ref": "source", "calc": "images", "bench": None}[cfg.mode]
     path = Path(str(cfg[key])).expanduser() if key else None
     if path is None:
@@ -109,13 +129,18 @@ def print_metrics(title: str, metrics: dict[str, Any]) -> None:
     print(f"{title}: {shown}")
 
 
-def run_ref(cfg: DictConfig, extractor, state=None) -> dict[str, Any]:
-    source, out = Path(cfg.source), Path(cfg.out)
-    build_reference(out, extractor, source, max_images=cfg.max_images, store_images=cfg.store_images,
-                    batch_size=cfg.batch_size, decode_kwargs=decode_options(cfg))
-    num = int(read_npz(out, "reference", keys=("num_images",))["num_images"])
-    print(f"Reference ({extractor.name}, {num} images from {source}) written to {out}")
-    return {"out": str(out), "num_images": num, "features": extractor.name}
+def run_ref(cfg: DictConfig, extractor, dino=None) -> dict[str, Any]:
+    """The reference of `source` for the main features (out) and/or FDD's DINOv2 (fdd_out)."""
+    result = {}
+    for out, net, what in ((cfg.out, extractor, ""), (cfg.fdd_out, dino, "fdd_")):
+        if out is None:
+            continue
+        build_reference(out, net, Path(cfg.source), max_images=cfg.max_images, store_images=cfg.store_images,
+                        batch_size=cfg.batch_size, decode_kwargs=decode_options(cfg))
+        num = int(read_npz(out, "reference", keys=("num_images",))["num_images"])
+        print(f"{'FDD r' if what else 'R'}eference ({net.name}, {num} images from {cfg.source}) written to {out}")
+        result.update({f"{what}out": str(out), "num_images": num, f"{what}features": net.name})
+    return result
 
 
 def iter_images(path: Path, batch_size: int) -> tuple[int, Any]:
@@ -128,23 +153,32 @@ def iter_images(path: Path, batch_size: int) -> tuple[int, Any]:
     raise BenchError(f"images={path} is neither an image folder nor an .npz file (arr_0 = uint8 NHWC images)")
 
 
-def run_calc(cfg: DictConfig, extractor, state=None) -> dict[str, Any]:
-    metrics = list(cfg.metrics)
+def run_calc(cfg: DictConfig, extractor, dino=None) -> dict[str, Any]:
+    """The metrics of `images`: the main ones against `ref`, fdd (DINOv2) against `fdd_ref`; one pass over them."""
+    metrics, main = list(cfg.metrics), list(without_fdd(cfg.metrics))
     total, batches = iter_images(Path(cfg.images), cfg.batch_size)
-    if total < min_samples(metrics, cfg.pr_k):
+    need = min_samples(main + (["fid"] if dino is not None else []), cfg.pr_k)
+    if total < need:
         raise BenchError(f"images={cfg.images} holds {total} images: too few for metrics={metrics} (need at least "
-                         f"{min_samples(metrics, cfg.pr_k)})")
-    reference = load_reference_full(cfg.ref, extractor, cfg.batch_size, need=metrics)
-    acc, done = FeatureAccumulator(extractor, metrics), 0
-    with tqdm(total=total, desc=f"features ({extractor.name})", unit="img", dynamic_ncols=True, leave=False) as bar:
+                         f"{need})")
+    reference = load_reference_full(cfg.ref, extractor, cfg.batch_size, need=main) if main else None
+    fdd_reference = load_fdd_reference(cfg.fdd_ref, dino) if dino is not None else None
+    accs = {name: FeatureAccumulator(net, m) for name, net, m in (("main", extractor, main), (FDD, dino, ["fid"]))
+            if net is not None and m}
+    done = 0
+    with tqdm(total=total, desc="features", unit="img", dynamic_ncols=True, leave=False) as bar:
         for batch in batches:
-            acc.add(torch.from_numpy(batch).permute(0, 3, 1, 2), list(range(done, done + len(batch))))
+            for acc in accs.values():
+                acc.add(torch.from_numpy(batch).permute(0, 3, 1, 2), list(range(done, done + len(batch))))
             done += len(batch)
             bar.update(len(batch))
-    scores = compute_metrics(acc, reference, metrics, **metric_kwargs(cfg))
-    result = {**scores, "num_images": total, "features": extractor.name, "ref": str(cfg.ref),
-              "images": str(cfg.images)}
-    print_metrics(f"{extractor.name}, {total} images vs {Path(cfg.ref).name}", scores)
+    scores = compute_metrics(accs["main"], reference, main, **metric_kwargs(cfg)) if main else {}
+    if dino is not None:
+        scores[FDD] = compute_metrics(accs[FDD], fdd_reference, ("fid",))["fid"]
+    names = [n for n in (extractor.name if main else None, dino.name if dino else None) if n]
+    result = {**scores, "num_images": total, "features": extractor.name if main else None, "ref": cfg.ref,
+              **({"fdd_features": dino.name, "fdd_ref": str(cfg.fdd_ref)} if dino else {}), "images": str(cfg.images)}
+    print_metrics(f"{' + '.join(names)}, {total} images vs {Path(str(cfg.ref or cfg.fdd_ref)).name}", scores)
     if cfg.out_json:
         atomic_write_json(cfg.out_json, result)
         print(f"Metrics written to {cfg.out_json}")

@@ -1,4 +1,4 @@
-"""DINOv2 from a local transformers folder (never downloaded), its input convention and a digest of its weights.
+"""DINOv2 from a local transformers folder (never downloaded), its input conventions and a digest of its weights.
 REPA's patch encoder (tread/encoders/patch.py) and FDD's feature network (tread/encoders/features.py) load it."""
 from __future__ import annotations
 
@@ -6,12 +6,17 @@ import hashlib
 from pathlib import Path
 from typing import Optional, Union
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from tread.encoders.errors import EncoderError
 
 DINO_SIZE = 224                  # DINOv2's input side: images are resized to it (bicubic)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+REPA_DINOV2 = "facebook/dinov2-base"     # REPA's encoder (ViT-B/14)
+FDD_DINOV2 = "facebook/dinov2-large"     # FDD is defined on ViT-L/14 (Stein et al. 2023; dgm-eval's default)
+FDD_WIDTH, FDD_DEPTH = 1024, 24          # ViT-L/14's hidden size and number of blocks
 
 
 def weights_digest(folder: Union[str, Path]) -> str:
@@ -21,11 +26,16 @@ def weights_digest(folder: Union[str, Path]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def load_dinov2(weights: Optional[Union[str, Path]], key: str) -> nn.Module:
-    """A local Dinov2Model (no download); one EncoderError naming `key` when it is missing or does not load."""
-    how = ("save one on a machine with network: `from transformers import Dinov2Model; "
-           "Dinov2Model.from_pretrained('facebook/dinov2-base').save_pretrained('DIR')`, copy DIR here and set "
-           f"{key}=DIR")
+def how_to_provide(key: str, model_id: str) -> str:
+    """The offline steps that make DINOv2 weights loadable with `key`."""
+    return (f"save one on a machine with network: `from transformers import Dinov2Model; "
+            f"Dinov2Model.from_pretrained('{model_id}').save_pretrained('DIR')`, copy DIR here and set {key}=DIR")
+
+
+def load_dinov2(weights: Optional[Union[str, Path]], key: str, model_id: str = REPA_DINOV2) -> nn.Module:
+    """A local Dinov2Model (no download); one EncoderError naming `key` (and how to save `model_id`) when it is
+    missing or does not load."""
+    how = how_to_provide(key, model_id)
     if not weights:
         raise EncoderError(f"{key} is not set; DINOv2 weights are read from a local folder only: {how}.")
     if not (Path(weights).expanduser() / "config.json").is_file():
@@ -35,3 +45,29 @@ def load_dinov2(weights: Optional[Union[str, Path]], key: str) -> nn.Module:
         return Dinov2Model.from_pretrained(str(Path(weights).expanduser()), local_files_only=True)
     except (OSError, ValueError) as err:
         raise EncoderError(f"{key}={str(weights)!r} does not load as a Dinov2Model ({err}): {how}.") from None
+
+
+def fdd_pixels(images: torch.Tensor) -> torch.Tensor:
+    """uint8 (B, 3, H, W) images -> float32 (B, 3, 224, 224) DINOv2 input as FDD's reference implementation
+    (layer6ai-labs/dgm-eval, default path) makes it: PIL's bicubic resize of the uint8 image to 224 x 224 (no crop;
+    antialiased when shrinking, Keys a = -0.5; the width pass, then the height pass, each rounded to uint8), / 255,
+    then ImageNet mean and std. torch's antialiased bicubic is PIL's filter, so this matches torchvision's
+    Resize((224, 224), BICUBIC) on a PIL image up to rare 1-level differences (PIL's fixed-point weights)."""
+    x = images.float()
+    for size in ((x.shape[-2], DINO_SIZE), (DINO_SIZE, DINO_SIZE)):      # PIL: the width pass, then the height
+        if tuple(x.shape[-2:]) != size:                                   # pass, each rounded to uint8
+            x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 255).round()
+    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
+    return (x / 255 - mean) / std
+
+
+def fdd_architecture_note(model: nn.Module) -> Optional[str]:
+    """A one-line note when `model` is not ViT-L/14 (FDD's definition), else None."""
+    cfg = model.config
+    width, depth, patch = int(cfg.hidden_size), int(cfg.num_hidden_layers), int(cfg.patch_size)
+    if (width, depth, patch) == (FDD_WIDTH, FDD_DEPTH, 14):
+        return None
+    return (f"note: FDD is defined on DINOv2 ViT-L/14 ({FDD_DINOV2}: width {FDD_WIDTH}, {FDD_DEPTH} blocks); these "
+            f"weights are width {width}, {depth} blocks, patch {patch}: their FDD is not comparable with published "
+            f"FDD numbers")

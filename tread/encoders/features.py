@@ -37,9 +37,8 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from tread.encoders.dinov2 import load_dinov2, weights_digest
+from tread.encoders.dinov2 import FDD_DINOV2, fdd_architecture_note, fdd_pixels, load_dinov2, weights_digest
 from tread.encoders.errors import EncoderError, missing_weights
-from tread.encoders.patch import DinoPatchEncoder
 from tread.encoders.toy_classifier import load_toy_classifier
 from tread.utils.device import resolve_device
 from tread.utils.io import atomic_write
@@ -258,14 +257,16 @@ def extractor_device(extractor: nn.Module) -> torch.device:
 
 
 class DinoFeatures(nn.Module):
-    """FDD's feature network (Stein et al. 2023): the DINOv2 CLS token of uint8 (B, 3, H, W) images (the
-    metric extractors' input convention above). `name` carries a digest of the weights, so cached reference
-    statistics are never reused for other weights."""
+    """FDD's feature network (Stein et al. 2023): the DINOv2 CLS token (after the final layer norm, what
+    dgm-eval's torch-hub model returns) of uint8 (B, 3, H, W) images (the metric extractors' input convention
+    above), preprocessed by dinov2.fdd_pixels (antialiased bicubic to 224 px, ImageNet normalisation). `name`
+    carries a digest of the weights, so cached reference statistics are never reused for other weights."""
 
     def __init__(self, model: nn.Module, weights: Union[str, Path]):
         super().__init__()
-        self.encoder = DinoPatchEncoder(model)
-        self.dim = self.spatial_dim = self.encoder.dim
+        self.model = model
+        self.dim = self.spatial_dim = int(model.config.hidden_size)
+        self.skip = 1 + int(getattr(model.config, "num_register_tokens", 0) or 0)   # CLS (+ registers)
         self.name = f"dinov2_{weights_digest(weights)}"
 
     @torch.no_grad()
@@ -275,12 +276,17 @@ class DinoFeatures(nn.Module):
     @torch.no_grad()
     def forward_all(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """pool: the CLS token (FDD's features); spatial: the mean patch token (what a cached reference keeps
-        beside it; no metric reads it)."""
-        tokens = self.encoder.tokens(images.float() / 127.5 - 1).float()
-        return {"pool": tokens[:, 0], "spatial": tokens[:, self.encoder.skip:].mean(dim=1)}
+        beside it; no metric reads it). Both float32 (B, dim)."""
+        tokens = self.model(pixel_values=fdd_pixels(images)).last_hidden_state.float()
+        return {"pool": tokens[:, 0], "spatial": tokens[:, self.skip:].mean(dim=1)}
 
 
 def build_dino_features(weights: Optional[Union[str, Path]], key: str, device: Union[str, torch.device] = "cpu"
                         ) -> DinoFeatures:
-    """FDD's frozen DINOv2 feature network from a local folder (`key` names the config key in errors)."""
-    return DinoFeatures(load_dinov2(weights, key), weights).eval().requires_grad_(False).to(device)
+    """FDD's frozen DINOv2 feature network from a local folder (`key` names the config key in errors; the
+    how-to names ViT-L/14, FDD's network). Prints a one-line note when the weights are not ViT-L/14."""
+    model = load_dinov2(weights, key, model_id=FDD_DINOV2)
+    note = fdd_architecture_note(model)
+    if note:
+        print(note, flush=True)
+    return DinoFeatures(model, weights).eval().requires_grad_(False).to(device)

@@ -83,8 +83,8 @@ class Evaluator:
                                       max_images=eval_cfg.get("reference_max_images"), decode_kwargs=self.decode,
                                       square=self.square)
         self.reference = load_reference_full(self.ref_path, self.extractor, need=self.main_metrics or ("fid",))
-        self.fdd = FddScorer(eval_cfg.get("dinov2_weights"), dataset, cache_dir, accelerator, self.decode,
-                             eval_cfg.get("reference_max_images"), self.square) if FDD in self.metrics else None
+        self.fdd = FddScorer(eval_cfg, dataset, cache_dir, accelerator, self.decode, self.square) \
+            if FDD in self.metrics else None
 
     def __call__(self, net, diffusion, step: int, samples_dir: Optional[Path]) -> dict[str, Any]:
         start = time.time()

@@ -2,9 +2,15 @@
 "Exposing flaws of generative model evaluation metrics"), the metric SPRINT and recent DiT work report beside FID.
 
 It is FID's computation with another feature network: the samples' DINOv2 CLS features (encoders.features.
-DinoFeatures: 224 px bicubic, ImageNet normalisation) against the reference's, the same FeatureAccumulator and
-Fréchet distance, and a reference built from the dataset and cached per weights digest, as the main metrics'
-is. The weights are local only (eval.dinov2_weights); offline, a missing folder is one clear error.
+DinoFeatures: dgm-eval's preprocessing, antialiased bicubic to 224 px and ImageNet normalisation; ViT-L/14 is
+the network FDD is defined on) against the reference's, with the same FeatureAccumulator and Fréchet distance.
+
+The reference, as defined, holds features of REAL images: `fid.py mode=ref source=<real images> fdd_out=REF.npz`
+builds it (from the images precompute reads) and training takes it as eval.fdd_reference=REF.npz. Without one,
+training builds it from VAE reconstructions of the dataset's latents (saying so in one line), cached in a file
+of its own (fdd_cache_path: the extractor name, i.e. the weights digest, and the image count), so building it
+never rebuilds or overwrites the FID reference. The weights are local only (eval.dinov2_weights); offline, a
+missing folder is one clear error.
 """
 from __future__ import annotations
 
@@ -13,7 +19,8 @@ from typing import Any, Iterable, Optional
 
 from tread.encoders.features import build_dino_features
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
-from tread.evaluation.reference import load_reference_full, reference_for_dataset
+from tread.evaluation.reference import (Reference, load_reference_full, read_reference_file, reference_for_dataset,
+                                        subset_indices)
 
 FDD = "fdd"
 
@@ -23,18 +30,47 @@ def without_fdd(metrics: Iterable[str]) -> tuple[str, ...]:
     return tuple(m for m in metrics if m != FDD)
 
 
-class FddScorer:
-    """FDD for in-training evaluation: the DINOv2 network and the dataset's DINOv2 reference, made once."""
+def fdd_cache_path(cache_dir: str | Path, dataset: Any, extractor_name: str, max_images: Optional[int],
+                   square: Optional[int] = None) -> Path:
+    """<cache_dir>/references/<dataset>_fdd_<extractor>_<N>img[_sq<side>].npz: the auto-built FDD reference of
+    N dataset images, a file no FID reference (<dataset>_<features>.npz) shares."""
+    count = len(subset_indices(len(dataset), max_images))
+    crop = f"_sq{square}" if square else ""
+    return Path(cache_dir) / "references" / f"{dataset.root.name}_fdd_{extractor_name}_{count}img{crop}.npz"
 
-    def __init__(self, weights: Optional[str], dataset: Any, cache_dir: str | Path, accelerator: Any,
-                 decode: dict, max_images: Optional[int] = None, square: Optional[int] = None):
+
+def load_fdd_reference(path: str | Path, extractor) -> Reference:
+    """An FDD reference .npz (mu/sigma or arr_0 images), checked against `extractor` (the same weights)."""
+    return load_reference_full(path, extractor, need=("fid",))
+
+
+class FddScorer:
+    """FDD for in-training evaluation: the DINOv2 network and its reference (eval.fdd_reference, or built from
+    the dataset's VAE reconstructions and cached), made once."""
+
+    def __init__(self, eval_cfg: Any, dataset: Any, cache_dir: str | Path, accelerator: Any, decode: dict,
+                 square: Optional[int] = None):
         self.device = accelerator.device
-        self.extractor = build_dino_features(weights, "eval.dinov2_weights", self.device)
-        self.ref_path = Path(cache_dir) / "references" / f"{dataset.root.name}_{self.extractor.name}.npz"
-        with accelerator.main_process_first():   # the first process builds and caches it
-            reference_for_dataset(dataset, self.extractor, self.ref_path, max_images=max_images, decode_kwargs=decode,
-                                  square=square)
-        self.reference = load_reference_full(self.ref_path, self.extractor, need=("fid",))
+        given = eval_cfg.get("fdd_reference")
+        if given and not Path(given).is_file():
+            raise FileNotFoundError(f"eval.fdd_reference={given!r} does not exist; build one from real images with "
+                                    f"`python fid.py mode=ref source=<images> fdd_out=REF.npz dinov2_weights=DIR`.")
+        if given:
+            read_reference_file(given)          # its format, before any network is loaded
+        self.extractor = build_dino_features(eval_cfg.get("dinov2_weights"), "eval.dinov2_weights", self.device)
+        if given:
+            self.ref_path = Path(given)
+        else:
+            max_images = eval_cfg.get("fdd_reference_max_images")
+            self.ref_path = fdd_cache_path(cache_dir, dataset, self.extractor.name, max_images, square)
+            if accelerator.is_main_process:
+                print(f"note: the FDD reference is built from VAE reconstructions of the dataset's latents, not real "
+                      f"images ({self.ref_path}); eval.fdd_reference=<fid.py mode=ref fdd_out=...> gives FDD as "
+                      f"defined", flush=True)
+            with accelerator.main_process_first():   # the first process builds and caches it
+                reference_for_dataset(dataset, self.extractor, self.ref_path, max_images=max_images,
+                                      decode_kwargs=decode, square=square)
+        self.reference = load_fdd_reference(self.ref_path, self.extractor)
 
     def accumulator(self) -> FeatureAccumulator:
         return FeatureAccumulator(self.extractor, ("fid",), device=self.device)

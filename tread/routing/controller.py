@@ -27,7 +27,7 @@ class RoutePlan:
 
     routes: list[Route] = field(default_factory=list)
     keep: list[int] = field(default_factory=list)              # kept tokens per route
-    noise: list[torch.Tensor] = field(default_factory=list)    # (B, N) scores per route, in [0, 1)
+    noise: list[torch.Tensor] = field(default_factory=list)    # (B, N) scores per route, in [0, 1]
     fp32_blocks: frozenset[int] = frozenset()                  # blocks run outside autocast
     num_tokens: int = 0
 
@@ -80,12 +80,13 @@ class RoutingController:
         return self.schedule.routes_at(step) if self.schedule is not None else list(self.routes)
 
     def plan(self, batch: int, num_tokens: int, device: torch.device, training: bool,
-             force_keep: Optional[torch.Tensor] = None) -> RoutePlan:
+             force_keep: Optional[torch.Tensor] = None, grid: Optional[Sequence[int]] = None) -> RoutePlan:
         """The routes this forward takes (active_routes) with their keep counts and the router's scores, drawn
-        now, in route order, from the router's own generator (or its per-sample generators)."""
+        now, in route order, from the router's own generator (or its per-sample generators). `grid`: the batch's
+        token grid ((t, h, w) or (h, w)), which structured selection needs."""
         routes = self.active_routes(training)
         keep = [keep_count(r.num_keep(num_tokens), force_keep) for r in routes]
-        noise = [self.router.draw(batch, num_tokens, device) for _ in routes]
+        noise = [self.router.draw(batch, num_tokens, device, grid, r.selection_ratio, force_keep) for r in routes]
         return RoutePlan(routes, keep, noise, self.fp32_blocks(routes), num_tokens)
 
     def fp32_blocks(self, routes: Sequence[Route]) -> frozenset[int]:
@@ -142,7 +143,8 @@ class RoutedBackbone(nn.Module):
     `routed_forward`, which the subclass implements with `run_blocks`. `compile()` compiles `routed_forward`
     alone, so the compiled graph has no generator calls and no host syncs: one graph per route shape, no graph
     breaks. Subclasses set `self.routing` (a RoutingController) and provide `num_tokens` (and `tokens_in(x)`
-    where a batch's grid may differ from the default).
+    where a batch's grid may differ from the default) and `grid_of(x)`, the token grid structured selection
+    groups (read only in that mode).
 
     `return_aux=True` asks for (output, aux): aux is a dict of auxiliary outputs computed inside routed_forward
     for a training loss (DiT's REPA tokens, tread/models/repa.py). Only backbones whose routed_forward takes
@@ -154,7 +156,8 @@ class RoutedBackbone(nn.Module):
 
     def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
                 force_keep: Optional[torch.Tensor] = None, *, return_aux: bool = False, **cond: Any) -> Any:
-        plan = self.routing.plan(x.shape[0], self.tokens_in(x), x.device, self.training, force_keep)
+        grid = self.grid_of(x) if self.routing.router.needs_grid else None
+        plan = self.routing.plan(x.shape[0], self.tokens_in(x), x.device, self.training, force_keep, grid)
         self.last_route_plan = plan
         routed = self.__dict__.get("_compiled_routed_forward") or self.routed_forward
         if return_aux:

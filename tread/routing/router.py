@@ -11,7 +11,9 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-SELECTION_MODES = ("random", "importance")
+from tread.routing.structured import group_side, order_size, structured_scores, token_grid3
+
+SELECTION_MODES = ("random", "importance", "structured")
 
 
 class TokenRouter:
@@ -30,7 +32,8 @@ class TokenRouter:
                 f"routing.selection.importance_weight={importance_weight} must lie in [0, 1] "
                 f"(0 = uniform random, 1 = pure L1-norm importance)."
             )
-        self.mode = mode                                # "random" (paper) or "importance" (L1 score + noise)
+        self.mode = mode                                # "random" (paper), "importance" (L1 score + noise) or
+                                                        # "structured" (SPRINT's groups, tread/routing/structured.py)
         self.importance_weight = float(importance_weight)  # weight of the L1 score against the noise
         self._seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -70,33 +73,52 @@ class TokenRouter:
         finally:
             self._per_sample = previous
 
-    def draw(self, B: int, N: int, device: torch.device) -> torch.Tensor:
-        """Uniform scores (B, N) in [0, 1) from the router's own stream (or the per-sample generators). Drawn
-        eagerly, before a (possibly compiled) forward runs: a torch.Generator inside a compiled graph would
-        break it, so the graph receives the scores as an input (RoutingController.plan)."""
+    @property
+    def needs_grid(self) -> bool:
+        """Whether draw needs the batch's token grid (structured mode)."""
+        return self.mode == "structured"
+
+    def draw(self, B: int, N: int, device: torch.device, grid: Optional[Sequence[int]] = None, ratio: float = 0.0,
+             force_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Scores (B, N) in [0, 1] from the router's own stream (or the per-sample generators). Drawn eagerly,
+        before a (possibly compiled) forward runs: a torch.Generator inside a compiled graph would break it, so
+        the graph receives the scores as an input (RoutingController.plan). Random and importance modes: uniform.
+        Structured mode: group-wise scores (structured.py) for the token grid `grid` ((t, h, w) or (h, w)), the
+        route's `ratio` and the force-keep mask (B, N)."""
+        if not self.needs_grid:
+            return self._uniform(B, [N], device)[0]
+        grid3 = token_grid3(grid, N)
+        k = group_side(ratio)
+        order, jitter = self._uniform(B, [order_size(grid3, k), N], device)
+        return structured_scores(order, jitter, grid3, k, force_keep)
+
+    def _uniform(self, B: int, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+        """One (B, size) uniform tensor per size, drawn in that order (per generator, with per-sample ones)."""
         if self._per_sample is None:
-            return torch.rand(B, N, device=device, generator=self._generator(device))
+            return [torch.rand(B, n, device=device, generator=self._generator(device)) for n in sizes]
         gens = self._per_sample
         if B % len(gens):
             raise ValueError(f"per-sample routing has {len(gens)} generators but the batch has {B} rows "
                              f"(must be a multiple).")
-        return torch.stack([torch.rand(N, device=device, generator=g) for g in gens]).repeat(B // len(gens), 1)
+        rows = [[torch.rand(n, device=device, generator=g) for n in sizes] for g in gens]
+        return [torch.stack([r[i] for r in rows]).repeat(B // len(gens), 1) for i in range(len(sizes))]
 
     # -- selection -------------------------------------------------------------------
     def select(self, x: torch.Tensor, num_keep: int, force_keep: Optional[torch.Tensor] = None,
-               noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+               noise: Optional[torch.Tensor] = None, grid: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Indices (B, K) of the tokens to keep from `x` (B, N, D).
 
         `noise` (B, N) are scores drawn beforehand (draw); without it they are drawn here, and K = num_keep is
         grown for the whole batch when some sample force-keeps more tokens than that (keep_count), so the
         batch stays rectangular. With `noise`, num_keep is taken as final (the plan grew it already), so this
         function runs inside a compiled graph without host syncs. Force-kept tokens are never dropped.
+        `grid` (structured mode, drawing here): x's token grid; the group side follows num_keep / N.
         """
         B, N, _ = x.shape
         if noise is None:
-            noise = self.draw(B, N, x.device)
+            noise = self.draw(B, N, x.device, grid, 1.0 - num_keep / N, force_keep)
             num_keep = keep_count(num_keep, force_keep)
-        score = noise                                                                   # (B, N) in [0, 1)
+        score = noise                                                                   # (B, N) in [0, 1]
         if self.mode == "importance":
             with torch.no_grad():
                 l1 = x.detach().float().abs().mean(dim=-1)                              # (B, N)

@@ -67,6 +67,9 @@ class FidConfig(SamplingSettings, DecodeSettings, MetricSettings):
     store_images: int = key("an integer >= 0 (reference images kept as arr_0; ADM keeps 10000)", ge=0)
     images: Optional[str] = key("null or an image folder / .npz of generated images (mode=calc)")
     ref: Optional[str] = key("null or a reference .npz (calc, bench)")
+    fdd_out: Optional[str] = key("null or an FDD (DINOv2) reference .npz to write from the same images (mode=ref)",
+                                 default=None)
+    fdd_ref: Optional[str] = key("null or an FDD reference .npz (mode=calc with fdd in metrics)", default=None)
     out_json: Optional[str] = key("null or a JSON file for the metrics (mode=calc)")
     checkpoints: Union[None, str, list[str]] = key("null or run dirs / checkpoint dirs / files in them / globs")
     num_samples: int = key("a positive integer (images per checkpoint, used when seeds is null)", ge=1)
@@ -112,18 +115,38 @@ def check_fid(cfg: Union[DictConfig, dict]) -> FidConfig:
         raise ConfigError(f"mode={mode} is not valid: use mode=ref (build a reference), mode=calc (metrics of images "
                           f"against a reference) or mode=bench (sample and score checkpoints)")
     s = check(FidConfig, tree, "")
-    if "fdd" in s.metrics:
-        raise ConfigError(f"metrics={list(s.metrics)}: fdd is computed by in-training evaluation (eval.metrics) and "
-                          f"not yet by fid.py; allowed here: {[m for m in METRICS if m != 'fdd']}.")
+    check_fdd_keys(s)
     check_guidance(s, "")
     check_seeds(s.seeds, num_samples=s.num_samples if s.mode == "bench" else None)
     check_device(s.device)
     for name in NEEDS[s.mode]:
-        if getattr(s, name) is None:
+        if getattr(s, name) is None and not fdd_alone(s, name):
             raise ConfigError(f"mode={s.mode} needs {name}=<{WHAT[name]}>")
     check_dirs({"cache_dir": s.cache_dir, **({"out_dir": s.out_dir} if s.mode == "bench" else {})},
-               files={"ref": {"out": s.out}, "calc": {"out_json": s.out_json}, "bench": {}}[s.mode])
+               files={"ref": {"out": s.out, "fdd_out": s.fdd_out}, "calc": {"out_json": s.out_json},
+                      "bench": {}}[s.mode])
     return s
+
+
+def fdd_alone(s: FidConfig, name: str) -> bool:
+    """FDD alone needs no main reference: mode=ref with only fdd_out, mode=calc with metrics=[fdd]."""
+    return (name == "out" and s.fdd_out is not None) or (name == "ref" and s.mode == "calc" and
+                                                         list(s.metrics) == ["fdd"])
+
+
+def check_fdd_keys(s: FidConfig) -> None:
+    """fdd (metrics) and fdd_out need DINOv2 weights; calc's fdd needs fdd_ref; bench does not compute fdd."""
+    if s.mode == "bench" and "fdd" in s.metrics:
+        raise ConfigError(f"metrics={list(s.metrics)}: mode=bench does not compute fdd; allowed here: "
+                          f"{[m for m in METRICS if m != 'fdd']}. Score its samples.npz (keep_npz=true) with "
+                          f"mode=calc metrics=[fdd] fdd_ref=<FDD reference .npz>.")
+    if s.mode == "calc" and "fdd" in s.metrics and s.fdd_ref is None:
+        raise ConfigError(f"metrics={list(s.metrics)} asks for fdd, which needs fdd_ref=<an FDD reference .npz> "
+                          f"(mode=ref source=<real images> fdd_out=... builds one).")
+    if s.mode == "ref" and s.fdd_out is not None and not s.dinov2_weights:
+        raise ConfigError(f"fdd_out={show(s.fdd_out)} writes an FDD reference, which needs dinov2_weights=<a local "
+                          f"Dinov2Model folder> (nothing is downloaded: save facebook/dinov2-large with "
+                          f"transformers' save_pretrained on a machine with network).")
 
 
 def check_seeds(seeds: Any, name: str = "seeds", num_samples: Optional[int] = None) -> None:

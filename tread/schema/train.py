@@ -132,6 +132,10 @@ class Eval(SamplingSettings, DecodeSettings, MetricSettings):
     batch_size: int = key("a positive integer (sampling batch per process)", ge=1)
     reference: Optional[str] = key("null (built from the dataset and cached) or a reference .npz")
     reference_max_images: Optional[int] = key("null or an integer >= 2", ge=2)
+    fdd_reference: Optional[str] = key("null (FDD's reference built from the dataset's VAE reconstructions) or an "
+                                       "FDD reference .npz of real images (fid.py mode=ref fdd_out=...)", default=None)
+    fdd_reference_max_images: Optional[int] = key("null or an integer >= 2 (images of the auto-built FDD "
+                                                  "reference)", ge=2, default=None)
     grid_size: int = key("an integer >= 1 (images in the saved sample grid)", ge=1)
     validation_prompts: Optional[list[Prompt]] = key(
         f"null or {PROMPTS}: sampled at every evaluation into a captioned grid (not counted in the metrics)",
