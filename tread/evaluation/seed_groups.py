@@ -44,6 +44,19 @@ def fid_at(run: dict[str, Any], step: int) -> Optional[float]:
     return float(found[-1]) if found else None
 
 
+def run_tokens(summary: dict[str, Any]) -> tuple[Optional[float], str]:
+    """A run's token share over its whole run (the measured one where recorded) and, for a summary.json written
+    before the whole-run keys, what the fallback covers: "" (the whole run), "one launch" (a resumed run's
+    tokens_fraction_measured) or "start phase" (tokens_fraction of a routing schedule's first phase)."""
+    for key in ("tokens_fraction_measured_run", "tokens_fraction_run"):
+        if summary.get(key) is not None:
+            return float(summary[key]), ""
+    if summary.get("tokens_fraction_measured") is not None:
+        return float(summary["tokens_fraction_measured"]), "one launch" if summary.get("start_step") else ""
+    share = summary.get("tokens_fraction")
+    return (None, "") if share is None else (float(share), "start phase" if summary.get("schedule") else "")
+
+
 @dataclass
 class Group:
     """The completed runs of one setting."""
@@ -135,9 +148,10 @@ def metric_name(metric: str) -> str:
 
 
 def group_table(groups: Sequence[Group], metrics: Sequence[str]) -> list[str]:
-    """Markdown: one row per group: n, each metric's mean ± std [min..max], mean steps, training time and tokens."""
+    """Markdown: one row per group: n, each metric's mean ± std [min..max], mean steps, training time and the
+    whole-run token share (group_tokens)."""
     head = ["setting", "seeds"] + [f"{metric_name(m)} (mean ± std [min..max])" for m in metrics] + \
-        ["steps", "training time (s)", "tokens processed"]
+        ["steps", "training time (s)", "tokens processed (whole run)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
         cells = [g.label, str(len(g.runs))]
@@ -146,11 +160,19 @@ def group_table(groups: Sequence[Group], metrics: Sequence[str]) -> list[str]:
             d = _digits(m)
             cells.append(f"{_num(g.mean(m), d)} ± {_num(g.std(m), d)} [{_num(min(v), d)}..{_num(max(v), d)}]"
                          if v else "-")
-        tokens = g.mean("tokens_fraction_measured") or g.mean("tokens_fraction")
-        cells += [_num(g.mean("final_step"), ".0f"), _num(g.mean("train_sec"), ".0f"),
-                  "-" if tokens is None else f"{100 * tokens:.1f}%"]
+        cells += [_num(g.mean("final_step"), ".0f"), _num(g.mean("train_sec"), ".0f"), group_tokens(g)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def group_tokens(g: Group) -> str:
+    """The group's mean whole-run token share, e.g. "70.8%", with what older summaries cover where they fall back
+    (run_tokens), e.g. "70.8% (start phase)"."""
+    got = [run_tokens(r["summary"]) for r in g.runs]
+    shares, notes = [v for v, _ in got if v is not None], sorted({n for _, n in got if n})
+    if not shares:
+        return "-"
+    return f"{100 * statistics.fmean(shares):.1f}%" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def comparison_table(rows: Sequence[dict[str, Any]]) -> list[str]:

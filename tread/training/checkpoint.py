@@ -111,7 +111,7 @@ def _write_main(tmp: Path, state: TrainingState, full: dict, config: dict, data_
     if not sharded:
         for key, name in WEIGHT_FILES.items():
             save_tensors(full[key], tmp / name)
-    keys = ("step", "train_sec", "loader", "world_size",
+    keys = ("step", "train_sec", "tokens_sum", "tokens_steps", "loader", "world_size",
             *(("optimizer_groups", "optimizer_params") if sharded else ("optimizer",)))
     save_state({k: full[k] for k in keys}, tmp / TRAIN_FILE)
     if has_lora(state.model):  # the EMA adapter alone: for diffusers pipelines, and in peft's format

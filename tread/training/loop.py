@@ -92,7 +92,7 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Optional[list[str]], accel
         raise
     result = run.summary.finish(state.step, state.train_sec, state.train_sec - run.train_sec_start, run.out_of_time,
                                 cfg, accelerator.is_main_process, preempted=stop.name,
-                                nonfinite_skips=run.nonfinite_skips)
+                                nonfinite_skips=run.nonfinite_skips, measured=(state.tokens_sum, state.tokens_steps))
     if stop.name is not None and accelerator.is_main_process:
         note = requeue_after(stop.signum, cfg.train.slurm_requeue)
         if note:
@@ -230,6 +230,7 @@ def loop_steps(run: Run, step_fn: TrainStep, stop: StopRequest, bar: tqdm) -> No
         window.add(stats)
         run.summary.add_step(stats.grid if run.summary.bucket_names is not None else None, seconds,
                              stats.tokens_fraction)
+        state.tokens_sum, state.tokens_steps = state.tokens_sum + stats.tokens_fraction, state.tokens_steps + 1
         bar.update(1)
         if run.budget_sec is not None:
             run.out_of_time = time_budget_reached(state, run.budget_sec, cfg.train.log_every_steps, acc)

@@ -38,7 +38,9 @@ class TrainingState:
     """Everything a resumed run needs to continue exactly where it stopped.
 
     state_dict() = {"model", "ema" (backbone weights), "optimizer", "loader" (data position), "step",
-    "train_sec" (training time over all launches: the time budget), "world_size", "rng" (this process's
+    "train_sec" (training time over all launches: the time budget), "tokens_sum"/"tokens_steps" (the measured
+    per-step token shares summed over all launches, and their steps: summary.json's tokens_fraction_measured_run),
+    "world_size", "rng" (this process's
     streams, the router's included)}. The weights are the backbones' (model.model), so checkpoints hold no
     wrapper prefixes whatever the preconditioning, compile or DDP. Sharded runs (train.parallel=fsdp) save the
     same full tensors, gathered to rank 0 (other ranks' weights and optimizer entries are None), and load a full
@@ -50,6 +52,7 @@ class TrainingState:
         self.world_size = world_size
         self.step = 0
         self.train_sec = 0.0
+        self.tokens_sum, self.tokens_steps = 0.0, 0   # measured token shares over all launches (summary.json)
 
     def state_dict(self) -> dict[str, Any]:
         weights = {"model": self.model.state_dict(), "ema": self.ema_model.state_dict(),
@@ -61,7 +64,8 @@ class TrainingState:
     def resume_state(self) -> dict[str, Any]:
         """state_dict() without the weights and the optimizer: what a sharded checkpoint keeps beside its shards."""
         return {"loader": self.loader.state_dict(), "step": self.step, "train_sec": self.train_sec,
-                "world_size": self.world_size, "rng": {**rng_state(), "router": self.model.routing.router.state_dict()}}
+                "tokens_sum": self.tokens_sum, "tokens_steps": self.tokens_steps, "world_size": self.world_size,
+                "rng": {**rng_state(), "router": self.model.routing.router.state_dict()}}
 
     def sharded_state(self, trainable: Optional[set[str]]) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the tensors of a sharded checkpoint as this process holds them: {"model", "ema", "optimizer": {index:
@@ -111,6 +115,8 @@ class TrainingState:
         self.loader.load_state_dict(state["loader"])
         self.step = int(state["step"])
         self.train_sec = float(state.get("train_sec", 0.0))
+        self.tokens_sum = float(state.get("tokens_sum", 0.0))     # 0, 0 from a checkpoint written before them
+        self.tokens_steps = int(state.get("tokens_steps", 0))
         rng: Optional[dict] = state.get("rng")
         if rng is not None:
             set_rng_state(rng)

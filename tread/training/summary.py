@@ -44,7 +44,11 @@ def grid_weights(dataset) -> Optional[dict[tuple[int, int], float]]:
 
 
 class RunSummary:
-    """The summary of one launch of a run, written to <run dir>/summary.json by the main process at the end."""
+    """The summary of one launch of a run, written to <run dir>/summary.json by the main process at the end.
+
+    Start-phase keys (the routes at this launch's first step): tokens_fraction, train_flops_per_step; per launch:
+    tokens_fraction_measured, steps_per_sec; whole run (steps 0..final_step over all launches): tokens_fraction_run,
+    train_flops_run (= train_flops_total), tokens_fraction_measured_run (docs/ablations.md lists them all)."""
 
     def __init__(self, run_dir: Path, overrides: Optional[list[str]], cfg: Any, model: Any, dataset, start_step: int):
         routes = model.routing.routes
@@ -127,6 +131,30 @@ class RunSummary:
                  "tokens_fraction": self.tokens_fraction(p.routes), "train_flops_per_step": self.step_flops(p.routes)}
                 for p in schedule.phases]
 
+    def tokens_between(self, start: int, end: int) -> Optional[float]:
+        """Theoretical token share of steps [start, end) (mean over the steps of each step's routes: per phase of a
+        schedule, ramps step by step); None for no steps."""
+        if end <= start:
+            return None
+        routing, shares = self.model.routing, {}
+        if routing.schedule is None:
+            return self.data["tokens_fraction"]
+        for s in range(start, end):
+            key = tuple(routing.routes_at(s))
+            shares[key] = shares.get(key, 0) + 1
+        return sum(n * self.tokens_fraction(list(k)) for k, n in shares.items()) / (end - start)
+
+    def whole_run(self, step: int, measured_sum: float, measured_steps: int) -> dict[str, Any]:
+        """The whole-run keys at `step`: theoretical token share and FLOPs over steps [0, step), and the measured
+        share over the `measured_steps` steps of every launch whose per-step shares sum to `measured_sum` (the
+        resume state carries both)."""
+        run = {"tokens_fraction_run": self.tokens_between(0, step), "train_flops_run": self.flops_between(0, step),
+               "tokens_fraction_measured_run": measured_sum / measured_steps if measured_steps else None,
+               "tokens_fraction_measured_run_steps": measured_steps}
+        if self.reference_tokens() and run["tokens_fraction_run"] is not None:
+            run["tokens_fraction_run_with_reference"] = self.with_reference(run["tokens_fraction_run"])
+        return run
+
     def flops_between(self, start: int, end: int) -> float:
         """Training FLOPs of steps [start, end): per step under a schedule (phases, ramps), else constant."""
         routing = self.model.routing
@@ -142,10 +170,12 @@ class RunSummary:
         self.data.setdefault("eval_skipped", []).append({"step": step, "reason": reason})
 
     def finish(self, step: int, train_sec_total: float, train_sec: float, out_of_time: bool, cfg: Any,
-               is_main: bool, preempted: Optional[str] = None, nonfinite_skips: int = 0) -> dict[str, Any]:
-        """Complete the summary (training-only throughput, FLOPs spent, final and best FID, skipped steps);
-        `preempted`: the stop signal's name (status "interrupted" for SIGINT, else "preempted"). The main
-        process writes it."""
+               is_main: bool, preempted: Optional[str] = None, nonfinite_skips: int = 0,
+               measured: Optional[tuple[float, int]] = None) -> dict[str, Any]:
+        """Complete the summary (training-only throughput, FLOPs spent, final and best FID, skipped steps, the
+        whole-run keys); `preempted`: the stop signal's name (status "interrupted" for SIGINT, else "preempted");
+        `measured`: (sum of the measured per-step token shares, steps) over all launches (the resume state's
+        tokens_sum, tokens_steps), else this launch's. The main process writes it."""
         steps_run = step - self.data["start_step"]
         per_sec = (lambda n: n / train_sec if train_sec else None)
         self.data.update({
@@ -156,7 +186,8 @@ class RunSummary:
             "time_budget_min": cfg.train.time_budget_min, "train_sec_total": train_sec_total, "train_sec": train_sec,
             "steps_per_sec": per_sec(steps_run), "images_per_sec": per_sec(steps_run * cfg.train.batch_size),
             "train_flops_total": self.flops_between(0, step),
-            "tokens_fraction_measured": self.tokens_sum / steps_run if steps_run else None})
+            "tokens_fraction_measured": self.tokens_sum / steps_run if steps_run else None,
+            **self.whole_run(step, *(measured or (self.tokens_sum, steps_run)))})
         if self.bucket_names is not None:
             self.data["buckets"] = self.bucket_table()
         fids = [f for _, f in self.data.get("fid", [])]

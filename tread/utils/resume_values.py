@@ -53,6 +53,10 @@ def check_plain(train: dict) -> None:
             or seconds < 0:
         raise ResumeValueError(f"train_sec={seconds!r}: allowed a finite number of seconds >= 0")
     check_int(train.get("world_size", 1), "world_size", 1, 2**20)
+    steps = check_int(train.get("tokens_steps", 0), "tokens_steps", 0, STEP_LIMIT)
+    share = train.get("tokens_sum", 0.0)
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share <= steps:
+        raise ResumeValueError(f"tokens_sum={share!r}: allowed a number in [0, tokens_steps={steps}]")
     loader = train.get("loader")
     if not isinstance(loader, dict):
         raise ResumeValueError(f"loader={loader!r}: allowed a mapping with epoch and batch")
