@@ -221,6 +221,15 @@ class RoutedFamily(RoutedBackbone):
                 f"model.config.{width_key}={getattr(c, width_key)} must equal the width "
                 f"num_attention_heads x attention_head_dim = {inner}: {width_note}.")
 
+    def _check_video_patch(self) -> None:
+        """check_shapes' part shared by the video families: data.resolution and model.frames are whole tokens."""
+        pt, ph, pw = self.latent_patch()
+        if self.input_size % ph or self.input_size % pw:
+            raise FamilyConfigError(f"data.resolution={self.input_size} must be whole patches of {ph}x{pw} "
+                                    f"(model.config.patch_size).")
+        if self.frames < 1 or self.frames % pt:
+            raise FamilyConfigError(f"model.frames={self.frames} must be a positive multiple of the time patch {pt}.")
+
     def install_processors(self) -> None:
         """Swap in attention processors that accept per-sample (batched) RoPE, where the family needs it."""
 

@@ -154,16 +154,13 @@ class CosmosFamily(RoutedFamily):
         if len(c.patch_size) != 3 or int(c.patch_size[0]) != 1:
             raise FamilyConfigError(f"model.config.patch_size={list(c.patch_size)} must be (1, ph, pw): one latent "
                                     f"frame per token (every released Cosmos model: (1, 2, 2)).")
-        _, ph, pw = self.latent_patch()
         if c.in_channels not in (C, C + 1):
             raise FamilyConfigError(f"model.config.in_channels={c.in_channels} does not fit data.channels={C}; "
                                     f"allowed: {C} (Text2Image) or {C + 1} (Video2World: + the condition mask).")
         if c.out_channels != C:
             raise FamilyConfigError(f"model.config.out_channels={c.out_channels} must equal data.channels={C}: "
                                     f"Cosmos predicts a latent of the input's shape (the Wan 2.1 VAE: 16 channels).")
-        if self.input_size % ph or self.input_size % pw:
-            raise FamilyConfigError(f"data.resolution={self.input_size} must be divisible by the patch size "
-                                    f"{ph}x{pw} (model.config.patch_size={list(c.patch_size)}).")
+        self._check_video_patch()
         if c.use_crossattn_projection or c.img_context_dim_in:
             raise FamilyConfigError(
                 f"model.config.use_crossattn_projection={c.use_crossattn_projection} / img_context_dim_in="

@@ -163,13 +163,7 @@ class HunyuanVideo15Family(RoutedFamily):
         if (c.out_channels or c.in_channels) != channels:
             raise FamilyConfigError(f"model.config.out_channels={c.out_channels} must equal data.channels={channels}: "
                                     f"the model predicts the latent itself.")
-        pt, ph, _ = self.latent_patch()
-        if self.input_size % ph:
-            raise FamilyConfigError(f"data.resolution={self.input_size} must be a multiple of model.config.patch_size="
-                                    f"{ph}.")
-        if self.frames < 1 or self.frames % pt:
-            raise FamilyConfigError(f"model.frames={self.frames} must be a positive multiple of model.config."
-                                    f"patch_size_t={pt}.")
+        self._check_video_patch()
         axes = list(c.rope_axes_dim)
         if len(axes) != 3 or sum(axes) != c.attention_head_dim or any(a % 2 for a in axes):
             raise FamilyConfigError(f"model.config.rope_axes_dim={axes} must be 3 even numbers (t, h, w) summing to "

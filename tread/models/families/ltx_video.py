@@ -116,12 +116,7 @@ class LTXVideoFamily(RoutedFamily):
         if (c.out_channels or c.in_channels) != c.in_channels:
             raise FamilyConfigError(f"model.config.out_channels={c.out_channels} must equal in_channels="
                                     f"{c.in_channels}: LTX predicts the packed latent itself.")
-        if self.input_size % p:
-            raise FamilyConfigError(f"data.resolution={self.input_size} must be a multiple of model.config."
-                                    f"patch_size={p}.")
-        if self.frames < 1 or self.frames % pt:
-            raise FamilyConfigError(f"model.frames={self.frames} must be a positive multiple of model.config."
-                                    f"patch_size_t={pt}.")
+        self._check_video_patch()
         inner = c.num_attention_heads * c.attention_head_dim
         if c.cross_attention_dim != inner:
             raise FamilyConfigError(

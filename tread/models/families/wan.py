@@ -87,12 +87,7 @@ class WanFamily(RoutedFamily):
         if (c.out_channels or c.in_channels) != self.in_channels:
             raise FamilyConfigError(f"model.config.out_channels={c.out_channels} must equal data.channels="
                                     f"{self.in_channels}: Wan predicts the latent itself.")
-        if self.input_size % ph or self.input_size % pw:
-            raise FamilyConfigError(f"data.resolution={self.input_size} must be divisible by the patch size "
-                                    f"(model.config.patch_size={list(c.patch_size)}: {ph}x{pw}).")
-        if self.frames < 1 or self.frames % pt:
-            raise FamilyConfigError(f"model.frames={self.frames} must be a positive multiple of the temporal "
-                                    f"patch size {pt} (model.config.patch_size={list(c.patch_size)}).")
+        self._check_video_patch()
         if max(self.frames // pt, self.input_size // ph, self.input_size // pw) > c.rope_max_seq_len:
             raise FamilyConfigError(f"model.config.rope_max_seq_len={c.rope_max_seq_len} is smaller than the token "
                                     f"grid {self.token_grid}; allowed: >= its largest side.")
