@@ -113,7 +113,8 @@ def seeded_sweep(root: Path, fids: dict, steps=(100, 200)) -> Path:
 def test_seed_groups_statistics_and_verdicts(tmp_path):
     import statistics
 
-    from tread.evaluation.seed_groups import comparisons, seed_groups, welch
+    from tread.evaluation.seed_groups import comparisons, seed_groups
+    from tread.evaluation.stats import welch
     from tread.evaluation.sweep_report import load_runs
     clear = {0: [[30, 20.0], [31, 20.5], [29, 19.8]], 0.5: [[25, 15.0], [24, 15.4], [26, 14.9]],
              0.75: [[25, 19.0], [24, 21.5], [26, 20.1]]}
@@ -126,9 +127,11 @@ def test_seed_groups_statistics_and_verdicts(tmp_path):
     assert groups[1].mean("final_fid") == pytest.approx(statistics.fmean([15.0, 15.4, 14.9]))
     assert groups[1].std("final_fid") == pytest.approx(statistics.stdev([15.0, 15.4, 14.9]))
     assert groups[0].values("fid@100") == [30, 31, 29]
-    verdicts = {(c["a"], c["b"]): c["verdict"] for c in comparisons(groups, "final_fid")}
-    assert verdicts[("ratio 0", "ratio 0.5")] == "exceeds noise"     # -5 with spreads of ~0.3
-    assert verdicts[("ratio 0", "ratio 0.75")] == "within noise"     # overlapping
+    rows = {(c["a"], c["b"]): c for c in comparisons(groups, "final_fid")}    # each against the first
+    assert set(rows) == {("ratio 0", "ratio 0.5"), ("ratio 0", "ratio 0.75")}
+    assert rows[("ratio 0", "ratio 0.5")]["test"] == "paired" and rows[("ratio 0", "ratio 0.5")]["p_holm"] < 0.05
+    assert rows[("ratio 0", "ratio 0.5")]["verdict"] == "too few seeds"    # 3 seeds: reported, never claimed
+    assert rows[("ratio 0", "ratio 0.75")]["p_holm"] > 0.05                # overlapping
     w = welch([1.0, 2.0, 3.0], [2.0, 3.0, 4.0, 5.0])                  # textbook Welch: t, df
     assert w["t"] == pytest.approx(1.5 / ((1 / 3 + 5 / 12) ** 0.5)) and w["df"] == pytest.approx(0.75 ** 2 / ((1 / 3) ** 2 / 2 + (5 / 12) ** 2 / 3))
     assert welch([1.0], [2.0, 3.0])["verdict"] == "n/a"
@@ -136,7 +139,7 @@ def test_seed_groups_statistics_and_verdicts(tmp_path):
 
 def test_final_loss_is_the_mean_over_the_last_tenth_and_is_compared_over_seeds(tmp_path):
     from tread.evaluation.seed_groups import final_loss, seed_groups
-    from tread.evaluation.sweep_report import group_section, load_runs
+    from tread.evaluation.sweep_report import Budgets, group_section, load_runs
     root = seeded_sweep(tmp_path / "s", {0: [[30, 20.0], [31, 20.5]], 0.5: [[25, 15.0], [24, 15.4]]})
     for ratio, base in ((0, 0.20), (0.5, 0.10)):
         for seed in (0, 1):
@@ -149,9 +152,10 @@ def test_final_loss_is_the_mean_over_the_last_tenth_and_is_compared_over_seeds(t
     assert final_loss({"records": []}) is None
     groups = seed_groups(runs)
     assert groups[0].values("final_loss") == pytest.approx([0.200, 0.201])
-    md = "\n".join(group_section(runs, [])[1])
+    md = "\n".join(group_section(runs, Budgets())[1])
     assert "final loss (mean ± std [min..max])" in md and "0.2005 ± 0.0007 [0.2000..0.2010]" in md
-    assert "| final loss | ratio 0 | ratio 0.5 | -0.1000 | 0.0007 |" in md and "exceeds noise" in md
+    assert "| final FID | ratio 0 | ratio 0.5 | paired, 2 | -5.05 [-5.69, -4.41] |" in md and "too few seeds" in md
+    assert "| final loss | ratio 0 | ratio 0.5 | paired, 2 | -0.1000 |" in md     # the same -0.1 on both seeds
 
 
 def test_at_step_and_named_marker_blocks(tmp_path):
@@ -167,7 +171,7 @@ def test_at_step_and_named_marker_blocks(tmp_path):
     assert rows["ratio_0/1"]["fid_at_100"] == 31 and rows["ratio_0.5/0"]["fid_at_100"] == "no evaluation at step 100"
     text = readme.read_text()
     assert text.startswith(before) and text.endswith("<!-- ablation-report:seeds:end -->\ntail\n")
-    assert "FID at step 100" in text and "ratio 0.5" in text and ("within noise" in text or "exceeds noise" in text)
+    assert "FID at step 100" in text and "ratio 0.5" in text and "too few seeds" in text
     with pytest.raises(Exception, match="ablation-report:other:start"):
         ablation_report.main([str(root), "--readme", str(readme), "--marker", "other", "--no-plots"])
 

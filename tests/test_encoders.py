@@ -92,7 +92,7 @@ def test_missing_dinov2_weights_say_how_to_provide_them(weights, match):
 
 
 def test_unknown_encoder_is_refused():
-    with pytest.raises(EncoderError, match="model.repa.encoder='clip' is unknown; allowed: toy, dinov2"):
+    with pytest.raises(EncoderError, match="model.repa.encoder='clip' is unknown; allowed: toy, toy_random, toy_fid, dinov2"):
         build_patch_encoder("clip")
     with pytest.raises(EncoderError, match="model.repa.encoder=toy needs the toy classifier's file"):
         build_patch_encoder("toy")

@@ -117,6 +117,11 @@ def test_the_presets_set_every_switch_and_our_defaults_stay():
             paper.eval.class_labels, paper.eval.num_steps, paper.eval.cfg_scale, paper.eval.cfg_rule,
             paper.eval.tread_uncond) == ("paper", True, 100000, 5000, "random", 40, 1.0, "above_one", True)
     assert paper.diffusion._target_ == "tread.diffusion.EDM" and paper.optimizer.lr == ours.optimizer.lr
+    assert (ours.train.step_offset, ours.eval.decode_rule, ours.data.get("latent_draw", "sample")) == (0, "ours", "sample")
+    assert (paper.train.step_offset, paper.eval.decode_rule, paper.data.latent_draw) == (1, "paper", "stored")
+    xl = compose_cfg("train", ["experiment=imagenet256_dit_xl2_tread", "repro=paper"])
+    assert xl.train.mixed_precision == "no" and xl.data.latent_draw == "stored"     # repro has the last word
+    assert compose_cfg("train", ["experiment=imagenet256_dit_xl2_tread"]).train.mixed_precision == "bf16"
     assert rf.diffusion._target_ == "tread.diffusion.RectifiedFlow" and rf.diffusion.t_scale == 1.0
     assert build_diffusion(rf.diffusion).precondition(nn.Identity()).t_scale == 1.0   # the raw t in [0, 1]
     assert compose_cfg("train", ["diffusion=rf"]).diffusion.t_scale == 1000.0

@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
-from tread.evaluation.sweep_report import (README_END, README_START, ReportError, add_fid_at, group_section, load_runs,
-                                           row, update_readme, write_group_plot, write_plots, write_tables)
+from tread.evaluation.sweep_report import (README_END, README_START, Budgets, ReportError, add_fid_at, budget_keys,
+                                           group_section, load_runs, row, update_readme, write_group_plot, write_plots,
+                                           write_tables)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -33,7 +34,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--at-step", type=int, action="append", default=[], metavar="S",
                    help="also report each run's FID at evaluation step S and, over seeds, its statistics "
                         "(repeatable; e.g. the equal-steps point of runs trained for equal time)")
+    p.add_argument("--at-time", default=None, metavar="SECONDS|auto", help="over seeds: every metric at equal "
+                   "MEASURED training time, interpolated along each run's evaluations (auto: the largest time "
+                   "every run reaches)")
+    p.add_argument("--at-flops", default=None, metavar="FLOPS|auto", help="the same at equal training FLOPs")
+    p.add_argument("--metric", action="append", default=[], metavar="NAME", help="evaluated metrics to report "
+                   "over seeds (repeatable; default fid; e.g. fd_ae, class_acc, shape_acc, colour_acc)")
+    p.add_argument("--compare", action="append", default=[], metavar="B:A", help="the declared family: setting "
+                   "B against its baseline A, by label (repeatable; default: every setting against the first)")
     return p.parse_args(argv)
+
+
+def _budget(value: Optional[str], flag: str) -> Optional[Union[str, float]]:
+    """--at-time / --at-flops: None, "auto" or a positive number (else one error line)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        x = float(value)
+    except ValueError:
+        x = -1.0
+    if not x > 0:
+        raise ReportError(f"{flag}={value!r}: give a positive number or 'auto'")
+    return x
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
@@ -47,13 +69,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                           f"train.py -m wrote (hydra.sweep.dir, e.g. outputs/multirun/<date>_<time>).")
     rows = [row(r) for r in runs]
     extra = add_fid_at(rows, runs, args.at_step)
-    groups, groups_md = group_section(runs, args.at_step)
+    budgets = Budgets(args.at_step, _budget(args.at_time, "--at-time"), _budget(args.at_flops, "--at-flops"),
+                      list(dict.fromkeys(["fid", *args.metric])), args.compare)
+    try:
+        groups, groups_md = group_section(runs, budgets)
+    except ValueError as err:      # a --compare label that names no setting
+        raise ReportError(str(err)) from None
     out = Path(args.out) if args.out else sweep / "report"
     md, csv_path = write_tables(rows, out, extra, groups_md)
     finished = [r for r in rows if r["status"] == "completed"]
     plots = [] if args.no_plots or not finished else write_plots(runs, out, groups)
     if groups_md and not args.no_plots:
-        plots.append(write_group_plot(groups, args.at_step, out))
+        plots.append(write_group_plot(groups, [keys[0] for _, keys in budget_keys(groups, budgets)], out))
     print(md.read_text())
     if not finished:
         print(f"No finished runs under '{sweep}' ({len(rows)} run(s): "

@@ -21,6 +21,7 @@ from tread.evaluation.evaluator import decode_options
 from tread.evaluation.fdd import FDD, load_fdd_reference, without_fdd
 from tread.evaluation.extractors import feature_extractor
 from tread.evaluation.images import check_image_folder, image_files, iter_image_folder, npz_images_shape
+from tread.evaluation.metric_names import METRICS, TOY_METRICS, without_toy
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.reference import build_reference, load_reference_full, read_reference_file
 from tread.sampling import Guidance, parse_seeds
@@ -66,6 +67,10 @@ def needs_fdd(cfg: DictConfig) -> bool:
 def validate(cfg: DictConfig) -> None:
     """Every key (the schema), then the files and amounts this mode needs, before any network is loaded."""
     check_fid(cfg)
+    toy = [m for m in cfg.metrics if m in TOY_METRICS]
+    if toy:   # in-training evaluation only: they need the samples' labels and the dataset's images
+        raise BenchError(f"metrics={list(cfg.metrics)}: {toy} are computed by in-training evaluation only "
+                         f"(eval.metrics on data=toy); allowed here: {list(without_toy(METRICS))}")
     if cfg.inception_weights is not None and cfg.features == "inception":
         existing(cfg, "inception_weights")
     for key in {"ref": ("source",), "calc": ("ref", "images", "fdd_ref"), "bench": ("ref",)}[cfg.mode]:

@@ -28,7 +28,7 @@ BUILTINS = {"toy_shapes": ensure_toy_dataset,   # data.builtin name -> builder(p
             "toy_shapes_clips": ensure_toy_clips}
 FORMATS = ("latents", "wds")  # data.format: our directory format | WebDataset tar shards (TREAD/MaskDiT latents)
 # What data.format=wds reads from the data config, which is their one source (configs/data/imagenet256_wds.yaml)
-WDS_KEYS = ("num_classes", "latent_scale", "latent_kind", "vae", "index_dir")
+WDS_KEYS = ("num_classes", "latent_scale", "latent_kind", "latent_draw", "vae", "index_dir")
 
 __all__ = ["Bucket", "BucketBatchSampler", "BucketError", "BucketedDataset", "BucketedWriter", "PhasedSampler",
            "assign_bucket", "derive_buckets", "fit_crop", "is_bucketed", "make_sampler", "parse_buckets",
@@ -76,11 +76,24 @@ def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, BucketedD
                                      f"(use the dataset at data.path as is)")
         path = BUILTINS[builtin](path, **dict(data_cfg.get("builtin_args") or {}))   # where the builder put it
     if is_bucketed(path):
-        return BucketedDataset(path, expected_channels=data_cfg.get("channels"),
-                               expected_num_classes=data_cfg.get("num_classes"))
-    return LatentDataset(path, expected_channels=data_cfg.get("channels"),
-                         expected_resolution=data_cfg.get("resolution"),
-                         expected_num_classes=data_cfg.get("num_classes"))
+        dataset = BucketedDataset(path, expected_channels=data_cfg.get("channels"),
+                                  expected_num_classes=data_cfg.get("num_classes"))
+    else:
+        dataset = LatentDataset(path, expected_channels=data_cfg.get("channels"),
+                                expected_resolution=data_cfg.get("resolution"),
+                                expected_num_classes=data_cfg.get("num_classes"))
+    _check_draw(dataset, data_cfg.get("latent_draw") or "sample")
+    return dataset
+
+
+def _check_draw(dataset: Any, draw: str) -> None:
+    """data.latent_draw on our directory format: moments data is drawn per read (sample); plain latents are read
+    as stored (sample or stored). The other choices are the WebDataset reader's (data.format=wds)."""
+    moments = latent_kind(dataset.meta) == "moments"
+    if draw == "mean" or (moments and draw != "sample"):
+        kind, allowed = ("moments", "sample") if moments else ("plain latents", "sample or stored")
+        raise LatentDatasetError(f"data.latent_draw={draw} is not allowed for '{dataset.root}' ({kind}, "
+                                 f"data.format=latents); allowed: {allowed} (mean and stored moments: data.format=wds)")
 
 
 
@@ -101,6 +114,7 @@ def _build_wds(data_cfg: Mapping[str, Any], path: Any) -> WebDatasetLatents:
     shards = path if isinstance(path, str) else [str(p) for p in path]
     return WebDatasetLatents(
         shards, num_classes=data_cfg["num_classes"], latent_scale=data_cfg["latent_scale"],
-        latent_kind=data_cfg["latent_kind"], vae=data_cfg["vae"], index_dir=data_cfg["index_dir"],
+        latent_kind=data_cfg["latent_kind"], latent_draw=data_cfg["latent_draw"], vae=data_cfg["vae"],
+        index_dir=data_cfg["index_dir"],
         expected_channels=data_cfg.get("channels"), expected_resolution=data_cfg.get("resolution"),
         expected_num_classes=data_cfg["num_classes"])

@@ -15,6 +15,8 @@ from tread.encoders.vae import (VIDEO_VAE_CLASSES, decode_raw_to_uint8, decode_v
 
 from .meta import DECODE_TYPES, LatentDatasetError, latent_kind, model_shape, shift_factor
 
+DECODE_RULES = ("ours", "paper")   # eval/sample/fid decode_rule: ours | the paper code's FID decode
+
 
 def _vae_location(decode: Mapping[str, Any], vae: Optional[str]) -> tuple[str, Optional[str]]:
     """(VAE name/path, subfolder) to load: meta's, or the `vae` override. An override directory that holds
@@ -40,15 +42,30 @@ def _load_decoder(meta: Mapping[str, Any], vae: Optional[str], vae_dtype: str, d
                                  f"eval.every_steps=0 eval.at_end=false.") from None
 
 
+def paper_decode_to_uint8(vae, raw: torch.Tensor, batch_size: int = 32) -> torch.Tensor:
+    """decode_rule=paper: raw latents (B, C, h, w) -> uint8 (B, H, W, 3) as the paper code's FID decode does it: the
+    VAE's weights in bf16 (load it so), decoding under the device's default autocast (CUDA: fp16, as its
+    torch.cuda.amp.autocast(); CPU: bf16), then (x + 1) / 2 clamped to [0, 1], times 255, truncated to uint8."""
+    device = next(vae.parameters()).device
+    out = []
+    for start in range(0, len(raw), batch_size):
+        with torch.no_grad(), torch.autocast(device.type):
+            x = vae.decode(raw[start:start + batch_size].to(device=device, dtype=torch.bfloat16)).sample
+        x = ((x.float() + 1) / 2).clamp(0, 1)
+        out.append((x * 255).to(torch.uint8).permute(0, 2, 3, 1).to(raw.device))
+    return torch.cat(out).contiguous()
+
+
 def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any], *, vae: Optional[str] = None,
-                    vae_dtype: str = "float32", batch_size: int = 32) -> torch.Tensor:
+                    vae_dtype: str = "float32", batch_size: int = 32, rule: str = "ours") -> torch.Tensor:
     """Model-space latents (B, C, H, W) -> uint8 images (B, H', W', 3) on the latents' device, per meta["decode"];
     video latents (B, C, T, H, W) -> uint8 clips (B, F, H', W', 3).
 
     identity: pixels = latents / latent_scale in [-1, 1]. vae: raw = latents / latent_scale + shift_factor
     (decode.shift_factor, default 0) is decoded by the VAE named in decode.vae (or the local directory `vae`,
     e.g. on an offline machine) in `vae_dtype`, `batch_size` latents at a time; its [-1, 1] output is
-    rounded to uint8 exactly as identity pixels are. Video VAE data (decode.class in VIDEO_VAE_CLASSES): latents /
+    rounded to uint8 exactly as identity pixels are; rule="paper" (eval.decode_rule) decodes image VAE data as the
+    paper code does instead (paper_decode_to_uint8; vae_dtype is then bfloat16). Video VAE data (decode.class in VIDEO_VAE_CLASSES): latents /
     latent_scale are model space as tread.encoders.vae.to_model_space gives it (decode's latents_mean, latents_std,
     scaling_factor), decoded by decode_video. The VAE is loaded once per process (tread.encoders.vae.load_vae).
     """
@@ -58,8 +75,10 @@ def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any], *, vae: Opti
         return decode_video(model, latents.float() / float(meta.get("latent_scale", 1.0)), decode,
                             batch_size=batch_size)
     if decode.get("type") == "vae":
-        model = _load_decoder(meta, vae, vae_dtype, latents.device)
+        model = _load_decoder(meta, vae, "bfloat16" if rule == "paper" else vae_dtype, latents.device)
         raw = latents.float() / float(meta.get("latent_scale", 1.0)) + shift_factor(meta)
+        if rule == "paper":
+            return paper_decode_to_uint8(model, raw, batch_size=batch_size)
         return decode_raw_to_uint8(model, raw, batch_size=batch_size)
     if decode.get("type") != "identity":
         raise LatentDatasetError(f"meta decode.type={decode.get('type')!r} is unknown; allowed: {list(DECODE_TYPES)}")
@@ -74,7 +93,7 @@ def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any], *, vae: Opti
 
 
 def check_decodable(meta: Mapping[str, Any], *, vae: Optional[str] = None, vae_dtype: str = "float32",
-                    batch_size: int = 32, device: Any = "cpu") -> None:
+                    batch_size: int = 32, device: Any = "cpu", rule: str = "ours") -> None:
     """Raise LatentDatasetError now if samples of this data cannot be turned into pixels
     (so evaluation and sampling fail at start-up, not after hours of training).
 
@@ -85,10 +104,12 @@ def check_decodable(meta: Mapping[str, Any], *, vae: Optional[str] = None, vae_d
     if decode.get("type") != "vae":
         decode_to_uint8(torch.zeros(1, *model_shape(meta)), meta)
         return
+    if rule not in DECODE_RULES:
+        raise LatentDatasetError(f"decode_rule={rule!r} is unknown; allowed: {list(DECODE_RULES)}")
     check_dtype(vae_dtype)
     if batch_size < 1:
         raise LatentDatasetError(f"VAE decode batch size is {batch_size}; it must be >= 1")
-    model = _load_decoder(meta, vae, vae_dtype, device)
+    model = _load_decoder(meta, vae, "bfloat16" if rule == "paper" else vae_dtype, device)
     c = model_shape(meta)[0]
     if latent_channels(model) != c:
         name, _ = _vae_location(decode, vae)

@@ -22,6 +22,8 @@ from typing import Callable, Union
 import numpy as np
 import torch
 
+from tread.encoders.toy_autoencoder import (AUTOENCODER_SEED, MLP_SEED, net_path, save_net, train_toy_autoencoder,
+                                            train_toy_pixel_mlp)
 from tread.encoders.toy_classifier import DEFAULT_SEED, cache_path, save_toy_classifier, train_toy_classifier
 
 from .meta import LatentDatasetError, LatentDatasetExistsError, read_meta
@@ -211,3 +213,36 @@ def ensure_toy_classifier(cache_dir: Union[str, os.PathLike], resolution: int = 
     if acc < 0.9:
         print(f"WARNING: toy classifier accuracy is only {acc:.3f}; its FID features may be weak.", flush=True)
     return save_toy_classifier(model, path, info)
+
+
+def ensure_toy_autoencoder(cache_dir: Union[str, os.PathLike], resolution: int = 32, seed: int = AUTOENCODER_SEED,
+                           images_per_class: int = CLASSIFIER_IMAGES_PER_CLASS, epochs: int = 4) -> Path:
+    """The independent evaluator's autoencoder file in `cache_dir` (toy_autoencoder.net_path), first training it
+    unless it is there: on fresh toy_shapes of generator seed `seed` (held out: seed + 1), torch seeded with
+    `seed`; no labels. Atomic writes, as ensure_toy_classifier."""
+    path = net_path("toy_autoencoder", cache_dir, resolution, seed)
+    if path.is_file():
+        return path
+    start = time.time()
+    x, _ = _toy_uint8(images_per_class, resolution, seed)
+    model, mse = train_toy_autoencoder(x, _toy_uint8(max(2, images_per_class // 4), resolution, seed + 1)[0],
+                                       seed=seed, epochs=epochs)
+    return save_net(model, path, {"val_mse": mse, "train_seconds": round(time.time() - start, 1), "seed": seed,
+                                  "images_per_class": images_per_class, "epochs": epochs, **model.config})
+
+
+def ensure_toy_pixel_mlp(cache_dir: Union[str, os.PathLike], resolution: int = 32, seed: int = MLP_SEED,
+                         images_per_class: int = CLASSIFIER_IMAGES_PER_CLASS, epochs: int = 8) -> Path:
+    """The held-out pixel-MLP classifier's file in `cache_dir` (class_acc), first training it unless it is there:
+    on fresh toy_shapes of generator seed `seed` (held out: seed + 1), torch seeded with `seed`."""
+    path = net_path("toy_pixel_mlp", cache_dir, resolution, seed)
+    if path.is_file():
+        return path
+    start = time.time()
+    x, y = _toy_uint8(images_per_class, resolution, seed)
+    model, acc = train_toy_pixel_mlp(x, y, *_toy_uint8(max(2, images_per_class // 4), resolution, seed + 1),
+                                     seed=seed, epochs=epochs)
+    if acc < 0.9:
+        print(f"WARNING: the held-out pixel MLP's accuracy is only {acc:.3f}; class_acc may be weak.", flush=True)
+    return save_net(model, path, {"accuracy": acc, "train_seconds": round(time.time() - start, 1), "seed": seed,
+                                  "images_per_class": images_per_class, "epochs": epochs, **model.config})

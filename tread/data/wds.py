@@ -14,12 +14,18 @@ The layout, as the public code writes and reads it:
   `int(item['cls'].decode('utf-8'))`, and `utils.sample` draws one latent per step:
   mean, logvar = moments.chunk(2, dim=1); logvar clamped to [-30, 20];
   0.18215 * (mean + exp(logvar / 2) * eps). That is `data.draw_latents` on our side.
-* CompVis/tread (the paper repo): its config points at `imagenet256_latents_wds` (issue #13); in issue #5
-  the authors say they use MaskDiT's autoencoder, and in issues #5 and #13 users build the shards from
-  MaskDiT's ImageNet-256 latent LMDB with MaskDiT's `lmdb2wds.py`, getting (8, 32, 32) samples (moments)
-  even with `--num_channels 4`. The project's REFERENCE.md (the paper repo's data description) names the members
-  `latent.npy` (webdataset's `.npy` encoding: np.save bytes) and `cls`. The paper repo's train.py itself
-  was not available to check.
+* CompVis/tread (the paper repo): its train.py `decode_data` reads `<key>.latent.npy` with np.load and
+  `int(item['cls'])`, and feeds the array to the model as it is: no posterior draw (its `utils.train_helper.sample`
+  is never called) and no scaling; its configs/config.yaml says `num_channels: 4`, the DiT takes 4 channels, and
+  its FID decode divides by the VAE's scaling_factor. So the paper's shards hold (4, 32, 32) latents already
+  multiplied by 0.18215 (mean or draw: its code does not say); MaskDiT's 8-channel moments would not run there
+  (users who converted MaskDiT's LMDB got (8, 32, 32), issues #5 and #13). data.latent_draw=stored reads them.
+
+data.latent_draw says what a read gives (LATENT_DRAWS): "sample" (moments: one posterior draw per read, by the
+training step's draw_latents; plain latents, latent_kind "sample": stored * latent_scale), "mean" (moments: the
+mean * latent_scale) or "stored" (the array as stored, any channel count, no draw and no scaling: the paper's).
+Given the model's channels C (data.channels), moments must hold 2C channels and stored arrays C; a count that fits
+neither is one error naming the member, its shape and what is allowed.
 
 So both latent encodings are accepted: `<key>.latent.npy` (np.save format, read with allow_pickle=False)
 and `<key>.latent` (a pickled ndarray, read with an unpickler that only allows numpy's array
@@ -60,10 +66,11 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .meta import DTYPES, FORMAT, LATENT_KINDS, VERSION, LatentDatasetError, model_shape, validate_meta
+from .meta import DTYPES, FORMAT, LATENT_KINDS, VERSION, LatentDatasetError, draw_latents, model_shape, validate_meta
 from .reader import LatentMeta, warn_non_finite
 from .wds_index import build_index, decode_latent, pread
 
+LATENT_DRAWS = ("sample", "mean", "stored")   # data.latent_draw (module doc)
 MAX_OPEN_SHARDS = 256                    # file descriptors kept open per process (least recently used closed)
 PathSpec = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
@@ -172,17 +179,37 @@ def resolve_shards(path: PathSpec) -> list[Path]:
 
 # ----------------------------------------------------------------------------- dataset
 
+def _check_layout(first: str, shape: list[int], kind: str, draw: str, channels: Optional[int]) -> None:
+    """The stored shape against data.latent_kind / latent_draw and the model's channels (None: unknown): moments
+    read with sample or mean hold 2C channels (mean, logvar), stored arrays C. One LatentDatasetError otherwise."""
+    c = shape[0]
+    moments = kind == "moments" and draw != "stored"
+    if moments and not c % 2 and channels in (None, c // 2) or not moments and channels in (None, c):
+        return
+    if channels is None:
+        raise LatentDatasetError(f"latent member {first} has shape {shape}: {c} channels, but latent_kind 'moments' "
+                                 f"needs an even count (mean and logvar stacked) with data.latent_draw={draw}; allowed: "
+                                 f"even channels, or data.latent_draw=stored for plain latents")
+    if c not in (channels, 2 * channels):         # one of the two: _check_expected says which draw fits
+        raise LatentDatasetError(f"latent member {first} has shape {shape}, which fits neither layout for a model of "
+                                 f"data.channels={channels}; allowed: {2 * channels} channels (moments: "
+                                 f"data.latent_draw=sample or mean, data.latent_kind=moments) or {channels} (latents "
+                                 f"fed as stored: data.latent_draw=stored)")
+
+
 class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
     """WebDataset tar shards of latents, random access; the same interface as `data.LatentDataset`.
 
-    Items are (float32 (C, H, W), int64 label): raw VAE moments (mean, logvar; 2C channels) for
-    latent_kind "moments" (the training loop's draw_latents samples and scales them), stored values *
-    latent_scale for "sample". `meta` is a dict in the tread-latents meta format (validate_meta) describing
-    the shards: shape is the stored shape, files holds the member-name patterns ("*.latent.npy", "*.cls").
+    Items are (float32 (C, H, W), int64 label) as data.latent_draw says (module doc): raw VAE moments (mean,
+    logvar; 2C channels) for "sample" from moments (the training loop's draw_latents samples and scales them), the
+    mean * latent_scale for "mean", the stored array for "stored", stored values * latent_scale for "sample" from
+    latent_kind "sample". `meta` is a dict in the tread-latents meta format (validate_meta) describing the items:
+    shape is the item shape (the stored shape but for "mean": self._stored_shape), latent_kind "moments" only where
+    the training step draws, files holds the member-name patterns ("*.latent.npy", "*.cls").
     """
 
     def __init__(self, path: PathSpec, *, num_classes: int = 1000, latent_scale: float = 0.18215,
-                 latent_kind: str = "moments", vae: str = "stabilityai/sd-vae-ft-ema",
+                 latent_kind: str = "moments", latent_draw: str = "sample", vae: str = "stabilityai/sd-vae-ft-ema",
                  index_dir: Optional[Union[str, os.PathLike]] = None, expected_channels: Optional[int] = None,
                  expected_resolution: Optional[int] = None, expected_num_classes: Optional[int] = None):
         self._fds: OrderedDict[int, int] = OrderedDict()  # shard -> open file descriptor (this process's)
@@ -191,6 +218,13 @@ class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
         if latent_kind not in LATENT_KINDS:
             raise LatentDatasetError(f"data.latent_kind={latent_kind!r}; allowed: {list(LATENT_KINDS)} ('moments': "
                                      f"the shards hold VAE (mean, logvar); 'sample': plain latents)")
+        if latent_draw not in LATENT_DRAWS:
+            raise LatentDatasetError(f"data.latent_draw={latent_draw!r}; allowed: {list(LATENT_DRAWS)} ('sample': a "
+                                     f"posterior draw per read, 'mean': the posterior mean, 'stored': as stored)")
+        if latent_draw == "mean" and latent_kind != "moments":
+            raise LatentDatasetError("data.latent_draw='mean' needs moments data (data.latent_kind=moments); "
+                                     "allowed with data.latent_kind=sample: data.latent_draw=sample or stored")
+        self.latent_draw, self._kind = latent_draw, latent_kind
         if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
             raise LatentDatasetError(f"data.num_classes={num_classes!r} must be a positive integer (labels lie in "
                                      f"[0, num_classes))")
@@ -220,16 +254,16 @@ class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
             raise LatentDatasetError(f"latent member {first} has shape {shape}; expected (C, H, W) with C, H, W > 0")
         if dtype not in DTYPES:
             raise LatentDatasetError(f"latent member {first} is {dtype}; allowed dtypes: {list(DTYPES)}")
-        if latent_kind == "moments" and shape[0] % 2:
-            raise LatentDatasetError(
-                f"latent member {first} has shape {shape}: {shape[0]} channels, but latent_kind 'moments' needs an "
-                f"even count (mean and logvar stacked). Use data.latent_kind=sample for plain latents.")
-        self._dtype = np.dtype(dtype)
+        _check_layout(first, shape, latent_kind, latent_draw, expected_channels)
+        self._dtype, self._stored_shape = np.dtype(dtype), shape
+        moments = latent_kind == "moments" and latent_draw != "stored"
+        item_shape = [shape[0] // 2, *shape[1:]] if latent_draw == "mean" else shape
         self._meta = validate_meta({
-            "format": FORMAT, "version": VERSION, "shape": shape, "dtype": dtype,
+            "format": FORMAT, "version": VERSION, "shape": item_shape, "dtype": dtype,
             "num_samples": int(len(self._labels)), "num_classes": int(num_classes), "latent_scale": float(latent_scale),
             "decode": {"type": "vae", "vae": vae, "scaling_factor": float(latent_scale)},
-            "source": path_spec, "class_names": None, "latent_kind": latent_kind,
+            "source": path_spec, "class_names": None, "latent_kind": "moments" if moments and latent_draw == "sample"
+            else "sample", "latent_draw": latent_draw,
             "files": {"latents": f"*.{self._ext}", "labels": "*.cls"},
         }, f"WebDataset shards {path_spec!r}", "Fix the data.* settings.")
         self._check_labels()
@@ -253,12 +287,13 @@ class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
                 f"only [0, {k - 1}] ({bad.size} sample(s) out of range; labels range over "
                 f"[{int(self._labels.min())}, {int(self._labels.max())}]). Set data.num_classes or fix the shards.")
 
-    _FIX = "Point data.path at matching shards, or change the data/model config to match them."
+    _FIX = ("Point data.path at matching shards, set data.latent_draw (stored: latents fed as they are, e.g. the "
+            "paper's 4-channel shards; sample or mean: 2C-channel moments), or change the data/model config.")
 
     def _shape_source(self) -> str:
         stored, shape = self._meta["shape"], list(model_shape(self._meta))
-        return f"shards hold {stored} moments -> model shape {shape}" if self.latent_kind == "moments" \
-            else f"shards hold {stored} latents"
+        held = "moments" if self.latent_draw != "stored" and self._kind == "moments" else "latents"
+        return f"shards hold {self._stored_shape} {held} -> model shape {shape}"
 
     # -- reading
 
@@ -297,14 +332,20 @@ class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
         except Exception as err:  # noqa: BLE001 - any decoding failure is a bad member
             raise LatentDatasetError(f"latent member {self._member(i)} cannot be decoded ({type(err).__name__}: "
                                      f"{err}); the shard is corrupt or changed after it was indexed{cache}") from None
-        if list(arr.shape) != self._meta["shape"] or arr.dtype != self._dtype:
+        if list(arr.shape) != self._stored_shape or arr.dtype != self._dtype:
             raise LatentDatasetError(f"latent member {self._member(i)} is {arr.dtype} of shape {list(arr.shape)} but "
-                                     f"the dataset is {self._dtype} of shape {self._meta['shape']} (from its first "
+                                     f"the dataset is {self._dtype} of shape {self._stored_shape} (from its first "
                                      f"sample): all latents must have one shape and dtype")
         return arr
 
-    def _scale(self) -> float:
-        return 1.0 if self.latent_kind == "moments" else self.latent_scale
+    def _items(self, x: np.ndarray) -> torch.Tensor:
+        """Stored arrays (B, *stored shape) -> the items data.latent_draw gives (module doc)."""
+        xt = torch.from_numpy(x)
+        if self.latent_draw == "mean":
+            return draw_latents(xt, {"latent_kind": "moments", "latent_scale": self.latent_scale}, mode="mean")
+        if self.latent_draw == "stored" or self.latent_kind == "moments":
+            return xt                                    # sample from moments: the training step draws
+        return xt * self.latent_scale
 
     def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Batched fetch, (x (B, C, H, W) float32, y (B,) int64); reads in shard/offset order."""
@@ -313,12 +354,11 @@ class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
         if idx.size and (idx.min() < -n or idx.max() >= n):
             raise IndexError(f"index out of range for a dataset of {n} samples: {indices}")
         idx = np.where(idx < 0, idx + n, idx)
-        x = np.empty((len(idx), *self._meta["shape"]), np.float32)
+        x = np.empty((len(idx), *self._stored_shape), np.float32)
         for j in np.lexsort((self._offsets[idx], self._shard[idx])):  # sequential within each shard
             x[j] = self._read(int(idx[j]))
         warn_non_finite(x, idx, self._reported, lambda i: f"sample {i} (latent member {self._member(i)})")
-        xt, scale = torch.from_numpy(x), self._scale()
-        return (xt * scale if scale != 1.0 else xt), torch.from_numpy(self._labels[idx].astype(np.int64))
+        return self._items(x), torch.from_numpy(self._labels[idx].astype(np.int64))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.__getitems__([int(index)])

@@ -8,6 +8,11 @@
   its own seed (REPA_TOY_SEED), NOT the network whose features the toy FID uses (that would align the model with
   the evaluator itself): its last convolutional feature map (128 channels at 1/4 of the image side). The caller
   passes the classifier's file (tread.data.ensure_toy_classifier(..., seed=REPA_TOY_SEED) builds it).
+* "toy_random" (control: any structure): the same architecture and feature map, untrained: the initialisation
+  torch draws after seeding with REPA_TOY_SEED (the toy encoder's own starting point), frozen; batch norm in eval
+  mode is then the identity. No file.
+* "toy_fid" (control: the leakage ceiling): the same feature map of the FID feature network itself, the toy
+  classifier trained with toy_classifier.DEFAULT_SEED (the file eval.features=toy_classifier uses).
 """
 from __future__ import annotations
 
@@ -17,13 +22,16 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from tread.encoders.dinov2 import DINO_SIZE, IMAGENET_MEAN, IMAGENET_STD, load_dinov2
 from tread.encoders.errors import EncoderError
-from tread.encoders.toy_classifier import load_toy_classifier
+from tread.encoders.toy_classifier import DEFAULT_SEED, ToyClassifier, load_toy_classifier
 
-ENCODERS = ("toy", "dinov2")
+ENCODERS = ("toy", "toy_random", "toy_fid", "dinov2")
 REPA_TOY_SEED = 777              # another seed than the FID feature network's (toy_classifier.DEFAULT_SEED)
+# The toy classifier file each trained toy encoder reads (ensure_toy_classifier(..., seed=...) builds it).
+TOY_ENCODER_SEEDS = {"toy": REPA_TOY_SEED, "toy_fid": DEFAULT_SEED}
 
 
 class PatchEncoder(nn.Module):
@@ -43,6 +51,14 @@ class PatchEncoder(nn.Module):
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def flops(self, side: int) -> float:
+        """Forward FLOPs (multiply-add = 2; matmuls and convolutions, as torch's FlopCounterMode counts them) of one
+        (3, side, side) image, on a dry run of a zero image on the encoder's device."""
+        image = torch.zeros(1, 3, side, side, device=next(self.parameters()).device)
+        with FlopCounterMode(display=False) as counter:
+            self(image)
+        return float(counter.get_total_flops())
 
 
 class ToyPatchEncoder(PatchEncoder):
@@ -88,15 +104,27 @@ class DinoPatchEncoder(PatchEncoder):
         return tokens.transpose(1, 2).reshape(tokens.shape[0], self.dim, side, side)
 
 
+def random_toy_classifier(resolution: int, seed: int = REPA_TOY_SEED) -> ToyClassifier:
+    """An untrained ToyClassifier for `resolution` px images, initialised after torch.manual_seed(seed) (the
+    global RNG is restored afterwards), in eval mode."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return ToyClassifier(resolution=resolution).eval()
+
+
 def build_patch_encoder(name: str, *, weights: Optional[Union[str, Path]] = None,
-                        device: Union[str, torch.device] = "cpu") -> PatchEncoder:
-    """The frozen REPA encoder `name` on `device`, from `weights`: the toy classifier's file ("toy") or a
-    Dinov2Model folder ("dinov2", model.repa.encoder_weights)."""
-    if name == "toy":
+                        device: Union[str, torch.device] = "cpu", resolution: int = 32) -> PatchEncoder:
+    """The frozen REPA encoder `name` on `device`, from `weights`: the toy classifier's file ("toy", "toy_fid":
+    the file of seed TOY_ENCODER_SEEDS[name]) or a Dinov2Model folder ("dinov2", model.repa.encoder_weights);
+    "toy_random" needs no file, only the data's image side `resolution` (px)."""
+    if name in TOY_ENCODER_SEEDS:
         if weights is None:
-            raise EncoderError("model.repa.encoder=toy needs the toy classifier's file (weights=PATH; "
-                               "tread.data.ensure_toy_classifier(cache_dir, resolution, seed=REPA_TOY_SEED) builds it)")
+            raise EncoderError(f"model.repa.encoder={name} needs the toy classifier's file (weights=PATH; "
+                               f"tread.data.ensure_toy_classifier(cache_dir, resolution, "
+                               f"seed={TOY_ENCODER_SEEDS[name]}) builds it)")
         encoder: PatchEncoder = ToyPatchEncoder(load_toy_classifier(weights))
+    elif name == "toy_random":
+        encoder = ToyPatchEncoder(random_toy_classifier(int(resolution)))
     elif name == "dinov2":
         encoder = DinoPatchEncoder(load_dinov2(weights, "model.repa.encoder_weights"))
     else:

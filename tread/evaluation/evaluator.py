@@ -15,8 +15,10 @@ from tread.data import check_decodable, decode_to_uint8
 from tread.evaluation.fdd import FDD, FddScorer, without_fdd
 from tread.evaluation.extractors import feature_extractor
 from tread.evaluation.images import as_frames, save_image_grid
+from tread.evaluation.metric_names import TOY_METRICS, without_toy
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.reference import load_reference_full, read_reference_file, reference_for_dataset
+from tread.evaluation.toy_checks import ToyScorer, check_toy_metrics
 from tread.evaluation.validation import ValidationPrompts
 from tread.sampling import Guidance, generate, text_conditioning_for_seeds
 from tread.utils.distributed import all_gather_rows
@@ -24,8 +26,9 @@ from tread.utils.distributed import all_gather_rows
 
 def decode_options(cfg: Any) -> dict[str, Any]:
     """decode_to_uint8's keyword options from a config node's vae / vae_dtype / decode_batch_size keys (eval.*,
-    sample.py, fid.py; configs/decode/default.yaml), checked by the schema."""
-    return {"vae": cfg.get("vae"), "vae_dtype": cfg.get("vae_dtype"), "batch_size": cfg.get("decode_batch_size")}
+    sample.py, fid.py; configs/decode/default.yaml), checked by the schema; decode_rule=paper adds rule="paper"."""
+    rule = {"rule": "paper"} if cfg.get("decode_rule") == "paper" else {}    # ours: the options (and cache keys) as before
+    return {"vae": cfg.get("vae"), "vae_dtype": cfg.get("vae_dtype"), "batch_size": cfg.get("decode_batch_size"), **rule}
 
 
 def metric_shape(dataset: Any, model: Any) -> tuple[int, ...]:
@@ -52,7 +55,9 @@ class Evaluator:
         self.device = accelerator.device
         self.decode = decode_options(eval_cfg)
         self.metrics = tuple(eval_cfg.metrics)
-        self.main_metrics = without_fdd(self.metrics)        # fdd has its own network (tread/evaluation/fdd.py)
+        # fdd and the toy checks have networks of their own (tread/evaluation/fdd.py, toy_checks.py)
+        self.main_metrics = without_toy(without_fdd(self.metrics))
+        check_toy_metrics(self.metrics, eval_cfg.features, dataset.meta, hasattr(dataset, "buckets"))
         self.guidance = Guidance.from_settings(eval_cfg)
         self.validation = ValidationPrompts(eval_cfg, model_cfg or {}, model, dataset, self.device, unconditional) \
             if eval_cfg.get("validation_prompts") else None
@@ -85,6 +90,8 @@ class Evaluator:
         self.reference = load_reference_full(self.ref_path, self.extractor, need=self.main_metrics or ("fid",))
         self.fdd = FddScorer(eval_cfg, dataset, cache_dir, accelerator, self.decode, self.square) \
             if FDD in self.metrics else None
+        self.toy = ToyScorer(self.metrics, dataset, cache_dir, accelerator, self.decode, self.image_shape[0],
+                             eval_cfg.get("reference_max_images")) if set(TOY_METRICS) & set(self.metrics) else None
 
     def __call__(self, net, diffusion, step: int, samples_dir: Optional[Path]) -> dict[str, Any]:
         start = time.time()
@@ -94,23 +101,28 @@ class Evaluator:
         shape = list(self.sample_shape)
         feats = FeatureAccumulator(self.extractor, self.main_metrics or ("fid",), device=self.device)  # a rank
         fdd = self.fdd.accumulator() if self.fdd is not None else None                             # may get none
+        toy = self.toy.accumulator() if self.toy is not None else None
         grid_n = min(cfg.grid_size, cfg.num_samples)
         grid: dict[int, torch.Tensor] = {}
-        for batch, _, x in generate(net, diffusion, seeds, shape, self.dataset.num_classes, self.device,
-                                    batch_size=cfg.batch_size, num_steps=cfg.num_steps, guidance=self.guidance,
-                                    cond_fn=text_conditioning_for_seeds(self.dataset, net),
-                                    class_labels=cfg.get("class_labels") or "cycle"):
+        for batch, labels, x in generate(net, diffusion, seeds, shape, self.dataset.num_classes, self.device,
+                                         batch_size=cfg.batch_size, num_steps=cfg.num_steps, guidance=self.guidance,
+                                         cond_fn=text_conditioning_for_seeds(self.dataset, net),
+                                         class_labels=cfg.get("class_labels") or "cycle"):
             decoded = decode_to_uint8(x, self.dataset.meta, **self.decode)   # (B, H, W, 3) uint8, video (B, F, ...)
             images, index = as_frames(decoded, batch, self.frames)             # indexed by seed (and frame)
             feats.add(images.permute(0, 3, 1, 2), index)
             if fdd is not None:
                 fdd.add(images.permute(0, 3, 1, 2), index)
+            if toy is not None:                                                # image data: one frame per label
+                toy.add(images.permute(0, 3, 1, 2), labels, index)
             stills = decoded[:, decoded.shape[1] // 2] if decoded.dim() == 5 else decoded   # video: middle frame
             grid.update({s - offset: img.cpu() for s, img in zip(batch, stills) if s - offset < grid_n})
         feats.gather()
         scores = compute_metrics(feats, self.reference, self.main_metrics) if self.main_metrics else {}
         if fdd is not None:
             scores[FDD] = self.fdd.score(fdd)
+        if toy is not None:
+            scores.update(self.toy.score(toy))
         grid_images = self._gather_grid(grid, grid_n, self.image_shape)
         extra = {}
         # A few images, outside the metrics; every process samples them (a sharded EMA needs all ranks).

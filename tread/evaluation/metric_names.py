@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from typing import Iterable, Union
 
-METRICS = ("fid", "sfid", "is", "precision", "recall", "kid", "fdd")   # fdd: DINOv2 features (tread/evaluation/fdd.py)
+# fdd: DINOv2 features (tread/evaluation/fdd.py); TOY_METRICS: the built-in data's independent evaluator
+# (tread/evaluation/toy_checks.py), networks of their own.
+TOY_METRICS = ("fd_ae", "class_acc", "shape_acc", "colour_acc")
+METRICS = ("fid", "sfid", "is", "precision", "recall", "kid", "fdd", *TOY_METRICS)
 ROW_METRICS = ("precision", "recall", "kid")  # need the pool feature rows of samples and reference images
+
+
+def without_toy(metrics: Iterable[str]) -> tuple[str, ...]:
+    """`metrics` less the toy evaluator's (TOY_METRICS), which the main feature network does not compute."""
+    return tuple(m for m in metrics if m not in TOY_METRICS)
 
 
 def check_metrics(metrics: Union[str, Iterable[str]]) -> tuple[str, ...]:

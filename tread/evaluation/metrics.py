@@ -24,12 +24,13 @@ import torch.nn as nn
 
 from tread.encoders.features import extractor_device, forward_features
 from tread.evaluation.frechet import FeatureStats, frechet_distance
-from tread.evaluation.metric_names import METRICS, ROW_METRICS, check_metrics
+from tread.evaluation.metric_names import METRICS, ROW_METRICS, TOY_METRICS, check_metrics, without_toy
 from tread.evaluation.reference import Reference
 from tread.utils.device import resolve_device
 from tread.utils.distributed import all_gather_rows
 
 ArrayLike = Union[torch.Tensor, np.ndarray]
+FEATURE_METRICS = without_toy(METRICS)   # the defaults: what a feature network's accumulator can give
 
 
 def _as_tensor(x: ArrayLike, dtype: torch.dtype, device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
@@ -178,7 +179,7 @@ class FeatureAccumulator:
     ("is") with their integer indices (e.g. the sample seeds). gather() combines all ranks; afterwards
     `pool_rows`, `logits` and `indices` hold every rank's rows sorted by index, and `n` is the total."""
 
-    def __init__(self, extractor: nn.Module, metrics: Iterable[str] = METRICS,
+    def __init__(self, extractor: nn.Module, metrics: Iterable[str] = FEATURE_METRICS,
                  device: Optional[Union[str, torch.device]] = None):
         self.extractor = extractor
         self.metrics = check_metrics(metrics)
@@ -356,7 +357,7 @@ def _row_metrics(samples: FeatureAccumulator, reference: Reference, metrics: tup
     return out
 
 
-def compute_metrics(samples: FeatureAccumulator, reference: Reference, metrics: Iterable[str] = METRICS,
+def compute_metrics(samples: FeatureAccumulator, reference: Reference, metrics: Iterable[str] = FEATURE_METRICS,
                     is_split_size: int = 5000, pr_k: int = 3, kid_subsets: int = 100, kid_subset_size: int = 1000,
                     seed: int = 0) -> dict[str, float]:
     """{"fid", "sfid", "is", "precision", "recall", "kid", "kid_std"} (those requested) and "num_samples".
@@ -367,6 +368,9 @@ def compute_metrics(samples: FeatureAccumulator, reference: Reference, metrics: 
     images' pool rows (ADM: the 10K arr_0 images). Gathers `samples` first if that was not done (then this
     is a collective: call it on every rank)."""
     metrics = check_metrics(metrics)
+    if set(metrics) & set(TOY_METRICS):
+        raise ValueError(f"metrics {[m for m in metrics if m in TOY_METRICS]} are not computed from '"
+                         f"{samples.extractor.name}' features: tread/evaluation/toy_checks.py (ToyScorer) scores them")
     _check_samples(samples, reference, metrics)
     out: dict[str, float] = {}
     if "fid" in metrics:

@@ -1,21 +1,22 @@
 """Seeds and noise in a sweep report: runs that differ only in train.seed form a group; each group's metric is
-reported as mean ± sample std over its seeds, and every pair of groups is compared with Welch's t-test, so a
-report says which differences exceed the seed noise (|t| above the two-sided 95% Student-t critical value for
-Welch's degrees of freedom) and which do not.
+reported as mean ± sample std over its seeds, and a DECLARED family of comparisons (each setting against its
+baseline, not every pair) is tested: paired over shared seeds (settings that ran the same seeds share their
+initialisation and data order), Welch otherwise, with 95% intervals, Holm's correction over the family and the
+difference the design detects with 80% power (tread/evaluation/stats.py).
 
-A run's metrics: its final FID (summary.json), its final training loss (the mean logged loss over the last tenth of
-its steps, metrics.jsonl) and, for --at-step S, its FID at evaluation step S (metrics.jsonl), which compares runs
-that trained for equal time at equal steps.
+A run's metrics (run_value): summary keys (final FID), its final training loss (the mean logged loss over the last
+tenth of its steps), its FID at an evaluated step, and any evaluated metric at a budget of steps, measured training
+time or FLOPs, interpolated along its evaluations (tread/evaluation/along_run.py).
 """
 from __future__ import annotations
 
-import math
 import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from scipy import stats as scipy_stats
+from tread.evaluation.along_run import AT, budget_name, value_at
+from tread.evaluation.stats import compare, holm
 
 NOT_SETTING = re.compile(r"^[+~]*(train\.seed|resume)=")
 
@@ -44,6 +45,12 @@ def fid_at(run: dict[str, Any], step: int) -> Optional[float]:
     return float(found[-1]) if found else None
 
 
+def run_seed(summary: dict[str, Any]) -> Optional[int]:
+    """The run's train.seed from its overrides (None when not set on the command line)."""
+    found = [o.split("=", 1)[1] for o in summary.get("overrides") or [] if re.match(r"^[+~]*train\.seed=", o)]
+    return int(found[-1]) if found and found[-1].lstrip("-").isdigit() else None
+
+
 def run_tokens(summary: dict[str, Any]) -> tuple[Optional[float], str]:
     """A run's token share over its whole run (the measured one where recorded) and, for a summary.json written
     before the whole-run keys, what the fallback covers: "" (the whole run), "one launch" (a resumed run's
@@ -57,6 +64,24 @@ def run_tokens(summary: dict[str, Any]) -> tuple[Optional[float], str]:
     return (None, "") if share is None else (float(share), "start phase" if summary.get("schedule") else "")
 
 
+def run_value(run: dict[str, Any], metric: str) -> Optional[float]:
+    """A run's `metric`: a summary key ("final_fid", "train_sec"), "final_loss" (final_loss()), "fid@S" (the FID
+    evaluated at step S), a metric at a budget ("fid@time=118.5", along_run.value_at) or "final_<eval metric>"
+    (the last evaluation's value where the summary does not hold it, e.g. final_fd_ae)."""
+    if AT.match(metric):
+        v = value_at(run, metric)
+    elif metric.startswith("fid@"):
+        v = fid_at(run, int(metric[4:]))
+    elif metric == "final_loss":
+        v = final_loss(run)
+    elif run["summary"].get(metric) is None and metric.startswith("final_"):
+        found = [r[metric[6:]] for r in run["records"] if r.get("type") == "eval" and r.get(metric[6:]) is not None]
+        v = found[-1] if found else None
+    else:
+        v = run["summary"].get(metric)
+    return None if v is None else float(v)
+
+
 @dataclass
 class Group:
     """The completed runs of one setting."""
@@ -66,14 +91,19 @@ class Group:
     runs: list[dict[str, Any]] = field(default_factory=list)
 
     def values(self, metric: str) -> list[float]:
-        """The runs' `metric`: "final_fid" (or any summary key), "fid@S" or "final_loss" (final_loss())."""
-        if metric.startswith("fid@"):
-            got = [fid_at(r, int(metric[4:])) for r in self.runs]
-        elif metric == "final_loss":
-            got = [final_loss(r) for r in self.runs]
-        else:
-            got = [r["summary"].get(metric) for r in self.runs]
-        return [float(v) for v in got if v is not None]
+        """The runs' `metric` (run_value), those that have it."""
+        return [v for v in (run_value(r, metric) for r in self.runs) if v is not None]
+
+    def by_seed(self, metric: str) -> dict[Any, float]:
+        """The runs' `metric` by train.seed (a run without a seed on its command line keys by its folder, so it
+        pairs with nothing)."""
+        out: dict[Any, float] = {}
+        for r in self.runs:
+            v = run_value(r, metric)
+            seed = run_seed(r["summary"])
+            if v is not None:
+                out[seed if seed is not None else ("run", r["run"])] = v
+        return out
 
     def mean(self, metric: str) -> Optional[float]:
         v = self.values(metric)
@@ -110,28 +140,30 @@ def short(override: str) -> str:
     return override
 
 
-def welch(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
-    """Welch's t-test of mean(b) - mean(a): difference, standard error, t, degrees of freedom, the two-sided
-    95% critical value and the verdict ("exceeds noise" | "within noise" | "n/a" with fewer than 2 runs each)."""
-    if len(a) < 2 or len(b) < 2:
-        return {"diff": None, "se": None, "t": None, "df": None, "crit": None, "verdict": "n/a"}
-    ma, mb, va, vb = statistics.fmean(a), statistics.fmean(b), statistics.variance(a), statistics.variance(b)
-    se = math.sqrt(va / len(a) + vb / len(b))
-    diff = mb - ma
-    if se == 0:
-        return {"diff": diff, "se": 0.0, "t": None, "df": None, "crit": None,
-                "verdict": "exceeds noise" if diff else "within noise"}
-    df = se ** 4 / ((va / len(a)) ** 2 / (len(a) - 1) + (vb / len(b)) ** 2 / (len(b) - 1))
-    crit = float(scipy_stats.t.ppf(0.975, df))
-    t = diff / se
-    return {"diff": diff, "se": se, "t": t, "df": df, "crit": crit,
-            "verdict": "exceeds noise" if abs(t) > crit else "within noise"}
+def declared_pairs(groups: Sequence[Group], spec: Sequence[str] = ()) -> list[tuple[Group, Group]]:
+    """The family of comparisons: "B:A" specs (each setting B against its baseline A, by label), or by default
+    every other setting against the first (the baseline: the lowest selection ratio in a ratio sweep). A label
+    that names no setting is a ReportError-style ValueError naming the labels there are."""
+    by_label = {g.label: g for g in groups}
+    if not spec:
+        return [(groups[0], g) for g in groups[1:]]
+    pairs = []
+    for item in spec:
+        b, _, a = item.partition(":")
+        bad = [x for x in (a, b) if x not in by_label]
+        if bad or not a:
+            raise ValueError(f"--compare {item!r}: give B:A with both labels among the settings "
+                             f"{sorted(by_label)} (B is compared against its baseline A)")
+        pairs.append((by_label[a], by_label[b]))
+    return pairs
 
 
-def comparisons(groups: Sequence[Group], metric: str) -> list[dict[str, Any]]:
-    """Every pair of groups (i < j) compared on `metric` (mean of the second minus mean of the first)."""
-    return [{"a": a.label, "b": b.label, "metric": metric, **welch(a.values(metric), b.values(metric))}
-            for i, a in enumerate(groups) for b in groups[i + 1:]]
+def comparisons(groups: Sequence[Group], metric: str, spec: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The declared family (declared_pairs) compared on `metric`, mean of B minus mean of A: paired over shared
+    seeds, else Welch; Holm-corrected over the family (tread/evaluation/stats.py)."""
+    rows = [{"a": a.label, "b": b.label, "metric": metric, **compare(a.by_seed(metric), b.by_seed(metric))}
+            for a, b in declared_pairs(groups, spec)]
+    return holm(rows)
 
 
 def _num(x: Optional[float], digits: str = ".2f") -> str:
@@ -140,11 +172,27 @@ def _num(x: Optional[float], digits: str = ".2f") -> str:
 
 def _digits(metric: str) -> str:
     """Decimals a metric is printed with: losses (~0.1) need four, FIDs two."""
-    return ".4f" if metric == "final_loss" else ".2f"
+    name = metric.split("@")[0].removeprefix("final_")
+    return ".4f" if name in ("loss", "class_acc", "shape_acc", "colour_acc") else ".2f"
+
+
+def describe(metric: str) -> str:
+    """A metric's display name: 'final_fid' -> 'final FID', 'fd_ae' -> 'FD (autoencoder)'."""
+    return NAMES.get(metric) or metric.replace("_", " ").replace("fid", "FID")
+
+
+NAMES = {"fd_ae": "FD (autoencoder)", "class_acc": "class accuracy", "shape_acc": "shape accuracy",
+         "colour_acc": "colour accuracy", "fdd": "FDD", "fid": "FID"}
 
 
 def metric_name(metric: str) -> str:
-    return f"FID at step {metric[4:]}" if metric.startswith("fid@") else metric.replace("_", " ").replace("fid", "FID")
+    """The display name of a metric key: 'fid@342' -> 'FID at step 342', 'fid@time=118' -> 'FID at 118.0 s of
+    training', 'final_fd_ae' -> 'final FD (autoencoder)'."""
+    if AT.match(metric):
+        return budget_name(metric, describe)
+    if metric.startswith("fid@"):
+        return f"FID at step {metric[4:]}"
+    return "final " + describe(metric[6:]) if metric.startswith("final_") else describe(metric)
 
 
 def group_table(groups: Sequence[Group], metrics: Sequence[str]) -> list[str]:
@@ -176,12 +224,18 @@ def group_tokens(g: Group) -> str:
 
 
 def comparison_table(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """Markdown: each pair's difference, its standard error, Welch's t against the 95% critical value, verdict."""
-    head = ["metric", "A", "B", "difference (B - A)", "std. error", "Welch t (95% critical)", "verdict"]
+    """Markdown: each declared comparison's test (paired or Welch) and seeds, difference with its 95% interval,
+    t, p, Holm-adjusted p over the family, the difference detectable with 80% power, and the verdict."""
+    head = ["metric", "A (baseline)", "B", "test, seeds", "difference B - A [95% CI]", "t (df)", "p",
+            "p Holm (family)", "detectable (80%)", "verdict"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        t = "-" if r["t"] is None else f"{r['t']:.2f} ({r['crit']:.2f}, df {r['df']:.1f})"
         d = _digits(r["metric"])
-        lines.append(f"| {metric_name(r['metric'])} | {r['a']} | {r['b']} | {_num(r['diff'], '+' + d)} | "
-                     f"{_num(r['se'], d)} | {t} | {r['verdict']} |")
+        ci = "" if r["ci"] is None else f" [{r['ci'][0]:+{d}}, {r['ci'][1]:+{d}}]"
+        t = "-" if r["t"] is None else f"{r['t']:.2f} ({r['df']:.1f})"
+        p = "-" if r["p"] is None else f"{r['p']:.3g}"
+        ph = "-" if r.get("p_holm") is None else f"{r['p_holm']:.3g} ({r['family']})"
+        lines.append(f"| {metric_name(r['metric'])} | {r['a']} | {r['b']} | {r['test']}, {r['n']} | "
+                     f"{_num(r['diff'], '+' + d)}{ci} | {t} | {p} | {ph} | {_num(r['detectable'], d)} | "
+                     f"{r['verdict']} |")
     return lines

@@ -13,10 +13,13 @@ import csv
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
 
-from tread.evaluation.seed_groups import (Group, comparison_table, comparisons, fid_at, group_table, run_tokens,
-                                         seed_groups)
+from tread.evaluation.along_run import budget_key, common_budget, elapsed, flops_at
+from tread.evaluation.seed_groups import (Group, comparison_table, comparisons, fid_at, group_table, metric_name,
+                                         run_tokens, seed_groups)
+from tread.evaluation.stats import power_sentence
 from tread.utils.errors import UserError
 from tread.utils.readers import FileFormatError, parse_json, read_json
 
@@ -94,16 +97,6 @@ def phases(summary: dict[str, Any]) -> str:
                      for p in summary.get("schedule") or [])
 
 
-def flops_at(summary: dict[str, Any], step: int) -> float:
-    """Training FLOPs spent by `step`: per phase of a routing schedule (each phase at its starting FLOPs per step,
-    so a ramp is approximated), else train_flops_per_step x step."""
-    schedule = summary.get("schedule")
-    if not schedule:
-        return (summary.get("train_flops_per_step") or math.nan) * step
-    return sum(p["train_flops_per_step"] * max(0, min(step, math.inf if p.get("end_step") is None else p["end_step"])
-                                                - p["start_step"]) for p in schedule)
-
-
 def fmt(value: Any) -> str:
     """A Markdown table cell: "-" for nothing, 4 significant digits, GF / TF for FLOP counts."""
     if value is None or value == "":
@@ -125,17 +118,52 @@ def add_fid_at(rows: list[dict[str, Any]], runs: list[dict[str, Any]], steps: li
     return [f"fid_at_{step}" for step in steps]
 
 
-def group_section(runs: list[dict[str, Any]], steps: list[int]) -> tuple[list[Group], list[str]]:
+@dataclass
+class Budgets:
+    """What the seed groups are compared at (ablation_report's options): evaluation steps (--at-step), measured
+    training time and FLOPs ("auto": the largest budget every run reaches, along_run.common_budget; a number; None:
+    not reported), the evaluated metrics (--metric; FID first) and the declared family (--compare B:A; default:
+    each setting against the first)."""
+
+    steps: Sequence[int] = ()
+    time: Optional[Union[str, float]] = None
+    flops: Optional[Union[str, float]] = None
+    metrics: Sequence[str] = ("fid",)
+    compare: Sequence[str] = ()
+
+
+def budget_keys(groups: Sequence[Group], budgets: Budgets) -> list[tuple[str, list[str]]]:
+    """(title, metric keys) per budget: the final values, each --at-step step, equal time, equal FLOPs."""
+    runs = [r for g in groups for r in g.runs]
+    out = [("final", ["final_" + m for m in budgets.metrics] + ["final_loss"])]
+    out += [(f"step {s}", [budget_key(m, "step", s) for m in budgets.metrics]) for s in budgets.steps]
+    for axis, value in (("time", budgets.time), ("flops", budgets.flops)):
+        x = common_budget(runs, axis) if value == "auto" else value
+        if x is not None:
+            out.append((f"equal {axis}", [budget_key(m, axis, float(x)) for m in budgets.metrics]))
+    return out
+
+
+def group_section(runs: list[dict[str, Any]], budgets: Budgets) -> tuple[list[Group], list[str]]:
     """The seed groups of the completed runs and, when some setting has several seeds, the Markdown of their
-    statistics and of every pairwise comparison (tread/evaluation/seed_groups.py)."""
+    statistics per budget and of the declared comparisons (one Holm family per metric and budget; the power
+    sentence for the first metric at the last budget, the primary one) (tread/evaluation/seed_groups.py)."""
     groups = seed_groups(runs)
     if not any(len(g.runs) > 1 for g in groups):
         return groups, []
-    metrics = ["final_fid"] + [f"fid@{step}" for step in steps] + ["final_loss"]
-    pairs = [c for m in metrics for c in comparisons(groups, m)]
-    return groups, [*group_table(groups, metrics), "", "Differences between settings (mean of B minus mean of A; "
-                    "Welch's t-test, two-sided 95%: a difference exceeds the seed noise when |t| is above the "
-                    "critical value):", "", *comparison_table(pairs)]
+    md: list[str] = []
+    families, primary = [], []
+    for title, keys in budget_keys(groups, budgets):
+        md += [f"**{title[0].upper() + title[1:]}** ({metric_name(keys[0])}):", "", *group_table(groups, keys), ""]
+        families += [comparisons(groups, k, budgets.compare) for k in keys]
+        if title in ("final", "equal time"):
+            primary = families[-len(keys)]      # the first metric (FID) at equal time, else at the end
+    md += ["Declared comparisons (each setting B against its baseline A; mean of B minus mean of A): paired t over "
+           "shared seeds, else Welch; 95% interval; Holm over each metric's family at each budget; a difference is "
+           "claimed ('differs') only with Holm-adjusted p < 0.05 and at least 5 seeds per setting:", "",
+           *comparison_table([r for f in families for r in f])]
+    sentence = power_sentence(primary)
+    return groups, md + ([f"", sentence] if sentence else [])
 
 
 def write_tables(rows: list[dict[str, Any]], out: Path, extra: Optional[list[str]] = None,
@@ -197,7 +225,7 @@ def write_plots(runs: list[dict[str, Any]], out: Path, groups: Sequence[Group] =
         ax.legend()
         save(fig, "fid_vs_ratio.png")
     for name, xlabel, xs in (("fid_vs_time.png", "training time (s, evaluations excluded)",
-                              lambda run, e: _elapsed(run, e)),
+                              lambda run, e: elapsed(run, e)),
                              ("fid_vs_flops.png", "training FLOPs (theoretical)",
                               lambda run, e: flops_at(run["summary"], e["step"]))):
         curves = [(r, evals(r)) for r in done if evals(r)]
@@ -241,14 +269,15 @@ def _curves(plt, curves: list[tuple[dict[str, Any], list[float], list[float]]], 
     return fig, ax
 
 
-def write_group_plot(groups: list[Group], steps: list[int], out: Path) -> Optional[Path]:
-    """fid_by_setting.png: each setting's FID (final, and at each --at-step step) as mean ± std over its seeds,
-    with every seed's value; against the selection ratio when the settings differ only by it."""
+def write_group_plot(groups: list[Group], keys: Sequence[str], out: Path) -> Optional[Path]:
+    """fid_by_setting.png: each setting's FID at each budget key (budget_keys: final, steps, equal time and FLOPs)
+    as mean ± std over its seeds, with every seed's value; against the selection ratio when the settings differ
+    only by it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [("final_fid", "final FID")] + [(f"fid@{step}", f"FID at step {step}") for step in steps]
+    metrics = [(k, metric_name(k)) for k in keys]
     ratios = [selection_ratio(g.runs[0]["summary"]) for g in groups]
     by_ratio = None not in ratios and len(set(ratios)) == len(groups) and all("ratio" in g.label for g in groups)
     xs = ratios if by_ratio else list(range(len(groups)))
@@ -273,15 +302,6 @@ def write_group_plot(groups: list[Group], steps: list[int], out: Path) -> Option
     fig.savefig(out / "fid_by_setting.png", dpi=120)
     plt.close(fig)
     return out / "fid_by_setting.png"
-
-
-def _elapsed(run: dict[str, Any], e: dict[str, Any]) -> float:
-    """Training seconds at an evaluation: its train_sec (training time, evaluations and checkpoints excluded),
-    or for older runs the last train record's elapsed_sec at or before its step."""
-    if e.get("train_sec") is not None:
-        return float(e["train_sec"])
-    before = [x.get("elapsed_sec", math.nan) for x in run["records"] if x.get("type") == "train" and x["step"] <= e["step"]]
-    return before[-1] if before else math.nan
 
 
 def _label(run: dict[str, Any], shared: frozenset = frozenset()) -> str:

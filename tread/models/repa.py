@@ -44,15 +44,26 @@ class RepaHead(nn.Module):
 
 
 def repa_head(repa: Optional[Mapping[str, Any]], hidden_size: int, depth: int) -> Optional[RepaHead]:
-    """The RepaHead of model.repa (None without it); its block may count from the end."""
+    """The RepaHead of model.repa (None without it); its block may count from the end (null: from depth)."""
     if not repa:
         return None
-    block = check_repa_block(repa.get("block"), depth)
+    block = check_repa_block(resolve_repa_block(repa.get("block"), depth), depth)
     dim = repa.get("encoder_dim")
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
         raise ModelConfigError(f"model.repa.encoder_dim={dim!r} must be a positive integer (the encoder's feature "
                                f"width; null is filled in from the encoder when training starts).")
     return RepaHead(hidden_size, dim, int(repa.get("projector_dim") or 2048), block)
+
+
+def published_repa_block(depth: int) -> int:
+    """REPA's published alignment depth as a rule of the model's depth: the tokens after the first
+    max(1, min(8, depth // 3)) blocks (SiT-B, depth 12: 4; SiT-L, 24: 8; SiT-XL, 28: 8), as a 0-based block index."""
+    return max(1, min(8, int(depth) // 3)) - 1
+
+
+def resolve_repa_block(block: Any, depth: int) -> Any:
+    """model.repa.block, or REPA's published block for `depth` when it is null (None)."""
+    return published_repa_block(depth) if block is None else block
 
 
 def check_repa_block(block: Any, depth: int) -> int:

@@ -10,6 +10,11 @@ phase starts (the last one until training ends), and trains with
 * `routes: [...]`: explicit routes, `routes: []` dense (e.g. the dense fine-tuning phase after routed training,
   as the paper's best DiT-XL/2 result was made).
 
+A phase may also change training hyperparameters from its start on (checked here; tread/training/phases.py applies them):
+`train: {lr, batch_size, warmup_steps, grad_clip}` (any of them; the global batch, the lr warm-up restarting at the
+phase's start) and `path_drop_prob` (model=sprint). Keys a phase leaves out are the config's (train.*,
+optimizer.lr, model.sprint.path_drop_prob), whatever an earlier phase set.
+
 The routes of a step are a pure function of the step, so a resume anywhere, across a phase boundary included,
 continues exactly. Inference (sampling, evaluation) is unaffected: it runs dense or with the spans of
 routing.routes, whatever the phase.
@@ -21,7 +26,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from tread.routing.spec import Route, RouteConfigError, resolve_routes
 
-PHASE_FIELDS = ("start_step", "selection_ratio", "routes")
+PHASE_FIELDS = ("start_step", "selection_ratio", "routes", "train", "path_drop_prob")
+TRAIN_FIELDS = ("lr", "batch_size", "warmup_steps", "grad_clip")   # a phase's `train` keys
 
 
 @dataclass(frozen=True)
@@ -120,11 +126,40 @@ def _check_fields(i: int, spec: Any) -> int:
     unknown = sorted(set(spec) - set(PHASE_FIELDS))
     if unknown:
         raise RouteConfigError(f"{_where(i)} has unknown field(s) {unknown}; allowed: {list(PHASE_FIELDS)}.")
+    _check_train(i, spec.get("train"), spec.get("path_drop_prob"))
     start = spec.get("start_step")
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise RouteConfigError(f"{_where(i, 'start_step')}={start!r} must be an integer >= 0 (the first training "
                                f"step of the phase).")
     return start
+
+
+# a phase's `train` keys: (check, what is allowed)
+TRAIN_CHECKS = {
+    "lr": (lambda v: v > 0, "a number > 0 (the phase's optimizer lr)"),
+    "batch_size": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1 (the phase's global batch)"),
+    "warmup_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (lr warm-up steps from the phase's "
+                                                              "start; 0: none)"),
+    "grad_clip": (lambda v: v > 0, "a max gradient norm > 0"),
+}
+
+
+def _check_train(i: int, train: Any, drop: Any) -> None:
+    """The phase's `train` mapping and path_drop_prob: known keys, numbers in range (one error line each)."""
+    if drop is not None and (isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0 <= drop < 1):
+        raise RouteConfigError(f"{_where(i, 'path_drop_prob')}={drop!r} is not allowed; allowed: a number in [0, 1) "
+                               f"(model=sprint's per-sample deep-path drop probability from this phase on).")
+    if train is None:
+        return
+    if not isinstance(train, Mapping):
+        raise RouteConfigError(f"{_where(i, 'train')}={train!r} is not allowed; allowed: a mapping with any of "
+                               f"{list(TRAIN_FIELDS)}.")
+    for name, value in train.items():
+        if name not in TRAIN_CHECKS:
+            raise RouteConfigError(f"{_where(i, 'train')}.{name} is not a phase key; allowed: {list(TRAIN_FIELDS)}.")
+        ok, allowed = TRAIN_CHECKS[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise RouteConfigError(f"{_where(i, 'train')}.{name}={value!r} is not allowed; allowed: {allowed}.")
 
 
 def schedule_from_config(schedule: Optional[Sequence[Any]], base: Sequence[Route], depth: int

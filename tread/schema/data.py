@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
+from pydantic import model_validator
+
 from tread.data.meta import LATENT_KINDS
+from tread.data.wds import LATENT_DRAWS
 from tread.encoders.text_families import TEXT_FAMILIES
 from tread.models.dit import DIT_ARCHS
 from tread.schema.base import SEED_LIMIT, ConfigError, Flag, Number, Section, check, key, one_of
@@ -81,6 +84,9 @@ class DataCommon(Section):
     resolution_schedule: Optional[list[ResolutionPhase]] = key(
         "null or a list of phases {until_step, min_pixels, max_pixels} for bucketed data (e.g. small buckets first, "
         "then large ones)", default=None, min_length=1)
+    latent_draw: Literal[LATENT_DRAWS] = key(one_of(LATENT_DRAWS) + " (sample: moments give a posterior draw per "
+                                             "read; mean: the posterior mean; stored: the array as stored, the "
+                                             "paper code's)", default="sample")
     allow_nonfinite: Flag = key("false (a dataset holding NaN/inf is refused at start-up, naming the file and the "
                                 "first sample) or true (train anyway with a warning: train.nonfinite skips each step "
                                 "such a sample spoils)")
@@ -113,6 +119,15 @@ class WdsData(DataCommon):
     latent_kind: Literal[LATENT_KINDS] = key(one_of(LATENT_KINDS))
     vae: str = key("the VAE that decodes the latents (hub id or local path)")
     index_dir: Optional[str] = key("null (paths.cache_dir/wds_index) or a directory for the shard index cache")
+
+    @model_validator(mode="after")
+    def check_draw(self) -> "WdsData":
+        """latent_draw=mean needs moments (the shapes are checked when the shards are opened)."""
+        if self.latent_draw == "mean" and self.latent_kind != "moments":
+            raise ConfigError(f"data.latent_draw=mean needs moments data (data.latent_kind=moments, got "
+                              f"{self.latent_kind}); allowed with data.latent_kind={self.latent_kind}: "
+                              f"data.latent_draw=sample or stored")
+        return self
 
 
 DATA = {"latents": LatentsData, "wds": WdsData}

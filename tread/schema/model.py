@@ -7,11 +7,12 @@ from typing import Any, Literal, Optional
 from pydantic import model_validator
 
 from tread.diffusion.rf import DynamicShift, RectifiedFlow
+from tread.encoders.patch import ENCODERS as REPA_ENCODERS
 from tread.models.dit import DIT_ARCHS, parse_arch
 from tread.models.families import FAMILIES, family_module
 from tread.models.lora import ADAPTER_TYPES, LORA_KEYS, check_type_keys
 from tread.models.quantize import BASE_DTYPES, QUANTIZE_MODES, check_base_dtype, check_quantize
-from tread.models.repa import check_repa_block
+from tread.models.repa import check_repa_block, resolve_repa_block
 from tread.models.sprint import sprint_span
 from tread.routing import SELECTION_MODES
 from tread.schema.base import (SEED_LIMIT, ConfigError, Flag, NonNegativeNumber, Number, PositiveNumber, Section, key,
@@ -34,6 +35,18 @@ class RouteSpec(Section):
     end_layer_idx: int = key("a block index (negative counts from the end; inclusive)")
 
 
+class PhaseTrain(Section):
+    """routing.schedule[i].train: training hyperparameters from the phase's start on (unset: the config's)"""
+
+    lr: Optional[Number] = key("a number > 0 (the phase's optimizer lr; its lr schedule restarts at the phase)",
+                               gt=0, default=None)
+    batch_size: Optional[int] = key("an integer >= 1 (the phase's global batch, over processes and accumulation)",
+                                    ge=1, default=None)
+    warmup_steps: Optional[int] = key("an integer >= 0 (lr warm-up steps from the phase's start; 0: none)", ge=0,
+                                      default=None)
+    grad_clip: Optional[Number] = key("a max gradient norm > 0", gt=0, default=None)
+
+
 class Phase(Section):
     """one phase of routing.schedule"""
 
@@ -42,6 +55,9 @@ class Phase(Section):
                                          "spans, or [from, to]: a linear ramp until the next phase", default=None)
     routes: Optional[list[RouteSpec]] = key("null or a list of {selection_ratio, start_layer_idx, end_layer_idx} "
                                             "([] trains dense)", default=None)
+    train: Optional[PhaseTrain] = key("null or {lr, batch_size, warmup_steps, grad_clip} (any of them)", default=None)
+    path_drop_prob: Optional[Number] = key("null (model.sprint.path_drop_prob) or a number in [0, 1) (model=sprint "
+                                           "only)", ge=0, lt=1, default=None)
 
 
 class Routing(Section):
@@ -96,9 +112,11 @@ class Repa(Section):
     """model.repa (configs/repa/*.yaml)"""
 
     weight: PositiveNumber
-    block: int = key("a block index of the model (negative counts from the end)")
-    encoder: Literal["toy", "dinov2"] = key(one_of(("toy", "dinov2")))
-    encoder_weights: Optional[str] = key("null (toy) or a local transformers Dinov2Model folder (dinov2)",
+    block: Optional[int] = key("null (REPA's published block for the model's depth) or a block index of the model "
+                               "(negative counts from the end)", default=None)
+    encoder: Literal[REPA_ENCODERS] = key(one_of(REPA_ENCODERS))
+    encoder_weights: Optional[str] = key("null (toy, toy_random, toy_fid) or a local transformers Dinov2Model folder "
+                                         "(dinov2)",
                                          default=None)
     encoder_dim: Optional[int] = key("null (read from the encoder) or the encoder's feature width", ge=1,
                                      default=None)
@@ -140,7 +158,7 @@ class DiTModel(Backbone):
                                                default="adaln_zero")
     arch: Literal[tuple(DIT_ARCHS)] = key(one_of(DIT_ARCHS))
     repa: Optional[Repa] = key("null or {weight, block, encoder, encoder_weights, encoder_dim, projector_dim} "
-                               "(repa=toy|dinov2)", default=None)
+                               "(repa=toy|toy_random|toy_fid|dinov2)", default=None)
     # DiT arguments a research run may override (+model.depth=6, ...); null: model.arch's. The rules between them
     # (divisibility) are check_geometry's.
     depth: Optional[int] = key("an integer in [1, 128] (transformer blocks)", ge=1, le=128, default=None)
@@ -160,7 +178,7 @@ class DiTModel(Backbone):
         depth = check_geometry(self)
         check_sprint_key(self, depth)
         if self.repa is not None:
-            check_repa_block(self.repa.block, depth)
+            check_repa_block(resolve_repa_block(self.repa.block, depth), depth)
         return self
 
 
@@ -242,8 +260,8 @@ class FamilyModel(Backbone):
                               default=None)
     vae_scale_factor: Optional[int] = key("a positive integer (PixArt)", ge=1, default=None)
 
-    repa: Optional[Any] = key("null (REPA, repa=toy|dinov2, is for DiT models: model=dit|tread|sprint)",
-                              default=None)
+    repa: Optional[Any] = key("null (REPA, repa=toy|toy_random|toy_fid|dinov2, is for DiT models: "
+                              "model=dit|tread|sprint)", default=None)
 
     @model_validator(mode="after")
     def check_quantize(self) -> "FamilyModel":

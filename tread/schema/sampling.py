@@ -54,6 +54,8 @@ class DecodeSettings(Section):
     vae: Optional[str] = key("null (the data's meta.json VAE) or a local VAE directory")
     vae_dtype: Literal[tuple(VAE_DTYPES)] = key(one_of(VAE_DTYPES))
     decode_batch_size: int = key("a positive integer (latents per VAE decode call)", ge=1)
+    decode_rule: Literal["ours", "paper"] = key("ours (vae_dtype, rounded to uint8) or paper (the paper code: VAE in "
+                                                "bf16 under autocast, truncated to uint8)", default="ours")
 
 
 class MetricSettings(Section):

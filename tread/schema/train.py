@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from tread.schema.base import (SEED_LIMIT, ConfigError, Flag, Number, PositiveNumber, Section, check, check_dirs, key,
                                one_of, show)
 from tread.schema.data import DATA
-from tread.schema.model import DIFFUSIONS, MODELS, OPTIMIZERS, FamilyModel, Routing
+from tread.schema.model import DIFFUSIONS, MODELS, OPTIMIZERS, SPRINT_TARGET, FamilyModel, Routing
 from tread.schema.sampling import (NEGATIVE_PROMPT, PROMPTS, DecodeSettings, MetricSettings, Prompt, SamplingSettings,
                              check_guidance)
 from tread.schema.tree import container, pick
@@ -61,6 +61,8 @@ class Train(Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = key(
         "constant, linear or cosine (after the warm-up; linear and cosine reach 0 at max_steps, as diffusers' "
         "get_scheduler)", default="constant")
+    step_offset: int = key("an integer >= 0: eval.every_steps and checkpoint.every_steps fire after k * every_steps + "
+                           "step_offset updates, k >= 1 (the paper code: 1)", ge=0, default=0)
     log_every_steps: int = key("a positive integer", ge=1)
     log_with: list[Literal[TRACKERS]] = key("a list of trackers among wandb, tensorboard, e.g. [tensorboard] or "
                                             "[wandb, tensorboard] ([]: metrics.jsonl only)")
@@ -197,8 +199,23 @@ def _cross_checks(s: dict[str, Any]) -> None:
         raise ConfigError("checkpoint.adapter_only=true needs LoRA adapters (model.lora={rank: ..., target_modules: "
                           "[...]}); without them every weight trains and must be saved.")
     _check_memory_options(s)
+    _check_phases(s)
     if s["train"].compile is not False:
         _check_backend(s["train"].compile_backend)
+
+
+def _check_phases(s: dict[str, Any]) -> None:
+    """routing.schedule phases' hyperparameters against the rest: path_drop_prob is model=sprint's, a batch splits
+    over train.grad_accum_steps (and, when training starts, over the processes)."""
+    for i, phase in enumerate(s["routing"].schedule or []):
+        if phase.path_drop_prob is not None and s["model"].target != SPRINT_TARGET:
+            raise ConfigError(f"routing.schedule[{i}].path_drop_prob={phase.path_drop_prob} is a key of model=sprint "
+                              f"(model._target_={SPRINT_TARGET}); model._target_={s['model'].target} has no deep path "
+                              f"to drop. Allowed: model=sprint, or no path_drop_prob in the phase.")
+        batch, accum = phase.train.batch_size if phase.train else None, s["train"].grad_accum_steps
+        if batch is not None and batch % accum:
+            raise ConfigError(f"routing.schedule[{i}].train.batch_size={batch} is not allowed; allowed: a global "
+                              f"batch divisible by train.grad_accum_steps={accum}.")
 
 
 def _check_memory_options(s: dict[str, Any]) -> None:

@@ -78,7 +78,7 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Optional[list[str]], accel
         prepare_run_dir(run_dir, cfg, resumed)
     parts.prepare()
     step = TrainStep(parts, settings)
-    summary = RunSummary(run_dir, overrides, cfg, parts.model, dataset, state.step)
+    summary = RunSummary(run_dir, overrides, cfg, parts.model, dataset, state.step, repa=parts.repa)
     summary.data["config_changes"] = changes
     summary.data["mixed_precision"] = parts.accelerator.mixed_precision   # train.mixed_precision=auto resolved
     summary.data["compiled"] = parts.compiled                             # train.compile=auto resolved
@@ -240,12 +240,13 @@ def loop_steps(run: Run, step_fn: TrainStep, stop: StopRequest, bar: tqdm) -> No
         if state.step % cfg.train.log_every_steps == 0 or last:
             log_record(run, window, stats, bar)
         paused = time.time()
-        if run.evaluator is not None and due(cfg.eval.every_steps, state.step, ends and cfg.eval.at_end):
+        step = state.step - cfg.train.step_offset            # the paper code's numbering: repro=paper sets 1
+        if run.evaluator is not None and due(cfg.eval.every_steps, step, ends and cfg.eval.at_end):
             if stopping:   # a stop signal wants the checkpoint now; an evaluation can take longer than its grace
                 skip_evaluation(run, stop.name or "a stop signal on another process")
             else:
                 evaluate(run)
-        if due(cfg.checkpoint.every_steps, state.step, last):
+        if due(cfg.checkpoint.every_steps, step, last):
             run.nonfinite_skips += run.guard.check(state.step)    # never checkpoint past a stop condition
             checkpoint(run)
         window.exclude(time.time() - paused)    # evaluation and checkpoint time is not training throughput
@@ -259,8 +260,10 @@ def log_record(run: Run, window: "LogWindow", stats: StepStats, bar: tqdm) -> No
     """A training record (the guard's counts are read here, where the loop syncs anyway)."""
     skipped = run.guard.check(run.state.step)
     run.nonfinite_skips += skipped
-    record = window.record(run.state, stats.lr, run.cfg.train.batch_size, run.parts.accelerator)
+    record = window.record(run.state, stats.lr, run.summary.batch_at(run.state.step - 1), run.parts.accelerator)
     record["nonfinite_skips"] = skipped
+    if run.parts.repa is not None:        # this process's seconds on REPA targets in the window (decode + encoder)
+        record["repa_target_sec"] = run.parts.repa.timer.take()
     run.log.log(record)
     if skipped and run.parts.accelerator.is_main_process:
         bar.write(f"warning: {skipped} step(s) before step {run.state.step} had a non-finite loss or gradient norm; "
@@ -270,7 +273,9 @@ def log_record(run: Run, window: "LogWindow", stats: StepStats, bar: tqdm) -> No
 
 
 def due(every: int, step: int, anyway: bool) -> bool:
-    return bool(anyway or (every and step % every == 0))
+    """Whether a periodic action fires after update `step` (less train.step_offset): every `every` steps from `every`
+    on (0: never), or `anyway`."""
+    return bool(anyway or (every and step > 0 and step % every == 0))
 
 
 class LogWindow:

@@ -3,11 +3,14 @@ the alignment loss added to the diffusion loss (tread/models/repa.py defines whi
 
 The clean images are the batch's latents decoded as evaluation decodes them (identity data directly, VAE data
 with the data's VAE: on latent data that is one VAE decode per training batch, the price of aligning with an
-image encoder without stored features).
+image encoder without stored features). The encoder's forward FLOPs per image (`encoder_flops`) count in the run's
+training FLOPs while targets are decoded (summary.json repa_targets, repa_encoder_flops_per_step), and the time the
+targets take is summed per log window (metrics.jsonl repa_target_sec).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import torch
@@ -15,10 +18,43 @@ import torch.nn as nn
 from omegaconf import open_dict
 
 from tread.data import decode_to_uint8, ensure_toy_classifier
-from tread.encoders.patch import REPA_TOY_SEED, build_patch_encoder
+from tread.encoders.patch import TOY_ENCODER_SEEDS, build_patch_encoder
 from tread.evaluation.evaluator import decode_options
 from tread.models.errors import ModelConfigError
-from tread.models.repa import alignment_loss, patch_targets
+from tread.models.dit import parse_arch
+from tread.models.repa import alignment_loss, patch_targets, resolve_repa_block
+
+
+class TargetTimer:
+    """Seconds spent on REPA targets since the last take(): host wall time, or on a GPU (cuda=True) CUDA events
+    read at take() (the log record syncs there anyway), so timing adds no sync to the step."""
+
+    def __init__(self, cuda: bool = False):
+        self.cuda, self.sec, self.events, self._start = cuda, 0.0, [], None
+
+    def __enter__(self) -> "TargetTimer":
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((self._start, end))
+        else:
+            self.sec += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        """The seconds summed since the previous take(); restarts the sum."""
+        if self.events:
+            self.events[-1][1].synchronize()
+            self.sec += sum(a.elapsed_time(b) for a, b in self.events) / 1000.0
+        sec, self.sec, self.events = self.sec, 0.0, []
+        return sec
 
 
 @dataclass
@@ -30,34 +66,50 @@ class Repa:
     weight: float
     decode: dict[str, Any]      # decode_to_uint8 options (eval.vae, vae_dtype, decode_batch_size)
     patch: Optional[tuple[int, int]] = None   # the model's (rows, cols) of latents per token; set once it is built
+    encoder_flops: float = 0.0  # the encoder's forward FLOPs of one image (PatchEncoder.flops at the data's side)
+    targets: str = "decoded"    # "decoded": encoded from the decoded latents each step; "precomputed": stored
+    timer: TargetTimer = field(default_factory=TargetTimer)   # time spent on the targets (repa_target_sec)
 
     def loss(self, projected: torch.Tensor, ids: Optional[torch.Tensor], x: torch.Tensor,
-             meta: Mapping[str, Any]) -> torch.Tensor:
+             meta: Mapping[str, Any], features: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The alignment loss of a training forward's projected tokens (B, K or N, C) and their ids (B, K) or
         None (the backbone's auxiliary output under REPA_AUX) against the encoder's features of the clean
-        latents x (B, C, H, W)."""
-        with torch.no_grad():
-            images = decode_to_uint8(x.detach(), meta, **self.decode).permute(0, 3, 1, 2).float() / 127.5 - 1
+        latents x (B, C, H, W): `features` (B, dim, h, w) when given (stored with the data), else the encoder's
+        of x decoded."""
+        with torch.no_grad(), self.timer:
+            if features is None:
+                images = decode_to_uint8(x.detach(), meta, **self.decode).permute(0, 3, 1, 2).float() / 127.5 - 1
+                features = self.encoder(images)
             grid = (x.shape[-2] // self.patch[0], x.shape[-1] // self.patch[1])
-            targets = patch_targets(self.encoder(images), grid)
+            targets = patch_targets(features.float(), grid)
         return alignment_loss(projected, targets, ids)
+
+
+def dit_depth(model: Any) -> int:
+    """The DiT's block count: model.depth, or model.arch's (REPA is for DiT models only; the schema checks it)."""
+    return int(model.get("depth") or parse_arch(model.arch)[0])
 
 
 def build_repa(cfg: Any, device: torch.device) -> Optional[Repa]:
     """The run's Repa (None without model.repa). Builds the encoder before the model, so a missing encoder fails
-    in seconds, and fills model.repa.encoder_dim from it when null (the head is sized by it, and the saved config
-    then rebuilds the same model in sample.py)."""
+    in seconds, fills model.repa.encoder_dim from it when null (the head is sized by it) and model.repa.block from
+    the model's depth when null (REPA's published rule), so the saved config rebuilds the same model in
+    sample.py."""
     spec = cfg.model.get("repa")
     if not spec:
         return None
-    # The toy encoder is the toy classifier trained (once, cached) at the data's side with REPA's own seed.
-    weights = ensure_toy_classifier(str(cfg.paths.cache_dir), resolution=int(cfg.data.resolution),
-                                    seed=REPA_TOY_SEED) if spec.encoder == "toy" else spec.get("encoder_weights")
-    encoder = build_patch_encoder(spec.encoder, weights=weights, device=device)
-    if spec.get("encoder_dim") is None:
-        with open_dict(cfg):
-            cfg.model.repa.encoder_dim = int(encoder.dim)
-    elif int(spec.encoder_dim) != int(encoder.dim):
+    # The trained toy encoders are the toy classifier trained (once, cached) at the data's side with their seed
+    # (toy: REPA's own, toy_fid: the FID network's); toy_random is built from its seed, no file.
+    resolution = int(cfg.data.resolution)
+    weights = ensure_toy_classifier(str(cfg.paths.cache_dir), resolution=resolution,
+                                    seed=TOY_ENCODER_SEEDS[spec.encoder]) if spec.encoder in TOY_ENCODER_SEEDS \
+        else spec.get("encoder_weights")
+    encoder = build_patch_encoder(spec.encoder, weights=weights, device=device, resolution=resolution)
+    if spec.get("encoder_dim") is not None and int(spec.encoder_dim) != int(encoder.dim):
         raise ModelConfigError(f"model.repa.encoder_dim={spec.encoder_dim} but the {spec.encoder} encoder's features "
                                f"are {encoder.dim} wide; allowed: {encoder.dim} or null (read from the encoder).")
-    return Repa(encoder, float(spec.weight), decode_options(cfg.eval))
+    with open_dict(cfg):       # the saved config then rebuilds the same head in sample.py and on resume
+        cfg.model.repa.block = resolve_repa_block(spec.get("block"), dit_depth(cfg.model))
+        cfg.model.repa.encoder_dim = int(encoder.dim)
+    return Repa(encoder, float(spec.weight), decode_options(cfg.eval), encoder_flops=encoder.flops(resolution),
+                timer=TargetTimer(cuda=torch.device(device).type == "cuda"))

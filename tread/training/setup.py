@@ -18,12 +18,15 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from omegaconf import OmegaConf
 
-from tread.data import BucketedDataset, LatentLoader, build_dataset, check_dataset, make_sampler
+from tread.data import (BucketedDataset, LatentLoader, PhasedSampler, ShardedBatchSampler, build_dataset,
+                        check_dataset, make_sampler)
+from tread.data.loader import PHASE_STRIDE
 from tread.diffusion.build import build_diffusion
 from tread.models import build_model
 from tread.schema import ConfigError
 from tread.training.ema import make_ema
 from tread.training.fsdp import check_parallel, shard_backbone
+from tread.training.phases import TrainPhases
 from tread.training.repa import Repa, build_repa
 from tread.utils.distributed import rank
 from tread.utils.errors import UserError
@@ -303,7 +306,10 @@ def make_loader(cfg: Any, dataset, accelerator: Accelerator) -> LatentLoader:
     batch, rank, world = micro_batch_size(cfg.train, accelerator.num_processes), accelerator.process_index, \
         accelerator.num_processes
     sampler = None
-    if isinstance(dataset, BucketedDataset):
+    phases = TrainPhases.from_config(cfg)
+    if phases.changes_batch():          # routing.schedule phases with their own train.batch_size
+        sampler = batch_phase_sampler(cfg, dataset, phases, rank, world)
+    elif isinstance(dataset, BucketedDataset):
         schedule = cfg.data.get("resolution_schedule")
         schedule = OmegaConf.to_container(schedule, resolve=True) if schedule is not None else None
         sampler = make_sampler(dataset, batch, cfg.train.seed, rank, world, schedule, cfg.train.grad_accum_steps)
@@ -314,6 +320,31 @@ def make_loader(cfg: Any, dataset, accelerator: Accelerator) -> LatentLoader:
     return LatentLoader(dataset, batch, seed=cfg.train.seed, rank=rank, world_size=world,
                         num_workers=cfg.train.num_workers, pin_memory=accelerator.device.type == "cuda",
                         sampler=sampler)
+
+
+def batch_phase_sampler(cfg: Any, dataset, phases: TrainPhases, rank: int, world: int) -> PhasedSampler:
+    """Batch sizes by routing.schedule phase (single-shape data): one ShardedBatchSampler per run of steps with one
+    global batch, from the first micro-batch of its first step; run k draws with train.seed + PHASE_STRIDE * k (run 0
+    as a run without phases), from its own position 0. Each size must split over processes and accumulation."""
+    runs, accum = phases.batch_phases(), cfg.train.grad_accum_steps
+    first = next(i for _, _, i in runs if i is not None)
+    if isinstance(dataset, BucketedDataset):
+        raise ConfigError(f"routing.schedule[{first}].train.batch_size is set but the data at '{cfg.data.path}' is "
+                          f"bucketed; allowed: phase batch sizes with single-shape data only (or no batch_size in "
+                          f"the phases).")
+    out = []
+    for k, (start, batch, index) in enumerate(runs):
+        name = "train.batch_size" if index is None else f"routing.schedule[{index}].train.batch_size"
+        if batch % (world * accum):
+            raise ConfigError(f"{name}={batch} is the global batch and must be divisible by num_processes ({world}) "
+                              f"x train.grad_accum_steps ({accum}) = {world * accum}.")
+        try:
+            sampler = ShardedBatchSampler(len(dataset), batch // (world * accum), cfg.train.seed + PHASE_STRIDE * k,
+                                          rank, world)
+        except ValueError as err:
+            raise ConfigError(f"{name}={batch}: {err}") from None
+        out.append((start * accum, sampler))
+    return PhasedSampler(out)
 
 
 def warn_dropped_buckets(dataset: BucketedDataset, sampler: Any, need: int) -> None:

@@ -27,6 +27,7 @@ from tread.routing import resize_loss_mask
 from tread.training.ema import ema_decay_at, ema_update
 from tread.training.fsdp import full
 from tread.training.guard import nonfinite_flag
+from tread.training.phases import TrainPhases
 from tread.training.setup import TrainingParts
 
 
@@ -50,6 +51,7 @@ class StepSettings:
     caption_dropout_mode: str       # empty | zeros (resolved; as configured when caption_dropout is 0)
     empty_prompt: Optional[Mapping[str, torch.Tensor]]   # mode empty: the data's encoded "" (one sample's parts)
     i2v_probability: Optional[float] = None   # model.i2v: share of samples conditioned on their first frame; None: off
+    phases: Optional[TrainPhases] = None      # routing.schedule's per-phase lr, warm-up, clipping, path drop; None: off
 
     @classmethod
     def from_config(cls, cfg: Any, use_mask: bool = False, data_meta: Optional[Mapping[str, Any]] = None,
@@ -65,7 +67,8 @@ class StepSettings:
                    ema_warmup=cfg.ema.warmup, use_mask=use_mask,
                    force_keep=bool(use_mask and t.mask_force_keep and routed), data_meta=dict(data_meta or {}),
                    caption_dropout=p, caption_dropout_mode=mode, empty_prompt=empty,
-                   i2v_probability=float(t.i2v_probability) if cfg.model.get("i2v") else None)
+                   i2v_probability=float(t.i2v_probability) if cfg.model.get("i2v") else None,
+                   phases=TrainPhases.from_config(cfg))
 
 
 @dataclass
@@ -93,8 +96,9 @@ class TrainStep:
 
     def __call__(self, batches: Iterator, step: int) -> StepStats:
         p, s = self.parts, self.s
-        lr = set_lr(p.optimizer, s.lr * lr_factor(step, s.lr_warmup_steps, s.lr_schedule, s.max_steps))
+        lr = set_lr(p.optimizer, step_lr(step, s))
         p.model.routing.set_step(step)                     # routing.schedule: this step's phase
+        clip = self.set_phase(step)
         loss_sum = torch.zeros((), device=p.accelerator.device)
         repa_sum = torch.zeros((), device=p.accelerator.device) if p.repa is not None else None
         tokens, data_sec = 0.0, 0.0
@@ -108,17 +112,27 @@ class TrainStep:
             if repa_sum is not None:
                 repa_sum += repa_loss.detach() / s.grad_accum_steps
             tokens += p.model.processed_fraction() / s.grad_accum_steps
-        bad = nonfinite_flag(loss_sum, self.grad_norm())
+        bad = nonfinite_flag(loss_sum, self.grad_norm(clip))
         self.optimizer_step(bad)
         ema_update(p.ema, p.accelerator.unwrap_model(p.net), ema_decay_at(step, s.ema_decay, s.ema_warmup), skip=bad)
         return StepStats(loss_sum, tokens, data_sec, lr, bad, repa_sum, grid)
 
-    def grad_norm(self) -> torch.Tensor:
-        """The total gradient norm (clipped to train.grad_clip when set), on the device; with sharded gradients
-        (train.parallel=fsdp) torch reduces it over the shards and full() takes its replicated value."""
+    def set_phase(self, step: int) -> Optional[float]:
+        """A routing.schedule phase's path_drop_prob on a SPRINT model; returns the step's max gradient norm."""
+        if self.s.phases is None:
+            return self.s.grad_clip
+        hyper = self.s.phases.at(step)
+        if hyper.path_drop_prob is not None and hasattr(self.parts.model, "path_drop_prob"):
+            self.parts.model.path_drop_prob = hyper.path_drop_prob
+        return hyper.grad_clip
+
+    def grad_norm(self, clip: Optional[float]) -> torch.Tensor:
+        """The total gradient norm (clipped to `clip` when set: train.grad_clip or the phase's), on the device; with
+        sharded gradients (train.parallel=fsdp) torch reduces it over the shards and full() takes its replicated
+        value."""
         p = self.parts
-        if self.s.grad_clip:
-            return full(p.accelerator.clip_grad_norm_(p.net.parameters(), self.s.grad_clip))
+        if clip:
+            return full(p.accelerator.clip_grad_norm_(p.net.parameters(), clip))
         return full(torch.nn.utils.get_total_norm([q.grad for q in p.net.parameters() if q.grad is not None]))
 
     def optimizer_step(self, bad: torch.Tensor) -> None:
@@ -185,6 +199,15 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int) -> 
         progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
     return 1.0
+
+
+def step_lr(step: int, s: StepSettings) -> float:
+    """The lr of optimizer step `step`: the config's curve, or with phases the current phase's (restarted at its
+    start when it sets lr or warmup_steps)."""
+    if s.phases is None:
+        return s.lr * lr_factor(step, s.lr_warmup_steps, s.lr_schedule, s.max_steps)
+    h = s.phases.at(step)
+    return h.lr * lr_factor(step - h.lr_origin, h.warmup_steps, s.lr_schedule, s.max_steps - h.lr_origin)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:

@@ -13,6 +13,7 @@ from tread.data import COND_KEYS, has_model_conditioning
 from tread.models.flops import forward_flops_with_routes, train_step_flops
 from tread.routing import tokens_processed_fraction
 from tread.runtime.preempt import stop_status
+from tread.training.phases import TrainPhases
 from tread.utils.io import WriteError, atomic_write_json
 
 
@@ -50,18 +51,26 @@ class RunSummary:
     tokens_fraction_measured, steps_per_sec; whole run (steps 0..final_step over all launches): tokens_fraction_run,
     train_flops_run (= train_flops_total), tokens_fraction_measured_run (docs/ablations.md lists them all)."""
 
-    def __init__(self, run_dir: Path, overrides: Optional[list[str]], cfg: Any, model: Any, dataset, start_step: int):
+    def __init__(self, run_dir: Path, overrides: Optional[list[str]], cfg: Any, model: Any, dataset, start_step: int,
+                 repa: Any = None):
         routes = model.routing.routes
         self.model, self.batch = model, cfg.train.batch_size
+        # model.repa (a tread.training.repa.Repa): the frozen encoder's forward per image counts while its targets are
+        # decoded and encoded each step, not when they were precomputed from the images
+        self.encoder_flops = repa.encoder_flops if repa is not None and repa.targets == "decoded" else 0.0
+        self.hyper = TrainPhases.from_config(cfg)        # routing.schedule phases may change the batch
         self.cond = sample_conditioning(model, dataset)
         self._flops: dict[tuple, float] = {}
         self.grid_weights = grid_weights(dataset)
-        self.flops_per_step = self.step_flops(model.routing.routes_at(start_step))
+        self.flops_per_step = self.step_flops(model.routing.routes_at(start_step), self.batch_at(start_step))
         self.data: dict[str, Any] = {
             "status": "running", "run_dir": str(run_dir), "overrides": list(overrides or []),
             "model": str(cfg.model.arch), "routes": [r.__dict__ for r in routes], "start_step": start_step,
             "tokens_fraction": self.tokens_fraction(model.routing.routes_at(start_step)),
             "train_flops_per_step": self.flops_per_step, "schedule": self.phases()}
+        if repa is not None:
+            self.data.update({"repa_targets": repa.targets,
+                              "repa_encoder_flops_per_step": self.encoder_flops * self.batch_at(start_step)})
         if self.reference_tokens():
             self.data["tokens_fraction_with_reference"] = self.with_reference(self.data["tokens_fraction"])
         self.run_dir, self.start = Path(run_dir), time.time()
@@ -89,7 +98,8 @@ class RunSummary:
                  "steps": e["steps"], "first_step_sec": e["first_sec"],
                  "sec_per_step": e["sec"] / (e["steps"] - 1) if e["steps"] > 1 else None,
                  "tokens_fraction": e["tokens"] / e["steps"],
-                 "train_flops_per_step": train_step_flops(self.forward_flops(routes, g), self.batch)}
+                 "train_flops_per_step": train_step_flops(self.forward_flops(routes, g), self.batch)
+                 + self.encoder_flops * self.batch}
                 for g, e in sorted(self.grids.items())]
 
     def tokens_fraction(self, routes) -> float:
@@ -105,14 +115,20 @@ class RunSummary:
         n, ref = int(self.model.num_tokens), self.reference_tokens()
         return (fraction * n + ref) / (n + ref)
 
-    def step_flops(self, routes) -> float:
-        """Theoretical FLOPs of a training step that takes `routes` (counted once per distinct route list); for
-        bucketed data the mean over the buckets' grids weighted by their samples (the share of steps each gets)."""
-        key = tuple(routes)
+    def batch_at(self, step: int) -> int:
+        """The global batch of training step `step` (train.batch_size, or its routing.schedule phase's)."""
+        return self.hyper.at(step).batch_size
+
+    def step_flops(self, routes, batch: int) -> float:
+        """Theoretical FLOPs of a training step of `batch` samples that takes `routes` (counted once per distinct
+        route list and batch); for bucketed data the mean over the buckets' grids weighted by their samples (the
+        share of steps each gets), plus the REPA encoder's forward of each image when its targets are decoded (no
+        backward: it is frozen)."""
+        key = (tuple(routes), batch)
         if key not in self._flops:
             grids = self.grid_weights or {None: 1.0}
             forward = sum(w * self.forward_flops(routes, grid) for grid, w in grids.items())
-            self._flops[key] = train_step_flops(forward, self.batch)
+            self._flops[key] = train_step_flops(forward, batch) + self.encoder_flops * batch
         return self._flops[key]
 
     def forward_flops(self, routes, grid: Optional[tuple[int, int]]) -> float:
@@ -122,18 +138,19 @@ class RunSummary:
         return forward + getattr(self.model, "repa_flops", lambda _, **k: 0.0)(list(routes), **kw)   # REPA (DiT)
 
     def phases(self) -> Optional[list[dict[str, Any]]]:
-        """The routing schedule's phases with their routes, token share and FLOPs per step (at each phase's
-        start); None without a schedule."""
+        """The routing schedule's phases with their routes, token share, global batch and FLOPs per step (at each
+        phase's start); None without a schedule."""
         schedule = self.model.routing.schedule
         if schedule is None:
             return None
         return [{"start_step": p.start_step, "end_step": p.end_step, "routes": p.describe(),
-                 "tokens_fraction": self.tokens_fraction(p.routes), "train_flops_per_step": self.step_flops(p.routes)}
+                 "tokens_fraction": self.tokens_fraction(p.routes), "batch_size": self.batch_at(p.start_step),
+                 "train_flops_per_step": self.step_flops(p.routes, self.batch_at(p.start_step))}
                 for p in schedule.phases]
 
     def tokens_between(self, start: int, end: int) -> Optional[float]:
-        """Theoretical token share of steps [start, end) (mean over the steps of each step's routes: per phase of a
-        schedule, ramps step by step); None for no steps."""
+        """Theoretical token share of steps [start, end): the mean of each step's share (per phase of a schedule,
+        ramps step by step) weighted by its batch, i.e. over the samples trained; None for no steps."""
         if end <= start:
             return None
         routing, shares = self.model.routing, {}
@@ -141,8 +158,8 @@ class RunSummary:
             return self.data["tokens_fraction"]
         for s in range(start, end):
             key = tuple(routing.routes_at(s))
-            shares[key] = shares.get(key, 0) + 1
-        return sum(n * self.tokens_fraction(list(k)) for k, n in shares.items()) / (end - start)
+            shares[key] = shares.get(key, 0) + self.batch_at(s)
+        return sum(n * self.tokens_fraction(list(k)) for k, n in shares.items()) / self.hyper.batch_sum(start, end)
 
     def whole_run(self, step: int, measured_sum: float, measured_steps: int) -> dict[str, Any]:
         """The whole-run keys at `step`: theoretical token share and FLOPs over steps [0, step), and the measured
@@ -156,11 +173,12 @@ class RunSummary:
         return run
 
     def flops_between(self, start: int, end: int) -> float:
-        """Training FLOPs of steps [start, end): per step under a schedule (phases, ramps), else constant."""
+        """Training FLOPs of steps [start, end): per step under a schedule (phases, ramps, batches), else
+        constant."""
         routing = self.model.routing
         if routing.schedule is None:
             return self.flops_per_step * (end - start)
-        return sum(self.step_flops(routing.routes_at(s)) for s in range(start, end))
+        return sum(self.step_flops(routing.routes_at(s), self.batch_at(s)) for s in range(start, end))
 
     def add_fid(self, step: int, fid: float) -> None:
         self.data.setdefault("fid", []).append((step, fid))
@@ -184,7 +202,8 @@ class RunSummary:
             "stop_reason": preempted or ("time_budget" if out_of_time else "max_steps"), "signal": preempted,
             "nonfinite_skips": nonfinite_skips,
             "time_budget_min": cfg.train.time_budget_min, "train_sec_total": train_sec_total, "train_sec": train_sec,
-            "steps_per_sec": per_sec(steps_run), "images_per_sec": per_sec(steps_run * cfg.train.batch_size),
+            "steps_per_sec": per_sec(steps_run), "images_per_sec": per_sec(self.hyper.batch_sum(self.data["start_step"],
+                                                                                                step)),
             "train_flops_total": self.flops_between(0, step),
             "tokens_fraction_measured": self.tokens_sum / steps_run if steps_run else None,
             **self.whole_run(step, *(measured or (self.tokens_sum, steps_run)))})
