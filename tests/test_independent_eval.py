@@ -105,7 +105,7 @@ def test_training_reports_the_independent_metrics(tiny_cfg, tmp_path, cache_dir)
     record = [r for r in read_metrics(tmp_path / "run") if r["type"] == "eval"][-1]
     assert np.isfinite(record["fd_ae"]) and record["fd_ae"] > 0
     assert all(0.0 <= record[m] <= 1.0 for m in names[2:])
-    assert list((cache_dir / "references").glob(f"*_toy_autoencoder_s{AUTOENCODER_SEED}.npz"))
+    assert list((cache_dir / "references").glob(f"*_toy_autoencoder_s{AUTOENCODER_SEED}_*img.npz"))
     with pytest.raises(ToyMetricError, match="features=inception"):
         train(tiny_cfg("eval.features=inception", "eval.metrics=[fid,shape_acc]"), tmp_path / "run2")
 

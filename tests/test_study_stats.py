@@ -12,7 +12,7 @@ from scipy import stats as scipy_stats
 
 from tread.cli import ablation_report
 from tread.evaluation import stats
-from tread.evaluation.along_run import common_budget, curve, interpolate, value_at
+from tread.evaluation.along_run import budget_key, common_budget, curve, interpolate, value_at
 from tread.evaluation.seed_groups import comparisons, seed_groups
 from tread.evaluation.sweep_report import ReportError, load_runs
 
@@ -90,6 +90,9 @@ def test_equal_time_and_flops_are_measured_from_the_runs(study):
     fast = next(r for r in runs if r["run"] == "fast/0")
     assert curve(fast, "fid", "time") == [(10.0, 44.5), (20.0, 42.0), (30.0, 39.5), (40.0, 37.0)]
     assert common_budget(runs, "time") == 40.0            # the fast arm's last evaluation
+    end = curve(fast, "fid", "time")[-1][0] + 1 / 3        # a budget with many digits stays inside the run
+    assert value_at({**fast, "records": [*fast["records"], {"type": "eval", "step": 401, "train_sec": end,
+                                                            "fid": 1.0}]}, budget_key("fid", "time", end)) == 1.0
     assert common_budget(runs, "flops") == 400 * 1e9
     assert value_at(fast, "fid@time=25") == pytest.approx(40.75) and value_at(fast, "fid@time=41") is None
     groups = seed_groups(runs)
@@ -99,10 +102,12 @@ def test_equal_time_and_flops_are_measured_from_the_runs(study):
 
 
 def test_report_states_budgets_family_and_power(study, tmp_path):
+    for seed in range(5):     # a third setting that stops at 30 s: the table's budget, not the fast:slow pair's
+        fake(study / "short" / str(seed), seed, lambda t: 60 - t, 0.075, 1e9, "short")
     out = ablation_report.main([str(study), "--at-time", "auto", "--at-flops", "auto", "--metric", "class_acc",
                                 "--compare", "fast:slow", "--no-plots", "--out", str(tmp_path / "r")])
     md = Path(out["markdown"]).read_text()
-    assert "**Equal time** (FID at 40.0 s of training)" in md and "**Equal flops**" in md
+    assert "**Equal time** (FID at 30.0 s of training (each comparison" in md and "**Equal flops**" in md
     assert "| FID at 40.0 s of training | slow | fast | paired, 5 | -2.80 [" in md
     assert "class accuracy at 40.0 s of training" in md and "Power: with 5 seeds" in md
     with pytest.raises(ReportError, match="--compare 'fast:dense'"):

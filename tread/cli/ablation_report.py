@@ -80,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     finished = [r for r in rows if r["status"] == "completed"]
     plots = [] if args.no_plots or not finished else write_plots(runs, out, groups)
     if groups_md and not args.no_plots:
-        plots.append(write_group_plot(groups, [keys[0] for _, keys in budget_keys(groups, budgets)], out))
+        plots.append(write_group_plot(groups, [keys[0] for _, keys, _ in budget_keys(groups, budgets)], out))
     print(md.read_text())
     if not finished:
         print(f"No finished runs under '{sweep}' ({len(rows)} run(s): "

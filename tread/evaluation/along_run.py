@@ -78,8 +78,9 @@ def common_budget(runs: Sequence[dict[str, Any]], axis: str, metric: str = "fid"
 
 
 def budget_key(metric: str, axis: str, x: float) -> str:
-    """The metric key for `metric` at `x` on `axis` (a compact, exact text of x)."""
-    return f"{metric}@{axis}={x:.6g}" if axis != "step" else f"{metric}@step={int(x)}"
+    """The metric key for `metric` at `x` on `axis`; x written exactly (17 significant digits round-trip a float),
+    so a budget that is some run's last evaluation stays inside that run's range."""
+    return f"{metric}@{axis}={x:.17g}" if axis != "step" else f"{metric}@step={int(x)}"
 
 
 def budget_name(key: str, describe: Callable[[str], str]) -> Optional[str]:

@@ -13,7 +13,7 @@ import torch
 
 from tread.data import check_decodable, decode_to_uint8
 from tread.evaluation.fdd import FDD, FddScorer, without_fdd
-from tread.evaluation.extractors import feature_extractor
+from tread.evaluation.extractors import feature_extractor, reference_cache_path
 from tread.evaluation.images import as_frames, save_image_grid
 from tread.evaluation.metric_names import TOY_METRICS, without_toy
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
@@ -81,8 +81,8 @@ class Evaluator:
         if ref:
             self.ref_path = Path(ref)
         else:
-            name = dataset.root.name
-            self.ref_path = Path(cache_dir) / "references" / f"{name}_{self.extractor.name}.npz"
+            self.ref_path = reference_cache_path(cache_dir, dataset, self.extractor.name,
+                                                 eval_cfg.get("reference_max_images"), self.square)
             with accelerator.main_process_first():  # the first process builds and caches it
                 reference_for_dataset(dataset, self.extractor, self.ref_path,
                                       max_images=eval_cfg.get("reference_max_images"), decode_kwargs=self.decode,

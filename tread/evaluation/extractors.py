@@ -41,3 +41,14 @@ def extract_features(extractor: nn.Module,
     for batch in batches:
         stats.update(extractor(torch.as_tensor(batch).to(device)))
     return stats
+
+
+def reference_cache_path(cache_dir: Union[str, Path], dataset, extractor_name: str, max_images: Optional[int] = None,
+                         square: Optional[int] = None, tag: str = "") -> Path:
+    """Where an auto-built reference of `dataset` is cached: <cache_dir>/references/<dataset folder>_<tag><extractor
+    name>_<N>img[_sq<side>].npz, N the images it covers (all, or eval.reference_max_images of them), so references
+    of other features, other caps or other crops never overwrite one another (reference_for_dataset still checks
+    the source it was built from, so a same-named folder elsewhere rebuilds, never misreads, it)."""
+    count = len(dataset) if max_images is None else min(len(dataset), max_images)
+    crop = f"_sq{square}" if square else ""
+    return Path(cache_dir) / "references" / f"{dataset.root.name}_{tag}{extractor_name}_{count}img{crop}.npz"

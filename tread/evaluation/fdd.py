@@ -19,8 +19,8 @@ from typing import Any, Iterable, Optional
 
 from tread.encoders.features import build_dino_features
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
-from tread.evaluation.reference import (Reference, load_reference_full, read_reference_file, reference_for_dataset,
-                                        subset_indices)
+from tread.evaluation.extractors import reference_cache_path
+from tread.evaluation.reference import Reference, load_reference_full, read_reference_file, reference_for_dataset
 
 FDD = "fdd"
 
@@ -33,10 +33,8 @@ def without_fdd(metrics: Iterable[str]) -> tuple[str, ...]:
 def fdd_cache_path(cache_dir: str | Path, dataset: Any, extractor_name: str, max_images: Optional[int],
                    square: Optional[int] = None) -> Path:
     """<cache_dir>/references/<dataset>_fdd_<extractor>_<N>img[_sq<side>].npz: the auto-built FDD reference of
-    N dataset images, a file no FID reference (<dataset>_<features>.npz) shares."""
-    count = len(subset_indices(len(dataset), max_images))
-    crop = f"_sq{square}" if square else ""
-    return Path(cache_dir) / "references" / f"{dataset.root.name}_fdd_{extractor_name}_{count}img{crop}.npz"
+    N dataset images (reference_cache_path), a file no FID reference shares."""
+    return reference_cache_path(cache_dir, dataset, extractor_name, max_images, square, tag="fdd_")
 
 
 def load_fdd_reference(path: str | Path, extractor) -> Reference:

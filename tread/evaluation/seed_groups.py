@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from tread.evaluation.along_run import AT, budget_name, value_at
+from tread.evaluation.along_run import AT, budget_key, budget_name, common_budget, value_at
 from tread.evaluation.stats import compare, holm
 
 NOT_SETTING = re.compile(r"^[+~]*(train\.seed|resume)=")
@@ -158,11 +158,19 @@ def declared_pairs(groups: Sequence[Group], spec: Sequence[str] = ()) -> list[tu
     return pairs
 
 
-def comparisons(groups: Sequence[Group], metric: str, spec: Sequence[str] = ()) -> list[dict[str, Any]]:
+def comparisons(groups: Sequence[Group], metric: str, spec: Sequence[str] = (),
+                axis: Optional[str] = None) -> list[dict[str, Any]]:
     """The declared family (declared_pairs) compared on `metric`, mean of B minus mean of A: paired over shared
-    seeds, else Welch; Holm-corrected over the family (tread/evaluation/stats.py)."""
-    rows = [{"a": a.label, "b": b.label, "metric": metric, **compare(a.by_seed(metric), b.by_seed(metric))}
-            for a, b in declared_pairs(groups, spec)]
+    seeds, else Welch; Holm-corrected over the family (tread/evaluation/stats.py). With `axis` ("step" | "time" |
+    "flops"), `metric` is an evaluated metric read for each pair at the largest budget on that axis both of its
+    settings reached (every run of the two: along_run.common_budget)."""
+    rows = []
+    for a, b in declared_pairs(groups, spec):
+        key = metric
+        if axis is not None:
+            x = common_budget(a.runs + b.runs, axis)
+            key = budget_key(metric, axis, x if x is not None else 0.0)   # None: a run without evaluations
+        rows.append({"a": a.label, "b": b.label, "metric": key, **compare(a.by_seed(key), b.by_seed(key))})
     return holm(rows)
 
 
@@ -202,7 +210,8 @@ def group_table(groups: Sequence[Group], metrics: Sequence[str]) -> list[str]:
         ["steps", "training time (s)", "tokens processed (whole run)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
-        cells = [g.label, str(len(g.runs))]
+        have = len(g.values(metrics[0])) if metrics else len(g.runs)
+        cells = [g.label, str(len(g.runs)) if have == len(g.runs) else f"{have} of {len(g.runs)}"]
         for m in metrics:
             v = g.values(m)
             d = _digits(m)

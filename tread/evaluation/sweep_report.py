@@ -132,30 +132,39 @@ class Budgets:
     compare: Sequence[str] = ()
 
 
-def budget_keys(groups: Sequence[Group], budgets: Budgets) -> list[tuple[str, list[str]]]:
-    """(title, metric keys) per budget: the final values, each --at-step step, equal time, equal FLOPs."""
+def budget_keys(groups: Sequence[Group], budgets: Budgets) -> list[tuple[str, list[str], Optional[str]]]:
+    """(title, metric keys, axis) per budget: the final values, each --at-step step, equal time, equal FLOPs. The
+    axis is set for an "auto" budget: its keys are at the largest budget every run reached (the groups' table),
+    while each declared comparison is read at the largest budget both of its settings reached (comparisons)."""
     runs = [r for g in groups for r in g.runs]
-    out = [("final", ["final_" + m for m in budgets.metrics] + ["final_loss"])]
-    out += [(f"step {s}", [budget_key(m, "step", s) for m in budgets.metrics]) for s in budgets.steps]
+    out: list[tuple[str, list[str], Optional[str]]] = [
+        ("final", ["final_" + m for m in budgets.metrics] + ["final_loss"], None)]
+    out += [(f"step {s}", [budget_key(m, "step", s) for m in budgets.metrics], None) for s in budgets.steps]
     for axis, value in (("time", budgets.time), ("flops", budgets.flops)):
         x = common_budget(runs, axis) if value == "auto" else value
         if x is not None:
-            out.append((f"equal {axis}", [budget_key(m, axis, float(x)) for m in budgets.metrics]))
+            out.append((f"equal {axis}", [budget_key(m, axis, float(x)) for m in budgets.metrics],
+                        axis if value == "auto" else None))
     return out
 
 
 def group_section(runs: list[dict[str, Any]], budgets: Budgets) -> tuple[list[Group], list[str]]:
     """The seed groups of the completed runs and, when some setting has several seeds, the Markdown of their
     statistics per budget and of the declared comparisons (one Holm family per metric and budget; the power
-    sentence for the first metric at the last budget, the primary one) (tread/evaluation/seed_groups.py)."""
+    sentence for FID at equal time, else at the end: the primary family) (tread/evaluation/seed_groups.py)."""
     groups = seed_groups(runs)
     if not any(len(g.runs) > 1 for g in groups):
         return groups, []
     md: list[str] = []
     families, primary = [], []
-    for title, keys in budget_keys(groups, budgets):
-        md += [f"**{title[0].upper() + title[1:]}** ({metric_name(keys[0])}):", "", *group_table(groups, keys), ""]
-        families += [comparisons(groups, k, budgets.compare) for k in keys]
+    for title, keys, axis in budget_keys(groups, budgets):
+        note = " (each comparison below: at the largest one both of its settings reached)" if axis else ""
+        md += [f"**{title[0].upper() + title[1:]}** ({metric_name(keys[0])}{note}):", "",
+               *group_table(groups, keys), ""]
+        if axis:
+            families += [comparisons(groups, m, budgets.compare, axis) for m in budgets.metrics]
+        else:
+            families += [comparisons(groups, k, budgets.compare) for k in keys]
         if title in ("final", "equal time"):
             primary = families[-len(keys)]      # the first metric (FID) at equal time, else at the end
     md += ["Declared comparisons (each setting B against its baseline A; mean of B minus mean of A): paired t over "

@@ -22,6 +22,7 @@ import torch
 
 from tread.data.toy import _COLOURS, _SHAPES, ensure_toy_autoencoder, ensure_toy_pixel_mlp
 from tread.encoders.toy_autoencoder import AUTOENCODER_SEED, AutoencoderFeatures, load_net
+from tread.evaluation.extractors import reference_cache_path
 from tread.evaluation.metric_names import TOY_METRICS
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.reference import load_reference_full, reference_for_dataset
@@ -148,7 +149,7 @@ class ToyScorer:
             if "fd_ae" in self.metrics:
                 ae = load_net("toy_autoencoder", ensure_toy_autoencoder(cache_dir, resolution))
                 self.extractor = AutoencoderFeatures(ae, AUTOENCODER_SEED).to(self.device).requires_grad_(False)
-                path = Path(cache_dir) / "references" / f"{dataset.root.name}_{self.extractor.name}.npz"
+                path = reference_cache_path(cache_dir, dataset, self.extractor.name, max_images)
                 reference_for_dataset(dataset, self.extractor, path, max_images=max_images, decode_kwargs=decode)
         self.reference = load_reference_full(path, self.extractor) if path is not None else None
 

@@ -69,7 +69,8 @@ class Routing(Section):
     fp32_after_route: Flag
     selection: Selection = key("a mapping {mode, importance_weight}")
     routes: list[RouteSpec] = key("a list of {selection_ratio, start_layer_idx, end_layer_idx}")
-    schedule: Optional[list[Phase]] = key("null or a list of phases {start_step, selection_ratio | routes} "
+    schedule: Optional[list[Phase]] = key("null or a list of phases {start_step, selection_ratio | routes, "
+                                          "train: {lr, batch_size, warmup_steps, grad_clip}, path_drop_prob} "
                                           "(docs/routes.md, 'Routing schedules')", default=None)
 
 
