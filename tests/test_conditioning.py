@@ -197,7 +197,7 @@ def bad_extras(**changes):
     (bad_extras(loss_mask=np.full((4, HM, HM), 300)), r"integer mask, so it must lie in \[0, 255\]"),
     (bad_extras(text=np.full((4, L, D), 1e6)), r"extras\['text'\] .*non-finite .*float16 overflows"),
     (bad_extras(caption=np.zeros(4)), r"unknown key\(s\) \['caption'\]; allowed: \['text', 'text_mask', 'pooled', "
-                                      r"'llama', 'loss_mask', 'reference', 'first_frame'\]"),
+                                      r"'llama', 'loss_mask', 'reference', 'first_frame', 'repa_features'\]"),
 ])
 def test_write_validates_extras(tmp_path, extras, message):
     x, y = make_latents(4)
@@ -270,7 +270,7 @@ def resave(name, array):
     (lambda p: edit_meta(p, lambda m: m.update(conditioning=[1])), r"key 'conditioning' is \[1\]"),
     (lambda p: edit_meta(p, lambda m: m["files"].update(captions="c.npy")),
      r"key 'files' is .* optionally any of \['first_frame_latents', 'llama_embeds', 'loss_mask', 'pooled_embeds', "
-     r"'reference_latents', 'text_embeds', 'text_mask'\]"),
+     r"'reference_latents', 'repa_features', 'text_embeds', 'text_mask'\]"),
 ])
 def test_corrupt_extras_errors_name_file_key_and_value(cond_ds, corrupt, message):
     path = cond_ds[0]

@@ -21,6 +21,9 @@ Finished shards are kept in <out>.parts/ so an interrupted run resumes where it 
 parts folder from other settings is an error). When all are done the main process streams them, in image
 order, into <out> (atomically), then deletes the parts folder. The result does not depend on the number of
 processes. --ref-out also writes reference statistics (FID) of the same center-cropped, unflipped images.
+--repa-encoder NAME also stores that REPA encoder's patch features of every image (and of every flipped copy) in
+repa_features.npy, in --dtype, so a REPA run with the same encoder aligns with the images' features instead of
+decoding each batch (docs/data.md, "REPA features").
 
 Text-to-image data (optional): --captions FILE (CSV/TSV `file name,caption` lines, the caption being the rest of the
 line, a JSON object {file name: caption or [captions]}, or JSONL lines {"file": ..., "caption": ...}; names relative
@@ -99,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="precompute_latents.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    for add_group in (_io_args, _encoding_args, _execution_args, _conditioning_args, _reference_args):
+    for add_group in (_io_args, _encoding_args, _execution_args, _conditioning_args, _repa_args, _reference_args):
         add_group(p)
     return p
 
@@ -216,6 +219,17 @@ def _conditioning_args(p: argparse.ArgumentParser) -> None:
     cond.add_argument("--reference-images", metavar="DIR", help="FLUX Kontext edit pairs: folder of reference "
                                                                 "images, one per image, at the image's relative "
                                                                 "path and stem (e.g. cls/x.jpg)")
+
+
+def _repa_args(p: argparse.ArgumentParser) -> None:
+    """The optional REPA targets stored with the latents (tread/data/repa_features.py)."""
+    repa = p.add_argument_group("REPA targets (docs/data.md, \"REPA features\")")
+    repa.add_argument("--repa-encoder", metavar="NAME", help="also store this REPA encoder's patch features of every "
+                                                             "image (and of its flip): dinov2 | toy | toy_fid | "
+                                                             "toy_random; a run with the same encoder (model.repa) "
+                                                             "aligns with them instead of decoding every batch")
+    repa.add_argument("--repa-encoder-weights", metavar="DIR", help="dinov2: a local transformers Dinov2Model folder "
+                                                                    "(the one model.repa.encoder_weights names)")
 
 
 def _reference_args(p: argparse.ArgumentParser) -> None:

@@ -108,6 +108,8 @@ class BucketedDataset(torch.utils.data.Dataset):
                               f"{entry.get('frames')})")
             if {k for k, v in part.conditioning.items() if v} != {k for k, v in first.conditioning.items() if v}:
                 differ.append("conditioning files")
+            if _repa_identity(part.meta) != _repa_identity(first.meta):
+                differ.append("repa_features (encoder, digest, dim)")
             if differ:
                 raise BucketError(f"buckets '{self.entries[0]['name']}' and '{entry['name']}' of '{self.root}' differ "
                                   f"in {', '.join(differ)}: the buckets of one dataset share all but their shape. "
@@ -166,6 +168,15 @@ class BucketedDataset(torch.utils.data.Dataset):
         """The first bucket's meta "video" (None: image buckets); its frames are that bucket's."""
         return self.parts[0].video
 
+    @property
+    def reads_repa_features(self) -> bool:
+        return self.parts[0].reads_repa_features
+
+    def read_repa_features(self) -> None:
+        """Every bucket's items carry its stored REPA features from now on (LatentDataset.read_repa_features)."""
+        for part in self.parts:
+            part.read_repa_features()
+
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
@@ -197,6 +208,12 @@ class BucketedDataset(torch.utils.data.Dataset):
             local = EpochBatch(local, indices.epoch, indices.seed, indices.index_base + int(self.offsets[b]))
         return self.parts[b].__getitems__(local)
 
+
+
+def _repa_identity(meta: Mapping[str, Any]) -> Optional[tuple]:
+    """The stored REPA features' encoder, digest and width (their grid follows each bucket's size)."""
+    repa = meta.get("repa_features")
+    return None if repa is None else (repa["encoder"], repa["digest"], repa["dim"])
 
 
 def _shared_video(meta: Mapping[str, Any]) -> Optional[dict]:

@@ -86,6 +86,15 @@ per clip, and meta has (only then) the key
                    "first_frame" (a COND_KEYS member: models that take it get cond["first_frame"]). Video data only;
                    like the reference, no describing meta key.
 
+REPA targets (docs/data.md, "REPA features"; tread/data/repa_features.py), images only:
+
+    files.repa_features  repa_features.npy  (N, dim, h, w) of `dtype`: a frozen encoder's patch features of each
+                   sample's image (a flipped copy's: of the flipped image), computed when the latents were
+                   (scripts/precompute_latents.py --repa-encoder); read only by a run that aligns with that encoder
+                   (model.repa), so other runs read exactly what they read without them
+    meta "repa_features"  {"encoder": model.repa.encoder's name, "digest": sha256 of the encoder's weights,
+                   "dim": dim, "grid": [h, w], ...free keys (e.g. "weights", "resolution")}
+
 Writing: tread/data/writer.py; reading: tread/data/reader.py; decoding to pixels: tread/data/decode.py.
 """
 from __future__ import annotations
@@ -110,15 +119,22 @@ DEFAULT_FILES = {"latents": "latents.npy", "labels": "labels.npy"}
 # Optional per-sample files: meta "files" key -> default file name.
 EXTRA_FILES = {"text_embeds": "text_embeds.npy", "text_mask": "text_mask.npy", "pooled_embeds": "pooled_embeds.npy",
                "llama_embeds": "llama_embeds.npy", "loss_mask": "loss_mask.npy",
-               "reference_latents": "reference_latents.npy", "first_frame_latents": "first_frame_latents.npy"}
+               "reference_latents": "reference_latents.npy", "first_frame_latents": "first_frame_latents.npy",
+               "repa_features": "repa_features.npy"}
 # A caption table (several captions per sample, see the module doc): the offsets file, and the extras with one row
 # per caption in it.
 CAPTION_FILES = {"caption_offsets": "caption_offsets.npy"}
 CAPTION_KEYS = ("text", "text_mask", "pooled", "llama")
 # Keys of an extras dict (writer input, reader output), in this order, and the files holding them.
-EXTRA_KEYS = ("text", "text_mask", "pooled", "llama", "loss_mask", "reference", "first_frame")
+EXTRA_KEYS = ("text", "text_mask", "pooled", "llama", "loss_mask", "reference", "first_frame", "repa_features")
 EXTRA_FILE_OF = {"text": "text_embeds", "text_mask": "text_mask", "pooled": "pooled_embeds", "llama": "llama_embeds",
-                 "loss_mask": "loss_mask", "reference": "reference_latents", "first_frame": "first_frame_latents"}
+                 "loss_mask": "loss_mask", "reference": "reference_latents", "first_frame": "first_frame_latents",
+                 "repa_features": "repa_features"}
+# meta "repa_features" (REPA targets stored beside the latents): key -> what is allowed.
+REPA_FEATURE_KEYS = {"encoder": "a non-empty string (model.repa.encoder's name)",
+                     "digest": "a non-empty string (sha256 of the encoder's weights)",
+                     "dim": "a positive integer (the feature width)",
+                     "grid": "[h, w], two positive integers (the feature map)"}
 # The optional meta key of each file's size, mtime, digest and non-finite samples (tread/data/integrity.py).
 INTEGRITY_KEY = "integrity"
 # The extras that are the model's per-sample conditioning (cond=...): text embeddings (HiDream's Llama states too),
@@ -232,7 +248,39 @@ def validate_meta(meta: Any, where: str, advice: str = FIX_META) -> dict:
         raise fail("files", f"an object with file names for {sorted(DEFAULT_FILES)} and optionally any of "
                             f"{sorted(EXTRA_FILES)} (and {sorted(CAPTION_FILES)} with conditioning.captions)")
     _validate_conditioning(meta, where, advice)
+    _validate_repa_features(meta, where, advice)
     return meta
+
+
+def _validate_repa_features(meta: dict, where: str, advice: str) -> None:
+    """meta "repa_features" as REPA_FEATURE_KEYS says, with files.repa_features (both or neither); images only."""
+    repa, stored = meta.get("repa_features"), "repa_features" in meta["files"]
+    if (repa is not None) != stored:
+        have, lack = ("files.repa_features", "'repa_features'") if stored else ("'repa_features'",
+                                                                               "files.repa_features")
+        raise LatentDatasetError(f"{where}: meta has {have} but no {lack}; an optional file and its description go "
+                                 f"together (both or neither). {advice}")
+    if repa is None:
+        return
+    if not isinstance(repa, dict):
+        raise LatentDatasetError(f"{where}: key 'repa_features' is {repa!r} but must be an object "
+                                 f"{{{', '.join(REPA_FEATURE_KEYS)}}}. {advice}")
+    grid, text = repa.get("grid"), lambda v: isinstance(v, str) and bool(v)
+    ok = {"encoder": text(repa.get("encoder")), "digest": text(repa.get("digest")), "dim": _pos_int(repa.get("dim")),
+          "grid": isinstance(grid, list) and len(grid) == 2 and all(map(_pos_int, grid))}
+    for key, expected in REPA_FEATURE_KEYS.items():
+        if not ok[key]:
+            raise LatentDatasetError(f"{where}: key 'repa_features.{key}' is {repa.get(key)!r} but must be "
+                                     f"{expected}. {advice}")
+    if len(meta["shape"]) != 3:
+        raise LatentDatasetError(f"{where}: meta has 'repa_features' but is video data (shape {meta['shape']}): REPA "
+                                 f"features are stored for images. {advice}")
+
+
+def repa_features_shape(meta: Mapping[str, Any]) -> Optional[tuple[int, int, int]]:
+    """The (dim, h, w) of each sample's stored REPA features (meta "repa_features"), None without them."""
+    repa = meta.get("repa_features")
+    return None if repa is None else (int(repa["dim"]), *map(int, repa["grid"]))
 
 
 def _validate_video(meta: dict, where: str, advice: str) -> None:

@@ -4,6 +4,7 @@ shard at a time into the parts folder (tread/data/precompute_plan.py), and the f
 order, into one latent dataset."""
 from __future__ import annotations
 
+import json
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,9 +17,10 @@ import torch
 
 from tread.encoders.text import default_max_length, encode_prompts
 from tread.encoders.text_families import family_slots
+from tread.encoders.patch import PatchEncoder
 from tread.encoders.vae import encode
 from tread.utils.io import atomic_write
-from tread.utils.readers import read_image, read_npz
+from tread.utils.readers import parse_json, read_image, read_npz
 
 from .bucketed import BucketedWriter
 from .buckets import fit_crop, mirrored_crop
@@ -27,6 +29,7 @@ from .meta import CAPTION_KEYS, EXTRA_KEYS
 from .precompute_plan import Plan, read_shard, settings_text
 from .precompute_request import PrecomputeError
 from .precompute_video import load_clip, video_dataset_meta, video_meta
+from .repa_features import image_features
 from .writer import LatentDatasetWriter
 
 
@@ -52,6 +55,8 @@ class Encoder:
     seed: int
     shift: float
     text: Optional[TextEncoder] = None
+    repa: Optional[PatchEncoder] = None   # --repa-encoder: its features of each image are stored too
+    repa_meta: Optional[dict] = None      # their meta "repa_features" but the grid (encoder, digest, dim, ...)
 
     def __call__(self, images: np.ndarray, sample_indices: np.ndarray) -> np.ndarray:
         """uint8 (B, H, W, 3) -> stored values: raw (mean, logvar) for moments; raw draw - shift for sample.
@@ -134,9 +139,10 @@ def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[Thread
         arrays["flipped"] = np.concatenate(flipped)
     arrays.update({key: np.concatenate(values) for key, values in refs.items()})   # reference[, flipped_reference]
     for key, value in arrays.items():
-        ref = "reference" in key or key == "first_frame"
-        arrays[key] = _cast_stored(value, store, plan, start, "reference latents" if ref else "latents",
-                                   "the references of " if ref else "", f16 + vae_advice)
+        ref, repa = "reference" in key or key == "first_frame", "repa_features" in key
+        arrays[key] = _cast_stored(value, store, plan, start, "REPA features" if repa else "reference latents" if ref
+                                   else "latents", "the references of " if ref else "", f16 + ("" if repa else
+                                                                                               vae_advice))
     if masks:
         arrays["loss_mask"] = np.concatenate(masks).astype(np.uint8)
     if plan.buckets is not None:
@@ -145,6 +151,8 @@ def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[Thread
     arrays.update({key: np.concatenate(values) for key, values in text.items()})
     if shard == 0 and plan.caption_table and plan.settings["text"]["empty_prompt"]:   # encoded once, with shard 0
         arrays.update({f"empty_{key}": value for key, value in _encode_empty_prompt(plan, encoder.text).items()})
+    if encoder.repa_meta is not None:
+        arrays["repa_meta"] = np.array(json.dumps(encoder.repa_meta, sort_keys=True))
     arrays.update(labels=plan.labels[start:stop].astype(np.int64), indices=np.arange(start, stop, dtype=np.int64),
                   settings=np.array(settings_text(plan.settings)))
     atomic_write(plan.shard_file(shard), lambda f: np.savez(f, **arrays), fsync=True)
@@ -169,6 +177,9 @@ def _encode_images(plan: Plan, start: int, stop: int, encoder: Encoder, pool: Op
                 refs.setdefault(key, []).append(value)
         if plan.video and plan.settings["video"]["first_frame"]:   # each clip's first frame encoded alone
             refs.setdefault("first_frame", []).append(_finite(encoder.first_frame(images), plan, idx, "first frame "))
+        if encoder.repa is not None:  # the REPA encoder's features of the images (and of the flipped images)
+            for key, value in _repa_features(plan, encoder.repa, images).items():
+                refs.setdefault(key, []).append(value)
         if encoder.text is not None:  # each caption once: flipped copies reuse them
             for key, value in _encode_captions(plan, encoder.text, idx).items():
                 text.setdefault(key, []).append(value)
@@ -228,6 +239,29 @@ def _encode_references(plan: Plan, idx: np.ndarray, encoder: Encoder, pool: Opti
         mirrored = encoder.reference(np.ascontiguousarray(images[:, :, ::-1]))
         out["flipped_reference"] = _finite(mirrored, plan, idx, "flipped reference ", plan.reference_paths)
     return out
+
+
+def _repa_features(plan: Plan, encoder: PatchEncoder, images: np.ndarray) -> dict[str, np.ndarray]:
+    """{"repa_features": the encoder's features (B, dim, h, w) of uint8 images (B, H, W, 3)} and, with --flip,
+    "flipped_repa_features" (of the mirrored images: a flipped copy aligns with its own image's features)."""
+    out = {"repa_features": image_features(encoder, images)}
+    if plan.settings["flip"]:
+        out["flipped_repa_features"] = image_features(encoder, images[:, :, ::-1])
+    return out
+
+
+def repa_meta(plan: Plan, shards: list[int], first: dict) -> Optional[dict]:
+    """meta "repa_features" of the stored features (None without them): the encoder every shard records, the grid
+    of the first's features; shards encoded by other weights of the same name (a resumed run) are refused."""
+    if "repa_features" not in first:
+        return None
+    metas = {s: str(read_npz(plan.shard_file(s), "shard file", ("repa_meta",), PrecomputeError)["repa_meta"])
+             for s in shards}
+    if len(set(metas.values())) > 1:
+        raise PrecomputeError(f"the shards in '{plan.parts}' hold the features of different REPA encoders (other "
+                              f"weights under one name); delete '{plan.parts}' to encode them all again")
+    meta = parse_json(metas[shards[0]], "shard file repa_meta", "the encoder's JSON", PrecomputeError)
+    return {**meta, "grid": list(first["repa_features"].shape[-2:])}
 
 
 def _finite(values: np.ndarray, plan: Plan, idx: np.ndarray, which: str,
@@ -305,7 +339,7 @@ def _merge(plan: Plan, out: Path, shards: list[int], meta: dict, empty: Optional
                              video=video_meta(plan, vae, plan.target(plan.shard_range(shards[0])[0]).frames)
                              if plan.video else None,
                              caption_counts=None if counts is None else np.tile(counts, 2 if flip else 1),
-                             **meta) as writer:
+                             repa_features=repa_meta(plan, shards, first), **meta) as writer:
         for shard in shards:
             z = first if shard == shards[0] else read_shard(plan, shard)
             start = plan.shard_range(shard)[0] - base
@@ -317,8 +351,9 @@ def _merge(plan: Plan, out: Path, shards: list[int], meta: dict, empty: Optional
             if flip:  # the mirror image keeps its captions; its mask and reference are mirrored too
                 if "loss_mask" in extras:
                     extras["loss_mask"] = extras["loss_mask"][:, :, ::-1]
-                if "reference" in extras:
-                    extras["reference"] = z["flipped_reference"]
+                for key in ("reference", "repa_features"):
+                    if key in extras:
+                        extras[key] = z[f"flipped_{key}"]
                 writer.write(n + start, z["flipped"], z["labels"], extras or None)
                 if text:
                     writer.write_captions(int(counts.sum()) + rows, text)

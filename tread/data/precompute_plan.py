@@ -142,6 +142,9 @@ def make_plan(req: PrecomputeRequest) -> Plan:
     if reference_paths is not None:
         settings["reference_images"] = {"dir": str(Path(req.reference_images).expanduser().absolute()),
                                         "sha256": _digest([p.as_posix() for p in reference_paths])}
+    if req.repa_encoder is not None:     # each shard records the encoder's digest (checked when merging)
+        settings["repa"] = {"encoder": req.repa_encoder, "weights": None if req.repa_encoder_weights is None
+                            else str(Path(req.repa_encoder_weights).expanduser().absolute())}
     return Plan(root, out, parts_dir_of(out), paths, labels, class_names, num_classes, settings, req.shard_size,
                 req, captions, mask_paths, text_paths, skipped, reference_paths=reference_paths, buckets=buckets,
                 image_bucket=image_bucket)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from tread.encoders.text import TextEncoderError, resolve_text_encoder_paths
 from tread.encoders.text_families import FAMILIES, TEXT_FAMILIES, encoder_keys
+from tread.encoders.patch import ENCODERS as REPA_ENCODERS
 from tread.encoders.vae import VIDEO_VAE_CLASSES
 from tread.utils.errors import UserError
 
@@ -72,6 +73,8 @@ class PrecomputeRequest:
     text_encoder_dtype: str = "float32"           # text encoder weights/compute dtype
     loss_masks: Optional[str] = None              # folder of grayscale loss masks
     reference_images: Optional[str] = None        # folder of reference images (FLUX Kontext edit pairs)
+    repa_encoder: Optional[str] = None            # also store this REPA encoder's features of every image
+    repa_encoder_weights: Optional[str] = None    # its weights (dinov2: a local Dinov2Model folder)
     ref_out: Optional[str] = None                 # also write reference statistics (FID) here
     ref_features: str = "inception"               # inception | toy_classifier
     inception_weights: Optional[str] = None       # local Inception weights file
@@ -150,6 +153,7 @@ def check_common(req: PrecomputeRequest) -> None:
     if req.max_images is not None and req.max_images < 1:
         raise bad_value("--max-images", req.max_images, "an integer >= 1 (or leave it out for all images)")
     check_conditioning(req)
+    check_repa_encoder(req)
     check_buckets(req)
     if req.ref_out is not None:
         ref = Path(req.ref_out).expanduser()
@@ -282,7 +286,24 @@ def _check_text_family(req: PrecomputeRequest, captioned: bool) -> None:
 # Flags of image runs only (--images itself too).
 IMAGE_ONLY = (("--flip", "flip"), ("--loss-masks", "loss_masks"), ("--reference-images", "reference_images"),
               ("--ref-out", "ref_out"), ("--labels", "labels"), ("--images", "images"),
-              ("--max-images", "max_images"))
+              ("--max-images", "max_images"), ("--repa-encoder", "repa_encoder"))
+
+
+def check_repa_encoder(req: PrecomputeRequest) -> None:
+    """--repa-encoder and its weights (cheap: the folder exists; the encoder is loaded with the VAE)."""
+    name, weights = req.repa_encoder, req.repa_encoder_weights
+    if name is None:
+        if weights is not None:
+            raise PrecomputeError("--repa-encoder-weights only applies with --repa-encoder NAME")
+        return
+    if name not in REPA_ENCODERS:
+        raise bad_value("--repa-encoder", name, f"one of {', '.join(REPA_ENCODERS)} (model.repa.encoder's names)")
+    if name == "dinov2" and (weights is None or not Path(weights).expanduser().is_dir()):
+        raise bad_value("--repa-encoder-weights", weights, "a local transformers Dinov2Model folder (save_pretrained) "
+                                                           "for --repa-encoder dinov2")
+    if name != "dinov2" and weights is not None:
+        raise bad_value("--repa-encoder-weights", weights, f"left out for --repa-encoder {name} (toy, toy_fid: the "
+                                                           f"toy classifier in --cache-dir; toy_random: no file)")
 
 
 def frame_counts(req: PrecomputeRequest) -> list[int]:

@@ -34,6 +34,7 @@ from .precompute_plan import (Plan, check_parts_settings, make_plan, read_shard,
                               unreadable_images_error, write_parts_settings)
 from .precompute_request import PrecomputeError, PrecomputeRequest, bad_value, check_request
 from .precompute_video import load_video_encoder
+from .repa_features import encoder_meta, load_repa_encoder
 
 
 def collective(work: Callable[[], Any]) -> Any:
@@ -95,7 +96,12 @@ def load_encoder(plan: Plan, device) -> Encoder:
         raise bad_value("--resolution", req.resolution, f"a multiple of {factor} (the VAE '{req.vae}' downsamples by "
                                                         f"{factor})")
     shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
-    return Encoder(vae, plan.settings["kind"], req.seed, shift, _text_encoder(plan, device))
+    encoder = Encoder(vae, plan.settings["kind"], req.seed, shift, _text_encoder(plan, device))
+    if req.repa_encoder is not None:
+        encoder.repa, weights = load_repa_encoder(req.repa_encoder, req.repa_encoder_weights, cache_dir=req.cache_dir,
+                                                  resolution=req.resolution, device=device)
+        encoder.repa_meta = encoder_meta(req.repa_encoder, encoder.repa, weights, req.resolution)
+    return encoder
 
 
 def _text_encoder(plan: Plan, device) -> Optional[TextEncoder]:

@@ -119,6 +119,8 @@ class VideoEncoder:
     vae: Any
     info: dict
     text: Optional[Any] = None     # precompute.TextEncoder with captions
+    repa: None = None              # clips store no REPA features (precompute.Encoder.repa: images only)
+    repa_meta: None = None
 
     def _encode(self, clips: np.ndarray) -> np.ndarray:
         x = torch.from_numpy(np.ascontiguousarray(clips)).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0

@@ -24,8 +24,9 @@ import torch
 
 from tread.utils.readers import read_npy
 
-from .meta import (CAPTION_KEYS, DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, INTEGRITY_KEY, LLAMA_KEYS,
-                   REBUILD, LatentDatasetError, PathLike, first_frame_shape, latent_kind, model_shape, read_meta)
+from .meta import (CAPTION_KEYS, DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, INTEGRITY_KEY, LLAMA_KEYS, REBUILD,
+                   LatentDatasetError, PathLike, first_frame_shape, latent_kind, model_shape, read_meta,
+                   repa_features_shape)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -186,10 +187,15 @@ class LatentMeta:
     def has_extras(self) -> bool:
         """True when items carry an extras dict (text / pooled embeddings, loss masks, references) after (x, y)."""
         c = self.conditioning
-        return any(c.get(k) is not None for k in ("text", "pooled", "llama", "loss_mask", "reference", "first_frame"))
+        return any(c.get(k) is not None for k in ("text", "pooled", "llama", "loss_mask", "reference", "first_frame")) \
+            or (self.reads_repa_features and "repa_features" in self.meta["files"])
 
     def __len__(self) -> int:
         return self._meta["num_samples"]
+
+    # Stored REPA features (files.repa_features) are read only once a run that aligns with them asks
+    # (read_repa_features); every other reader sees the data as if they were not there.
+    reads_repa_features = False
 
 
 class LatentDataset(LatentMeta, torch.utils.data.Dataset):
@@ -204,7 +210,8 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         self._meta = read_meta(self.root)
         self._latents: Optional[np.ndarray] = None
         self._labels: Optional[np.ndarray] = None
-        self._extras: Optional[dict[str, np.ndarray]] = None
+        self._extras: Optional[dict[str, np.ndarray]] = None    # the extras items carry
+        self._stored: Optional[dict[str, np.ndarray]] = None    # every extras file (stored REPA features too)
         self._offsets: Optional[np.ndarray] = None   # a caption table's (N + 1,) offsets
         self._reported: set[int] = set()  # samples already warned about (warn_non_finite)
         self._validate_files()
@@ -216,8 +223,10 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
             files = self._meta["files"]
             self._latents = _open_npy(self.root / files["latents"], "latents")
             self._labels = _open_npy(self.root / files["labels"], "labels")
-            self._extras = {key: _open_npy(self.root / files[EXTRA_FILE_OF[key]], EXTRA_FILE_OF[key])
+            self._stored = {key: _open_npy(self.root / files[EXTRA_FILE_OF[key]], EXTRA_FILE_OF[key])
                             for key in EXTRA_KEYS if EXTRA_FILE_OF[key] in files}
+            self._extras = {key: array for key, array in self._stored.items()
+                            if key != "repa_features" or self.reads_repa_features}
             if "caption_offsets" in files:
                 self._offsets = _open_npy(self.root / files["caption_offsets"], "caption_offsets")
         return self._latents, self._labels
@@ -226,7 +235,14 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         # Pickle only the path and meta: a worker re-maps the files instead of receiving a copy of them. The meta's
         # integrity record (tread/data/integrity.py) stays behind: only the start-up check reads it.
         meta = {k: v for k, v in self._meta.items() if k != INTEGRITY_KEY}
-        return {**self.__dict__, "_meta": meta, "_latents": None, "_labels": None, "_extras": None, "_offsets": None}
+        return {**self.__dict__, "_meta": meta, "_latents": None, "_labels": None, "_extras": None, "_stored": None,
+                "_offsets": None}
+
+    def read_repa_features(self) -> None:
+        """From now on items carry the stored REPA features, extras "repa_features" (dim, h, w) float32 (meta
+        "repa_features" says whose; tread/training/repa.py checks them against the run's encoder first)."""
+        self.reads_repa_features = True
+        self._latents = None      # re-opened on next use, with them
 
     def _validate_files(self) -> None:
         latents, labels = self._open()
@@ -256,8 +272,10 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
                     "reference": ((n, *(c.get("reference") or ())), (m["dtype"],),
                                   "num_samples, dtype and the model-space shape"),
                     "first_frame": ((n, *(c.get("first_frame") or ())), (m["dtype"],),
-                                    "num_samples, dtype and the model-space shape with T = 1")}
-        for key, array in (self._extras or {}).items():
+                                    "num_samples, dtype and the model-space shape with T = 1"),
+                    "repa_features": ((n, *(repa_features_shape(m) or ())), (m["dtype"],),
+                                      "num_samples, dtype, repa_features.dim and grid")}
+        for key, array in (self._stored or {}).items():
             shape, dtypes, source = expected[key]
             if array.shape != shape or array.dtype.name not in dtypes:
                 raise LatentDatasetError(
@@ -340,7 +358,8 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
         """Batched fetch, (x (B, C, H, W) float32 (video: (B, C, T, H, W)), y (B,) int64), with one fancy-indexed
         read of each memmap; with extras (x, y, {"text": (B, L, D) float32, "text_mask": (B, L) bool, "pooled":
         (B, P) float32, "llama": (B, n, L, Dl) float32, "loss_mask": (B, 1, Hm, Wm) float32 in [0, 1], "reference":
-        (B, C, H, W) float32, "first_frame": (B, C, 1, H, W) float32}), the keys the dataset has, in request order. With a caption table the text parts are each
+        (B, C, H, W) float32, "first_frame": (B, C, 1, H, W) float32, "repa_features": (B, dim, h, w) float32 once
+        read_repa_features()}), the keys the dataset has, in request order. With a caption table the text parts are each
         sample's caption for this batch (caption_rows: drawn per epoch for a loader's EpochBatch)."""
         latents, labels = self._open()
         idx = np.asarray(indices, dtype=np.int64)

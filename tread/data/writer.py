@@ -13,9 +13,10 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from .integrity import integrity_record
+from .layout import DECLARE, EXTRA_NDIM, EXTRA_WHAT, conditioning_layout
 from .meta import (CAPTION_FILES, CAPTION_KEYS, DEFAULT_FILES, EXTRA_FILE_OF, EXTRA_FILES, EXTRA_KEYS, FORMAT,
-                   INTEGRITY_KEY, LLAMA_KEYS, VERSION, LatentDatasetError, LatentDatasetExistsError, PathLike,
-                   caption_offsets, first_frame_shape, model_shape, validate_meta)
+                   INTEGRITY_KEY, VERSION, LatentDatasetError, LatentDatasetExistsError, PathLike,
+                   caption_offsets, first_frame_shape, model_shape, repa_features_shape, validate_meta)
 
 
 def _exists_error(root: Path) -> LatentDatasetExistsError:
@@ -26,104 +27,6 @@ def _exists_error(root: Path) -> LatentDatasetExistsError:
 def _check_target(root: Path) -> None:
     if root.exists() and not (root.is_dir() and not any(root.iterdir())):
         raise _exists_error(root)
-
-
-# What each extras array holds, for error messages.
-EXTRA_WHAT = {"text": "(n, L, D) float array of text embeddings", "text_mask": "(n, L) bool attention mask",
-              "pooled": "(n, P) float array of pooled embeddings",
-              "llama": "(n, layers, L, Dl) float array of Llama hidden states",
-              "loss_mask": "(n, Hm, Wm) loss mask (uint8 0..255, or float in [0, 1])",
-              "reference": "(n, C, H, W) float array of reference latents (stored values, like the latents)",
-              "first_frame": "(n, C, 1, H, W) float array of first-frame latents (stored values, like the latents)"}
-_EXTRA_NDIM = {"text": 3, "text_mask": 2, "pooled": 2, "llama": 4, "loss_mask": 3, "reference": 4, "first_frame": 5}
-DECLARE = ("text_shape=(L, D), text_mask=True, pooled_dim=P, llama_shape=(layers, L, Dl), loss_mask_shape=(Hm, Wm), "
-           "reference_latents=True, first_frame_latents=True")
-# conditioning keys the writer sets itself, and the writer argument each part comes from
-_RESERVED = {"text": ("seq_len", "dim", "mask"), "pooled": ("dim",), "llama": LLAMA_KEYS,
-             "captions": ("rows", "empty_prompt")}
-_ARG_OF = {"text": "text_shape", "pooled": "pooled_dim", "llama": "llama_shape",
-           "captions": "caption_counts/empty_prompt"}
-
-
-def _dims(value: Any, n: int, name: str, what: str, root: Path) -> Optional[tuple[int, ...]]:
-    """None, or `value` as a tuple of n positive Python ints (n=0: a single int, as a 1-tuple); numpy ints are
-    converted (they are not JSON-serialisable)."""
-    if value is None:
-        return None
-    items = list(value) if isinstance(value, (tuple, list, np.ndarray)) else [value] if n == 0 else None
-    if items is None or len(items) != max(n, 1) or not all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v > 0 for v in items):
-        raise LatentDatasetError(f"{name} for '{root}' is {value!r} but must be {what}, or None")
-    return tuple(int(v) for v in items)
-
-
-def _conditioning_layout(root: Path, dtype: str, text_shape, text_mask: bool, pooled_dim, loss_mask_shape,
-                         conditioning_meta: Optional[Mapping[str, Any]], llama_shape=None,
-                         captions: Optional[dict] = None) -> tuple[dict, dict]:
-    """(meta keys to add, {extras key: (per-sample or per-caption shape, storage dtype)}) for the writer's optional
-    arrays; `captions` is the caption table's meta ({"rows", "empty_prompt"}) or None."""
-    text = _dims(text_shape, 2, "text_shape", "(L, D): two positive integers (sequence length, embedding size)",
-                 root)
-    pooled = _dims(pooled_dim, 0, "pooled_dim", "a positive integer (P, the pooled embedding size)", root)
-    llama = _dims(llama_shape, 3, "llama_shape", "(layers, L, Dl): three positive integers (Llama layers, sequence "
-                                                 "length, hidden size)", root)
-    lm = _dims(loss_mask_shape, 2, "loss_mask_shape", "(Hm, Wm): two positive integers (the mask resolution)",
-               root)
-    if not isinstance(text_mask, (bool, np.bool_)):
-        raise LatentDatasetError(f"text_mask for '{root}' is {text_mask!r} but must be True or False")
-    if text_mask and text is None:
-        raise LatentDatasetError(f"text_mask=True for '{root}' needs text_shape=(L, D): the attention mask belongs "
-                                 f"to the sequence text embeddings")
-    if llama is not None and text is None:
-        raise LatentDatasetError(f"llama_shape={llama} for '{root}' needs text_shape=(L, D): the Llama hidden states "
-                                 f"go with the T5 text embeddings (HiDream)")
-    if captions is not None and text is None:
-        raise LatentDatasetError(f"caption_counts/empty_prompt for '{root}' need text_shape=(L, D): a caption table "
-                                 f"holds text embeddings")
-    ours = {"text": None if text is None else {"seq_len": text[0], "dim": text[1], "mask": bool(text_mask)},
-            "pooled": None if pooled is None else {"dim": pooled[0]},
-            "llama": None if llama is None else dict(zip(LLAMA_KEYS, llama)), "captions": captions}
-    cond = _described(root, ours, dict(conditioning_meta or {}))
-    meta: dict = {}
-    if conditioning_meta is not None or any(v is not None for v in ours.values()):
-        meta["conditioning"] = cond
-    if lm is not None:
-        meta["loss_mask"] = {"shape": list(lm)}
-    specs: dict = {}
-    if text is not None:
-        specs["text"] = (text, dtype)
-        if text_mask:
-            specs["text_mask"] = (text[:1], "bool")
-    for key, shape in (("pooled", pooled), ("llama", llama)):
-        if shape is not None:
-            specs[key] = (shape, dtype)
-    if lm is not None:
-        specs["loss_mask"] = (lm, "uint8")
-    return meta, specs
-
-
-def _described(root: Path, ours: dict, extra: dict) -> dict:
-    """meta "conditioning": each stored part's shape keys (`ours`: part -> dict or None) with the descriptive
-    keys conditioning_meta (`extra`) adds; describing an absent array, or contradicting a stored one, is an
-    error."""
-    cond: dict = {k: v for k, v in extra.items() if k not in ours}
-    for part, described in ours.items():
-        given = extra.get(part)
-        if given is None:
-            if described is not None:
-                cond[part] = described
-            continue
-        arg = _ARG_OF[part]
-        if described is None or not isinstance(given, Mapping):
-            raise LatentDatasetError(f"conditioning_meta['{part}'] for '{root}' is {given!r}, but " +
-                                     (f"no {arg} was given (describe only stored arrays)" if described is None
-                                      else "it must be a dict of descriptive keys (e.g. 'family', 'encoders')"))
-        clash = {k: (given[k], described[k]) for k in _RESERVED[part] if k in given and given[k] != described[k]}
-        if clash:
-            raise LatentDatasetError(f"conditioning_meta['{part}'] for '{root}' contradicts the arrays: {clash} "
-                                     f"(given, from {arg}/text_mask)")
-        cond[part] = {**described, **{k: v for k, v in given.items() if k not in _RESERVED[part]}}
-    return cond
 
 
 def _cast_finite(a: np.ndarray, dtype: str, what: str, start: int, stop: int, fix: str) -> np.ndarray:
@@ -145,6 +48,10 @@ class LatentDatasetWriter:
     Video data: shape=(C, T, H, W) and video={"frames": F, "frame_stride": s, "fps": f, "temporal_factor": k} (meta
     "video"); first_frame_latents=True adds first_frame_latents.npy ((C, 1, H, W) per clip, dataset dtype, stored
     like "sample" latents), given with every write as extras["first_frame"].
+
+    Stored REPA features (tread/data/repa_features.py): repa_features={"encoder", "digest", "dim", "grid": [h, w],
+    ...} (meta "repa_features") adds repa_features.npy ((dim, h, w) per sample, dataset dtype), given with every
+    write as extras["repa_features"].
 
     Optional per-sample arrays (see the module doc): text_shape=(L, D) (text_embeds.npy, in the dataset
     dtype), text_mask=True (text_mask.npy, needs text_shape), pooled_dim=P (pooled_embeds.npy, dataset
@@ -176,7 +83,7 @@ class LatentDatasetWriter:
                  conditioning_meta: Optional[Mapping[str, Any]] = None, reference_latents: bool = False,
                  llama_shape: Optional[Sequence[int]] = None, caption_counts: Optional[Sequence[int]] = None,
                  empty_prompt: bool = False, video: Optional[Mapping[str, Any]] = None,
-                 first_frame_latents: bool = False):
+                 first_frame_latents: bool = False, repa_features: Optional[Mapping[str, Any]] = None):
         self.root = root = Path(path).expanduser().absolute()
         to_int = lambda v: int(v) if isinstance(v, np.integer) else v  # numpy ints are not JSON-serialisable
         self.meta = {"format": FORMAT, "version": VERSION, "shape": [to_int(s) for s in shape], "dtype": dtype,
@@ -186,16 +93,20 @@ class LatentDatasetWriter:
                      "files": dict(DEFAULT_FILES), **(extra_meta or {})}
         if video is not None:
             self.meta["video"] = {k: to_int(v) for k, v in dict(video).items()}
-        clash = sorted({"conditioning", "loss_mask", INTEGRITY_KEY, "video"} & set(extra_meta or {}))
+        if repa_features is not None:
+            self.meta["repa_features"] = _json_ready(repa_features)
+            self.meta["files"]["repa_features"] = EXTRA_FILES["repa_features"]
+        clash = sorted({"conditioning", "loss_mask", INTEGRITY_KEY, "video", "repa_features"} & set(extra_meta or {}))
         if clash:
             raise LatentDatasetError(f"extra_meta for '{root}' sets {clash}: describe conditioning and loss masks "
                                      f"with text_shape/text_mask/pooled_dim/loss_mask_shape/conditioning_meta, video "
-                                     f"data with video=... (the writer records '{INTEGRITY_KEY}' itself)")
+                                     f"data with video=..., stored REPA features with repa_features=... (the writer "
+                                     f"records '{INTEGRITY_KEY}' itself)")
         self._offsets = caption_offsets(root, caption_counts, empty_prompt, to_int(num_samples))
         self.empty_row = int(self._offsets[-1]) if self._offsets is not None and empty_prompt else None
         captions = None if self._offsets is None else {"rows": int(self._offsets[-1]) + bool(empty_prompt),
                                                        "empty_prompt": bool(empty_prompt)}
-        extra, self._specs = _conditioning_layout(root, dtype, text_shape, text_mask, pooled_dim, loss_mask_shape,
+        extra, self._specs = conditioning_layout(root, dtype, text_shape, text_mask, pooled_dim, loss_mask_shape,
                                                   conditioning_meta, llama_shape, captions)
         self.meta.update(extra)
         if captions is not None:
@@ -211,6 +122,8 @@ class LatentDatasetWriter:
             self._specs["reference"] = (model_shape(self.meta), dtype)
         if first_frame_latents:
             self._specs["first_frame"] = (first_frame_shape(self.meta), dtype)
+        if repa_features is not None:
+            self._specs["repa_features"] = (repa_features_shape(self.meta), dtype)
         try:
             json.dumps(self.meta)
         except (TypeError, ValueError) as err:
@@ -278,7 +191,7 @@ class LatentDatasetWriter:
                 want = ", ".join(map(str, (n, *tail)))
                 raise LatentDatasetError(f"{head} must be a {EXTRA_WHAT[key]} of shape ({want}) (one per "
                                          f"{'caption row' if captions else 'latent'}), got shape {a.shape}")
-            if key in ("text", "pooled", "llama", "reference", "first_frame"):
+            if key in ("text", "pooled", "llama", "reference", "first_frame", "repa_features"):
                 if not (np.issubdtype(a.dtype, np.floating) or a.size == 0):
                     raise LatentDatasetError(f"{head} must be a float array, got {a.dtype}")
                 a = _cast_finite(a, dtype, f"{head} contains", start, start + n, "use dtype='float32'")
@@ -414,6 +327,15 @@ class LatentDatasetWriter:
             self.abort()
 
 
+def _json_ready(value: Any) -> Any:
+    """A plain-data meta value with numpy numbers and tuples made JSON's ints, floats and lists."""
+    if isinstance(value, Mapping):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list, np.ndarray)):
+        return [_json_ready(v) for v in value]
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def _check_arrays(root: Path, latents: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
     """The latents (N, C, H, W) (video: (N, C, T, H, W)) and integer labels (N,) of write_latent_dataset as arrays,
     or one error."""
@@ -435,16 +357,16 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
                          conditioning_meta: Optional[Mapping[str, Any]] = None,
                          caption_counts: Optional[Sequence[int]] = None,
                          empty_prompt: Optional[Mapping[str, np.ndarray]] = None,
-                         video: Optional[Mapping[str, Any]] = None) -> Path:
+                         video: Optional[Mapping[str, Any]] = None,
+                         repa_features: Optional[Mapping[str, Any]] = None) -> Path:
     """Write a dataset atomically: build it in a temporary sibling directory, then rename it into place.
 
     `latents` (N, C, H, W) are the *stored* values (model space / latent_scale); video data: (N, C, T, H, W) with
-    `video` = meta "video" {"frames", "frame_stride", "fps", "temporal_factor"} (tread/data/meta.py). `extra_meta` adds keys to
-    meta.json (e.g. "builtin"). `extras` optionally adds per-sample conditioning / loss masks as full arrays
+    `video` = meta "video" (tread/data/meta.py). `extra_meta` adds keys to meta.json (e.g. "builtin"). `extras` optionally adds per-sample conditioning / loss masks as full arrays
     {"text": (N, L, D), "text_mask": (N, L) bool, "pooled": (N, P), "llama": (N, n, L, Dl), "loss_mask":
     (N, Hm, Wm) uint8 or float in [0, 1], "reference": (N, C, H, W) stored reference latents, "first_frame":
-    (N, C, 1, H, W) stored first-frame latents (video)} (any subset;
-    text_mask and llama need text),
+    (N, C, 1, H, W) stored first-frame latents (video), "repa_features": (N, dim, h, w) with `repa_features` its meta
+    (see LatentDatasetWriter)} (any subset; text_mask and llama need text),
     described further by `conditioning_meta` (see LatentDatasetWriter). A caption table (tread/data/meta.py):
     `caption_counts` (N,) captions per sample, the text parts then holding sum(caption_counts) rows (sample by
     sample), and/or `empty_prompt` {"text": (1, L, D), ...} (the same text parts, one row: the encoded ""), stored
@@ -461,7 +383,7 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
     rows = int(np.sum(caption_counts)) if caption_counts is not None else len(latents)
     for key, value in extras.items():
         n, per = (rows, "caption row") if table and key in CAPTION_KEYS else (len(latents), "latent")
-        if value.ndim != _EXTRA_NDIM[key] or len(value) != n:
+        if value.ndim != EXTRA_NDIM[key] or len(value) != n:
             raise LatentDatasetError(f"extras['{key}'] for '{root}' must be a {EXTRA_WHAT[key].replace('(n,', '(N,')} "
                                      f"with N={n} (one per {per}), got shape {value.shape}")
     shape_of = lambda key: extras[key].shape[1:] if key in extras else None  # noqa: E731
@@ -473,7 +395,7 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
                              loss_mask_shape=shape_of("loss_mask"), conditioning_meta=conditioning_meta,
                              reference_latents="reference" in extras, llama_shape=shape_of("llama"),
                              caption_counts=caption_counts, empty_prompt=empty_prompt is not None, video=video,
-                             first_frame_latents="first_frame" in extras) as writer:
+                             first_frame_latents="first_frame" in extras, repa_features=repa_features) as writer:
         if not (labels.min() >= 0 and labels.max() < writer.meta["num_classes"]):  # checked before any copying
             raise LatentDatasetError(f"labels for '{root}' range over [{labels.min()}, {labels.max()}] but must lie "
                                      f"in [0, num_classes={num_classes}); pass the right num_classes or remap the "

@@ -122,6 +122,9 @@ class Repa(Section):
     encoder_dim: Optional[int] = key("null (read from the encoder) or the encoder's feature width", ge=1,
                                      default=None)
     projector_dim: int = key("a positive integer (hidden width of the projection MLP)", ge=1, default=2048)
+    targets: Literal["auto", "precomputed", "decoded"] = key(
+        "auto (the features the data stores when this encoder made them, else decoded), precomputed (the stored "
+        "features, required) or decoded (encode the decoded latents each step)", default="auto")
 
 
 class Backbone(Section):
@@ -158,8 +161,8 @@ class DiTModel(Backbone):
                                                "Xavier-uniform over the zeroed adaLN and final layers)",
                                                default="adaln_zero")
     arch: Literal[tuple(DIT_ARCHS)] = key(one_of(DIT_ARCHS))
-    repa: Optional[Repa] = key("null or {weight, block, encoder, encoder_weights, encoder_dim, projector_dim} "
-                               "(repa=toy|toy_random|toy_fid|dinov2)", default=None)
+    repa: Optional[Repa] = key("null or {weight, block, encoder, encoder_weights, encoder_dim, projector_dim, "
+                               "targets} (repa=toy|toy_random|toy_fid|dinov2)", default=None)
     # DiT arguments a research run may override (+model.depth=6, ...); null: model.arch's. The rules between them
     # (divisibility) are check_geometry's.
     depth: Optional[int] = key("an integer in [1, 128] (transformer blocks)", ge=1, le=128, default=None)

@@ -29,6 +29,7 @@ from tread.schema import check_train, check_train_files
 from tread.training.checkpoint import save_checkpoint
 from tread.training.ema import EMA_NOTES
 from tread.training.guard import NonFiniteGuard
+from tread.training.repa import use_stored_targets
 from tread.training.resume_check import check_resume
 from tread.training.run_log import RunLog
 from tread.training.setup import (TrainingParts, build_parts, ensure_dirs, make_accelerator, make_loader,
@@ -58,6 +59,10 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Optional[list[str]], accel
     candidates = resume_plan(run_dir, cfg.resume)
     parts = build_parts(cfg, accelerator)                     # routes are validated here, within seconds
     dataset = open_dataset(cfg, parts.model)
+    note = use_stored_targets(parts.repa, dataset, (cfg.model.get("repa") or {}).get("targets") or "auto",
+                              f"'{cfg.data.path}'")
+    if note and accelerator.is_main_process:
+        print(note, flush=True)
     use_mask = uses_loss_mask(cfg, dataset)
     settings = StepSettings.from_config(cfg, use_mask, dataset.meta, parts.model.routing.enabled, dataset)
     state = TrainingState(parts.model, parts.ema.model, parts.optimizer, make_loader(cfg, dataset, accelerator),

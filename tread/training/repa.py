@@ -1,11 +1,12 @@
 """REPA during training: the frozen encoder of model.repa, its patch features of each batch's clean images, and
 the alignment loss added to the diffusion loss (tread/models/repa.py defines which tokens are aligned).
 
-The clean images are the batch's latents decoded as evaluation decodes them (identity data directly, VAE data
-with the data's VAE: on latent data that is one VAE decode per training batch, the price of aligning with an
-image encoder without stored features). The encoder's forward FLOPs per image (`encoder_flops`) count in the run's
-training FLOPs while targets are decoded (summary.json repa_targets, repa_encoder_flops_per_step), and the time the
-targets take is summed per log window (metrics.jsonl repa_target_sec).
+The targets are the encoder's features of the images, stored beside the latents when they were precomputed
+(tread/data/repa_features.py; model.repa.targets auto or precomputed, used only when the same encoder made them),
+or else the features of the batch's latents decoded as evaluation decodes them (identity data directly, VAE data
+with the data's VAE: one VAE decode per training batch). The encoder's forward FLOPs per image (`encoder_flops`)
+count in the run's training FLOPs while targets are decoded (summary.json repa_targets, repa_encoder_flops_per_step),
+and the time the targets take is summed per log window (metrics.jsonl repa_target_sec).
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import torch
 import torch.nn as nn
 from omegaconf import open_dict
 
-from tread.data import decode_to_uint8, ensure_toy_classifier
-from tread.encoders.patch import TOY_ENCODER_SEEDS, build_patch_encoder
+from tread.data import decode_to_uint8
+from tread.data.repa_features import encoder_input, features_mismatch, load_repa_encoder
 from tread.evaluation.evaluator import decode_options
 from tread.models.errors import ModelConfigError
 from tread.models.dit import parse_arch
@@ -69,6 +70,7 @@ class Repa:
     encoder_flops: float = 0.0  # the encoder's forward FLOPs of one image (PatchEncoder.flops at the data's side)
     targets: str = "decoded"    # "decoded": encoded from the decoded latents each step; "precomputed": stored
     timer: TargetTimer = field(default_factory=TargetTimer)   # time spent on the targets (repa_target_sec)
+    name: str = ""              # model.repa.encoder (which stored features are this encoder's)
 
     def loss(self, projected: torch.Tensor, ids: Optional[torch.Tensor], x: torch.Tensor,
              meta: Mapping[str, Any], features: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -78,8 +80,7 @@ class Repa:
         of x decoded."""
         with torch.no_grad(), self.timer:
             if features is None:
-                images = decode_to_uint8(x.detach(), meta, **self.decode).permute(0, 3, 1, 2).float() / 127.5 - 1
-                features = self.encoder(images)
+                features = self.encoder(encoder_input(decode_to_uint8(x.detach(), meta, **self.decode)))
             grid = (x.shape[-2] // self.patch[0], x.shape[-1] // self.patch[1])
             targets = patch_targets(features.float(), grid)
         return alignment_loss(projected, targets, ids)
@@ -101,10 +102,8 @@ def build_repa(cfg: Any, device: torch.device) -> Optional[Repa]:
     # The trained toy encoders are the toy classifier trained (once, cached) at the data's side with their seed
     # (toy: REPA's own, toy_fid: the FID network's); toy_random is built from its seed, no file.
     resolution = int(cfg.data.resolution)
-    weights = ensure_toy_classifier(str(cfg.paths.cache_dir), resolution=resolution,
-                                    seed=TOY_ENCODER_SEEDS[spec.encoder]) if spec.encoder in TOY_ENCODER_SEEDS \
-        else spec.get("encoder_weights")
-    encoder = build_patch_encoder(spec.encoder, weights=weights, device=device, resolution=resolution)
+    encoder, _ = load_repa_encoder(spec.encoder, spec.get("encoder_weights"), cache_dir=cfg.paths.cache_dir,
+                                   resolution=resolution, device=device)
     if spec.get("encoder_dim") is not None and int(spec.encoder_dim) != int(encoder.dim):
         raise ModelConfigError(f"model.repa.encoder_dim={spec.encoder_dim} but the {spec.encoder} encoder's features "
                                f"are {encoder.dim} wide; allowed: {encoder.dim} or null (read from the encoder).")
@@ -112,4 +111,25 @@ def build_repa(cfg: Any, device: torch.device) -> Optional[Repa]:
         cfg.model.repa.block = resolve_repa_block(spec.get("block"), dit_depth(cfg.model))
         cfg.model.repa.encoder_dim = int(encoder.dim)
     return Repa(encoder, float(spec.weight), decode_options(cfg.eval), encoder_flops=encoder.flops(resolution),
-                timer=TargetTimer(cuda=torch.device(device).type == "cuda"))
+                timer=TargetTimer(cuda=torch.device(device).type == "cuda"), name=str(spec.encoder))
+
+
+def use_stored_targets(repa: Optional[Repa], dataset: Any, mode: str, where: str) -> Optional[str]:
+    """model.repa.targets: with "auto" or "precomputed", align with the features the data stores when this run's
+    encoder made them (the dataset then reads them; repa.targets becomes "precomputed"); "precomputed" without
+    them is a ModelConfigError. Returns a note when "auto" falls back to decoding although features are stored
+    (another encoder's), else None."""
+    if repa is None or mode == "decoded":
+        return None
+    stored = (getattr(dataset, "meta", None) or {}).get("repa_features")
+    why = features_mismatch(stored, repa.name, repa.encoder) if hasattr(dataset, "read_repa_features") else \
+        "the data's format (data.format=wds) stores no REPA features"
+    if why is None:
+        dataset.read_repa_features()
+        repa.targets = "precomputed"
+        return None
+    if mode == "precomputed":
+        raise ModelConfigError(f"model.repa.targets=precomputed but {why} at {where}; allowed: precompute them with "
+                               f"scripts/precompute_latents.py --repa-encoder {repa.name}, or model.repa.targets="
+                               f"auto|decoded (encode the decoded latents each step).")
+    return f"note: REPA targets are decoded each step: {why} at {where}." if stored is not None else None

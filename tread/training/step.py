@@ -170,7 +170,7 @@ class TrainStep:
                 loss, aux = call_with_aux(p.diffusion.loss, p.net, x, y, return_aux=p.repa is not None, **kwargs)
                 loss = reduce_loss(loss, mask, frame_loss_weight(loss, cond) if self.i2v_frames else None)
                 if aux is not None:                     # align the model's tokens with the encoder's
-                    repa_loss = p.repa.loss(*aux[REPA_AUX], x, s.data_meta)
+                    repa_loss = p.repa.loss(*aux[REPA_AUX], x, s.data_meta, features=extras.get("repa_features"))
                     loss = loss + p.repa.weight * repa_loss
             p.accelerator.backward(loss / s.grad_accum_steps)
         return loss, repa_loss
