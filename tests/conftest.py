@@ -5,9 +5,15 @@ import os
 import socket
 from pathlib import Path
 
+# Under pytest-xdist, one intra-op thread per worker (see pytest_configure), set before torch and numpy load:
+# numpy's OpenBLAS reads OMP_NUM_THREADS once, as it loads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest
 import torch
 from transformers import Dinov2Config, Dinov2Model
+from xdist.scheduler import LoadGroupScheduling
 
 from bad_input_harness import refusal_report
 from bad_input_table import make_world
@@ -95,9 +101,10 @@ def blob_images(n, size=32, seed=0):
 
 
 # Test files that share one session fixture run on one pytest-xdist worker (make test: -n 2 --dist loadgroup):
-# the bad-input tables share `world` (a trained run and the harness); every other file is a group of its own, so
-# module fixtures (a trained toy run, tiny encoders) are built once and a file's tests never race each other.
-SHARED_GROUPS = {"test_bad_inputs": "bad_inputs"}
+# the bad-input tables share `world` (a trained run and the harness; test_memory_options.py has a table too: in a
+# group of its own its worker built a second world, which ran every queued case again); every other file is a group
+# of its own, so module fixtures (a trained toy run, tiny encoders) are built once and a file's tests never race.
+SHARED_GROUPS = {"test_bad_inputs": "bad_inputs", "test_memory_options": "bad_inputs"}
 
 
 def xdist_group(path: Path) -> str:
@@ -105,9 +112,38 @@ def xdist_group(path: Path) -> str:
     return next((group for prefix, group in SHARED_GROUPS.items() if stem.startswith(prefix)), stem)
 
 
+class FileGroupScheduling(LoadGroupScheduling):
+    """--dist loadgroup with each test's group taken from its file (xdist_group). pytest-xdist 3.8 passes a test's
+    xdist_group mark to the scheduler by rewriting `item._nodeid` to `<id>@<group>`, which pytest 9.2 (structured
+    node ids) no longer reads (pytest-dev/pytest-xdist#1386): every test was then a unit of its own, a file's tests
+    ran on both workers, and each worker built the file's module fixtures and the session's `world` (which
+    queues every bad-input case) again. Groups go out as xdist orders them (most tests first), except LONG_FIRST:
+    few tests that keep one worker busy for minutes, which at the end would leave the other worker idle."""
+    LONG_FIRST = ("test_slurm",)      # 4 tests, ~2.5 min of one worker where SLURM is installed (CI)
+
+    def schedule(self) -> None:
+        initial = self.collection is None
+        super().schedule()
+        for group in reversed(self.LONG_FIRST if initial else ()):
+            if group in self.workqueue:
+                self.workqueue.move_to_end(group, last=False)
+
+    def _split_scope(self, nodeid: str) -> str:
+        if nodeid.rfind("@") > nodeid.rfind("]"):                    # an xdist that does mark the id
+            return nodeid.split("@")[-1]
+        return xdist_group(Path(nodeid.split("::")[0]))
+
+
+@pytest.hookimpl(optionalhook=True)         # a hook of pytest-xdist's: unknown under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        return FileGroupScheduling(config, log)
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Each test's xdist group (its file's, see SHARED_GROUPS); `gpu` tests need CUDA: skipped (and reported as
-    such) on machines without it, such as CI."""
+    """Each test's xdist group mark (its file's, see SHARED_GROUPS; FileGroupScheduling is what groups them);
+    `gpu` tests need CUDA: skipped (and reported as such) on machines without it, such as CI."""
     import torch
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group(item.path)))
@@ -122,7 +158,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     """Under pytest-xdist each worker, and every program its tests start, computes on one intra-op thread: two
     workers share the two cores, and a second thread per process would only oversubscribe them (OpenMP threads
-    spin while they wait). A test may still set its programs' OMP_NUM_THREADS itself."""
+    spin while they wait). A test may still set its programs' OMP_NUM_THREADS itself. The variable is set at the
+    top of this file too: here it comes after numpy loaded, and numpy's OpenBLAS (FID's 2048-d eigh, ...) kept a
+    thread per core, 10x slower on cores the other worker and the programs it started kept busy."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
@@ -136,7 +174,7 @@ def pytest_terminal_summary(terminalreporter):
         for report in reports:
             for name, secs in getattr(report, "user_properties", ()):
                 if name in times and getattr(report, "when", "call") == "call":
-                    times[name][report.nodeid.rpartition("[")[2].rstrip("]")] = secs
+                    times[name][report.nodeid.rpartition("[")[2].partition("]")[0]] = secs   # the id, without "@group"
     if times["refusal_secs"] or times["real_refusal_secs"]:
         terminalreporter.write_sep("-", "bad-input refusal times (a figure, not a limit)")
         terminalreporter.write_line(refusal_report(times["refusal_secs"], times["real_refusal_secs"]))

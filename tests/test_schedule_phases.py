@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import TINY, compose_cfg, shared_cache
 from tread.schema import ConfigError, check_train
 from tread.training.loop import train
 from tread.training.phases import TrainPhases
@@ -70,9 +71,9 @@ def test_a_batch_the_accumulation_cannot_split_is_refused(tiny_cfg):
                              "{start_step:2,train:{batch_size:9}}]"))
 
 
-@pytest.mark.parametrize("phase, config", [
-    ("train:{lr:5e-4,warmup_steps:2}", ["optimizer.lr=5e-4", "train.lr_warmup_steps=2"]),
-    ("train:{grad_clip:0.01}", ["train.grad_clip=0.01"]),
+@pytest.mark.parametrize("phase, config", [      # the step's settings (lr, warm-up, clipping), the loader's batch
+    ("train:{lr:5e-4,warmup_steps:2,grad_clip:0.01}", ["optimizer.lr=5e-4", "train.lr_warmup_steps=2",
+                                                        "train.grad_clip=0.01"]),
     ("train:{batch_size:16}", ["train.batch_size=16"]),
 ])
 def test_a_phase_from_step_0_equals_the_same_config(tiny_cfg, tmp_path, phase, config):
@@ -105,13 +106,28 @@ def test_the_loader_hands_out_each_phases_batch_and_resumes_its_position(tiny_cf
         assert torch.equal(next(again)[0], want[0])
 
 
+RESUMED = [*QUIET, "train.lr_warmup_steps=2", SCHEDULE]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The 5-step run each resume below must equal (on one thread, as the tests' own runs: one_thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run = tmp_path_factory.mktemp("uninterrupted") / "run"
+        cache = shared_cache(tmp_path_factory)
+        train(compose_cfg("train", [*TINY, f"paths.cache_dir={cache}", *RESUMED, "train.max_steps=5"]), run)
+        return records(run)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("stop", [2, 3, 4])     # before, exactly at, and after the batch change
-def test_resume_across_a_batch_change_is_exact(tiny_cfg, tmp_path, stop):
-    common = [*QUIET, "train.lr_warmup_steps=2", SCHEDULE]
-    train(tiny_cfg(*common, "train.max_steps=5"), tmp_path / "full")
-    train(tiny_cfg(*common, f"train.max_steps={stop}"), tmp_path / "part")
-    summary = train(tiny_cfg(*common, "train.max_steps=5", "resume=auto"), tmp_path / "part")
-    a, b = records(tmp_path / "full"), records(tmp_path / "part")
+def test_resume_across_a_batch_change_is_exact(tiny_cfg, tmp_path, uninterrupted, stop):
+    train(tiny_cfg(*RESUMED, f"train.max_steps={stop}"), tmp_path / "part")
+    summary = train(tiny_cfg(*RESUMED, "train.max_steps=5", "resume=auto"), tmp_path / "part")
+    a, b = uninterrupted, records(tmp_path / "part")
     assert sorted(b) == list(range(1, 6))
     assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in b]
     assert [a[s]["lr"] for s in a] == [b[s]["lr"] for s in b] == [5e-4, 1e-3, 1e-3, 2.5e-4, 5e-4]   # warm-ups of 2
