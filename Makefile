@@ -45,11 +45,12 @@ gpu-wheels: $(STAMP)
 	$(BIN)/python scripts/gpu_check.py --download-wheels $(WHEELS)
 
 # One training run per input line "NAME SEED OVERRIDES...", two at a time with one thread each (the conditions the
-# grids' step counts were planned under), each into DIR/NAME/SEED with its console output in stdout.log there; a run
-# whose summary.json says completed is skipped, so an interrupted grid continues where it stopped.
+# grids' step counts were planned under), each into DIR/NAME/SEED with its console output appended to stdout.log there; a run
+# whose summary.json says completed is skipped and one that was stopped resumes from its last checkpoint (resume=auto;
+# a fresh directory starts fresh), so an interrupted grid continues where it stopped.
 RUN_GRID = OMP_NUM_THREADS=1 xargs -P 2 -L 1 sh -c 'd=$(1)/$$0/$$1; s=$$1; shift; mkdir -p $$d; \
   grep -qs "\"status\": \"completed\"" $$d/summary.json || \
-  $(BIN)/python train.py "$$@" train.seed=$$s hydra.run.dir=$$d $(ARGS) > $$d/stdout.log 2>&1'
+  $(BIN)/python train.py "$$@" train.seed=$$s hydra.run.dir=$$d resume=auto $(ARGS) >> $$d/stdout.log 2>&1'
 
 # The worked result of docs/ablations.md: the selection-ratio sweep under equal training-time budgets (~30 min on a
 # 2-core CPU), then its table and plots into docs/ablation/ and the block of docs/ablations.md they fill.
@@ -59,7 +60,7 @@ ablation: $(STAMP)
 	$(BIN)/python scripts/ablation_report.py $(ABLATION_DIR) --out docs/ablation --readme docs/ablations.md
 
 # Error bars for that result: each ratio at its equal-time step count (fixed steps: bit-reproducible at one thread)
-# over seeds 0-4, two runs at once with one thread each (~55 min on the quiet 2-core CPU), then the seed-grouped
+# over seeds 0-4, two runs at once with one thread each (20 runs: 70 min to 2 h 40 min on a 2-core CPU), then the seed-grouped
 # report (each ratio against ratio 0, paired over seeds, Holm) into docs/ablation/seeds/.
 SEEDS_DIR ?= outputs/ablation/toy_ratio_seeds
 SEEDS_RATIOS := 0:858 0.25:1004 0.5:1242 0.75:1444
