@@ -10,7 +10,7 @@ import torch
 
 from conftest import compose_cfg
 from tread.cli.fid import run as fid_run
-from tread.data.toy import _COLOURS, _toy_uint8, ensure_toy_autoencoder, ensure_toy_pixel_mlp
+from tread.data.toy import TOY_COLOURS, _toy_uint8, ensure_toy_autoencoder, ensure_toy_pixel_mlp
 from tread.encoders.errors import EncoderError
 from tread.encoders.toy_autoencoder import (AUTOENCODER_SEED, AutoencoderFeatures, load_net, net_path,
                                             train_toy_autoencoder)
@@ -42,7 +42,7 @@ def test_shape_and_colour_checks_pass_real_images_and_fail_wrong_ones(side):
 def test_a_swapped_colour_fails_colour_but_not_shape():
     x, y = _toy_uint8(20, 32, seed=5)
     fg = (x.float().max(1).values > 128)[:, None]                  # the bright shape pixels
-    other = torch.from_numpy(_COLOURS[(y.numpy() + 3) % 10] * 255).round().to(torch.uint8)[..., None, None]
+    other = torch.from_numpy(TOY_COLOURS[(y.numpy() + 3) % 10] * 255).round().to(torch.uint8)[..., None, None]
     swapped = torch.where(fg, other.expand_as(x), x)
     assert acc(colour_predictions(swapped), y) < 0.1 and acc(shape_predictions(swapped), y) > 0.9
 

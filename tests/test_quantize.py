@@ -22,7 +22,25 @@ from tread.training.loop import train
 from tread.training.setup import build_parts, check_shared_base, make_accelerator
 from tread.utils.checkpoints import load_model_file
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "quanto_unpack_in_torch")
+
+
+@pytest.fixture(scope="module")
+def quanto_unpack_in_torch():
+    """int4 weights on the CPU: optimum-quanto unpacks them with a C++ extension that it compiles into its install
+    folder the first time (81 s of a fresh CI install, 14 s for the rest of this file). Here that extension is
+    its unpack.cpp written in torch (the low bits first, the parts concatenated along dim 0, as quanto's default
+    kernel), so what these tests check, our layers over quanto's, does not wait on a compiler. A GPU run and a
+    user's CPU run use quanto's kernels as they are."""
+    from optimum.quanto.library.extensions import get_extension
+
+    def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+        return torch.cat([(packed >> (bits * i)) & (2 ** bits - 1) for i in range(8 // bits)]).to(torch.uint8)
+
+    ext = get_extension("quanto_cpp")
+    saved, ext._lib = ext._lib, type("TorchUnpack", (), {"unpack": staticmethod(unpack)})
+    yield
+    ext._lib = saved
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]       # attention: in both FLUX and SD3 blocks
 LORA = {"rank": 4, "alpha": 4, "target_modules": TARGETS}

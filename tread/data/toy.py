@@ -33,9 +33,9 @@ TOY_CLASS_NAMES = ["red disc", "green square", "blue triangle", "yellow ring", "
                    "cyan horizontal stripes", "orange vertical stripes", "white checkerboard", "purple diamond",
                    "lime X"]
 # Base RGB colours in [0, 1], one per class (jittered per sample).
-_COLOURS = np.array([[0.92, 0.15, 0.12], [0.15, 0.80, 0.20], [0.20, 0.35, 1.00], [0.95, 0.85, 0.10],
-                     [0.92, 0.20, 0.85], [0.10, 0.85, 0.90], [1.00, 0.55, 0.05], [0.92, 0.92, 0.92],
-                     [0.55, 0.22, 0.85], [0.60, 0.95, 0.15]], dtype=np.float32)
+TOY_COLOURS = np.array([[0.92, 0.15, 0.12], [0.15, 0.80, 0.20], [0.20, 0.35, 1.00], [0.95, 0.85, 0.10],
+                        [0.92, 0.20, 0.85], [0.10, 0.85, 0.90], [1.00, 0.55, 0.05], [0.92, 0.92, 0.92],
+                        [0.55, 0.22, 0.85], [0.60, 0.95, 0.15]], dtype=np.float32)
 
 
 def _bands(t: np.ndarray, period: np.ndarray) -> np.ndarray:
@@ -76,7 +76,7 @@ def _sdf(f: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
 # inside). Every shape fits in a radius of about 1.2 r; stripe and checker periods scale with r, so the
 # pattern ends cleanly at the box edges.
 _S3 = np.sqrt(3) / 2
-_SHAPES: list[Callable[..., np.ndarray]] = [
+TOY_SHAPES: list[Callable[..., np.ndarray]] = [
     _sdf(lambda x, y, r: np.hypot(x, y) - r),                                                # disc
     _sdf(lambda x, y, r: _box(x, y, 0.8 * r)),                                               # square
     _sdf(lambda x, y, r: np.maximum(np.maximum(y, _S3 * x - 0.5 * y), -_S3 * x - 0.5 * y) - 0.58 * r),  # triangle
@@ -103,12 +103,12 @@ def generate_toy_shapes(num_per_class: int = 1000, resolution: Union[int, tuple[
     """
     rng = np.random.default_rng(seed)
     H, W = (resolution, resolution) if isinstance(resolution, int) else resolution
-    n, k, R = num_per_class * len(_SHAPES), len(_SHAPES), min(H, W)
+    n, k, R = num_per_class * len(TOY_SHAPES), len(TOY_SHAPES), min(H, W)
     labels = np.tile(np.arange(k), num_per_class)
     # Per-sample jitter, drawn for all samples at once (in a fixed order, for determinism).
     centre = rng.uniform(-0.18, 0.18, (n, 2, 1, 1)).astype(np.float32)
     size = rng.uniform(0.5, 0.66, (n, 1, 1)).astype(np.float32)
-    colour = np.clip(_COLOURS[labels] + rng.uniform(-0.08, 0.08, (n, 3)), 0, 1).astype(np.float32)
+    colour = np.clip(TOY_COLOURS[labels] + rng.uniform(-0.08, 0.08, (n, 3)), 0, 1).astype(np.float32)
     background = (rng.uniform(0.04, 0.16, (n, 1)) + rng.uniform(-0.03, 0.03, (n, 3))).clip(0, 1).astype(np.float32)
 
     def coords(side: int) -> np.ndarray:  # pixel centres; the short side's span [-1, 1]
@@ -118,7 +118,7 @@ def generate_toy_shapes(num_per_class: int = 1000, resolution: Union[int, tuple[
     y = coords(H)[None, :, None] - centre[:, 1]  # (n, H, 1): y runs down the image
     images = np.empty((n, 3, H, W), np.float32)
     masks = np.empty((n, H, W), np.uint8) if loss_masks else None
-    for c, shape in enumerate(_SHAPES):
+    for c, shape in enumerate(TOY_SHAPES):
         idx = np.flatnonzero(labels == c)
         alpha = shape(x[idx], y[idx], size[idx], 2 / R)[:, None]  # (m, 1, R, R); a pixel is 2 / R wide
         bg, fg = background[idx, :, None, None], colour[idx, :, None, None]

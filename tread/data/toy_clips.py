@@ -26,7 +26,7 @@ from tread.utils.io import PathLike, atomic_write, atomic_write_text
 
 from .buckets import Bucket
 from .meta import LatentDatasetError
-from .toy import _COLOURS, _SHAPES, TOY_CLASS_NAMES, ensure_builtin
+from .toy import TOY_COLOURS, TOY_SHAPES, TOY_CLASS_NAMES, ensure_builtin
 from .video import write_video
 from .writer import write_latent_dataset
 
@@ -46,13 +46,13 @@ def generate_toy_clips(num_per_class: int, frames: int, resolution: Union[int, t
         raise LatentDatasetError(f"toy clips: num_per_class={num_per_class}, frames={frames}; both must be >= 1")
     rng = np.random.default_rng(seed)
     H, W = (resolution, resolution) if isinstance(resolution, int) else resolution
-    k, R = len(_SHAPES), min(H, W)
+    k, R = len(TOY_SHAPES), min(H, W)
     n = num_per_class * k
     labels = np.tile(np.arange(k), num_per_class)
     direction = rng.integers(0, len(DIRECTIONS), n)
     offset = rng.uniform(-0.15, 0.15, (n, 2)).astype(np.float32)       # where the track runs
     size = rng.uniform(0.45, 0.6, (n, 1, 1)).astype(np.float32)
-    colour = np.clip(_COLOURS[labels] + rng.uniform(-0.08, 0.08, (n, 3)), 0, 1).astype(np.float32)
+    colour = np.clip(TOY_COLOURS[labels] + rng.uniform(-0.08, 0.08, (n, 3)), 0, 1).astype(np.float32)
     background = (rng.uniform(0.04, 0.16, (n, 1)) + rng.uniform(-0.03, 0.03, (n, 3))).clip(0, 1).astype(np.float32)
     steps = np.linspace(-DRIFT, DRIFT, frames, dtype=np.float32) if frames > 1 else np.zeros(1, np.float32)
     heading = np.array(list(DIRECTIONS.values()), np.float32)[direction]              # (n, 2)
@@ -62,7 +62,7 @@ def generate_toy_clips(num_per_class: int, frames: int, resolution: Union[int, t
         return (np.arange(side, dtype=np.float32) + 0.5 - side / 2) / R * 2
 
     clips = np.empty((n, frames, 3, H, W), np.float32)
-    for c, shape in enumerate(_SHAPES):
+    for c, shape in enumerate(TOY_SHAPES):
         idx = np.flatnonzero(labels == c)
         x = coords(W)[None, None, None, :] - centre[idx, :, 0, None, None]        # (m, F, 1, W)
         y = coords(H)[None, None, :, None] - centre[idx, :, 1, None, None]        # (m, F, H, 1)

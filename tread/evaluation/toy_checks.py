@@ -5,8 +5,8 @@ classifier's architecture REPA's toy target shares):
   toy_autoencoder.py; reconstruction objective, seed 31337) against the same dataset images the toy FID uses;
 * class_acc: the accuracy of a held-out pixel MLP (seed 2718) on the samples, the conditioning label the target;
 * colour_acc / shape_acc: no training at all, the generator's own parameters (tread/data/toy.py): the sample's
-  foreground colour is nearest to its class's base colour (_COLOURS); its foreground mask overlaps (IoU) a
-  template of its class's shape best, templates drawn with _SHAPES over the jitter grid of centre and size.
+  foreground colour is nearest to its class's base colour (TOY_COLOURS); its foreground mask overlaps (IoU) a
+  template of its class's shape best, templates drawn with TOY_SHAPES over the jitter grid of centre and size.
 
 They are per-sample checks of the samples' class labels, so they exist only for identity-decoded toy_shapes data
 with eval.features=toy_classifier (check_toy_metrics).
@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Optional
 import numpy as np
 import torch
 
-from tread.data.toy import _COLOURS, _SHAPES, ensure_toy_autoencoder, ensure_toy_pixel_mlp
+from tread.data.toy import TOY_COLOURS, TOY_SHAPES, ensure_toy_autoencoder, ensure_toy_pixel_mlp
 from tread.encoders.toy_autoencoder import AUTOENCODER_SEED, AutoencoderFeatures, load_net
 from tread.evaluation.extractors import reference_cache_path
 from tread.evaluation.metric_names import TOY_METRICS
@@ -77,13 +77,13 @@ def fg_mask(dist: torch.Tensor) -> torch.Tensor:
 
 
 def colour_predictions(images: torch.Tensor) -> torch.Tensor:
-    """(B,) the class whose base colour (_COLOURS) is nearest the mean colour of the sample's core foreground
+    """(B,) the class whose base colour (TOY_COLOURS) is nearest the mean colour of the sample's core foreground
     (pixels at >= 80 % of the 98th-percentile distance from the background); -1 when there is none."""
     x, dist = foreground(images)
     far = torch.quantile(dist, 0.98, dim=1, keepdim=True)
     core = (dist >= 0.8 * far) & (far >= FG_DISTANCE)
     mean = (x * core[..., None]).sum(1) / core.sum(1, keepdim=True).clamp_min(1)
-    pred = torch.cdist(mean, torch.from_numpy(_COLOURS)).argmin(1)
+    pred = torch.cdist(mean, torch.from_numpy(TOY_COLOURS)).argmin(1)
     return torch.where(core.any(1), pred, torch.full_like(pred, -1))
 
 
@@ -94,8 +94,8 @@ def shape_templates(resolution: int) -> tuple[torch.Tensor, torch.Tensor]:
     coords = (np.arange(resolution, dtype=np.float32) + 0.5 - resolution / 2) / resolution * 2
     cx, cy, r = (a.reshape(-1, 1, 1).astype(np.float32) for a in np.meshgrid(CENTRES, CENTRES, SIZES))
     x, y = coords[None, None, :] - cx, coords[None, :, None] - cy
-    masks = [shape(x, y, r, 2 / resolution) > 0.5 for shape in _SHAPES]       # each (G, R, R)
-    labels = np.repeat(np.arange(len(_SHAPES)), len(r))
+    masks = [shape(x, y, r, 2 / resolution) > 0.5 for shape in TOY_SHAPES]       # each (G, R, R)
+    labels = np.repeat(np.arange(len(TOY_SHAPES)), len(r))
     return torch.from_numpy(np.concatenate(masks).reshape(len(labels), -1).astype(np.float32)), \
         torch.from_numpy(labels)
 

@@ -11,8 +11,7 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 import torch
 import torch.nn as nn
-from timm.layers import Mlp, PatchEmbed
-from timm.models.vision_transformer import Attention
+import torch.nn.functional as F
 
 from tread.models.errors import ModelConfigError
 from tread.models.repa import repa_head, repa_output, repa_tap
@@ -81,6 +80,56 @@ def get_2d_sincos_pos_embed(embed_dim: int, grid_size: Union[int, tuple[int, int
 
 
 #################################################################################
+#            Layers: patch embedding, attention, MLP (DiT's timm layers)        #
+#################################################################################
+# DiT builds these from timm; these are the same computations with the same parameter names (checkpoints and the
+# paper's state dicts load unchanged) and the same construction order (the same seed gives the same weights).
+# Importing timm would pull in torchvision and torch._dynamo, about 3 CPU-s of every launch (docs/design.md).
+
+
+class PatchEmbed(nn.Module):
+    """Latents (B, C, H, W) of whole patches -> tokens (B, N, D), row-major: a patch-strided convolution."""
+
+    def __init__(self, input_size: int, patch_size: int, in_channels: int, hidden_size: int):
+        super().__init__()
+        self.num_patches = (input_size // patch_size) ** 2
+        self.proj = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention: one fused QKV projection, F.scaled_dot_product_attention, an output projection."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        if dim % num_heads:
+            raise ModelConfigError(f"DiT: hidden size {dim} is not divisible by {num_heads} heads.")
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, C))
+
+
+class Mlp(nn.Module):
+    """fc1, tanh-approximated GELU, fc2."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+#################################################################################
 #                                 Core DiT block                                #
 #################################################################################
 
@@ -95,10 +144,9 @@ class DiTBlock(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        # timm's Attention goes through F.scaled_dot_product_attention (fused_attn).
-        self.attn = Attention(hidden_size, num_heads=num_heads, qkv_bias=True)
+        self.attn = Attention(hidden_size, num_heads)
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -161,8 +209,8 @@ class DiT(RoutedBackbone):
             raise ModelConfigError(f"model.init={init!r} is unknown; allowed: {', '.join(INITS)}.")
         self.init = init
 
-        # strict_img_size=False: the conv takes any size of whole patches (grid_of checks it first)
-        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True, strict_img_size=False)
+        # The conv takes any size of whole patches (grid_of checks it first); num_patches is input_size's grid.
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size)
         num_patches = self.x_embedder.num_patches
