@@ -60,8 +60,8 @@ ablation: $(STAMP)
 	$(BIN)/python scripts/ablation_report.py $(ABLATION_DIR) --out docs/ablation --readme docs/ablations.md
 
 # Error bars for that result: each ratio at its equal-time step count (fixed steps: bit-reproducible at one thread)
-# over seeds 0-4, two runs at once with one thread each (20 runs: 70 min to 2 h 40 min on a 2-core CPU), then the seed-grouped
-# report (each ratio against ratio 0, paired over seeds, Holm) into docs/ablation/seeds/.
+# over seeds 0-4, two runs at once with one thread each (20 runs: 70 min to 2 h 20 min on a 2-core CPU), then the
+# seed-grouped report (each ratio against ratio 0, paired over seeds, Holm) into docs/ablation/seeds/.
 SEEDS_DIR ?= outputs/ablation/toy_ratio_seeds
 SEEDS_RATIOS := 0:858 0.25:1004 0.5:1242 0.75:1444
 ablation-seeds: $(STAMP)
