@@ -63,7 +63,7 @@ class Repa:
     """What the training step needs for REPA: the frozen encoder, the loss weight, the decode options and the
     model's patch (latents per token), from which each batch's token grid follows (bucketed data: per bucket)."""
 
-    encoder: nn.Module
+    encoder: Optional[nn.Module]   # None once the targets are the stored features (use_stored_targets)
     weight: float
     decode: dict[str, Any]      # decode_to_uint8 options (eval.vae, vae_dtype, decode_batch_size)
     patch: Optional[tuple[int, int]] = None   # the model's (rows, cols) of latents per token; set once it is built
@@ -126,7 +126,7 @@ def use_stored_targets(repa: Optional[Repa], dataset: Any, mode: str, where: str
         "the data's format (data.format=wds) stores no REPA features"
     if why is None:
         dataset.read_repa_features()
-        repa.targets = "precomputed"
+        repa.targets, repa.encoder = "precomputed", None    # never called again: its memory goes back
         return None
     if mode == "precomputed":
         raise ModelConfigError(f"model.repa.targets=precomputed but {why} at {where}; allowed: precompute them with "
