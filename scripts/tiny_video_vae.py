@@ -10,7 +10,7 @@ import torch
 
 from tread.cli.errors import user_errors
 from tread.data.buckets import parse_buckets
-from tread.data.toy_clips import generate_toy_clips
+from tread.data.builtin.toy_clips import generate_toy_clips
 from tread.encoders.tiny_video_vae import SPATIAL_FACTOR, TEMPORAL_FACTOR, save_tiny_video_vae
 
 

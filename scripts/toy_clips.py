@@ -1,5 +1,5 @@
 """Write the moving toy shapes as clip files (mp4, gif, frame folders) with `<stem>.txt` caption sidecars, for
-precompute and the video worked example (tread/data/toy_clips.py; `--help`):
+precompute and the video worked example (tread/data/builtin/toy_clips.py; `--help`):
 
     python scripts/toy_clips.py DIR --sizes 16x16,24x16 --frames 9,17 --per-class 4
 """
@@ -7,7 +7,7 @@ import argparse
 
 from tread.cli.errors import user_errors
 from tread.data.buckets import parse_buckets, video_buckets
-from tread.data.toy_clips import CLIP_FORMATS, TOY_CLIP_FPS, write_clip_files
+from tread.data.builtin.toy_clips import CLIP_FORMATS, TOY_CLIP_FPS, write_clip_files
 
 
 def main() -> None:

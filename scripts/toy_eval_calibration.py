@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from tread.data.toy import _toy_uint8, ensure_toy_autoencoder, ensure_toy_classifier, ensure_toy_pixel_mlp
+from tread.data.builtin.toy import _toy_uint8, ensure_toy_autoencoder, ensure_toy_classifier, ensure_toy_pixel_mlp
 from tread.encoders.features import build_feature_extractor
 from tread.encoders.toy_autoencoder import AUTOENCODER_SEED, AutoencoderFeatures, load_net
 from tread.evaluation.frechet import frechet_distance

@@ -1,5 +1,5 @@
-"""Peak CUDA memory of Wan `mid`'s checkpointed training step at 1, 5, 9 and 21 latent frames of 60x104 latents,
-routing=none vs paper (tread/cli/video_memory_gpu.py; `--help` for the flags). Under 4 minutes on one H100.
+"""Peak CUDA memory of Wan `mid`'s checkpointed training step at several latent frame counts, routing=none vs
+paper (tread/cli/video_memory_gpu.py; `--help` for the flags).
 
     PYTHONPATH=. python3 scripts/video_memory_gpu.py --wheels .whl --out outputs/video_memory_gpu.json
 """

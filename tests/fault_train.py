@@ -20,8 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tread.training import checkpoint, step  # noqa: E402
-from tread.utils.checkpoints import step_of  # noqa: E402
+from tread.checkpoint import save as checkpoint  # noqa: E402
+from tread.training import step  # noqa: E402
+from tread.checkpoint.files import step_of  # noqa: E402
 
 
 def die() -> None:

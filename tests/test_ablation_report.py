@@ -113,9 +113,9 @@ def seeded_sweep(root: Path, fids: dict, steps=(100, 200)) -> Path:
 def test_seed_groups_statistics_and_verdicts(tmp_path):
     import statistics
 
-    from tread.evaluation.seed_groups import comparisons, seed_groups
-    from tread.evaluation.stats import welch
-    from tread.evaluation.sweep_report import load_runs
+    from tread.analysis.seed_groups import comparisons, seed_groups
+    from tread.analysis.stats import welch
+    from tread.analysis.sweep_report import load_runs
     clear = {0: [[30, 20.0], [31, 20.5], [29, 19.8]], 0.5: [[25, 15.0], [24, 15.4], [26, 14.9]],
              0.75: [[25, 19.0], [24, 21.5], [26, 20.1]]}
     root = seeded_sweep(tmp_path / "s", clear)
@@ -138,8 +138,8 @@ def test_seed_groups_statistics_and_verdicts(tmp_path):
 
 
 def test_final_loss_is_the_mean_over_the_last_tenth_and_is_compared_over_seeds(tmp_path):
-    from tread.evaluation.seed_groups import final_loss, seed_groups
-    from tread.evaluation.sweep_report import Budgets, group_section, load_runs
+    from tread.analysis.seed_groups import final_loss, seed_groups
+    from tread.analysis.sweep_report import Budgets, group_section, load_runs
     root = seeded_sweep(tmp_path / "s", {0: [[30, 20.0], [31, 20.5]], 0.5: [[25, 15.0], [24, 15.4]]})
     for ratio, base in ((0, 0.20), (0.5, 0.10)):
         for seed in (0, 1):
@@ -177,7 +177,7 @@ def test_at_step_and_named_marker_blocks(tmp_path):
 
 
 def test_phases_and_flops_of_a_schedule():
-    from tread.evaluation.sweep_report import flops_at, phases
+    from tread.analysis.sweep_report import flops_at, phases
     summary = {"schedule": [{"start_step": 0, "end_step": 10, "routes": "0.5 @ 2..8", "train_flops_per_step": 2.0},
                             {"start_step": 10, "end_step": None, "routes": "none (dense)", "train_flops_per_step": 3.0}]}
     assert phases(summary) == "0-9: 0.5 @ 2..8; 10-: none (dense)"

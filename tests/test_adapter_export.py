@@ -1,4 +1,4 @@
-"""The adapter export (tread/models/lora_export.py, tread/training/checkpoint.py::export_adapter): every adapter type
+"""The adapter export (tread/models/lora_export.py, tread/checkpoint/save.py::export_adapter): every adapter type
 comes out as an exact plain LoRA that diffusers pipelines load with `pipe.load_lora_weights`, and the loaded pipeline
 transformer computes what our model with the adapter computes.
 
@@ -18,7 +18,7 @@ from tread.encoders.tiny_text import save_tiny_text_encoders
 from family_checks import inputs, make
 from tread.models.lora import apply_lora
 from tread.models.lora_export import METADATA_KEY, diffusers_lora, lora_factors
-from tread.training.checkpoint import DIFFUSERS_LORA_FILE, PEFT_ADAPTER_FILE, export_adapter
+from tread.checkpoint.save import DIFFUSERS_LORA_FILE, PEFT_ADAPTER_FILE, export_adapter
 
 TARGETS = {"flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "proj_mlp", "proj_out"],
            "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "ff.net.2", "proj_out"]}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bad_input_table import copy_run, fid, refused, sample, train
-from tread.utils.tensorfile import load_state, load_tensors, save_state, save_tensors
+from tread.checkpoint.tensorfile import load_state, load_tensors, save_state, save_tensors
 
 pytestmark = pytest.mark.slow   # ~60 program runs in the harness beside the other tables
 

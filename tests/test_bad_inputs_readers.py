@@ -21,7 +21,7 @@ from PIL import Image
 
 from bad_input_table import copy_run, fid, precompute, refused, sample, train
 from tread.utils.readers import MAX_JSON_DEPTH
-from tread.utils.tensorfile import save_tensors
+from tread.checkpoint.tensorfile import save_tensors
 
 pytestmark = pytest.mark.slow   # ~40 program runs in the harness beside the other tables
 

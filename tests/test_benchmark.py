@@ -17,11 +17,11 @@ from tread.models import build_dit
 from tread.models.flops import as_routes, dit_forward_flops, dit_train_flops, train_step_flops
 from tread.perf.benchmark import StepBench, split_steps
 from tread.perf.peaks import device_peak_flops, fraction_of_bound
-from tread.schema import compose
+from tread.schema import check_train, compose
 from tread.training.loop import train
 from tread.training.run_log import read_metrics
 from tread.training.setup import make_loader, open_dataset
-from tread.utils.checkpoints import list_checkpoints, load_model_file
+from tread.checkpoint.files import list_checkpoints, load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}]
@@ -218,9 +218,9 @@ def test_one_at_a_time_builds_times_and_frees_each_config_per_round(monkeypatch)
     built, live = [], []
     real_init = StepBench.__init__
 
-    def spy(self, cfg, *a, **kw):
+    def spy(self, config, *a, **kw):
         live.append(sum(p.device.type != "meta" for b in built for p in b.model.parameters()) > 0)
-        real_init(self, cfg, *a, **kw)
+        real_init(self, config, *a, **kw)
         built.append(self)
     monkeypatch.setattr(StepBench, "__init__", spy)
     args = ["--family", "flux", "--preset", "tiny", "--resolution", "8", "--channels", "3", "--batch", "2",
@@ -275,9 +275,9 @@ def test_benchmark_times_the_loops_step(tmp_path, cache_dir):
     logged = [r for r in read_metrics(run_dir) if r["type"] == "train"]
     weights = load_model_file(list_checkpoints(run_dir)[-1])["model"]
 
-    b = StepBench(compose(overrides))
+    b = StepBench(check_train(compose(overrides)))
     assert b.model.routing.enabled   # debug=tiny trains with the paper route: the router's stream counts too
-    batch = next(iter(make_loader(b.cfg, open_dataset(b.cfg, b.model), b.accelerator)))
+    batch = next(iter(make_loader(b.cfg, open_dataset(b.cfg.data, b.model, b.cfg.model.arch), b.accelerator)))
     stats = b.step(batch)
     assert len(logged) == 1 and stats.loss.item() == pytest.approx(logged[0]["loss"], abs=1e-6, rel=0)
     state = b.model.state_dict()

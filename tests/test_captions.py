@@ -1,4 +1,4 @@
-"""Captions from files (tread/data/captions.py; precompute's --captions manifests, --caption-sidecars, --trigger-word,
+"""Captions from files (tread/data/precompute/captions.py; precompute's --captions manifests, --caption-sidecars, --trigger-word,
 --empty-prompt), the caption table of the latent format (tread/data/meta.py), the per-epoch caption draw
 (tread/data/reader.py caption_choice, fed by the loader's EpochBatch) and caption dropout
 (tread/training/caption_dropout.py, swapped in by the training step).
@@ -8,24 +8,25 @@ stored rows are decoded back to their captions by comparing them with encode_pro
 The draw and dropout tests use small synthetic datasets whose text rows hold their own row number."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import json
 
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from PIL import Image
 
 import tread.cli.precompute as pl
-import tread.data.precompute_run as work
+import tread.data.precompute.run as work
 import tread.training.step as step_module
 from tread.data import BucketedDataset, LatentDataset, LatentDatasetError, LatentLoader, write_latent_dataset
 from tread.data.bucketed import BucketedWriter, make_sampler
 from tread.data.buckets import Bucket
-from tread.data.captions import read_caption_manifest, with_trigger
+from tread.data.precompute.captions import read_caption_manifest, with_trigger
 from tread.data.images import ImageFolderError
 from tread.data.loader import EpochBatch
-from tread.data.precompute_request import PrecomputeError
+from tread.data.precompute.request import PrecomputeError
 from tread.data.reader import caption_choice
 from tread.encoders.text import encode_prompts, load_text_encoders
 from tread.models.families.base import null_text
@@ -397,25 +398,26 @@ def test_dropout_rate_and_the_dropped_rows(tmp_path):
 
 
 def cfg_of(path, p=0.2, mode="auto", family="pixart"):
-    return OmegaConf.create({"train": {"caption_dropout": p, "caption_dropout_mode": mode},
-                             "model": {"family": family}, "data": {"path": str(path), "builtin": None}})
+    """caption_dropout_settings' train section, model.family and data section."""
+    data = SimpleNamespace(path=str(path), plain=lambda: {"path": str(path), "builtin": None})
+    return SimpleNamespace(caption_dropout=p, caption_dropout_mode=mode), family, data
 
 
 def test_caption_dropout_settings_resolve_the_mode_and_check_the_data(tmp_path):
     root = table_dataset(tmp_path / "ds", [2, 1])
     meta = LatentDataset(root).meta
-    p, mode, empty = caption_dropout_settings(cfg_of(root), meta)
+    p, mode, empty = caption_dropout_settings(*cfg_of(root), meta)
     assert (p, mode) == (0.2, "empty") and torch.equal(empty["text"], torch.full((3, 2), -1.0))
-    assert caption_dropout_settings(cfg_of(root, family="flux2"), meta) == (0.2, "zeros", None)
-    assert caption_dropout_settings(cfg_of(root, p=0.0, family=None), {}) == (0.0, "auto", None)
+    assert caption_dropout_settings(*cfg_of(root, family="flux2"), meta) == (0.2, "zeros", None)
+    assert caption_dropout_settings(*cfg_of(root, p=0.0, family=None), {}) == (0.0, "auto", None)
     plain = table_dataset(tmp_path / "plain", [2, 1], empty=False)
     with pytest.raises(ConfigError, match=r"caption_dropout_mode=auto \(empty for this family\) needs the encoded "
                                           r"empty prompt.*--empty-prompt, or train.caption_dropout_mode=zeros"):
-        caption_dropout_settings(cfg_of(plain), LatentDataset(plain).meta)
+        caption_dropout_settings(*cfg_of(plain), LatentDataset(plain).meta)
     with pytest.raises(ConfigError, match=r"train.caption_dropout=0.2 needs text data"):
-        caption_dropout_settings(cfg_of(root, mode="zeros"), {"conditioning": None})
+        caption_dropout_settings(*cfg_of(root, mode="zeros"), {"conditioning": None})
     with pytest.raises(ConfigError, match=r"caption_dropout_mode=auto needs a text-conditioned model.family"):
-        caption_dropout_settings(cfg_of(root, family=None), meta)
+        caption_dropout_settings(*cfg_of(root, family=None), meta)
 
 
 @pytest.mark.parametrize("override, message", [

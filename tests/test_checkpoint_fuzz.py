@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from bad_input_harness import digest
-from tread.runtime.run_dir import read_resume
+from tread.schema import check_train
 from tread.training.loop import train
-from tread.training.resume_check import check_resume
+from tread.checkpoint.resume import check_resume, read_resume
 from tread.training.setup import build_parts, make_accelerator, make_loader, open_dataset
-from tread.training.state import TrainingState
-from tread.utils.checkpoints import list_checkpoints
+from tread.checkpoint.state import TrainingState
+from tread.checkpoint.files import list_checkpoints
 from tread.utils.errors import UserError
-from tread.utils.tensorfile import load_state, load_tensors, save_state, save_tensors
+from tread.checkpoint.tensorfile import load_state, load_tensors, save_state, save_tensors
 
 QUIET = ["eval.every_steps=0", "eval.at_end=false", "checkpoint.keep_last=null", "train.compile=false"]
 MUTATIONS = int(os.environ.get("TREAD_FUZZ_MUTATIONS", 150))
@@ -162,10 +162,11 @@ def test_mutated_checkpoints_are_refused_fall_back_or_load(run, tmp_path, capsys
     from omegaconf import OmegaConf
 
     path, cfg = run
-    accelerator = make_accelerator(cfg.train)
-    parts = build_parts(cfg, accelerator)
-    dataset = open_dataset(cfg, parts.model)
-    state = TrainingState(parts.model, parts.ema.model, parts.optimizer, make_loader(cfg, dataset, accelerator))
+    checked = check_train(cfg)
+    accelerator = make_accelerator(checked.train)
+    parts = build_parts(checked, accelerator)
+    dataset = open_dataset(checked.data, parts.model, checked.model.arch)
+    state = TrainingState(parts.model, parts.ema.model, parts.optimizer, make_loader(checked, dataset, accelerator))
     config = OmegaConf.to_container(cfg, resolve=True)
     before = digest(path)
     rng, counts, seen = random.Random(0), {"refused": 0, "fell back": 0, "accepted": 0}, []
@@ -208,7 +209,7 @@ def mutate_dataset(rng: random.Random, root: Path) -> str:
 def data_outcome(cfg, model) -> str:
     """Opening the mutated dataset as training does: refused in one line, or accepted with batches that read."""
     try:
-        dataset = open_dataset(cfg, model)
+        dataset = open_dataset(check_train(cfg).data, model, "DiT-T/4")
         batch = dataset.__getitems__(list(range(min(len(dataset), 16))))
     except UserError as err:
         assert "\n" not in str(err) and "'" in str(err), str(err)
@@ -221,8 +222,9 @@ def test_mutated_datasets_are_refused_or_read(run, tmp_path, capsys, record_prop
     from omegaconf import OmegaConf
 
     path, cfg = run
-    model = build_parts(cfg, make_accelerator(cfg.train)).model
-    source = Path(str(open_dataset(cfg, model).root))
+    checked = check_train(cfg)
+    model = build_parts(checked, make_accelerator(checked.train)).model
+    source = Path(str(open_dataset(checked.data, model, checked.model.arch).root))
     before = digest(source)
     rng, counts, seen = random.Random(1), {"refused": 0, "accepted": 0}, []
     for i in range(DATA_MUTATIONS):

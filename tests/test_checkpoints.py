@@ -16,18 +16,19 @@ from tread.data.loader import ShardedBatchSampler
 from tread.diffusion.build import OBJECTIVES
 from tread.models.build import BUILDERS
 from tread.sampling import load_for_inference
-from tread.runtime.legacy import convert
-from tread.runtime.run_dir import clean_run_dir, trim_metrics
-from tread.training import checkpoint as ckpt_mod
-from tread.training.checkpoint import CheckpointWriteError, finalize
+from tread.checkpoint.legacy import convert
+from tread.checkpoint.files import clean_run_dir
+from tread.runtime.run_dir import trim_metrics
+from tread.checkpoint import save as ckpt_mod
+from tread.checkpoint.save import CheckpointWriteError, finalize
 from tread.training.guard import NonFiniteError
 from tread.training.loop import train
 from tread.training.run_log import read_metrics
 from tread.training.setup import OPTIMIZERS
-from tread.utils.checkpoints import (CheckpointError, find_checkpoint, list_checkpoints, load_model_file, step_of,
+from tread.checkpoint.files import (CheckpointError, find_checkpoint, list_checkpoints, load_model_file, step_of,
                                      tmp_dir)
 from tread.utils.targets import PROJECT_TARGETS, TargetError
-from tread.utils.tensorfile import StateFileError, load_state, save_state
+from tread.checkpoint.tensorfile import StateFileError, load_state, save_state
 
 QUIET = ["eval.every_steps=0", "eval.at_end=false"]
 
@@ -110,7 +111,7 @@ def test_checkpoints_from_before_the_tread_package_load_and_resume(trained, tmp_
     assert json.loads((list_checkpoints(run)[-1] / "checkpoint.json").read_text())["config"]["model"]["_target_"] \
         == "models.build_dit"
     net, diffusion, _, config = load_for_inference(run)
-    assert config.model._target_ == "tread.models.build_dit" and type(diffusion).__name__ == "EDM"
+    assert config.model.target == "tread.models.build_dit" and type(diffusion).__name__ == "EDM"
     summary = train(tiny_cfg(*QUIET, "train.max_steps=6", "resume=auto", "checkpoint.keep_last=null"), run)
     assert summary["start_step"] == 4 and summary["config_changes"] == {"train.max_steps": [4, 6]}
 

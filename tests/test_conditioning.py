@@ -1,6 +1,6 @@
 """Optional per-sample conditioning (text / pooled embeddings, attention masks) and loss masks in the latent
 dataset format; the token-grid helpers; the toy_masked data; text encoding per model family (tread/encoders/text.py);
-caption files (tread/data/captions.py).
+caption files (tread/data/precompute/captions.py).
 
 Text encoders are tiny random transformers models with word-level tokenizers that the tests write
 themselves (tread.encoders.tiny_text.save_tiny_text_encoders); nothing touches the network.
@@ -21,7 +21,7 @@ from tread import data
 from tread import routing
 from tread.data import (ImageFolderError, LatentDataset, LatentDatasetError, LatentDatasetWriter, LatentLoader,
                         build_dataset, ensure_toy_dataset, generate_toy_shapes, read_meta, write_latent_dataset)
-from tread.data.captions import read_captions_file
+from tread.data.precompute.captions import read_captions_file
 from tread.encoders.errors import EncoderError
 from tread.encoders.text import TextEncoderError, encode_prompts, load_text_encoders, resolve_text_encoder_paths
 from tread.encoders.text_families import FAMILIES, TEXT_FAMILIES

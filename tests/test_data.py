@@ -293,7 +293,7 @@ def test_ensure_toy_dataset_caches_and_checks_parameters(tmp_path, monkeypatch):
     torch.testing.assert_close(ds.__getitems__(list(range(50)))[0], x, rtol=0, atol=1e-3)  # float16 storage
     mtime = (path / "latents.npy").stat().st_mtime_ns
 
-    monkeypatch.setattr(data.toy, "generate_toy_shapes", lambda *a: pytest.fail("regenerated a cached dataset"))
+    monkeypatch.setattr(data.builtin.toy, "generate_toy_shapes", lambda *a: pytest.fail("regenerated a cached dataset"))
     assert ensure_toy_dataset(tmp_path / "toy", num_per_class=5, resolution=16, seed=0) == path
     assert (path / "latents.npy").stat().st_mtime_ns == mtime
     with pytest.raises(LatentDatasetError, match=r"'seed': 0.*'seed': 1.*Delete the directory"):
@@ -302,13 +302,13 @@ def test_ensure_toy_dataset_caches_and_checks_parameters(tmp_path, monkeypatch):
 
 def test_ensure_toy_dataset_accepts_a_concurrent_writer(tmp_path, monkeypatch):
     target = tmp_path / "toy"
-    real_write = data.toy.write_latent_dataset
+    real_write = data.builtin.toy.write_latent_dataset
 
     def lose_the_race(path, *args, **kwargs):  # another process publishes the dataset just before us
         real_write(path, *args, **kwargs)
         return real_write(path, *args, **kwargs)
 
-    monkeypatch.setattr(data.toy, "write_latent_dataset", lose_the_race)
+    monkeypatch.setattr(data.builtin.toy, "write_latent_dataset", lose_the_race)
     assert ensure_toy_dataset(target, num_per_class=2, resolution=8) == target
     assert len(LatentDataset(target)) == 20
     assert sorted(p.name for p in tmp_path.iterdir()) == ["toy"]  # the loser's temporary directory is gone

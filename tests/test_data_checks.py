@@ -18,8 +18,8 @@ import torch
 from PIL import Image
 
 import tread.cli.precompute as pl
-import tread.data.precompute
-import tread.data.precompute_run as run_mod
+import tread.data.precompute.encode as encode_mod
+import tread.data.precompute.run as run_mod
 import test_precompute
 from conftest import REPO
 from tread.data import LatentDataset, WebDatasetLatents, write_latent_dataset
@@ -128,14 +128,14 @@ def test_non_image_files_are_skipped_with_one_note(tmp_path, vae_dir, capsys):
 def test_non_finite_vae_output_names_the_image(tmp_path, corrupt_folder, vae_dir, monkeypatch):
     for name in ("a/cut.jpg", "b/garbage.png"):
         (corrupt_folder / name).unlink()
-    real = tread.data.precompute.encode
+    real = encode_mod.encode
 
     def nan_for_the_second_image(vae, images, **kw):  # images in order: a/ok.png, b/ok.jpg (one batch)
         out = real(vae, images, **kw)
         out[1, 0, 0, 0] = float("nan")
         return out
 
-    monkeypatch.setattr(tread.data.precompute, "encode", nan_for_the_second_image)
+    monkeypatch.setattr(encode_mod, "encode", nan_for_the_second_image)
     with pytest.raises(pl.PrecomputeError, match=r"the VAE '.*tiny-vae' gave non-finite latents \(NaN/inf\) for 1 "
                                                  r"image\(s\): .*imgs/b/ok\.jpg \(check the VAE weights"):
         pl.main(argv(corrupt_folder, tmp_path / "ds", vae_dir))

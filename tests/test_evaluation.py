@@ -25,7 +25,7 @@ from tread.evaluation.reference import (compute_stats, load_reference, load_refe
 
 from conftest import blob_images
 from tread.schema import compose
-from tread.utils.tensorfile import load_state, save_state
+from tread.checkpoint.tensorfile import load_state, save_state
 
 
 def random_gaussian_stats(rng, d, n=None):
@@ -271,12 +271,14 @@ class Latents(torch.utils.data.Dataset):
     """A stand-in latent dataset: pixels in [-1, 1] with identity decoding."""
 
     meta = {"shape": [3, 16, 16], "num_classes": 2, "decode": {"type": "identity"}}
+    buckets = None       # what reference_for_dataset reads of a dataset (tread.data.DatasetInfo): one shape
 
-    def __init__(self, root, batched=False):
+    def __init__(self, root):
         self.root = root
         self.x = torch.from_numpy(blob_images(30, 16)).permute(0, 3, 1, 2).float() / 127.5 - 1
-        if batched:  # the optional DataLoader batch hook, as LatentDataset has
-            self.__getitems__ = lambda idx: (self.x[idx], torch.tensor(idx) % 2)
+
+    def __getitems__(self, idx):      # the batched read every latent dataset has
+        return self.x[idx], torch.tensor(idx) % 2
 
     def __len__(self):
         return len(self.x)
@@ -300,9 +302,8 @@ def test_reference_for_dataset_decodes_and_caches(tmp_path, monkeypatch):
     images = blob_images(30, 16)[subset]
     expected = compute_stats(ext, images).mean()
     out = tmp_path / "ref.npz"
-    for batched in (False, True):
-        reference_for_dataset(Latents(f"/data/a{batched}", batched), ext, out, max_images=20, batch_size=8)
-        np.testing.assert_allclose(load_reference(out, ext)[0], expected, atol=1e-6)
+    reference_for_dataset(Latents("/data/aTrue"), ext, out, max_images=20, batch_size=8)
+    np.testing.assert_allclose(load_reference(out, ext)[0], expected, atol=1e-6)
     with np.load(out) as saved:  # ADM layout: images, pool and spatial statistics
         np.testing.assert_array_equal(saved["arr_0"], images)
         assert saved["mu_s"].shape == (12,) and int(saved["resolution"]) == 16
@@ -338,8 +339,8 @@ def test_reference_for_dataset_uses_the_posterior_mean_of_moments(tmp_path, monk
         meta = {"shape": [6, 16, 16], "num_classes": 2, "latent_kind": "moments", "latent_scale": 0.5,
                 "decode": {"type": "identity"}}
 
-        def __getitem__(self, i):  # raw mean = 2 x (so 0.5 * mean = x), large logvar
-            return torch.cat([self.x[i] * 2, torch.full_like(self.x[i], 3.0)]), i % 2
+        def __getitems__(self, idx):  # raw mean = 2 x (so 0.5 * mean = x), large logvar
+            return torch.cat([self.x[idx] * 2, torch.full_like(self.x[idx], 3.0)], dim=1), torch.tensor(idx) % 2
 
     reference_for_dataset(Moments("/data/m"), ext, tmp_path / "m.npz", max_images=12)
     subset = np.sort(np.random.default_rng(0).choice(30, 12, replace=False))
@@ -453,7 +454,7 @@ def small_toy_classifier():
 
 
 def toy_images(num_per_class, seed, with_labels=False):
-    from tread.data.toy import generate_toy_shapes
+    from tread.data.builtin.toy import generate_toy_shapes
 
     x, y = generate_toy_shapes(num_per_class, 32, seed)
     x = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
@@ -510,7 +511,7 @@ def test_toy_classifier_forward_all(small_toy_classifier, tmp_path):
 
 
 def test_toy_classifier_cache_round_trip(tmp_path, monkeypatch):
-    import tread.data.toy as toy
+    import tread.data.builtin.toy as toy
 
     calls = []
 
@@ -539,7 +540,7 @@ def test_toy_classifier_cache_round_trip(tmp_path, monkeypatch):
 def test_fid_ref_from_latent_dataset_then_calc(tmp_path):
     import tread.cli.fid as fid
 
-    toy = pytest.importorskip("tread.data.toy")
+    toy = pytest.importorskip("tread.data.builtin.toy")
     torch.manual_seed(0)
     save_toy_classifier(ToyClassifier().eval(), cache_path(tmp_path / "cache"), {"accuracy": None})
     root = toy.ensure_toy_dataset(tmp_path / "toy", num_per_class=8)

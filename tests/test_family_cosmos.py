@@ -13,7 +13,7 @@ from test_families import SPAN
 from tread.encoders.text import encode_prompts, load_text_encoders
 from tread.encoders.tiny_text import save_tiny_text_encoders
 from tread.models.families import FamilyConfigError
-from tread.training.checkpoint import DIFFUSERS_LORA_FILE, export_adapter
+from tread.checkpoint.save import DIFFUSERS_LORA_FILE, export_adapter
 
 FAMILY = "cosmos"
 VIDEO2WORLD = {"frames": 3, "frame_rate": 16, "expand_timesteps": True, "config": {"in_channels": 5}}

@@ -18,7 +18,7 @@ from diffusers import FluxKontextPipeline
 import tread.cli.precompute as pl
 import family_checks as fc
 from tread.data import LatentDataset, read_meta, write_latent_dataset
-from tread.data.precompute_plan import PrecomputeError
+from tread.data.precompute.plan import PrecomputeError
 from tread.encoders.vae import encode, load_vae
 from tread.diffusion import RectifiedFlow
 from tread.models.families import FamilyConfigError

@@ -62,7 +62,8 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, text):
             L0 = c.shape[1]
             assert L0 == t5.shape[1] + lla[-1].shape[1]
             if route_.start_layer_idx == 0:                                # [T5, the last block's Llama state]
-                torch.testing.assert_close(c, torch.cat([t5, lla[-1]], dim=1), rtol=0, atol=0)
+                # projected for 1 sample here, for the whole batch in the model: float32 tolerance
+                torch.testing.assert_close(c, torch.cat([t5, lla[-1]], dim=1))
             L = L0 + lla[0].shape[1]
             rope = ref_tr.pe_embedder(torch.cat([img_ids[ids[b]], torch.zeros(L, 3)])[None])   # true positions
             h = seen[route_.start_layer_idx][0][b:b + 1, ids[b]]            # dense route-start tokens, kept subset

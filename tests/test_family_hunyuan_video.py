@@ -14,7 +14,7 @@ import family_checks as fc
 from test_adapter_export import adapted
 from test_families import SPAN
 from tread.models.families import FamilyConfigError
-from tread.training.checkpoint import DIFFUSERS_LORA_FILE, export_adapter
+from tread.checkpoint.save import DIFFUSERS_LORA_FILE, export_adapter
 
 FAMILY = "hunyuan_video"
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "ff.net.2"]

@@ -155,7 +155,8 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, frames, per_token):
             bias = (1 - cond["text_mask"][b:b + 1].float()) * -10000.0
             ts = t[b, ids[b]] if per_token else t[b:b + 1]
             temb = tr.time_embed(ts, batch_size=1, hidden_dtype=torch.float32)[0].view(1, -1, 6 * ctx.shape[-1])
-            torch.testing.assert_close(seen[start][1][b:b + 1], ctx, rtol=0, atol=0)
+            # projected for 1 sample here, for the whole batch in the model: other matmul shapes, float32 tolerance
+            torch.testing.assert_close(seen[start][1][b:b + 1], ctx)
             rope = rope_of(tr, ids[b], grid, model)
 
             def blocks(h, temb=temb, rope=rope):

@@ -66,7 +66,8 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, masked):
             t6, _ = ref.adaln_single(t[b:b + 1], {"resolution": None, "aspect_ratio": None}, batch_size=1,
                                      hidden_dtype=x.dtype)
             ctx = ref.caption_projection(text[b:b + 1])
-            torch.testing.assert_close(seen[route.start_layer_idx][1][b:b + 1], ctx, rtol=0, atol=0)
+            # projected for 1 sample here, for the whole batch in the model: other matmul shapes, float32 tolerance
+            torch.testing.assert_close(seen[route.start_layer_idx][1][b:b + 1], ctx)
             bias = None
             if masked:
                 bias = torch.where(cond["text_mask"][b:b + 1], 0.0, -10000.0)[:, None, :]   # (1, 1, L)

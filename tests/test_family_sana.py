@@ -24,21 +24,23 @@ SPRINT = {"config": {"guidance_embeds": True, "qk_norm": "rms_norm_across_heads"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# ------------------------------------------------------------------ (a) dense == diffusers, bit for bit
+# ------------------------------------------------------------------ (a) dense == diffusers
 
 @pytest.mark.parametrize("kw", [{}, POS_EMBED, SPRINT, {"input_size": 16, "in_channels": 3}],
                          ids=["1024-style", "pos-embed", "sprint", "16px-rgb"])
-def test_dense_bit_identical_to_diffusers(kw):
-    """With every token kept, our block loop (the Mix-FFN through the zero grid) is diffusers' forward exactly,
-    with the masked text of the data too."""
+def test_dense_equals_diffusers(kw):
+    """With every token kept, our block loop (the Mix-FFN through the zero grid) is diffusers' forward, with the
+    masked text of the data too, to float32 rounding (1e-6, as every family's dense check): our Mix-FFN runs its 1x1
+    convolutions on a (1, K) row of tokens where diffusers' run on the (H, W) grid, other shapes that a convolution
+    kernel may sum in another order on another CPU."""
     model = fc.make(FAMILY, **kw).eval()
     x, t, y = fc.inputs(model)
     cond = fc.masked_text(model)
     with torch.no_grad():
-        assert torch.equal(model(x, t, y), model.reference_forward(x, t, y))
+        torch.testing.assert_close(model(x, t, y), model.reference_forward(x, t, y), rtol=1e-6, atol=1e-6)
         ours, ref = model(x, t, y, cond=cond), model.reference_forward(x, t, y, cond=cond)
         unmasked = model(x, t, y, cond={"text": cond["text"]})
-    assert torch.equal(ours, ref)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(ours[1:], unmasked[1:])      # the mask is honoured
 
 
@@ -105,7 +107,8 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, masked, kw):
             else:
                 t6, _ = ref.time_embed(t[b:b + 1], batch_size=1, hidden_dtype=x.dtype)
             ctx = ref.caption_norm(ref.caption_projection(text[b:b + 1]))
-            torch.testing.assert_close(seen[route_.start_layer_idx][1][b:b + 1], ctx, rtol=0, atol=0)
+            # projected for 1 sample here, for the whole batch in the model: other matmul shapes, float32 tolerance
+            torch.testing.assert_close(seen[route_.start_layer_idx][1][b:b + 1], ctx)
             bias = torch.where(cond["text_mask"][b:b + 1], 0.0, -10000.0)[:, None, :] if masked else None
             h = seen[route_.start_layer_idx][0][b:b + 1, ids[b]]          # dense route-start tokens, kept subset
             K = h.shape[1]

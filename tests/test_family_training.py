@@ -9,7 +9,7 @@ import torch
 
 from tread.models.families import FAMILIES
 from tread.sampling import load_for_inference
-from tread.utils.checkpoints import load_model_file
+from tread.checkpoint.files import load_model_file
 from tread.training.loop import train
 
 FAMILY_TINY = ["eval.every_steps=0", "eval.at_end=false", "train.batch_size=16", "optimizer.lr=1e-3"]

@@ -70,7 +70,8 @@ def test_kept_tokens_equal_blocks_on_subsequence(routes, frames, per_token):
             else:
                 _, proj, ctx, _ = ref_tr.condition_embedder(t[b:b + 1], text[b:b + 1])
                 proj = proj.unflatten(1, (6, -1))                               # (1, 6, D)
-            torch.testing.assert_close(seen[route.start_layer_idx][1][b:b + 1], ctx, rtol=0, atol=0)
+            # embedded for 1 sample here, for the whole batch in the model: other matmul shapes, float32 tolerance
+            torch.testing.assert_close(seen[route.start_layer_idx][1][b:b + 1], ctx)
             h = seen[route.start_layer_idx][0][b:b + 1, ids[b]]                 # dense route-start tokens, kept
             rope = (cos[:, ids[b]], sin[:, ids[b]])                             # their true (t, h, w) rows
             for blk in ref_tr.blocks[route.start_layer_idx:route.end_layer_idx + 1]:

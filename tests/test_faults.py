@@ -20,7 +20,7 @@ from conftest import REPO, TINY
 from hang_guard import communicate
 from tread.runtime.preempt import EXIT_PREEMPTED
 from tread.training.run_log import read_metrics
-from tread.utils.checkpoints import list_checkpoints, load_model_file
+from tread.checkpoint.files import list_checkpoints, load_model_file
 
 pytestmark = pytest.mark.slow
 HANG_SEC = 900            # a launch still running then is stuck (a 12-step launch takes 10-60 s)

@@ -15,8 +15,8 @@ from conftest import REPO, TINY, free_port
 from tread.schema import ConfigError, check_train
 from tread.training.fsdp import check_parallel
 from tread.training.loop import train
-from tread.utils.checkpoints import load_model_file
-from tread.utils.sharded_files import SHARDED_DIR
+from tread.checkpoint.files import load_model_file
+from tread.checkpoint.sharded import SHARDED_DIR
 
 QUIET = ["eval.every_steps=0", "eval.at_end=false"]
 LORA = "model.lora={rank: 4, target_modules: [to_q, to_k, to_v, to_out.0]}"
@@ -51,8 +51,10 @@ def max_diff(a: Path, b: Path, name: str) -> float:
 ])
 def test_bad_combinations_are_one_clear_error(tiny_cfg, overrides, world, cuda, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        check_parallel(tiny_cfg("train.parallel=fsdp", *overrides), world, cuda)
-    check_parallel(tiny_cfg("train.parallel=ddp", *overrides), world, cuda)   # ddp ignores train.fsdp
+        config = check_train(tiny_cfg("train.parallel=fsdp", *overrides))
+        check_parallel(config.train, config.eval, world, cuda)
+    config = check_train(tiny_cfg("train.parallel=ddp", *overrides))
+    check_parallel(config.train, config.eval, world, cuda)   # ddp ignores train.fsdp
 
 
 def test_schema_and_one_process_run_refuse_before_work(tiny_cfg, tmp_path):

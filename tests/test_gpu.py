@@ -19,10 +19,10 @@ def routed_step(*overrides: str):
     """The training step of a routed DiT-S/2 (paper route) in bf16 on CUDA, and an endless fixed batch."""
     cfg = compose(["debug=tiny", "model.arch=DiT-S/2", "data.channels=4", "data.resolution=16",
                    "data.num_classes=1000", "train.mixed_precision=bf16", "train.batch_size=8", *overrides])
-    check_train(cfg)
+    cfg = check_train(cfg)
     accelerator = make_accelerator(cfg.train)
     parts = build_parts(cfg, accelerator)
-    seed_streams(cfg, parts.model, accelerator.process_index)
+    seed_streams(cfg.train.seed, cfg.routing.seed, parts.model, accelerator.process_index)
     parts.prepare()
     batch = (torch.randn(8, 4, 16, 16, device="cuda"), torch.randint(0, 1000, (8,), device="cuda"))
     return TrainStep(parts, StepSettings.from_config(cfg, routed=True)), itertools.repeat(batch)

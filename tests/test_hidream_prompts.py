@@ -274,7 +274,7 @@ def test_precompute_without_encoders_names_both_repos(hidream_data, tmp_path):
 
 
 def test_builtin_text_data_stores_the_llama_states_too(tmp_path, encoders_dir):
-    from tread.data.toy_text import ensure_toy_text_dataset
+    from tread.data.builtin.toy_text import ensure_toy_text_dataset
 
     ds = LatentDataset(ensure_toy_text_dataset(tmp_path / "toy", num_per_class=1, resolution=8, family="hidream",
                                                text_encoders=encoders_dir, max_text_length=6))

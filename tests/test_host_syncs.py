@@ -66,10 +66,10 @@ def test_a_routed_training_step_issues_no_syncing_operator():
     """The whole step of a routed DiT with the fused optimizer and the non-finite guard on (train.yaml's
     defaults): selection, gather/scatter, loss, backward, gradient norm, AdamW and the EMA update."""
     cfg = compose(["debug=tiny", "train.compile=false", "train.mixed_precision=no"])
-    check_train(cfg)
+    cfg = check_train(cfg)
     accelerator = make_accelerator(cfg.train)
     parts = build_parts(cfg, accelerator)
-    seed_streams(cfg, parts.model, accelerator.process_index)
+    seed_streams(cfg.train.seed, cfg.routing.seed, parts.model, accelerator.process_index)
     parts.prepare()
     assert cfg.optimizer.fused and parts.model.routing.routes
     c, r = cfg.data.channels, cfg.data.resolution

@@ -10,7 +10,7 @@ import torch
 
 from conftest import compose_cfg
 from tread.cli.fid import run as fid_run
-from tread.data.toy import TOY_COLOURS, _toy_uint8, ensure_toy_autoencoder, ensure_toy_pixel_mlp
+from tread.data.builtin.toy import TOY_COLOURS, _toy_uint8, ensure_toy_autoencoder, ensure_toy_pixel_mlp
 from tread.encoders.errors import EncoderError
 from tread.encoders.toy_autoencoder import (AUTOENCODER_SEED, AutoencoderFeatures, load_net, net_path,
                                             train_toy_autoencoder)

@@ -13,9 +13,9 @@ from tread.models import build_model
 from tread.models.lora import LoraConfigError, apply_lora, is_adapter_param
 from tread.sampling import load_for_inference
 from tread.schema import ConfigError
-from tread.training.checkpoint import DIFFUSERS_LORA_FILE, PEFT_ADAPTER_FILE
+from tread.checkpoint.save import DIFFUSERS_LORA_FILE, PEFT_ADAPTER_FILE
 from tread.training.loop import train
-from tread.utils.checkpoints import load_model_file
+from tread.checkpoint.files import load_model_file
 
 FAMILY_TINY = ["eval.every_steps=0", "eval.at_end=false", "train.batch_size=16", "optimizer.lr=1e-2"]
 TARGETS = "target_modules:[to_q,to_k,to_v,to_out.0,proj_mlp,proj_out]"

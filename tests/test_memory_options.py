@@ -24,15 +24,15 @@ from tread.models.quantize import LowPrecisionLinear, QuantizeConfigError, quant
 from tread.perf.memory import base_bytes, count_params, static_bytes, unique_bytes
 from tread.sampling import load_for_inference
 from tread.schema import ConfigError, check_train
-from tread.training.checkpoint import DIFFUSERS_LORA_FILE
+from tread.checkpoint.save import DIFFUSERS_LORA_FILE
 from tread.training.ema import EMA_NOTES, HostEma, ModelAsEma
 from tread.training.loop import train
-from tread.training.resume_check import check_optimizer
+from tread.checkpoint.resume import check_optimizer
 from tread.training.setup import adamw8bit, build_parts, make_accelerator
-from tread.training.state import live_optimizer_state, plain_optimizer_state
-from tread.utils.checkpoints import TRAIN_FILE, load_model_file
-from tread.utils.resume_values import ResumeValueError
-from tread.utils.tensorfile import load_state, load_tensors, save_state
+from tread.checkpoint.state import live_optimizer_state, plain_optimizer_state
+from tread.checkpoint.files import TRAIN_FILE, load_model_file
+from tread.checkpoint.values import ResumeValueError
+from tread.checkpoint.tensorfile import load_state, load_tensors, save_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -149,7 +149,7 @@ def parts_by_mode(tmp_path_factory):
     cache = shared_cache(tmp_path_factory)
     out = {}
     for mode in ("full", "trained", "cpu", "off"):
-        cfg = compose_cfg("train", TINY + [f"paths.cache_dir={cache}", *FLUX_TINY, f"ema.mode={mode}"])
+        cfg = check_train(compose_cfg("train", TINY + [f"paths.cache_dir={cache}", *FLUX_TINY, f"ema.mode={mode}"]))
         out[mode] = build_parts(cfg, make_accelerator(cfg.train))
     return out
 

@@ -14,7 +14,7 @@ from tread.data import LatentDatasetError, WebDatasetLatents, build_dataset, dec
 from tread.encoders.vae import decode_raw_to_uint8, load_vae
 from tread.schema.base import ConfigError
 from tread.schema.train import check_train
-from tread.utils.checkpoints import list_checkpoints, step_of
+from tread.checkpoint.files import list_checkpoints, step_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -112,10 +112,10 @@ def checkpoint_steps(run):
 
 
 def test_step_offset_moves_eval_and_checkpoint_and_resume_continues(tiny_cfg, tmp_path, monkeypatch):
-    import tread.training.loop as loop
     from tread.training.loop import train
+    from tread.training.trainer import Trainer
     evals = []
-    monkeypatch.setattr(loop, "evaluate", lambda run: evals.append(run.state.step))
+    monkeypatch.setattr(Trainer, "evaluate", lambda trainer: evals.append(trainer.state.step))
     keep = ["checkpoint.every_steps=2", "eval.every_steps=2", "eval.at_end=false", "checkpoint.keep_last=null"]
     train(tiny_cfg("train.max_steps=5", *keep), tmp_path / "ours")
     assert checkpoint_steps(tmp_path / "ours") == [2, 4, 5] and evals == [2, 4]

@@ -1,5 +1,5 @@
 """scripts/precompute_latents.py (tread/cli/precompute.py parses the flags into a PrecomputeRequest,
-tread/data/precompute_run.py does the work), tread/data/images.py (image folders, ADM center crop) and the streaming
+tread/data/precompute/run.py does the work), tread/data/images.py (image folders, ADM center crop) and the streaming
 writer.
 
 A tiny random AutoencoderKL (downsampling 2) and a few generated images of different sizes and aspect
@@ -18,10 +18,10 @@ import torch
 from PIL import Image
 
 import tread.cli.precompute as pl
-import tread.data.precompute_run as work
+import tread.data.precompute.run as work
 from tread.data import LatentDataset, LatentDatasetError, LatentDatasetExistsError, read_meta
 from tread.data.images import ImageFolderError, center_crop_arr, list_image_folder
-from tread.data.precompute_request import PrecomputeError, PrecomputeRequest, check_request
+from tread.data.precompute.request import PrecomputeError, PrecomputeRequest, check_request
 from tread.encoders.errors import EncoderError
 from tread.encoders.vae import clear_vae_cache, encode, load_vae
 from tread.data.writer import LatentDatasetWriter

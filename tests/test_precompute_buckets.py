@@ -8,10 +8,10 @@ import pytest
 from PIL import Image
 
 import tread.cli.precompute as pl
-import tread.data.precompute_run as work
+import tread.data.precompute.run as work
 from tread.data import Bucket, BucketedDataset, fit_crop
 from tread.data.images import list_image_folder
-from tread.data.precompute_request import PrecomputeError
+from tread.data.precompute.request import PrecomputeError
 from tread.encoders.vae import encode, load_vae
 
 from test_precompute import offline, vae_dir  # noqa: F401  (fixtures: the tiny VAE downsamples by 2)

@@ -1,4 +1,4 @@
-"""scripts/precompute_latents.py --videos (tread/data/precompute_video.py; docs/video.md "Precompute clips"): a few tiny
+"""scripts/precompute_latents.py --videos (tread/data/precompute/video.py; docs/video.md "Precompute clips"): a few tiny
 clips (mp4/gif files and frame folders) encoded by a tiny random AutoencoderKLWan into a video latent dataset, checked
 against encode_video itself; frame buckets; each bad clip or flag as one `error:` line before anything is encoded."""
 from __future__ import annotations

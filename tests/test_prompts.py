@@ -118,6 +118,8 @@ def test_cfg_scale_1_ignores_the_negative_prompt(flux_run, tmp_path):
 class TextProbe(torch.nn.Module):
     """Output = sum of the text embedding + 100 * label, per sample: tells which conditioning each row got."""
 
+    text_conditioned = True         # what generate() reads of a backbone (tread.models.backbone)
+
     def __init__(self):
         super().__init__()
         self.calls = []
@@ -243,8 +245,6 @@ def test_prompt_keys_and_prompts_file(tmp_path):
 def test_a_run_trained_on_the_empty_prompt_gets_it_as_the_unconditional_input(encoders):
     """Caption dropout to the encoded "" (train.caption_dropout > 0, mode empty): an empty negative prompt is that
     encoding, not label dropout's zeros; mode zeros (and no caption dropout) keeps the null label."""
-    from omegaconf import OmegaConf
-
     from tread.sampling.prompts import learned_unconditional
 
     cfg = compose_cfg("train", TINY + ["model=pixart"])
@@ -254,9 +254,7 @@ def test_a_run_trained_on_the_empty_prompt_gets_it_as_the_unconditional_input(en
     want = encode_prompts("pixart", load_text_encoders("pixart", encoders["pixart"]), [""], max_length=8)
     assert torch.equal(emb.negative["text"], torch.from_numpy(want["text"]))
     assert encode_for_model(model, meta, PROMPTS, "", encoders["pixart"], key="text_encoders").negative is None
-    run = lambda p, mode, family: OmegaConf.create({"train": {"caption_dropout": p,  # noqa: E731
-                                                              "caption_dropout_mode": mode}, "model": {"family": family}})
-    assert learned_unconditional(run(0.1, "auto", "pixart")) == "empty"
-    assert learned_unconditional(run(0.1, "auto", "flux2")) == "zeros"
-    assert learned_unconditional(run(0.1, "zeros", "sd3")) == "zeros"
-    assert learned_unconditional(run(0.0, "empty", "sd3")) == "zeros"
+    assert learned_unconditional(0.1, "auto", "pixart") == "empty"
+    assert learned_unconditional(0.1, "auto", "flux2") == "zeros"
+    assert learned_unconditional(0.1, "zeros", "sd3") == "zeros"
+    assert learned_unconditional(0.0, "empty", "sd3") == "zeros"

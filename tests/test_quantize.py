@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from family_checks import fixed_selection, inputs, make
+from tread.schema import check_train
 from tread.models import build_model
 from tread.models.families import build_family
 from tread.models.lora import is_adapter_param
@@ -20,7 +21,7 @@ from tread.schema import ConfigError
 from tread.training.ema import ema_update
 from tread.training.loop import train
 from tread.training.setup import build_parts, check_shared_base, make_accelerator
-from tread.utils.checkpoints import load_model_file
+from tread.checkpoint.files import load_model_file
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quanto_unpack_in_torch")
 
@@ -119,13 +120,13 @@ def test_lokr_adapts_a_quantized_base():
 
 
 def test_ema_shares_the_quantized_base_and_skips_frozen_weights(tiny_cfg):
-    cfg = tiny_cfg("model=flux", LORA_ARG, "model.quantize=nf4", *FAMILY_TINY)
+    cfg = check_train(tiny_cfg("model=flux", LORA_ARG, "model.quantize=nf4", *FAMILY_TINY))
     parts = build_parts(cfg, make_accelerator(cfg.train))
     shared = frozen_base(parts.model)
     ema_weights = {id(p) for p in parts.ema.model.parameters()}
     assert shared and set(shared) <= ema_weights
     assert weight_bytes(parts.ema.model) == weight_bytes(parts.model)    # one base, counted in each
-    assert not frozen_base(build_model(tiny_cfg("model=flux", LORA_ARG).model))   # full precision: copied
+    assert not frozen_base(build_model(check_train(tiny_cfg("model=flux", LORA_ARG)).model.plain()))   # full precision: copied
 
 
 def test_ema_update_is_unchanged_for_dense_runs_and_skips_frozen_parameters():
@@ -185,7 +186,8 @@ def test_bad_quantize_settings_name_the_key(tiny_cfg, tmp_path):
     with pytest.raises(ConfigError, match=r"model.quantize=int8 needs adapters to train \(model.lora"):
         train(tiny_cfg("model=flux", "model.quantize=int8", *FAMILY_TINY), tmp_path / "x")
     with pytest.raises(ConfigError, match="model.quantize=nf4 cannot be combined with train.parallel=fsdp"):
-        check_shared_base(tiny_cfg("model=flux", LORA_ARG, "model.quantize=nf4", "train.parallel=fsdp"))
+        config = check_train(tiny_cfg("model=flux", LORA_ARG, "model.quantize=nf4", "train.parallel=fsdp"))
+        check_shared_base(config.model, config.train)
     with pytest.raises(QuantizeConfigError, match=r"model.quantize='int2' is not allowed; allowed: null .*'int8'"):
         build_family("flux", input_size=8, in_channels=4, num_classes=5, quantize="int2", lora=LORA)
     with pytest.raises(ConfigError):                       # DiT has no adapters, so no quantized base either

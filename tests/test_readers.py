@@ -233,8 +233,8 @@ def test_dataset_meta_and_latents_are_refused_naming_the_file(tmp_path):
 
 def test_checkpoint_json_state_file_and_lock_are_refused_naming_the_file(tmp_path):
     from tread.runtime.lock import RunDirLock, RunDirLocked
-    from tread.utils.checkpoints import CheckpointError, read_meta
-    from tread.utils.tensorfile import StateFileError, load_state, save_tensors
+    from tread.checkpoint.files import CheckpointError, read_meta
+    from tread.checkpoint.tensorfile import StateFileError, load_state, save_tensors
 
     (tmp_path / "checkpoint.json").write_text(deep_json())
     refused(lambda: read_meta(tmp_path), CheckpointError, f"{tmp_path / 'checkpoint.json'}: nested")
@@ -341,7 +341,7 @@ def test_converter_refuses_a_bad_rng_file_name_before_writing(tmp_path):
 
 
 def test_converter_writes_nothing_when_a_state_cannot_be_stored(tmp_path, monkeypatch):
-    import tread.runtime.legacy as legacy
+    import tread.checkpoint.legacy as legacy
 
     step = legacy_step(tmp_path)
     before = sorted(p.name for p in step.iterdir())

@@ -21,7 +21,7 @@ def test_images_to_latents_to_training_to_benchmark(tmp_path_factory):
     from diffusers import AutoencoderKL
 
     from tread.data import LatentDataset
-    from tread.data.toy import generate_toy_shapes
+    from tread.data.builtin.toy import generate_toy_shapes
     from tread.training.loop import train
     from tread.training.run_log import read_metrics
 

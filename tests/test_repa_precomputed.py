@@ -17,7 +17,7 @@ from test_precompute import vae_dir  # noqa: F401 - the tiny AutoencoderKL fixtu
 import tread.cli.precompute as pl
 from tread.data import LatentDataset, LatentDatasetError, build_dataset, decode_to_uint8, read_meta
 from tread.data.images import center_crop_arr
-from tread.data.precompute_request import PrecomputeError, PrecomputeRequest, check_request
+from tread.data.precompute.request import PrecomputeError, PrecomputeRequest, check_request
 from tread.data.repa_features import encoder_digest, encoder_input
 from tread.data.writer import LatentDatasetWriter, write_latent_dataset
 from tread.encoders.patch import build_patch_encoder

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tread.evaluation.evaluator import decode_options
 from tread.encoders.patch import REPA_TOY_SEED, build_patch_encoder, random_toy_classifier
 from tread.evaluation.extractors import feature_extractor
 from tread.models.dit import build_dit
 from tread.models.repa import published_repa_block
 from tread.schema import ConfigError, check_train
-from tread.training.repa import build_repa
+from tread.training.repa import build_repa, with_resolved
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,10 +23,15 @@ def images(n=4, side=16, seed=0):
     return x, x.float() / 127.5 - 1
 
 
+def repa_of(cfg):
+    """The run's Repa as training builds it, and the checked config."""
+    c = check_train(cfg)
+    return build_repa(c.model, c.data.resolution, c.paths.cache_dir, decode_options(c.eval), torch.device("cpu")), c
+
+
 def encoder_of(tiny_cfg, name):
     cfg = tiny_cfg(f"repa={name}")
-    check_train(cfg)                                          # configs/repa/<name>.yaml passes the schema
-    return build_repa(cfg, torch.device("cpu")).encoder, cfg
+    return repa_of(cfg)[0].encoder, cfg                       # configs/repa/<name>.yaml passes the schema
 
 
 @pytest.mark.parametrize("name", ["toy", "toy_random", "toy_fid"])
@@ -90,9 +96,10 @@ def test_the_published_block_rule(depth, block):
 def test_a_null_block_resolves_from_depth_into_the_config_and_an_explicit_one_wins(tiny_cfg, extra, block):
     cfg = tiny_cfg("repa=toy_random", *extra)
     assert cfg.model.repa.block == (None if not any("repa.block" in e for e in extra) else block)
-    check_train(cfg)
-    build_repa(cfg, torch.device("cpu"))
-    assert cfg.model.repa.block == block                      # saved with the run: sample.py and resume rebuild it
+    repa, config = repa_of(cfg)
+    saved = with_resolved(config.resolved, repa)["model"]["repa"]
+    assert repa.resolved["block"] == saved["block"] == block  # saved with the run: sample.py and resume rebuild it
+    assert config.resolved["model"]["repa"]["block"] == cfg.model.repa.block     # the checked config is not changed
 
 
 def test_the_encoder_forward_flops_are_its_convolutions():

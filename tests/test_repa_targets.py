@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tread.schema import check_train
 from tread.data import ensure_toy_classifier
 from tread.encoders.patch import REPA_TOY_SEED, build_patch_encoder
 from tread.training.loop import train
@@ -23,8 +24,10 @@ REPA = [*QUIET, "repa=toy", "train.max_steps=2"]
 
 def base_summary(cfg, run_dir, repa=None) -> RunSummary:
     """The summary of a run of `cfg` at step 0 (its model and data built as training builds them) with `repa`."""
-    parts = build_parts(cfg, make_accelerator(cfg.train))
-    return RunSummary(run_dir, None, cfg, parts.model, open_dataset(cfg, parts.model), 0, repa=repa)
+    config = check_train(cfg)
+    parts = build_parts(config, make_accelerator(config.train))
+    return RunSummary(run_dir, None, config, parts.model, open_dataset(config.data, parts.model, config.model.arch), 0,
+                      repa=repa)
 
 
 def counted_encoder_flops(cfg, batch: int) -> float:

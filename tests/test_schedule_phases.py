@@ -11,7 +11,6 @@ import torch
 from conftest import TINY, compose_cfg, shared_cache
 from tread.schema import ConfigError, check_train
 from tread.training.loop import train
-from tread.training.phases import TrainPhases
 from tread.training.run_log import read_metrics
 from tread.training.setup import make_loader, open_dataset
 from tread.training.step import StepSettings, lr_factor, step_lr
@@ -31,7 +30,8 @@ def test_each_step_gets_its_phase_values_and_unset_keys_are_the_configs(tiny_cfg
     cfg = tiny_cfg("train.lr_warmup_steps=4", "train.grad_clip=1.0", "train.max_steps=20", "routing.schedule=["
                    "{start_step:0},{start_step:5,train:{batch_size:16,grad_clip:0.5}},{start_step:8,train:{lr:0.01}},"
                    "{start_step:12,train:{warmup_steps:3}}]")
-    phases, s = TrainPhases.from_config(cfg), StepSettings.from_config(cfg)
+    cfg = check_train(cfg)
+    phases, s = cfg.phases, StepSettings.from_config(cfg)
     assert [phases.at(k).batch_size for k in (0, 4, 5, 7, 8)] == [8, 8, 16, 16, 8]    # phase 2 leaves it out
     assert [phases.at(k).grad_clip for k in (4, 5, 8)] == [1.0, 0.5, 1.0]
     lr = cfg.optimizer.lr
@@ -45,7 +45,7 @@ def test_each_step_gets_its_phase_values_and_unset_keys_are_the_configs(tiny_cfg
 def test_cosine_restarts_over_the_remaining_steps(tiny_cfg):
     cfg = tiny_cfg("train.lr_schedule=cosine", "train.max_steps=10",
                    "routing.schedule=[{start_step:0},{start_step:6,train:{lr:0.5}}]")
-    s = StepSettings.from_config(cfg)
+    s = StepSettings.from_config(check_train(cfg))
     assert [step_lr(k, s) for k in range(6, 10)] == [0.5 * lr_factor(k, 0, "cosine", 4) for k in range(4)]
 
 
@@ -96,7 +96,10 @@ def test_path_drop_from_step_0_equals_the_same_config(tiny_cfg, tmp_path):
 def test_the_loader_hands_out_each_phases_batch_and_resumes_its_position(tiny_cfg):
     cfg = tiny_cfg("train.grad_accum_steps=2", "routing.schedule=[{start_step:0},{start_step:3,train:{batch_size:16}}]")
     acc = SimpleNamespace(num_processes=1, process_index=0, device=torch.device("cpu"))
-    dataset = open_dataset(cfg, SimpleNamespace(in_channels=3, input_size=16))
+    cfg = check_train(cfg)
+    model = SimpleNamespace(in_channels=3, input_size=16, frames_axis=False, frames=1, i2v=False,
+                            check_text_data=lambda *args: None)
+    dataset = open_dataset(cfg.data, model, "DiT-T/4")
     loader = make_loader(cfg, dataset, acc)
     batches = [next(loader) for _ in range(10)]                 # 5 steps of 2 micro-batches
     assert [b[0].shape[0] for b in batches] == [4] * 6 + [8] * 4

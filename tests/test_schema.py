@@ -69,9 +69,9 @@ def test_bad_training_values_name_the_key_value_and_what_is_allowed(override, me
 
 def test_a_missing_eval_reference_is_refused_before_work():
     cfg = compose_cfg(overrides=["eval.reference=/nonexistent/ref.npz"])
-    check_train(cfg)    # a valid value; the file is checked next, before any work
+    config = check_train(cfg)    # a valid value; the file is checked next, before any work
     with pytest.raises(ConfigError, match="eval.reference='/nonexistent/ref.npz' does not exist"):
-        check_train_files(cfg)
+        check_train_files(config)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -101,10 +101,10 @@ def test_mandatory_keys_only_matter_when_used():
 
 def test_run_safety_keys_have_defaults():
     """train.nonfinite / max_nonfinite_skips / collective_timeout_min / slurm_requeue (training/ reads them)."""
-    t = check_train(compose_cfg())["train"]
+    t = check_train(compose_cfg()).train
     assert (t.nonfinite, t.max_nonfinite_skips, t.collective_timeout_min, t.slurm_requeue) == ("skip", 20, 30, True)
     t = check_train(compose_cfg(overrides=["train.nonfinite=stop", "train.collective_timeout_min=0.5",
-                                           "train.slurm_requeue=false"]))["train"]
+                                           "train.slurm_requeue=false"])).train
     assert (t.nonfinite, t.collective_timeout_min, t.slurm_requeue) == ("stop", 0.5, False)
 
 
@@ -205,8 +205,8 @@ def test_checkpoints_written_before_the_rename_read_in_todays_names(tmp_path):
     same key order: a resume lists no config change, and sampling reads its eval settings."""
     from omegaconf import OmegaConf
 
-    from tread.runtime.run_dir import config_changes
-    from tread.utils.checkpoints import read_meta
+    from tread.checkpoint.resume import config_changes
+    from tread.checkpoint.files import read_meta
 
     now = OmegaConf.to_container(compose_cfg(overrides=["eval.selection_ratio=0.25"]), resolve=True)
     renames = {"selection_ratio": "route_ratio", "tread_weak_selection_ratio": "tread_weak_ratio"}

@@ -1,4 +1,4 @@
-"""checkpoint.layout=sharded (tread/utils/sharded_files.py, tread/training/state.py): weights, EMA and optimizer as a
+"""checkpoint.layout=sharded (tread/checkpoint/sharded.py, tread/checkpoint/state.py): weights, EMA and optimizer as a
 torch.distributed.checkpoint folder. In one process here (the FSDP runs that write and read real shards:
 tests/test_fsdp.py): exact resume, the same weights for sampling, the conversion both ways, and an index that can
 only make DCP's records (a planted pickle is refused, not run)."""
@@ -13,11 +13,11 @@ import torch
 
 from conftest import TINY, compose_cfg, shared_cache
 from tread.cli.convert_checkpoint import main as convert_main
-from tread.runtime.layouts import convert_layout
+from tread.checkpoint.layouts import convert_layout
 from tread.training.loop import train
-from tread.utils.checkpoints import CheckpointError, load_model_file, read_checkpoint
-from tread.utils.sharded_files import INDEX, SHARDED_DIR, ShardedFileError, save_sharded, tensor_index
-from tread.utils.tensorfile import load_state
+from tread.checkpoint.files import CheckpointError, load_model_file, read_checkpoint
+from tread.checkpoint.sharded import INDEX, SHARDED_DIR, ShardedFileError, save_sharded, tensor_index
+from tread.checkpoint.tensorfile import load_state
 
 QUIET = ["eval.every_steps=0", "eval.at_end=false", "train.lr_warmup_steps=3", "ema.decay=0.5"]
 

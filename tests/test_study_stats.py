@@ -1,5 +1,5 @@
-"""The statistics of seeded comparisons (tread/evaluation/stats.py) against scipy's own tests and textbook Holm,
-and metrics read along a run at equal steps, measured time and FLOPs (tread/evaluation/along_run.py), through
+"""The statistics of seeded comparisons (tread/analysis/stats.py) against scipy's own tests and textbook Holm,
+and metrics read along a run at equal steps, measured time and FLOPs (tread/analysis/along_run.py), through
 scripts/ablation_report.py on a synthetic sweep."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 from scipy import stats as scipy_stats
 
 from tread.cli import ablation_report
-from tread.evaluation import stats
-from tread.evaluation.along_run import budget_key, common_budget, curve, interpolate, value_at
-from tread.evaluation.seed_groups import comparisons, seed_groups
-from tread.evaluation.sweep_report import ReportError, load_runs
+from tread.analysis import stats
+from tread.analysis.along_run import budget_key, common_budget, curve, interpolate, value_at
+from tread.analysis.seed_groups import comparisons, seed_groups
+from tread.analysis.sweep_report import ReportError, load_runs
 
 A = [30.1, 31.4, 29.0, 30.6, 32.2]
 B = [27.9, 30.0, 26.1, 28.8, 30.9]

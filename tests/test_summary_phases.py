@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from tread.evaluation.seed_groups import Group, group_table, run_tokens
-from tread.evaluation.sweep_report import row
+from tread.analysis.seed_groups import Group, group_table, run_tokens
+from tread.analysis.sweep_report import row
 from tread.training.loop import train
-from tread.utils.resume_values import ResumeValueError, check_plain
+from tread.checkpoint.values import ResumeValueError, check_plain
 
 QUIET = ["eval.every_steps=0", "eval.at_end=false", "checkpoint.every_steps=0", "train.log_every_steps=1"]
 TWO_PHASES = "routing.schedule=[{start_step:0},{start_step:3,routes:[]}]"

@@ -1,4 +1,4 @@
-"""Moving toy shapes (tread/data/toy_clips.py): the clips move as their direction says, the built-in
+"""Moving toy shapes (tread/data/builtin/toy_clips.py): the clips move as their direction says, the built-in
 toy_shapes_clips dataset reads back, and clip files (mp4 / gif / frame folders + caption sidecars) decode back to
 the generated frames."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 from tread.data import BUILTINS, LatentDataset, LatentDatasetError, build_dataset
 from tread.data.buckets import Bucket
-from tread.data.toy import TOY_CLASS_NAMES
-from tread.data.toy_clips import (DIRECTIONS, clip_captions, ensure_toy_clips, generate_toy_clips, to_uint8,
+from tread.data.builtin.toy import TOY_CLASS_NAMES
+from tread.data.builtin.toy_clips import (DIRECTIONS, clip_captions, ensure_toy_clips, generate_toy_clips, to_uint8,
                                   write_clip_files)
 from tread.data.video import find_clips, probe_clip, read_clip, video_encoder_available
 from tread.schema.base import ConfigError, check

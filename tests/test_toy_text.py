@@ -1,4 +1,4 @@
-"""The built-in text-conditioned data (data=toy_text, tread/data/toy_text.py) and the text-width check of families."""
+"""The built-in text-conditioned data (data=toy_text, tread/data/builtin/toy_text.py) and the text-width check of families."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tread.data import LatentDataset, LatentDatasetError
-from tread.data.toy import TOY_CLASS_NAMES, generate_toy_shapes
-from tread.data.toy_text import class_captions, ensure_toy_text_dataset
+from tread.data.builtin.toy import TOY_CLASS_NAMES, generate_toy_shapes
+from tread.data.builtin.toy_text import class_captions, ensure_toy_text_dataset
 from tread.encoders.text import encode_prompts, load_text_encoders
 from tread.encoders.tiny_text import save_tiny_text_encoders
 from tread.models.families import FamilyConfigError

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, free_port
+from pixel_checks import assert_pixels_close
 from tread.training.loop import train
 from tread.training.run_log import read_metrics
 
@@ -106,12 +107,14 @@ def test_sample_cli_writes_pngs_grid_and_npz(tiny_cfg, tmp_path, cache_dir):
     assert arr["arr_0"].shape == (12, 16, 16, 3) and arr["arr_0"].dtype == np.uint8
     assert list(arr["arr_1"]) == [i % 10 for i in range(12)]
     assert len(list((out / "images").glob("*.png"))) == 12 and (out / "grid.png").is_file()
-    # Same seeds, different batch size: identical images (per-seed generators).
+    # Same seeds, different batch size: the same images (per-seed generators), up to float32 rounding (batches of 3
+    # against 12 are other matmul shapes, which may order their sums differently).
     out2 = tmp_path / "samples2"
     proc, _ = run_cli(["sample.py", f"checkpoint={run}/checkpoints/step_0000002", "seeds=4-7", "num_steps=2",
                        "batch_size=3", f"out_dir={out2}", "device=cpu"], cache_dir)
     assert proc.returncode == 0, proc.stderr
-    np.testing.assert_array_equal(np.load(out2 / "samples.npz")["arr_0"], arr["arr_0"][4:8])
+    assert_pixels_close(np.load(out2 / "samples.npz")["arr_0"], arr["arr_0"][4:8],
+                        what="seeds 4-7 sampled 3 per batch vs 12 per batch")
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tread.encoders.vae as vae_mod
+from pixel_checks import assert_pixels_close
 from tread.data import LatentDataset, LatentDatasetError, check_decodable, decode_to_uint8, draw_latents, \
     write_latent_dataset
 from tread.encoders.errors import EncoderError
@@ -99,9 +100,11 @@ def test_decode_batched_equals_unbatched_and_rounds_like_identity(vae_dir):
     z = torch.randn(5, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     one_batch = decode_to_uint8(z, meta)
     assert one_batch.shape == (5, 16, 16, 3) and one_batch.dtype == torch.uint8
-    torch.testing.assert_close(decode_to_uint8(z, meta, batch_size=2), one_batch, rtol=0, atol=0)
+    # 2, 2, 1 latents per decode call against all 5 in one: other convolution shapes, which may round differently
+    assert_pixels_close(decode_to_uint8(z, meta, batch_size=2), one_batch, what="decoded 2 per call vs 5")
     vae = load_vae(str(vae_dir))
-    pixels = vae.decode(z / 0.18215).sample
+    with torch.no_grad():                                         # the same decode call as one_batch's: exact
+        pixels = vae.decode(z / 0.18215).sample
     torch.testing.assert_close(one_batch, ((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
                                .permute(0, 2, 3, 1), rtol=0, atol=0)
 

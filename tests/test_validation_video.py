@@ -28,7 +28,8 @@ from tread.evaluation.videos import (DEFAULT_FPS, gif_bytes, slug, still_caption
                                      video_fps)
 from tread.models import build_model
 from tread.sampling import Guidance
-from tread.training.loop import evaluate, train
+from tread.training.loop import train
+from tread.training.trainer import Trainer
 from tread.training.run_log import RunLog, read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,14 +90,14 @@ def video_dataset(frames: int = 3, fps=FPS) -> SimpleNamespace:
             "conditioning": {"text": {"family": "wan", "max_length": 16}}}
     if fps is not None:
         meta["video"] = {"frames": frames, "frame_stride": 1, "fps": fps, "temporal_factor": 1}
-    return SimpleNamespace(meta=meta, shape=list(meta["shape"]), num_classes=1)
+    return SimpleNamespace(meta=meta, shape=list(meta["shape"]), num_classes=1, buckets=None)
 
 
 def validation(wan, encoders, dataset, per_prompt: int = 1) -> ValidationPrompts:
     net = wan[1]
     eval_cfg = compose_cfg("train", TINY + ["model=wan", f"eval.validation_prompts={PROMPTS}",
                                            f"eval.validation_per_prompt={per_prompt}", "eval.num_steps=2"]).eval
-    return ValidationPrompts(eval_cfg, {"text_encoders": str(encoders)}, net.model, dataset, torch.device("cpu"))
+    return ValidationPrompts(eval_cfg, str(encoders), net.model, dataset, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("encoder", ["mp4", "gif"])
@@ -205,7 +206,7 @@ def test_evaluation_logs_the_videos(wan, encoders, tmp_path, monkeypatch):
                           parts=SimpleNamespace(ema=None, diffusion=None,
                                                 accelerator=SimpleNamespace(is_main_process=True)),
                           evaluator=lambda *args: dict(record))
-    evaluate(run)
+    Trainer.evaluate(run)
     log.close()
     (logged,) = read_metrics(tmp_path / "run")
     assert logged["validation_videos"] == record["validation_videos"] and len(logged["validation_videos"]) == 2

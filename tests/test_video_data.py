@@ -202,37 +202,42 @@ def test_bucketed_video_parts_must_share_stride(tmp_path):
 
 from types import SimpleNamespace   # noqa: E402
 
-from omegaconf import OmegaConf   # noqa: E402
 
 from tread.schema import ConfigError   # noqa: E402
 from tread.training.setup import check_frames   # noqa: E402
 
 
 def _cfg(path, frames):
-    return OmegaConf.create({"data": {"path": str(path), "frames": frames}, "model": {"arch": "wan-tiny"}})
+    """check_frames' data section."""
+    return SimpleNamespace(path=str(path), frames=frames)
+
+
+def _model(frames_axis=False, frames=1, patch=(1, 2, 2)):
+    """What check_frames reads of a backbone."""
+    return SimpleNamespace(frames_axis=frames_axis, frames=frames, i2v=False, latent_patch=lambda: patch)
 
 
 def test_data_frames_must_match_single_shape_data(tmp_path):
     write_video(tmp_path / "v", first_frame=False)                     # T = 3
     ds = LatentDataset(tmp_path / "v")
-    video_model = SimpleNamespace(frames_axis=True, frames=3)
-    check_frames(_cfg(ds.root, 3), ds, video_model)
+    video_model = _model(True, 3)
+    check_frames(_cfg(ds.root, 3), ds, video_model, 'wan-tiny')
     with pytest.raises(ConfigError, match=r"has 3 latent frame\(s\) per sample but data.frames=1, model.frames=1; "
                                           r"set data.frames=3"):
-        check_frames(_cfg(ds.root, 1), ds, SimpleNamespace(frames_axis=True, frames=1))
+        check_frames(_cfg(ds.root, 1), ds, _model(True, 1), 'wan-tiny')
     with pytest.raises(ConfigError, match=r"is video \(9 frames per clip, latents \[4, 3, 6, 8\]\) but model "
                                           r"wan-tiny takes images"):
-        check_frames(_cfg(ds.root, 3), ds, SimpleNamespace())
+        check_frames(_cfg(ds.root, 3), ds, _model(), 'wan-tiny')
     write_latent_dataset(tmp_path / "i", np.zeros((2, 3, 4, 4), np.float32), np.zeros(2, np.int64), num_classes=1)
     images = LatentDataset(tmp_path / "i")
-    check_frames(_cfg(images.root, 1), images, SimpleNamespace(frames_axis=True, frames=1))   # images: T = 1
+    check_frames(_cfg(images.root, 1), images, _model(True, 1), 'wan-tiny')   # images: T = 1
     with pytest.raises(ConfigError, match=r"has 1 latent frame\(s\) per sample \(images\) but data.frames=5"):
-        check_frames(_cfg(images.root, 5), images, SimpleNamespace(frames_axis=True, frames=5))
+        check_frames(_cfg(images.root, 5), images, _model(True, 5), 'wan-tiny')
 
 
 def test_frame_buckets_need_whole_temporal_patches(tmp_path):
     write_bucketed_dataset(tmp_path / "b", _video_parts(), num_classes=2, dtype="float32")
     ds = BucketedDataset(tmp_path / "b")                               # T = 5 and 9
-    check_frames(_cfg(ds.root, 1), ds, SimpleNamespace(frames_axis=True, frames=1, latent_patch=lambda: (1, 2, 2)))
+    check_frames(_cfg(ds.root, 1), ds, _model(True, 1, (1, 2, 2)), 'wan-tiny')
     with pytest.raises(ConfigError, match=r"48x32x5 \(T=5\), 48x32x9 \(T=9\) .* not whole 2-frame temporal patches"):
-        check_frames(_cfg(ds.root, 1), ds, SimpleNamespace(frames_axis=True, frames=2, latent_patch=lambda: (2, 2, 2)))
+        check_frames(_cfg(ds.root, 1), ds, _model(True, 2, (2, 2, 2)), 'wan-tiny')

@@ -9,7 +9,7 @@ import pytest
 from tread.cli.precompute import main as precompute
 from tread.cli.sample import run as sample_run
 from tread.data import Bucket, LatentDataset
-from tread.data.toy_clips import write_clip_files
+from tread.data.builtin.toy_clips import write_clip_files
 from tread.training.loop import train
 from conftest import TINY, compose_cfg
 from test_video_vae import tiny_hunyuan, tiny_ltx, tiny_wan

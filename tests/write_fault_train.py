@@ -23,7 +23,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fault_train  # noqa: E402  (tests/ is this script's own directory)
-from tread.training import checkpoint  # noqa: E402
+from tread.checkpoint import save as checkpoint  # noqa: E402
 
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT
 REAL = {"open": os.open, "write": os.write, "fdopen": os.fdopen}

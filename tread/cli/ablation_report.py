@@ -3,10 +3,8 @@
     python train.py -m routing.routes.0.selection_ratio=0,0.25,0.5,0.75     # writes outputs/multirun/<date>/<job>/
     python scripts/ablation_report.py outputs/multirun/<date>               # -> <sweep>/report/
 
-Reads every run directory under SWEEP_DIR (any depth) that holds a summary.json (written by train.py, also
-for failed jobs) and its metrics.jsonl. Writes report.md and report.csv (one row per run, failed runs
-included with their error) and, with matplotlib, fid_vs_ratio.png, fid_vs_time.png, fid_vs_flops.png (one
-curve per run from its evaluations; FLOPs = train_flops_per_step x step) and loss.png.
+Reads every run under SWEEP_DIR with a summary.json; writes report.md, report.csv (failed runs included)
+and, with matplotlib, FID-vs-ratio/time/FLOPs and loss plots.
 """
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from tread.evaluation.sweep_report import (README_END, README_START, Budgets, ReportError, add_fid_at, budget_keys,
+from tread.analysis.sweep_report import (README_END, README_START, Budgets, ReportError, add_fid_at, budget_keys,
                                            group_section, load_runs, row, update_readme, write_group_plot, write_plots,
                                            write_tables)
 

@@ -1,17 +1,12 @@
-"""Time THE training step of a model under several route configs on this device; the project's benchmark (the
-timing itself: tread/perf/benchmark_run.py; what is timed and reported: docs/benchmarks.md).
+"""Time the training step of a model under several route configs on this device (docs/benchmarks.md).
 
     python scripts/benchmark.py --arch DiT-S/2 --resolution 16 --channels 4 --batch 32
-    python scripts/benchmark.py --arch DiT-T/4 --resolution 32 --channels 3 --batch 64 --routes none paper balanced
     python scripts/benchmark.py --arch DiT-XL/2 --tokens 256 --batch 64 --precision bf16 --compile \\
-        --routes none paper '[{"selection_ratio":0.75,"start_layer_idx":2,"end_layer_idx":-4}]' \\
-        --sampling --eval-features --json bench.json --markdown bench.md
+        --routes none paper --sampling --json bench.json --markdown bench.md
     python scripts/benchmark.py --family all --preset tiny          # every diffusers family, one table
-    python scripts/benchmark.py --arch DiT-B/2 --set train.grad_accum_steps=2 --set train.grad_clip=1.0
 
-Every flag is an override of the config `python train.py <overrides>` composes (--arch A: model=tread
-model.arch=A, dense model=dit; --batch: train.batch_size; --routes: routing=<preset> or routing.routes=[...];
---set KEY=VALUE: any other key). A dense baseline comes first; the configs are timed in interleaved rounds.
+Every flag is an override of the config train.py composes (--set KEY=VALUE: any other key); a dense
+baseline comes first and the configs are timed in interleaved rounds.
 """
 from __future__ import annotations
 

@@ -4,15 +4,8 @@
     python scripts/compare_paper.py /path/to/tread --sizes DiT-S/2:16:32 --precisions fp32 --rounds 5
     python scripts/compare_paper.py /path/to/tread --compile false true --json compare.json   # eager and compiled
 
-Per size (ARCH:RESOLUTION:BATCH, 4-channel latents, 1000 classes) one group of steps is built and timed in
-interleaved rounds, each config its own model from the same seed on the same synthetic batch: for each precision
-(fp32, bf16 autocast), the paper's dense and routed steps (tread/perf/paper.py: its DiT with its @torch.compile'd
-blocks, its EDM loss with label dropout, torch's AdamW, its EMA) and ours (THE training step of `python train.py
-model=dit|tread model.arch=ARCH routing=none|paper` with train.yaml's own defaults, no experiment: the paper's
-lr, EMA, label dropout, no clipping; train.compile at its default, auto, unless --compile says otherwise). The
-route is the paper's, 0.5 over blocks 2..8. Prints ms per step (median), ours / paper, each side's routed
-speedup, ours in bf16 against the paper's fp32 step, and defaults against defaults (ours at the precision
-train.mixed_precision=auto picks here, the paper code in fp32). PAPER_DIR is imported, never copied into this project.
+What each side runs and what is printed: docs/benchmarks.md, "Against the paper code, in one process".
+PAPER_DIR is imported, never copied into this project.
 """
 from __future__ import annotations
 
@@ -78,9 +71,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def our_overrides(arch: str, resolution: int, batch: int, dense: bool, bf16: bool, compile: str) -> list[str]:
-    """The training config of our side: train.yaml's own defaults (no experiment: the paper's lr 1e-4, EMA 0.9999,
-    label dropout 0.1, no clipping; train.compile auto), with the model, geometry, batch, route and precision
-    named."""
+    """The training config of our side: train.yaml's own defaults with the model, geometry, batch, route and
+    precision named."""
     return ["~experiment", f"model={'dit' if dense else 'tread'}", f"model.arch={arch}", "data.channels=4",
             f"data.resolution={resolution}", "data.num_classes=1000", f"train.batch_size={batch}",
             f"train.mixed_precision={'bf16' if bf16 else 'no'}", "routing=none" if dense else "routing=paper",
@@ -131,9 +123,8 @@ def summarise(size: str, precisions: Sequence[str], compiles: Sequence[str], tim
 
 
 def defaults_line(rows: list[dict], device: torch.device) -> Optional[str]:
-    """Defaults against defaults: ours at the precision train.mixed_precision=auto picks on this device (and
-    train.compile's default) against the paper code's fp32 step (its train.py autocasts only when accelerate is
-    configured to); None unless both were timed."""
+    """Defaults against defaults: ours at train.mixed_precision=auto's precision against the paper code's fp32
+    step; None unless both were timed."""
     value, why = mixed_precision("auto", device)
     ours = "fp32" if value == "no" else value
     lines = [f"| {r['size']} | {ours} | {r['ours_dense_ms']:.0f} ms / {r['ours_routed_ms']:.0f} ms | "

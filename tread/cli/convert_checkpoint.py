@@ -1,16 +1,11 @@
-"""Convert checkpoints of earlier versions (pickle files: model.pt, train_state.pt, rng_rank*.pt) to the
-safetensors format that train.py, sample.py and fid.py read; or a checkpoint into the other layout
-(checkpoint.layout: single files, or every process's shards).
+"""Convert pickle checkpoints of earlier versions to safetensors, or a checkpoint into the other layout.
 
     python scripts/convert_checkpoint.py RUN_DIR_OR_STEP_DIR --trust [--remove-pickles]
     python scripts/convert_checkpoint.py STEP_DIR --layout single --out NEW_STEP_DIR     # sharded -> single
     python scripts/convert_checkpoint.py STEP_DIR --layout sharded --out NEW_STEP_DIR    # single -> sharded
 
-What --trust means: a pickle file can name code that runs when it is loaded. This converter loads with
-torch's restricted unpickler (tensors, plain containers, numbers and numpy arrays only) and refuses a file
-that names anything else, so nothing in the file is run. But the converted weights and config become a
-checkpoint you train and sample from: convert only files whose source you trust. Without --trust nothing
-is read.
+Pickles are read with torch's restricted unpickler, but convert only files whose source you trust: without
+--trust nothing is read (docs/reliability.md, "Checkpoints cannot run code").
 """
 from __future__ import annotations
 
@@ -19,8 +14,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from tread.cli.errors import user_errors
-from tread.runtime.layouts import LAYOUTS, convert_layout
-from tread.runtime.legacy import convert, legacy_dirs, rank_files
+from tread.checkpoint.layouts import LAYOUTS, convert_layout
+from tread.checkpoint.legacy import convert, legacy_dirs, rank_files
 from tread.utils.errors import UserError
 
 

@@ -25,19 +25,11 @@ def user_errors(*extra: type[BaseException]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def hydra_errors(sampling_section: str = "") -> Iterator[None]:
-    """Hydra's own input errors, met while it composes the config before the program's code runs (an unknown
-    key without +, an unknown group option such as model=nosuch, bad override syntax, an ambiguous a,b value),
-    as one `error: <message>` line too. Wrap the @hydra.main function's call in a program's __main__ block:
+    """Report Hydra's own input errors (unknown keys, group options, bad override syntax) as one `error:` line.
 
-        if __name__ == "__main__":
-            with hydra_errors():
-                main()
-
-    Hydra prints these errors itself, over several lines, unless HYDRA_FULL_ERROR is set; inside the block it
-    is set, so that they reach here. Any other exception goes on as a traceback; a user who set
-    HYDRA_FULL_ERROR gets Hydra's errors as tracebacks too. `sampling_section` is where the program holds the
-    sampling keys ("" for sample.py and fid.py, "eval" for train.py): an old sampling key there is refused with
-    its new name."""
+    Wrap the @hydra.main function's call in it (`with hydra_errors(): main()`); it sets HYDRA_FULL_ERROR inside
+    the block so the errors reach here, and lets other exceptions through. `sampling_section` is where the
+    program holds the sampling keys ("" for sample.py and fid.py, "eval" for train.py), for renamed-key errors."""
     from hydra.errors import ConfigCompositionException, OverrideParseException
 
     wanted = os.environ.get("HYDRA_FULL_ERROR")

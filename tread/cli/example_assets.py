@@ -1,10 +1,6 @@
-"""Offline inputs for the bucketed worked example (Makefile `example-buckets`, docs/buckets.md):
-
-    python scripts/toy_images.py DIR --sizes 32x32,48x32,32x48,64x64,96x64,64x96 --per-class 24
-        the toy shapes as an image folder: class sub-folders of PNGs at those sizes (WIDTHxHEIGHT), each with a
-        `.txt` sidecar of two captions
-    python scripts/tiny_vae.py DIR --steps 300
-        a tiny AutoencoderKL (downsampling 2, 4 latent channels) fitted to the toy shapes, saved for --vae DIR
+"""Offline inputs for the bucketed worked example (Makefile `example-buckets`, docs/buckets.md): the toy
+shapes as an image folder with caption sidecars (scripts/toy_images.py), and a tiny AutoencoderKL fitted
+to them (scripts/tiny_vae.py).
 """
 from __future__ import annotations
 
@@ -13,8 +9,8 @@ from typing import Optional, Sequence
 
 from tread.cli.errors import user_errors
 from tread.data.buckets import parse_buckets
-from tread.data.toy import generate_toy_shapes
-from tread.data.toy_images import write_toy_image_folder
+from tread.data.builtin.toy import generate_toy_shapes
+from tread.data.builtin.toy_images import write_toy_image_folder
 from tread.encoders.tiny_vae import save_tiny_vae
 
 

@@ -21,13 +21,13 @@ from tread.evaluation.evaluator import decode_options
 from tread.evaluation.fdd import FDD, load_fdd_reference, without_fdd
 from tread.evaluation.extractors import feature_extractor
 from tread.evaluation.images import check_image_folder, image_files, iter_image_folder, npz_images_shape
-from tread.evaluation.metric_names import METRICS, TOY_METRICS, without_toy
+from tread.schema.metric_names import METRICS, TOY_METRICS, without_toy
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.reference import build_reference, load_reference_full, read_reference_file
 from tread.sampling import Guidance, parse_seeds
 from tread.schema import check_fid
-from tread.schema.saved import check_checkpoint_config
-from tread.utils.checkpoints import load_model_file
+from tread.checkpoint.saved_config import check_checkpoint_config
+from tread.checkpoint.files import load_model_file
 from tread.utils.io import atomic_write_json
 from tread.utils.readers import image_size, iter_npz_batches, read_npz
 

@@ -4,19 +4,8 @@
     python3 scripts/gpu_check.py --paper-dir /path/to/CompVis/tread --wheels .whl
     .venv/bin/python scripts/gpu_check.py --download-wheels .whl          # here, with the network: what must travel
 
-It runs, each under its own time limit and in this order: the CUDA tests (`pytest -m gpu tests/test_gpu.py`); the
-DiT-XL/2 benchmark (256 tokens, dense and the paper route, compiled, bf16, at the largest of --xl-batches that fits,
-with sampling throughput); a FLUX `mid` routed step (eager, bf16, the largest batch of 32, 16, 8, 4 that fits);
-and scripts/compare_paper.py at DiT-B/2 and DiT-XL/2 in bf16 (when --paper-dir is given). Each step's output is
-kept in --out (step logs, JSON, the Markdown tables), and --out/report.md gathers them with the device, torch and
-the commands. A step that fails or runs out of time is
-reported and the next one runs; the exit status is 1 when any did.
-
-It needs only the Python standard library to start: the project's own dependencies that the machine lacks are
-listed first and installed from --wheels (pip --no-index into a temporary folder) when given;
-`--download-wheels DIR`, run where the project is installed and the registry is reachable, fetches exactly those
-wheels at the installed versions. --quick runs the same steps at tiny sizes (the way to try it without a GPU: the
-CUDA-only steps then say so and are skipped).
+Each step runs under its own time limit and --out/report.md gathers the results; a failed step sets exit
+status 1. --quick runs the same steps at tiny sizes. What it runs: docs/benchmarks.md, "GPU".
 """
 from __future__ import annotations
 

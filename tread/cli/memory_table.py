@@ -1,15 +1,10 @@
-"""Memory per GPU of full fine-tuning and LoRA under DDP and FSDP for the model presets (tread/perf/memory.py): a
-markdown table from parameter counts of models built on the meta device (nothing is allocated or downloaded),
-with the memory options (model.base_dtype, ema.mode, optimizer=adamw8bit, model.quantize); and, with --measure,
-one preset's LoRA run built and stepped on this machine, its counted and peak memory beside the table's figure.
+"""Memory per GPU of full fine-tuning and LoRA under DDP and FSDP for the model presets, from meta-device
+parameter counts (nothing allocated); --measure steps one preset's LoRA run here (docs/scaling.md).
 
     python scripts/memory_table.py                          # every DiT / family preset, FSDP over 2 and 8 GPUs
-    python scripts/memory_table.py --world 4 16 --lora-rank 32
-    python scripts/memory_table.py --preset flux:dev --preset DiT-XL/2
-    python scripts/memory_table.py --measure flux:mid --set model.base_dtype=bf16 --set ema.mode=trained \\
-        --set optimizer=adamw8bit                          # 3 steps of batch 2 (16x32x32 latents)
-    python scripts/memory_table.py --video wan:mid         # saved activations of the video step, checkpointed,
-                                                           # routing none vs paper (tread/perf/video_memory.py)
+    python scripts/memory_table.py --preset flux:dev --preset DiT-XL/2 --lora-rank 32
+    python scripts/memory_table.py --measure flux:mid --set model.base_dtype=bf16 --set optimizer=adamw8bit
+    python scripts/memory_table.py --video wan:mid         # saved activations of the video step
 """
 from __future__ import annotations
 
@@ -18,7 +13,6 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
-from omegaconf import OmegaConf
 
 from tread.cli.errors import user_errors
 from tread.models import build_model
@@ -30,6 +24,7 @@ from tread.perf.memory import (ParamCounts, count_params, data_channels, markdow
 from tread.perf.overrides import check_sets, compose_or_raise
 from tread.perf.video_memory import (CPU_FRAMES, CPU_LATENTS, GPU_FRAMES, GPU_LATENTS, activation_rows,
                                      activation_table, video_table)
+from tread.schema.model import AdamW8bit, FamilyModel
 from tread.utils.errors import UserError
 
 GiB = 2 ** 30
@@ -64,13 +59,13 @@ def measure_overrides(family: str, preset: str, lora_rank: int, batch: int, reso
             f"train.batch_size={batch}", "train.compile=false", "eval.every_steps=0", "eval.at_end=false", *sets]
 
 
-def run_counts(cfg: Any, lora_rank: int) -> ParamCounts:
-    """The table's counts for the measured run's model (built on the meta device), with its class table (the
-    built-in data is class-labelled) counted as trained, like the adapters."""
-    model_cfg = {**OmegaConf.to_container(cfg.model, resolve=True), "lora": None, "quantize": None,
-                 "base_dtype": "fp32"}
+def run_counts(model: FamilyModel, lora_rank: int) -> ParamCounts:
+    """The table's counts for the measured run's model section (built on the meta device without its adapters,
+    quantization or low-precision base), with its class table (the built-in data is class-labelled) counted as
+    trained, like the adapters."""
+    spec = {**model.plain(), "lora": None, "quantize": None, "base_dtype": "fp32"}
     with torch.device("meta"):
-        plain = build_model(model_cfg)
+        plain = build_model(spec)
     counts = count_params(plain, lora_rank, type(plain).lora_targets)
     table = tuple(p.numel() for p in plain.conditioner.parameters()) if plain.conditioner is not None else ()
     return dataclasses.replace(counts, total=counts.total - sum(table), lora=counts.lora + sum(table),
@@ -79,29 +74,26 @@ def run_counts(cfg: Any, lora_rank: int) -> ParamCounts:
 
 def measure(family: str, preset: str, sets: Sequence[str] = (), *, lora_rank: int = 16, steps: int = 3,
             batch: int = 2, resolution: int = 32) -> dict[str, Any]:
-    """Build the LoRA run of measure_overrides (as train.py builds it: tread.perf.benchmark.StepBench) and run
-    `steps` training steps on a synthetic batch. Returns bytes: "static" (what the run holds between steps,
-    counted: static_bytes), "estimate" (memory_per_gpu's DDP figure for its settings, less the gradients: they
-    are freed between steps), "rss_built" (the process's resident memory once built) and "peak_rss" (its peak
-    during the steps: allocations of 1 MiB and more are mapped, so freed tensors leave the RSS); plus the settings
-    read from the composed config."""
-    cfg = compose_or_raise(measure_overrides(family, preset, lora_rank, batch, resolution, sets), MemoryTableError)
-    if not cfg.model.get("family"):
+    """Build the LoRA run of measure_overrides as train.py would and run `steps` steps on a synthetic batch.
+    Returns bytes ("static", "estimate": the DDP figure less gradients, "rss_built", "peak_rss") plus the
+    settings read from the composed config."""
+    config = compose_or_raise(measure_overrides(family, preset, lora_rank, batch, resolution, sets), MemoryTableError)
+    model, optimizer = config.model, config.optimizer
+    if not model.family:
         raise MemoryTableError(f"--measure runs a family preset's LoRA; the overrides {list(sets)} made model="
-                               f"{cfg.model.get('_target_')}.")
-    opt8 = cfg.optimizer.get("_target_") == "torchao.optim.AdamW8bit"
-    settings = {"base_dtype": cfg.model.base_dtype, "ema": cfg.ema.mode, "adam_block":
-                int(cfg.optimizer.block_size) if opt8 else None}
-    estimate = memory_per_gpu(run_counts(cfg, lora_rank), "ddp", 1, True, cfg.model.get("quantize"), **settings)
+                               f"{model.target}.")
+    settings = {"base_dtype": model.base_dtype, "ema": config.ema.mode, "adam_block":
+                optimizer.block_size if isinstance(optimizer, AdamW8bit) else None}
+    estimate = memory_per_gpu(run_counts(model, lora_rank), "ddp", 1, True, model.quantize, **settings)
     map_large_allocations()
-    bench = StepBench(cfg)
+    bench = StepBench(config)
     release_free_memory()
     built = proc_status_kb("VmRSS") * 1024
     if not reset_hwm():
         raise MemoryTableError("--measure reads the peak RSS from /proc/self (Linux); it is not readable here.")
     for _ in range(steps):
         bench.step()
-    return {**settings, "quantize": cfg.model.get("quantize"), "precision": bench.accelerator.mixed_precision,
+    return {**settings, "quantize": model.quantize, "precision": bench.accelerator.mixed_precision,
             "static": static_bytes(bench.parts), "estimate": estimate["total"] - estimate["grads"],
             "rss_built": built, "peak_rss": proc_status_kb("VmHWM") * 1024}
 

@@ -1,11 +1,9 @@
-"""Plan TREAD routes for a model, data size and target: list candidates, count FLOPs, optionally time the best,
-recommend (the planning itself: tread/perf/planner.py; every rule: docs/ablations.md, "Route planning").
+"""Plan TREAD routes for a model, data size and target: list candidates, count FLOPs, optionally time the
+best, recommend (every rule: docs/ablations.md, "Route planning").
 
     python scripts/plan_routes.py --arch DiT-B/2 --target-speedup 1.3                 # FLOPs only, seconds
     python scripts/plan_routes.py --arch DiT-B/2 --batch 64 --target-speedup 1.3 --measure 3   # + timing
     python scripts/plan_routes.py --model flux --preset tiny --target-speedup 1.2 --measure 3
-    python scripts/plan_routes.py --arch DiT-T/4 --batch 8 --target-speedup 1.1 --pilot 200 --pilot-top 2 \\
-        --set data.builtin_args.num_per_class=100
 """
 from __future__ import annotations
 

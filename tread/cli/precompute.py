@@ -1,69 +1,13 @@
-"""Encode an image folder with a VAE into a latent dataset (the project's format, see tread/data/meta.py).
+"""Encode an image folder (or clips: --videos) with a VAE into a latent dataset (docs/data.md, docs/video.md).
 
     python scripts/precompute_latents.py --images /data/imagenet/train --out /data/in256_sdvae
     accelerate launch --num_processes 8 scripts/precompute_latents.py --images /data/imagenet/train \\
         --out /data/in256_sdvae --flip --ref-out /data/in256_ref.npz --inception-weights /w/pt_inception.pth
-    python scripts/precompute_latents.py --images imgs --labels labels.csv --out ds --vae /models/sd-vae-ft-ema \\
-        --resolution 256 --max-images 1000          # a quick trial on a fixed subset
+    python scripts/precompute_latents.py --images imgs --captions caps.jsonl --text-family flux \\
+        --text-encoders DIR --out ds     # DIR from `hf download <repo> --include 'text_encoder*/*' 'tokenizer*/*'`
 
-Images: one sub-folder per class (classes sorted by folder name), or a flat folder with --labels (a CSV/TSV of
-`file name,label` lines or a JSON object; see tread/data/images.py). Every image is center-cropped as ADM does
-(tread.data.images.center_crop_arr) to --resolution and encoded by the VAE (default stabilityai/sd-vae-ft-ema;
-offline: --vae /path/to/a/local/copy). --kind moments (default) stores the posterior (mean, logvar) so that
-training draws a fresh latent every step, as the TREAD paper does; --kind sample stores one draw per image
-(per-image seeds: --seed). --flip adds a horizontally flipped copy of every image: samples [0, N) are the
-images, [N, 2N) their mirror images, labels kept.
-
-Before any encoding every image is decoded once (corrupt or truncated files fail the run, naming them, with nothing
-written; tread/data/images.py says why a full decode); files under --images that are not images are skipped with a note.
-Work is split into shards of --shard-size images; with accelerate, shard i is encoded by process i mod P.
-Finished shards are kept in <out>.parts/ so an interrupted run resumes where it stopped (same settings; a
-parts folder from other settings is an error). When all are done the main process streams them, in image
-order, into <out> (atomically), then deletes the parts folder. The result does not depend on the number of
-processes. --ref-out also writes reference statistics (FID) of the same center-cropped, unflipped images.
---repa-encoder NAME also stores that REPA encoder's patch features of every image (and of every flipped copy) in
-repa_features.npy, in --dtype, so a REPA run with the same encoder aligns with the images' features instead of
-decoding each batch (docs/data.md, "REPA features").
-
-Text-to-image data (optional): --captions FILE (CSV/TSV `file name,caption` lines, the caption being the rest of the
-line, a JSON object {file name: caption or [captions]}, or JSONL lines {"file": ..., "caption": ...}; names relative
-to --images, e.g. cls/x.png for class folders; a file named on several lines gets several captions),
---caption-sidecars (<image stem>.txt beside each image, one caption per line) and/or --caption-from-class 'a photo
-of a {class}' (captions the images the others do not, from their class name); an image takes its captions from the
-first of sidecar, --captions, --caption-from-class that has any. --trigger-word WORD prepends "WORD, " to every
-caption. The captions are encoded with --text-family NAME (tread.encoders.text_families.TEXT_FAMILIES: flux, sd3,
-wan, auraflow, pixart, flux2, qwen_image, chroma, sana, z_image, lumina2, hidream) by the text encoders of a local
-diffusers pipeline folder (--text-encoders DIR; `hf download <repo> --include 'text_encoder*/*' 'tokenizer*/*'
---local-dir DIR`) or per-encoder folders (--text-encoder-path text_encoder_2=/models/t5), exactly as that family's
-pipeline encodes prompts (tread/encoders/text.py). Each caption is encoded once (an image's flipped copy reuses
-them) into text_embeds.npy [+ text_mask.npy, pooled_embeds.npy, llama_embeds.npy]; several captions for an image, or
---empty-prompt (the encoded "" stored too, for training's caption dropout), make those files a caption table with
-caption_offsets.npy (one row per caption; training draws one per image per epoch: docs/data.md); --no-t5 (sd3)
-encodes without T5 (not loaded; its part, after the 77 CLIP tokens, is zeros). hidream also stores the Llama-3.1
-hidden states of every layer in llama_embeds.npy, in --dtype: 32 layers x 128 tokens x 4096 = 32 MiB per caption in
-float16 (64 MiB in float32; 1000 captions: about 31 GiB), and a work shard holds its captions' states in memory, so
-use a small --shard-size (e.g. 64) and --batch-size, and a shorter --max-text-length where the captions allow.
---loss-masks DIR adds loss_mask.npy: one
-grayscale mask per image at DIR/<the image's relative path with its stem>.png (any image extension; the image's
-size; 255 = inside), center-cropped like its image to --resolution (flipped copies get flipped masks).
-
-Clips (video data; docs/video.md, "Precompute clips"): --videos DIR instead of --images, a folder of clips (video
-files .mp4 .webm .gif .mov .mkv .avi, or frame folders: folders of images, one clip each) in class sub-folders or
-directly in it. --frames F reads each clip's frames 0, s, ..., (F - 1) s (s = --frame-stride), or --frame-buckets
-1,9,17 gives each clip the most frames it has among those (crossed with --buckets / --bucket-pixels, or the
---resolution square); every count is 1 + k * the VAE's temporal factor. Every clip is probed before any work: a
-corrupt one, one with no frames, a frame folder of mixed sizes or one too short is named, with nothing encoded.
-The VAE (a diffusers video VAE: AutoencoderKLWan, AutoencoderKLLTXVideo, AutoencoderKLHunyuanVideo15; its class from
-the folder's config.json, or --vae-class) stores the posterior mean in model space (the family pipeline's
-normalisation), latents (N, C, T, h, w); --first-frame also stores each clip's first frame encoded alone
-(first_frame_latents.npy, for image-to-video). Captions: <clip stem>.txt sidecars and manifests as for images (a clip
-is named by its file or folder path relative to --videos).
-
-Edit pairs (FLUX Kontext, model=flux_kontext): --reference-images DIR adds reference_latents.npy: one reference
-image per target image at DIR/<the image's relative path with its stem> (any image extension), center-cropped
-to --resolution and encoded by the same VAE as the posterior mean (as FluxKontextPipeline encodes its image,
-whatever --kind; flipped copies get flipped references). A target without a reference, or a reference without
-a target, is an error naming them.
+An interrupted run resumes from <out>.parts/ with the same settings; docs/data.md "Precomputing latents" and
+"Captions" describe the checks, captions, loss masks, Kontext references and REPA features.
 """
 from __future__ import annotations
 
@@ -78,10 +22,10 @@ from typing import Optional, Sequence
 from tqdm import tqdm
 
 from tread.data.meta import LatentDatasetError
-from tread.data.precompute import iter_images
-from tread.data.precompute_plan import Plan
-from tread.data.precompute_request import DEFAULT_VAE, PrecomputeError, PrecomputeRequest
-from tread.data.precompute_run import collective, encode_dataset, prepare
+from tread.data.precompute.encode import iter_images
+from tread.data.precompute.plan import Plan
+from tread.data.precompute.request import DEFAULT_VAE, PrecomputeError, PrecomputeRequest
+from tread.data.precompute.run import collective, encode_dataset, prepare
 from tread.encoders.errors import EncoderError
 from tread.encoders.text_families import TEXT_FAMILIES
 from tread.evaluation.extractors import feature_extractor
@@ -248,7 +192,7 @@ def _reference_args(p: argparse.ArgumentParser) -> None:
 
 
 def request_of(args: argparse.Namespace) -> PrecomputeRequest:
-    """The parsed flags as the request tread.data.precompute_run works from."""
+    """The parsed flags as the request tread.data.precompute.run works from."""
     return PrecomputeRequest(**vars(args))
 
 

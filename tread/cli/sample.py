@@ -20,8 +20,8 @@ from tread.evaluation.videos import video_fps, write_video_samples
 from tread.sampling import Guidance, generate, load_for_inference, parse_seeds, sampling_cost, text_conditioning
 from tread.sampling.prompts import encode_for_model, generate_for_prompts, learned_unconditional, read_prompts_file
 from tread.schema import ConfigError, check_sample
-from tread.schema.saved import check_checkpoint_config
-from tread.utils.checkpoints import run_dir_of
+from tread.checkpoint.saved_config import check_checkpoint_config
+from tread.checkpoint.files import run_dir_of
 from tread.utils.device import resolve_device
 
 
@@ -58,7 +58,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     paths = write_outputs(images, labels, out, nrow, captions, meta)
     cost = sampling_cost(net, guidance, stats, len(images), cond_fn, seeds[0])
     info = {"checkpoint": str(cfg.checkpoint), "num_samples": len(images), "use_ema": cfg.use_ema,
-            "num_steps": cfg.num_steps or config.diffusion.get("num_steps"), **guidance.describe(), **extra, **cost,
+            "num_steps": cfg.num_steps or config.diffusion.num_steps, **guidance.describe(), **extra, **cost,
             "sample_sec": round(sample_sec, 3), **paths}
     (out / "sampling.json").write_text(json.dumps(info, indent=2))
     print(f"Wrote {len(images)} samples: {paths}\n"
@@ -97,9 +97,10 @@ def sample_prompts(cfg: Any, prompts: list[str], net, diffusion, meta: dict, con
                    guidance: Guidance, stats: dict, decode: dict) -> tuple[torch.Tensor, torch.Tensor, Any, dict]:
     """Images by prompt and seed (prompt-major: image k is prompt k // len(seeds) with seed seeds[k % len(seeds)]);
     labels are prompt indices. The text encoders: text_encoders, else the checkpoint's model.text_encoders."""
-    path = cfg.text_encoders if cfg.text_encoders is not None else config.model.get("text_encoders")
+    path = cfg.text_encoders if cfg.text_encoders is not None else config.model.text_encoders
+    unconditional = learned_unconditional(*config.caption_dropout, config.model.family)
     embeddings = encode_for_model(net.model, meta, prompts, cfg.negative_prompt, path, key="text_encoders",
-                                  device=net_device(net), unconditional=learned_unconditional(config))
+                                  device=net_device(net), unconditional=unconditional)
     images, labels = [], []
     for index, batch, x in generate_for_prompts(net, diffusion, embeddings, seeds, model_shape(meta),
                                                 int(meta["num_classes"]), net_device(net), batch_size=cfg.batch_size,

@@ -1,13 +1,8 @@
-"""Peak CUDA memory of a video family's training step (tread/perf/video_memory.py gpu_rows): Wan `mid` at 1, 5, 9 and
-21 latent frames of 60x104 latents (480x832 pixels), bf16 autocast, gradient checkpointing, routing=none vs
-routing=paper; per step the peak (torch.cuda.max_memory_allocated), what was held before it, and the bytes saved
-for backward. Prints a markdown table and writes the rows as JSON to --out.
+"""Peak CUDA memory of a video family's training step (Wan `mid`, several latent frame counts, routing none
+vs paper); prints a markdown table and writes the rows as JSON (docs/benchmarks.md, "Video memory").
 
     PYTHONPATH=. python3 scripts/video_memory_gpu.py --wheels .whl --out outputs/video_memory_gpu.json
     PYTHONPATH=. python3 scripts/video_memory_gpu.py --device cpu --tiny --out /tmp/v.json   # the same, tiny, here
-
-It starts with the standard library: with --wheels, the project's dependencies the machine lacks (hydra-core,
-omegaconf, pydantic, diffusers, ...: tread/cli/gpu_check.py NEEDED) are installed from that folder first.
 """
 from __future__ import annotations
 

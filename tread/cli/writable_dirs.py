@@ -1,13 +1,5 @@
-"""A run or sweep directory that cannot be written is refused in one `error:` line before Hydra writes into it.
-
-Hydra makes hydra.run.dir (hydra.sweep.dir with -m), opens its log file there and writes .hydra/ before the
-program's code runs; in a directory that exists but cannot be written, that ends in a traceback. The check is a
-Hydra callback: its on_run_start / on_multirun_start run on the config Hydra composed (every override, preset
-and ${now:...} resolved as Hydra resolves them), after composition and before Hydra's first write; composing
-the config a second time ourselves, or reading hydra.run.dir from argv, would miss presets and environment
-variables and could not compose -m sweeps. Hydra takes callbacks only from the config (hydra.callbacks),
-so the program adds this one as an override (`with_dir_check`); it takes nothing else from the user's
-config. Hydra turns a callback's exceptions into warnings, so the refusal is a SystemExit with its line.
+"""Refuse a run or sweep directory that cannot be written, in one `error:` line, before Hydra writes into it:
+a Hydra callback that programs add as an override (`with_dir_check`); docs/reliability.md, "Failed writes".
 """
 from __future__ import annotations
 

@@ -1,36 +1,29 @@
-"""Latent datasets (on-disk format with optional text conditioning and loss masks, built-in toy data and its
-toy classifier), readers, writers and precomputing, and deterministic, resumable loading. The frozen networks
-they use (VAE, text encoders, the toy classifier) live in tread.encoders."""
+"""Latent datasets: the on-disk format, its readers and writers, and deterministic, resumable loading; the built-in
+toy data (tread.data.builtin); precomputing (tread.data.precompute, imported by its users only). docs/data.md."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Mapping
 
 from .bucketed import BucketedDataset, BucketedWriter, is_bucketed, make_sampler, write_bucketed_dataset
 from .buckets import Bucket, BucketError, assign_bucket, derive_buckets, fit_crop, parse_buckets
+from .builtin import BUILTINS, TOY_CLASS_NAMES, ensure_toy_classifier, ensure_toy_dataset, generate_toy_shapes
 from .decode import check_decodable, decode_to_uint8
 from .images import ImageFolderError, center_crop_arr, list_image_folder
+from .info import DatasetInfo
 from .integrity import check_dataset, check_integrity, record_integrity
 from .loader import BucketBatchSampler, LatentLoader, PhasedSampler, ShardedBatchSampler
 from .meta import (COND_KEYS, EXTRA_KEYS, LatentDatasetError, LatentDatasetExistsError, draw_latents,
                    has_model_conditioning, latent_kind, model_shape, read_meta, shift_factor)
 from .reader import LatentDataset
-from .toy import TOY_CLASS_NAMES, ensure_toy_classifier, ensure_toy_dataset, generate_toy_shapes
-from .toy_buckets import ensure_toy_buckets
-from .toy_clips import ensure_toy_clips
-from .toy_text import ensure_toy_text_dataset
 from .wds import WebDatasetLatents
 from .writer import LatentDatasetWriter, write_latent_dataset
 
-BUILTINS = {"toy_shapes": ensure_toy_dataset,   # data.builtin name -> builder(path, **data.builtin_args)
-            "toy_shapes_text": ensure_toy_text_dataset,
-            "toy_shapes_buckets": ensure_toy_buckets,
-            "toy_shapes_clips": ensure_toy_clips}
 FORMATS = ("latents", "wds")  # data.format: our directory format | WebDataset tar shards (TREAD/MaskDiT latents)
 # What data.format=wds reads from the data config, which is their one source (configs/data/imagenet256_wds.yaml)
 WDS_KEYS = ("num_classes", "latent_scale", "latent_kind", "latent_draw", "vae", "index_dir")
 
-__all__ = ["Bucket", "BucketBatchSampler", "BucketError", "BucketedDataset", "BucketedWriter", "PhasedSampler",
+__all__ = ["Bucket", "DatasetInfo", "BucketBatchSampler", "BucketError", "BucketedDataset", "BucketedWriter", "PhasedSampler",
            "assign_bucket", "derive_buckets", "fit_crop", "is_bucketed", "make_sampler", "parse_buckets",
            "write_bucketed_dataset", "BUILTINS", "FORMATS", "WDS_KEYS", "LatentDataset", "LatentDatasetError", "LatentDatasetExistsError",
            "LatentLoader", "ShardedBatchSampler", "TOY_CLASS_NAMES", "build_dataset", "check_decodable",
@@ -41,22 +34,18 @@ __all__ = ["Bucket", "BucketBatchSampler", "BucketError", "BucketedDataset", "Bu
            "record_integrity"]
 
 
-def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, BucketedDataset, WebDatasetLatents]:
-    """The dataset `data_cfg` (the data: config group) describes, building a built-in one first if needed.
-
-    data.format picks the reader: "latents" (default; a directory with meta.json, latents.npy, labels.npy,
-    optionally per-sample text embeddings / loss masks: see tread/data/meta.py)
-    (a bucketed directory, meta.json format "tread-buckets", is read by BucketedDataset: tread/data/bucketed.py)
-    or "wds" (WebDataset tar shards of VAE latents, as the TREAD/MaskDiT code writes them: WebDatasetLatents).
+def build_dataset(spec: Mapping[str, Any]) -> DatasetInfo:
+    """The dataset `spec` (the data: config group) describes, building a built-in one first if needed: data.format
+    "latents" (default: LatentDataset, or BucketedDataset for a "tread-buckets" folder) or "wds" (WebDatasetLatents).
     """
     from omegaconf.errors import MissingMandatoryValue
 
-    fmt = data_cfg.get("format") or "latents"
+    fmt = spec.get("format") or "latents"
     if fmt not in FORMATS:
         raise LatentDatasetError(f"unknown data.format={fmt!r}; allowed: {list(FORMATS)} ('latents': a directory "
                                  f"with meta.json, latents.npy, labels.npy; 'wds': WebDataset .tar shards)")
     try:
-        path = data_cfg.get("path")
+        path = spec.get("path")
     except MissingMandatoryValue:  # path: ??? in the config
         path = None
     if not path:
@@ -67,22 +56,22 @@ def build_dataset(data_cfg: Mapping[str, Any]) -> Union[LatentDataset, BucketedD
         raise LatentDatasetError("data.path is not set: pass data.path=/path/to/dataset (a directory with "
                                  "meta.json, latents.npy, labels.npy), or use the built-in data (data=toy).")
     if fmt == "wds":
-        return _build_wds(data_cfg, path)
+        return _build_wds(spec, path)
     path = Path(str(path)).expanduser().absolute()
-    builtin = data_cfg.get("builtin")
+    builtin = spec.get("builtin")
     if builtin is not None:
         if builtin not in BUILTINS:
             raise LatentDatasetError(f"unknown data.builtin={builtin!r}; allowed: {sorted(BUILTINS)} or null "
                                      f"(use the dataset at data.path as is)")
-        path = BUILTINS[builtin](path, **dict(data_cfg.get("builtin_args") or {}))   # where the builder put it
+        path = BUILTINS[builtin](path, **dict(spec.get("builtin_args") or {}))   # where the builder put it
     if is_bucketed(path):
-        dataset = BucketedDataset(path, expected_channels=data_cfg.get("channels"),
-                                  expected_num_classes=data_cfg.get("num_classes"))
+        dataset = BucketedDataset(path, expected_channels=spec.get("channels"),
+                                  expected_num_classes=spec.get("num_classes"))
     else:
-        dataset = LatentDataset(path, expected_channels=data_cfg.get("channels"),
-                                expected_resolution=data_cfg.get("resolution"),
-                                expected_num_classes=data_cfg.get("num_classes"))
-    _check_draw(dataset, data_cfg.get("latent_draw") or "sample")
+        dataset = LatentDataset(path, expected_channels=spec.get("channels"),
+                                expected_resolution=spec.get("resolution"),
+                                expected_num_classes=spec.get("num_classes"))
+    _check_draw(dataset, spec.get("latent_draw") or "sample")
     return dataset
 
 
@@ -97,24 +86,20 @@ def _check_draw(dataset: Any, draw: str) -> None:
 
 
 
-def _build_wds(data_cfg: Mapping[str, Any], path: Any) -> WebDatasetLatents:
+def _build_wds(spec: Mapping[str, Any], path: Any) -> WebDatasetLatents:
     """The WebDataset shards at `path`, read as the data config's WDS_KEYS say (the config is their one source:
     a key left out is an error here, as it is in the schema, never a default)."""
-    from omegaconf import OmegaConf
-
-    if data_cfg.get("builtin") is not None:
-        raise LatentDatasetError(f"data.builtin={data_cfg.get('builtin')!r} cannot be used with data.format=wds "
+    if spec.get("builtin") is not None:
+        raise LatentDatasetError(f"data.builtin={spec.get('builtin')!r} cannot be used with data.format=wds "
                                  f"(built-in data uses the 'latents' format); set data.builtin=null")
-    missing = [k for k in WDS_KEYS if k not in data_cfg]
+    missing = [k for k in WDS_KEYS if k not in spec]
     if missing:
         raise LatentDatasetError(f"data.format=wds needs data.{', data.'.join(missing)} in the data config; "
                                  f"configs/data/imagenet256_wds.yaml sets them (data=imagenet256_wds)")
-    if OmegaConf.is_config(path):
-        path = OmegaConf.to_container(path, resolve=True)
     shards = path if isinstance(path, str) else [str(p) for p in path]
     return WebDatasetLatents(
-        shards, num_classes=data_cfg["num_classes"], latent_scale=data_cfg["latent_scale"],
-        latent_kind=data_cfg["latent_kind"], latent_draw=data_cfg["latent_draw"], vae=data_cfg["vae"],
-        index_dir=data_cfg["index_dir"],
-        expected_channels=data_cfg.get("channels"), expected_resolution=data_cfg.get("resolution"),
-        expected_num_classes=data_cfg["num_classes"])
+        shards, num_classes=spec["num_classes"], latent_scale=spec["latent_scale"],
+        latent_kind=spec["latent_kind"], latent_draw=spec["latent_draw"], vae=spec["vae"],
+        index_dir=spec["index_dir"],
+        expected_channels=spec.get("channels"), expected_resolution=spec.get("resolution"),
+        expected_num_classes=spec["num_classes"])

@@ -1,21 +1,6 @@
-"""Bucketed latent datasets: images of mixed aspect ratios and sizes, each encoded at its bucket's shape
-(tread/data/buckets.py), stored as one latent dataset (tread/data/meta.py) per bucket under one folder:
-
-    meta.json    {"format": "tread-buckets", "version": 1, "vae_factor": 8, "bucket_stride": 16,
-                  "buckets": [{"name": "768x512", "path": "768x512", "image_size": [512, 768],
-                               "num_samples": n, "crops": "768x512/crops.npy"}, ...],
-                  "source": "...", ...extra keys}
-    768x512/     a latent dataset at that bucket's latent shape (C, 512 / 8, 768 / 8), meta.json, latents.npy, ...
-    768x512/crops.npy   (n, 6) int32 per sample: CROP_COLUMNS (original size, resized size, crop top-left)
-
-Video buckets (tread/data/buckets.py; docs/video.md "Frame buckets") add "frames": F (pixel frames per clip) to
-their entry, named "WxHxF" ("48x32x17"): each bucket a video latent dataset (C, T, h, w) with its own meta "video"
-(frames F; stride, fps and temporal factor shared by all buckets). The sampler is the images' (one bucket a batch).
-
-The buckets share everything but their shape: channels, classes, latent scale and kind, decoding, and which
-conditioning files they hold (checked on opening). BucketedDataset reads them as one dataset whose index runs
-through the buckets in order; a batch (`__getitems__`) comes from one bucket, as BucketBatchSampler draws them.
-"""
+"""Bucketed latent datasets: one latent dataset per bucket under one folder, with a "tread-buckets" meta.json and
+each bucket's crops.npy, read as one dataset whose batches each come from one bucket (docs/buckets.md "The
+bucketed format")."""
 from __future__ import annotations
 
 import shutil
@@ -81,6 +66,8 @@ def read_buckets_meta(root: Path) -> dict:
 class BucketedDataset(torch.utils.data.Dataset):
     """A bucketed dataset read as one: items as LatentDataset's, indices running through the buckets in order;
     `__getitems__` takes the indices of one bucket (a batch of one shape)."""
+
+    stores_repa_features = True
 
     def __init__(self, path: PathLike, expected_channels: Optional[int] = None,
                  expected_num_classes: Optional[int] = None):

@@ -1,33 +1,6 @@
-"""Aspect-ratio and size buckets: the image sizes a bucketed dataset is encoded at, which bucket each image goes
-to, and the minimal resize and crop that brings it there.
-
-A bucket is an image size (height, width) in pixels, written WIDTHxHEIGHT as image sizes are ("768x512" is
-landscape). Its sides are multiples of the bucket stride: the VAE's downsampling factor times the model's patch
-side (8 x 2 = 16 for SD-VAE / FLUX / SD3 latents with 2x2 patches), so every bucket is a whole token grid.
-
-Buckets come from a list (`parse_buckets`) or from pixel budgets (`derive_buckets`): for each budget A, every
-width w = stride, 2 stride, ... with the largest height h (a multiple of the stride) such that w * h <= A,
-keeping the aspect ratios within [1 / max_aspect, max_aspect]. Several budgets give mixed-area buckets
-(multi-resolution).
-
-Assignment (`assign_bucket`): among the buckets an image fills without upscaling, the one closest in aspect ratio
-(|log(aspect / bucket aspect)|, rounded to 1e-6 so ties are ties), then the largest; an image smaller than every
-bucket goes to the closest aspect, then the smallest (the least upscaling). So large images land in the large
-buckets and small ones in the small buckets of a multi-resolution list, each at its own shape.
-
-Resize and crop (`fit_crop`): ADM's recipe generalised to a rectangle: halve with BOX filtering while both sides
-are at least twice the bucket's, resize with BICUBIC by the one scale that makes the image cover the bucket
-(max(bw / W, bh / H), sides rounded, never below the bucket), then cut the centre. For a square bucket this is
-exactly `center_crop_arr` (tests/test_buckets.py). The crop record is SDXL's micro-conditioning: the original size,
-the size after resizing, and the crop's top-left corner in the resized image (diffusers' SDXL training script's
-`original_size`, `crop_top_left`; the target size is the bucket).
-
-Video buckets (docs/video.md, "Frame buckets"): a bucket with `frames` F > 0 is a clip size (height, width, F pixel
-frames), written "WxHxF" ("48x32x17"). `video_buckets` crosses the aspect buckets with the frame counts of
---frame-buckets; each F is 1 + k * the VAE's temporal factor (`check_frame_counts`). A clip goes to its aspect bucket
-by its frame size, as an image does, and to the largest frame count it fills at the frame stride without repeating
-a frame (`frames_for`: (F - 1) * stride + 1 source frames); a clip shorter than the smallest count has no bucket.
-"""
+"""Aspect-ratio, size and frame buckets: the image (or clip) sizes a bucketed dataset is encoded at, which bucket
+each image goes to, and the minimal resize and crop that brings it there, with its SDXL-style crop record
+(docs/buckets.md "Precomputing buckets"; docs/video.md "Frame buckets")."""
 from __future__ import annotations
 
 import math
@@ -106,7 +79,7 @@ def _round_to(value: int, stride: int) -> int:
 
 
 def derive_buckets(pixel_budgets: Sequence[int], stride: int, max_aspect: float = 2.0) -> list[Bucket]:
-    """The buckets of each pixel budget (see the module doc), sorted; one error if a budget gives none."""
+    """The buckets of each pixel budget (docs/buckets.md), sorted; one error if a budget gives none."""
     if max_aspect < 1:
         raise BucketError(f"--max-aspect={max_aspect} is not valid: a number >= 1 (the widest width/height allowed)")
     found: set[Bucket] = set()
@@ -123,7 +96,7 @@ def derive_buckets(pixel_budgets: Sequence[int], stride: int, max_aspect: float 
 
 
 def assign_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> int:
-    """The index in `buckets` of the bucket an image of this size goes to (see the module doc)."""
+    """The index in `buckets` of the bucket an image of this size goes to (docs/buckets.md)."""
     def aspect_gap(b: Bucket) -> float:
         return round(abs(math.log((width / height) / b.aspect)), 6)
 
@@ -177,7 +150,7 @@ def assign_video_bucket(width: int, height: int, num_frames: int, stride: int, b
 
 
 def fit_crop(pil_image: Image.Image, bucket: Bucket) -> tuple[np.ndarray, np.ndarray]:
-    """(uint8 (bucket.height, bucket.width, 3) RGB, int32 crop record (CROP_COLUMNS)) by the module doc's recipe."""
+    """(uint8 (bucket.height, bucket.width, 3) RGB, int32 crop record (CROP_COLUMNS)) by docs/buckets.md's recipe."""
     image = pil_image.convert("RGB")
     original = image.size                                              # (W, H)
     while image.size[0] >= 2 * bucket.width and image.size[1] >= 2 * bucket.height:

@@ -61,13 +61,10 @@ def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any], *, vae: Opti
     """Model-space latents (B, C, H, W) -> uint8 images (B, H', W', 3) on the latents' device, per meta["decode"];
     video latents (B, C, T, H, W) -> uint8 clips (B, F, H', W', 3).
 
-    identity: pixels = latents / latent_scale in [-1, 1]. vae: raw = latents / latent_scale + shift_factor
-    (decode.shift_factor, default 0) is decoded by the VAE named in decode.vae (or the local directory `vae`,
-    e.g. on an offline machine) in `vae_dtype`, `batch_size` latents at a time; its [-1, 1] output is
-    rounded to uint8 exactly as identity pixels are; rule="paper" (eval.decode_rule) decodes image VAE data as the
-    paper code does instead (paper_decode_to_uint8; vae_dtype is then bfloat16). Video VAE data (decode.class in VIDEO_VAE_CLASSES): latents /
-    latent_scale are model space as tread.encoders.vae.to_model_space gives it (decode's latents_mean, latents_std,
-    scaling_factor), decoded by decode_video. The VAE is loaded once per process (tread.encoders.vae.load_vae).
+    identity: pixels = latents / latent_scale. vae: latents / latent_scale + shift_factor decoded by decode.vae (or
+    the local directory `vae`) in `vae_dtype`, `batch_size` at a time; rule="paper" (eval.decode_rule) decodes
+    image VAE data as the paper code does (paper_decode_to_uint8, in bfloat16). Video VAE data decodes latents / latent_scale as
+    model space with decode_video. The VAE is loaded once per process.
     """
     decode = meta.get("decode") or {"type": "identity"}
     if decode.get("type") == "vae" and decode.get("class") in VIDEO_VAE_CLASSES:
@@ -94,12 +91,9 @@ def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any], *, vae: Opti
 
 def check_decodable(meta: Mapping[str, Any], *, vae: Optional[str] = None, vae_dtype: str = "float32",
                     batch_size: int = 32, device: Any = "cpu", rule: str = "ours") -> None:
-    """Raise LatentDatasetError now if samples of this data cannot be turned into pixels
-    (so evaluation and sampling fail at start-up, not after hours of training).
-
-    VAE data: loads the VAE (cached, so the later decode_to_uint8 on the same `device` reuses it) and checks
-    that its latent channels match the data. Same keyword arguments as decode_to_uint8, plus `device`.
-    """
+    """Raise LatentDatasetError now (at start-up, not after hours of training) if this data cannot be decoded to
+    pixels; VAE data loads the VAE (cached for decode_to_uint8 on `device`) and checks its latent channels. Same
+    keyword arguments as decode_to_uint8, plus `device`."""
     decode = meta.get("decode") or {"type": "identity"}
     if decode.get("type") != "vae":
         decode_to_uint8(torch.zeros(1, *model_shape(meta)), meta)

@@ -1,32 +1,6 @@
-"""Image folders for precomputing latents: listing (class folders or a flat folder + labels file) and
-ADM's center crop.
-
-Two layouts (`list_image_folder`):
-
-    class folders   root/<class name>/**/<image>     label = index of the class folder in sorted order,
-                    (ImageNet train style)            class_names = the folder names
-    flat + labels   root/<image> and a labels file    see below; every image needs exactly one label
-
-Labels file: a JSON object {"<file name>": label, ...}, or a text file (CSV/TSV) with one `<file name>,<label>`
-(or `<file name><TAB><label>`) per line; blank lines, `#` comments and a `filename,label` header are skipped.
-File names are relative to root. Labels are either all integers (used as class indices; class_names is
-None) or class names (sorted -> indices; class_names = the sorted names).
-
-Image files: .png .jpg .jpeg .webp .bmp .tif .tiff (any case); hidden folders are ignored, and every other
-file (another extension, or hidden like .DS_Store) is skipped and can be listed (list_image_folder's `skipped`).
-Order is deterministic: classes by folder name, files by relative path.
-
-Checking images (`unreadable_images`) decodes each one fully (tread.utils.readers.image_problem: `Image.open` +
-`load()`, what `load_image` does before cropping; 16-bit and float images are refused), with PIL's default
-ImageFile.LOAD_TRUNCATED_IMAGES = False. `Image.verify()` alone is not enough: it checks PNG chunk CRCs but
-reads no JPEG data, so it passed every truncated JPEG tried (cut at 30% to 99.9%, or only the last 2 bytes),
-which a full decode rejects ("image file is truncated"). Measured on 1000 small
-images (96-320 px, one CPU thread): verify 0.03 ms (JPEG) / 0.07 ms (PNG) per image, full decode 0.34 / 1.0 ms,
-against 1.5 / 2.2 ms for load_image's decode + crop at 256 px; 500x375 JPEGs (ImageNet-like) decode in 1.0 ms.
-So the check adds about 25% (JPEG) to 45% (PNG) to the image reading that encoding does anyway, spread over the
-threads and processes of the run: worth it to fail before any encoding. (JPEG draft mode would save about 30% of
-it; not used, so that the check is exactly the decode that encoding does.)
-"""
+"""Image folders for precomputing latents: listing (class folders, or a flat folder with a labels file), the full
+decode that finds unreadable images before any encoding, and ADM's center crop (docs/data.md, "Precomputing
+latents")."""
 from __future__ import annotations
 
 import csv
@@ -87,7 +61,7 @@ def _json_label(name: str, label: object) -> str:
 
 
 def read_labels_file(path: PathLike) -> dict[str, str]:
-    """{file name: label string} from a JSON object or a CSV/TSV `file,label` file (see the module doc)."""
+    """{file name: label string} from a JSON object or a CSV/TSV `file,label` file (docs/data.md)."""
     return read_name_value_file(path, what="label", error_cls=ImageFolderError, split="last",
                                 header=(("filename", "file", "path"), ("label", "class")),
                                 json_value=_json_label, json_example='{"file name": label}')
@@ -118,12 +92,9 @@ def read_name_value_file(path: PathLike, *, what: str, error_cls: type[Exception
                          json_value: Callable[[str, Any], str], json_example: str,
                          say_where: bool = False) -> dict[str, str]:
     """{file name (posix, "./a.png" -> "a.png"): value} from a `<what>s file`: a JSON object {name: value} or
-    a CSV/TSV text file of `<file name>,<value>` lines (see `_split_line` for `split`).
-
-    Blank lines and `#` comments are skipped, and so is a first line whose name and value are (any case) among
-    `header`'s names and values. json_value(name, value) checks a JSON value and returns it as a string, or
-    raises ValueError saying what is wrong. Errors are `error_cls`, naming the file (and the line); a name
-    listed twice names the second place too when `say_where`."""
+    CSV/TSV `<file name>,<value>` lines (`split` as `_split_line`; blank lines, `#` comments and a first line of
+    `header` names skipped). json_value(name, value) checks a JSON value and returns it as a string or raises
+    ValueError. Errors are `error_cls`, naming the file (and the line; with `say_where`, a duplicate's both places)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise error_cls(f"{what}s file '{path}' not found")
@@ -166,7 +137,7 @@ def read_name_value_file(path: PathLike, *, what: str, error_cls: type[Exception
 
 def list_image_folder(root: PathLike, labels_file: Optional[PathLike] = None,
                       skipped: Optional[list[Path]] = None) -> tuple[list[Path], np.ndarray, Optional[list[str]]]:
-    """(image paths, int64 labels, class names or None) of an image folder; see the module doc for layouts.
+    """(image paths, int64 labels, class names or None) of an image folder (docs/data.md for layouts).
     The files passed over (not images by extension, or hidden) are appended to `skipped` when given."""
     root = Path(root).expanduser().absolute()
     if not root.is_dir():
@@ -267,7 +238,7 @@ def load_image(path: PathLike, resolution: int) -> np.ndarray:
 
 def unreadable_images(paths: Sequence[Path], pool: Optional[Executor] = None,
                       progress: Optional[Callable[[int], Any]] = None) -> list[tuple[int, str]]:
-    """(position in `paths`, reason) of every image that does not decode fully (see the module doc), in
+    """(position in `paths`, reason) of every image that does not decode fully (image_problem), in
     order; a thread pool decodes them in parallel, 1024 at a time. progress(n) is called after each n images."""
     bad = []
     for start in range(0, len(paths), 1024):

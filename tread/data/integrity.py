@@ -1,23 +1,6 @@
-"""A latent dataset's integrity, recorded once when it is written and checked cheaply when training opens it.
-
-The record (meta.json "integrity"; LatentDatasetWriter.commit writes it, so precompute and the built-in data have
-it): per file of meta "files", its size and modification time, a digest of its array's data bytes (C order, the
-.npy header left out), and how many samples hold NaN/inf with the first of them:
-
-    "integrity": {"digest": "xxh3_128", "files": {"latents": {"bytes": 12345, "mtime_ns": 1732..., "digest": "9f..",
-                  "nonfinite_samples": 0, "first_nonfinite": null}, "labels": {...}, ...}}
-
-The digest is xxHash's XXH3-128 (the `xxhash` package, which wandb already requires; sha256 where it is absent):
-it guards against accidental change (a torn copy, bit rot, an in-place edit), not against an adversary, who could
-rewrite meta.json as well; measured 15 GB/s on one core against sha256's 0.7 GB/s (with SHA-NI), so a read of the
-file, not the hash, sets the cost.
-
-Checking (check_integrity) trusts a file whose size and mtime are as recorded: one stat per file, no read, so the
-start-up cost does not grow with the data. Only a file whose size or mtime differs (copied without keeping times,
-edited, or replaced) is read once, chunk by chunk through a memory map, to compare its digest and count its
-non-finite samples; a dataset without a record (written by an older version) is read that way too. Finiteness of
-float16/float32 data is a bit test (exponent all ones), 5-6 GB/s per core against np.isfinite's 1-2 GB/s for
-float16. docs/data.md ("Integrity") gives the figures for an ImageNet-size dataset."""
+"""A latent dataset's integrity record (meta.json "integrity": per file its size, mtime, data digest and non-finite
+samples), written once by LatentDatasetWriter.commit and checked cheaply when training opens the data: a file whose
+size and mtime match is trusted without a read (docs/data.md "Integrity")."""
 from __future__ import annotations
 
 import hashlib
@@ -221,7 +204,7 @@ def check_dataset(dataset: Any, allow_nonfinite: bool) -> tuple[list[str], list[
     """(notes, warnings) of a dataset training opened: a latent directory's files checked against its integrity
     record (or scanned), its non-finite samples refused unless `allow_nonfinite`. WebDataset shards have no record
     (their reader warns per sample as batches meet NaN/inf): nothing to say. A bucketed dataset: each bucket's."""
-    if hasattr(dataset, "parts"):                          # tread/data/bucketed.py: one latent dataset per bucket
+    if dataset.buckets is not None:                        # tread/data/bucketed.py: one latent dataset per bucket
         found = [check_dataset(part, allow_nonfinite) for part in dataset.parts]
         return [n for notes, _ in found for n in notes], [w for _, warned in found for w in warned]
     if not isinstance(dataset, LatentDataset):

@@ -1,8 +1,5 @@
-"""Deterministic, sharded, resumable batch loading over a LatentDataset.
-
-The batch order is a pure function of (seed, epoch, rank, world_size, batch_size), so a run resumed from
-a checkpoint sees exactly the batches an uninterrupted run would have seen.
-"""
+"""Deterministic, sharded, resumable batch loading: the batch order is a pure function of (seed, epoch, rank,
+world_size, batch_size), so a resumed run sees exactly the batches an uninterrupted one would."""
 from __future__ import annotations
 
 import itertools
@@ -119,16 +116,10 @@ class ShardedBatchSampler(EpochSampler):
 
 
 class BucketBatchSampler(EpochSampler):
-    """Batches drawn from one bucket at a time (a bucketed dataset: tread/data/bucketed.py), the same bucket on
-    every rank at every step, so all ranks run the same shapes.
-
-    Epoch e draws from one generator seeded seed + EPOCH_STRIDE * e, identical on every rank: for each bucket b in
-    order, perm_b = randperm(n_b); rank r takes perm_b[r::world_size] truncated to n_b // world_size, in chunks of
-    batch_size (a partial last batch is dropped); then one randperm orders all buckets' batches, so the batches
-    of a bucket are spread uniformly over the epoch and each step draws bucket b with probability proportional to
-    its remaining batches (buckets weighted by size). A bucket with fewer than batch_size * world_size samples
-    gives no batch: it is dropped (`dropped` names it; the trainer warns). `buckets` limits the epoch to those
-    bucket indices (a resolution schedule's phase)."""
+    """Batches drawn from one bucket at a time, the same bucket on every rank at every step (docs/buckets.md
+    "Training on buckets"). Epoch e shuffles each bucket and then all buckets' batches with one generator seeded
+    seed + EPOCH_STRIDE * e; a bucket with fewer than batch_size * world_size samples gives no batch (`dropped`
+    names it). `buckets` limits the epoch to those bucket indices (a resolution schedule's phase)."""
 
     def __init__(self, bucket_sizes: Sequence[int], batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
                  buckets: Optional[Sequence[int]] = None):
@@ -210,15 +201,10 @@ SETTINGS = ("seed", "batch_size", "world_size", "num_samples")   # what gives a 
 
 
 class LatentLoader:
-    """Infinite iterator of (x float32 (B, C, H, W), y int64 (B,)) batches that can be checkpointed exactly;
-    (x, y, extras) batches, passed through as the dataset returns them, for data with per-sample
-    conditioning / loss masks (LatentDataset.has_extras).
-
-    The batch order is `sampler`'s (default: ShardedBatchSampler over the dataset; bucketed data:
-    BucketBatchSampler, or a PhasedSampler of them for a resolution schedule: tread/data/bucketed.py
-    make_sampler). Workers prefetch ahead of the caller, so the sampler's own position runs ahead too; the loader
-    instead counts the batches it has handed out, and state_dict() is the position of the next one the caller
-    gets.
+    """Infinite iterator of (x float32 (B, C, H, W), y int64 (B,)) batches, or (x, y, extras) for data with
+    extras, in `sampler`'s order (default: ShardedBatchSampler; bucketed data: bucketed.make_sampler's).
+    state_dict() is the position of the next batch the caller gets (counted by the loader, since workers
+    prefetch ahead of the sampler), so resuming is exact.
     """
 
     def __init__(self, dataset: LatentDataset, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,

@@ -1,102 +1,6 @@
-"""The on-disk latent dataset format (a directory with meta.json, latents.npy and labels.npy): the meta.json
-schema and its checks, and the latent kinds ("sample" | "moments") with the draw that turns items into latents.
-
-    meta.json    {"format": "tread-latents", "version": 1, "shape": [C, H, W] (images) or [C, T, H, W] (video: T
-                  latent frames), "dtype": "float16"|"float32",
-                  "num_samples": N, "num_classes": K, "latent_scale": s, "decode": {"type": "identity"} or
-                  {"type": "vae", "vae": "<hub id or path>", "subfolder": null|"vae", "scaling_factor": s,
-                   "shift_factor": null|f}, "source": "...", "class_names": [...] | null,
-                  "files": {"latents": "latents.npy", "labels": "labels.npy"},
-                  "latent_kind": "sample" | "moments"   (optional, default "sample"),
-                  "integrity": {...}   (optional: each file's size, mtime, digest and non-finite samples, which
-                                        the writer records and training checks: tread/data/integrity.py),
-                  ...extra keys}
-    latents.npy  (N, C, H, W) of `dtype` (video: (N, C, T, H, W)); model-space latents are stored values *
-                 latent_scale.
-                 latent_kind "moments": (N, 2C, H, W) VAE posterior moments (mean, logvar) in raw VAE
-                 units; every read draws one latent, mean + exp(logvar / 2) * eps, then shifts and scales it.
-    labels.npy   (N,) int64 in [0, K)
-
-VAE data: model space = (raw VAE latent - shift_factor) * latent_scale, so "sample" data stores
-raw - shift_factor (shift_factor is null/0 for SD-VAE); decode.scaling_factor records the VAE config's
-value (normally equal to latent_scale; decoding uses latent_scale). scripts/precompute_latents.py writes
-such datasets from image folders, with extra keys "image_resolution", "flip", "num_source_images".
-
-Optional per-sample conditioning and loss masks (text-to-image families, masked-loss training): each file
-is listed in meta.json "files" under its key and described by a meta key; the file and its description
-come together (one without the other is an error). Data without them is class-conditional as above.
-
-    files.text_embeds    text_embeds.npy    (N, L, D) float16|float32: sequence text embeddings, model-ready
-                                            (as the family's pipeline produces them: tread/encoders/text.py)
-    files.text_mask      text_mask.npy      (N, L) bool: their attention mask (True = real token)
-    files.pooled_embeds  pooled_embeds.npy  (N, P) float16|float32: pooled text embeddings
-    files.llama_embeds   llama_embeds.npy   (N, n, L, Dl) float16|float32: HiDream's Llama-3.1 hidden states,
-                                            n layers (hidden_states[1:]) per caption, beside the T5 text_embeds
-                                            (needs files.text_embeds); 32 x 128 x 4096 values per caption for
-                                            HiDream-I1 (32 MiB in float16)
-    files.loss_mask      loss_mask.npy      (N, Hm, Wm) uint8: coverage 0..255 (255 = fully inside) at any
-                                            resolution (image or latent); read as float (uint8 / 255)
-    files.reference_latents  reference_latents.npy  (N, C, H, W) of `dtype`, C, H, W the model-space shape
-                                            (model_shape: C halved for moments data): per sample the latents of
-                                            its reference image (FLUX Kontext edit pairs, model.kontext), always
-                                            stored like "sample" latents (the VAE posterior mean - shift_factor,
-                                            as FluxKontextPipeline encodes its image: sample_mode "argmax") and
-                                            read * latent_scale, whatever latent_kind the targets have. Its
-                                            shape follows from meta "shape", so it has no describing meta key.
-    meta "conditioning"  {"text": {"seq_len": L, "dim": D, "mask": true|false, ...free keys, e.g. "family",
-                          "encoders", "max_length"}, "pooled": {"dim": P, ...},
-                          "llama": {"layers": n, "seq_len": L, "dim": Dl, ...}}   (each part optional)
-    meta "loss_mask"     {"shape": [Hm, Wm]}
-
-Several captions per sample (a caption table): the text files (CAPTION_KEYS: text_embeds, text_mask,
-pooled_embeds, llama_embeds) then hold one row per caption instead of one per sample, and
-
-    files.caption_offsets  caption_offsets.npy  (N + 1,) int64: sample i's captions are rows [offsets[i],
-                                                offsets[i + 1]) of the text files; offsets[0] = 0 and strictly
-                                                increasing (every sample has at least one caption)
-    meta "conditioning"  "captions": {"rows": M, "empty_prompt": true|false, ...free keys}: the text files have
-                         M rows; with empty_prompt the last row (M - 1) is the encoded empty prompt "" (what
-                         train.caption_dropout_mode=empty swaps a dropped caption for) and offsets[N] = M - 1,
-                         else offsets[N] = M. The offsets file and the "captions" key go together.
-
-Rows + offsets rather than a padded (N, K, L, D) with counts: images have different numbers of captions (most one
-or two, a few many), and a K axis would store every sample at the largest count; a sample's captions are one
-contiguous slice, and a mirrored copy (--flip) gets its own rows, as it does with one caption per sample. Data
-with one caption per sample and no empty prompt has no table: the per-sample layout above, byte for byte.
-Reading draws one caption per sample per epoch (tread/data/reader.py caption_choice).
-
-LatentDataset items are (x, y) without such files and (x, y, extras) with them: extras is a dict with the
-keys present among "text" float32 (L, D), "text_mask" bool (L,), "pooled" float32 (P,), "llama" float32 (n, L, Dl),
-"loss_mask" float32
-(1, Hm, Wm) in [0, 1], "reference" float32 (C, H, W) model-space latents, "first_frame" float32 (C, 1, H, W) model-space
-latents (video) (batched by __getitems__: a leading B).
-COND_KEYS are the extras a model takes as per-sample conditioning (cond=...; training, sampling and FLOPs
-counting pass exactly these on); the loss mask is the training step's. routing.token_keep_mask /
-routing.resize_loss_mask bring a loss mask to the token grid / latent resolution.
-
-Video data (docs/video.md, "Format"): meta "shape" is [C, T, H, W] and latents.npy (N, C, T, H, W), T latent frames
-per clip, and meta has (only then) the key
-
-    meta "video"  {"frames": F pixel frames per clip, "frame_stride": s (source frames between two read),
-                   "fps": the source fps / s (null: unknown), "temporal_factor": k (the VAE's; 1 for identity-decoded
-                   clips)}, with T = 1 + (F - 1) / k
-    files.first_frame_latents  first_frame_latents.npy  (N, C, 1, H, W) of `dtype`, C, H, W as reference_latents:
-                   each clip's first frame encoded alone (as the image-to-video pipelines encode their image),
-                   stored like "sample" latents (the posterior mean) and read * latent_scale into extras
-                   "first_frame" (a COND_KEYS member: models that take it get cond["first_frame"]). Video data only;
-                   like the reference, no describing meta key.
-
-REPA targets (docs/data.md, "REPA features"; tread/data/repa_features.py), images only:
-
-    files.repa_features  repa_features.npy  (N, dim, h, w) of `dtype`: a frozen encoder's patch features of each
-                   sample's image (a flipped copy's: of the flipped image), computed when the latents were
-                   (scripts/precompute_latents.py --repa-encoder); read only by a run that aligns with that encoder
-                   (model.repa), so other runs read exactly what they read without them
-    meta "repa_features"  {"encoder": model.repa.encoder's name, "digest": sha256 of the encoder's weights,
-                   "dim": dim, "grid": [h, w], ...free keys (e.g. "weights", "resolution")}
-
-Writing: tread/data/writer.py; reading: tread/data/reader.py; decoding to pixels: tread/data/decode.py.
-"""
+"""The latent dataset directory format (meta.json, latents.npy, labels.npy and optional per-sample files): the
+meta.json checks, and the latent kinds ("sample" | "moments") with the draw that turns stored items into latents.
+Every key and file is described in docs/data.md, "The latent directory format"."""
 from __future__ import annotations
 
 import math
@@ -121,7 +25,7 @@ EXTRA_FILES = {"text_embeds": "text_embeds.npy", "text_mask": "text_mask.npy", "
                "llama_embeds": "llama_embeds.npy", "loss_mask": "loss_mask.npy",
                "reference_latents": "reference_latents.npy", "first_frame_latents": "first_frame_latents.npy",
                "repa_features": "repa_features.npy"}
-# A caption table (several captions per sample, see the module doc): the offsets file, and the extras with one row
+# A caption table (several captions per sample, docs/data.md "Captions"): the offsets file, and the extras with one row
 # per caption in it.
 CAPTION_FILES = {"caption_offsets": "caption_offsets.npy"}
 CAPTION_KEYS = ("text", "text_mask", "pooled", "llama")
@@ -441,12 +345,9 @@ def first_frame_shape(meta: Mapping[str, Any]) -> tuple[int, int, int, int]:
 
 def draw_latents(x: torch.Tensor, meta: Mapping[str, Any], mode: str = "sample",
                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Dataset items -> model-space latents (B, C, H, W) (video: (B, C, T, H, W)).
-
-    "sample" data is returned as is (already scaled). "moments" data (B, 2C, H, W) = (mean, logvar) in raw
-    VAE units gives latent_scale * (mean + exp(logvar / 2) * eps - shift) with eps ~ N(0, I) from `generator`
-    (the device's global RNG if None; shift = decode.shift_factor, 0 for SD-VAE); mode="mean" returns
-    latent_scale * (mean - shift) (no noise, e.g. for references).
+    """Dataset items -> model-space latents (B, C, H, W) (video: (B, C, T, H, W)). "sample" data is returned as is;
+    "moments" (B, 2C, ...) = (mean, logvar) gives latent_scale * (mean + exp(logvar / 2) * eps - shift_factor), eps
+    from `generator` (None: the device's global RNG), or latent_scale * (mean - shift_factor) for mode="mean".
     """
     if mode not in ("sample", "mean"):
         raise ValueError(f"draw_latents mode={mode!r}; allowed: 'sample', 'mean'")

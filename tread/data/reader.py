@@ -1,18 +1,6 @@
-"""Reading latent datasets (the format of tread/data/meta.py): LatentMeta, what every reader derives from a meta dict,
-and LatentDataset, the memory-mapped reader. Latents are memory-mapped, so random access never loads the whole
-array into RAM.
-
-Both readers (LatentDataset, tread.data.wds.WebDatasetLatents) report a latent holding NaN/inf with `warn_non_finite`:
-one warning per bad sample (file and index), the batch returned unchanged, since training skips an optimizer
-step whose loss is non-finite. The check costs one np.isfinite pass over each batch.
-
-Several captions per sample (a caption table, tread/data/meta.py): a batch from the loader (tread/data/loader.py
-EpochBatch: its sampler's seed and the epoch) gets one caption per sample, `caption_choice`: sample i with K
-captions takes, in epoch e, position e mod K of a permutation of its K captions drawn anew every K epochs (cycle
-c = e // K) from a fixed integer hash of (seed, i, c), so every caption is used exactly once per K epochs, in an
-order that changes from cycle to cycle, and the choice is a pure function of (seed, epoch, sample): a resumed run
-reads exactly what an uninterrupted one would. Any other read (a plain list of indices: evaluation, sampling
-seeds, FLOPs counting, __getitem__) takes every sample's first caption."""
+"""Reading latent datasets: LatentMeta, what every reader derives from a meta dict, and LatentDataset, the
+memory-mapped reader, with the per-batch NaN/inf warning (`warn_non_finite`) and the per-epoch caption choice of a
+caption table (`caption_choice`; docs/data.md "Captions", "Loading")."""
 from __future__ import annotations
 
 import warnings
@@ -115,6 +103,14 @@ class LatentMeta:
         """Model-space latent shape (C, H, W), video (C, T, H, W) (for moments data: half the stored channels)."""
         return model_shape(self._meta)
 
+    buckets = None       # single-shape data (a BucketedDataset lists its buckets)
+    stores_repa_features = False    # the format stores REPA targets beside the latents (read_repa_features)
+
+    @property
+    def parts(self) -> list["LatentMeta"]:
+        """The single-shape datasets this data is made of: itself (a BucketedDataset: one per bucket)."""
+        return [self]
+
     @property
     def frames(self) -> int:
         """Latent frames T of each sample: 1 for images (shape (C, H, W))."""
@@ -157,12 +153,9 @@ class LatentMeta:
 
     @property
     def conditioning(self) -> dict[str, Any]:
-        """The optional per-sample data: {"text": (L, D) or None, "text_mask": bool, "pooled": P or None,
-        "llama": (n, L, Dl) or None (HiDream's Llama states), "loss_mask": (Hm, Wm) or None} (from meta
-        "conditioning" and "loss_mask"), and "reference": (C, H, W), the
-        model-space latent shape, only for data with files.reference_latents (FLUX Kontext edit pairs; absent
-        otherwise, so read it with .get), and "first_frame": (C, 1, H, W) only for video data with
-        files.first_frame_latents (image-to-video; read it with .get too)."""
+        """The optional per-sample data's shapes: {"text": (L, D) or None, "text_mask": bool, "pooled": P or None,
+        "llama": (n, L, Dl) or None, "loss_mask": (Hm, Wm) or None}, plus "reference" (C, H, W) and "first_frame"
+        (C, 1, H, W) only where those files exist (read them with .get)."""
         cond = self._meta.get("conditioning") or {}
         text, pooled, lm = cond.get("text"), cond.get("pooled"), self._meta.get("loss_mask")
         llama = cond.get("llama")
@@ -200,9 +193,10 @@ class LatentMeta:
 
 class LatentDataset(LatentMeta, torch.utils.data.Dataset):
     """Memory-mapped latent dataset; items are (float32 latent (C, H, W) (video: (C, T, H, W)) * latent_scale,
-    int64 label), or
-    (latent, label, extras) when the dataset has per-sample conditioning / loss masks (has_extras; see the
-    module doc)."""
+    int64 label), or (latent, label, extras) when the dataset has per-sample conditioning / loss masks (has_extras;
+    docs/data.md)."""
+
+    stores_repa_features = True
 
     def __init__(self, path: PathLike, expected_channels: Optional[int] = None,
                  expected_resolution: Optional[int] = None, expected_num_classes: Optional[int] = None):

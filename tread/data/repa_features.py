@@ -1,38 +1,16 @@
-"""REPA targets stored beside the latents (docs/data.md, "REPA features"): a frozen encoder's patch features of each
-training image, computed once from the images when the latents are precomputed (scripts/precompute_latents.py
---repa-encoder), as REPA aligns with the encoder's features of the images themselves. Without them a REPA run decodes
-every batch's latents and encodes the reconstructions (tread/training/repa.py), which costs a VAE decode and an
-encoder forward per step and aligns with features of VAE reconstructions rather than of the images.
-
-Which encoder made them is meta "repa_features" {"encoder", "digest", "dim", "grid", "weights", "resolution"}: the
-digest is the sha256 of the encoder's weights as loaded (its state dict, tensor by tensor), so a run uses stored
-features only when its own encoder is the same network, whatever file or folder it was read from.
-"""
+"""REPA targets stored beside the latents (docs/data.md "REPA features"): a frozen encoder's patch features of each
+training image, computed at precompute time, with their meta "repa_features" record (whose digest names the
+encoder's weights as loaded) and the checks that a run's encoder matches them."""
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from tread.encoders.patch import TOY_ENCODER_SEEDS, PatchEncoder, build_patch_encoder
-
-from .toy import ensure_toy_classifier
-
-
-def load_repa_encoder(name: str, weights: Optional[Union[str, Path]], *, cache_dir: Union[str, Path],
-                      resolution: int, device: Union[str, torch.device] = "cpu"
-                      ) -> tuple[PatchEncoder, Optional[str]]:
-    """The frozen REPA encoder `name` (tread/encoders/patch.py) and the weights it was read from: the trained toy
-    encoders' toy classifier file for `resolution` px (trained once in `cache_dir`, as the toy FID's is), a
-    Dinov2Model folder (`weights`), or None (toy_random: built from its seed)."""
-    if name in TOY_ENCODER_SEEDS:
-        weights = ensure_toy_classifier(str(cache_dir), resolution=int(resolution), seed=TOY_ENCODER_SEEDS[name])
-    encoder = build_patch_encoder(name, weights=weights, device=device, resolution=int(resolution))
-    return encoder, None if weights is None else str(weights)
+from tread.encoders.patch import PatchEncoder
 
 
 def encoder_digest(encoder: nn.Module) -> str:

@@ -1,19 +1,6 @@
-"""Video clips on disk: finding them, probing their size and length, decoding frames, and writing clips.
-
-A clip is a video file (VIDEO_SUFFIXES, any case) or a frame folder: a directory holding image files
-(tread.data.images.IMAGE_EXTS) and no video files, its frames in natural name order (frame_2 before frame_10);
-other files in it (a caption .txt, a .json) are ignored, hidden ones too. A frame folder has no frame rate of its
-own: FRAME_FOLDER_FPS. A clip's caption sidecar is `<stem>.txt` beside it (`clip.mp4` -> `clip.txt`, frame
-folder `clip/` -> `clip.txt`).
-
-Decoding uses PyAV (`av`): its wheels bundle FFmpeg, so mp4 (H.264), webm (VP9), gif, mov, mkv and avi decode,
-and libx264 / gif encode, with no system FFmpeg; torchvision.io's video API is deprecated, TorchCodec needs a
-system FFmpeg, and decord is unmaintained. FFmpeg's own log lines are switched off (av.logging level None), so a
-bad file shows as our one VideoError line only.
-
-Frames are decoded from the start of the file (no seeking): exact frame indices whatever the container's
-timestamps say, at the cost of decoding the frames before `start`.
-"""
+"""Video clips on disk (video files and frame folders): finding them, probing their size and length, decoding
+frames with PyAV from the start of the file (exact indices, no seeking), and writing clips (docs/video.md "Reading
+clips")."""
 from __future__ import annotations
 
 import os

@@ -1,56 +1,6 @@
-"""Random access to WebDataset latent shards (the TREAD / MaskDiT ImageNet latents) as a map-style dataset.
-
-The layout, as the public code writes and reads it:
-
-* Anima-Lab/MaskDiT `lmdb2wds.py` converts its latent LMDB to shards with `webdataset.ShardWriter`
-  (pattern `latent_imagenet_512_{split}-%04d.tar`, at most 10010 samples per shard). Each sample has the
-  key `f"{i:07d}"` and two members: `<key>.latent`, the *pickled* float32 numpy array (C, H, W), and
-  `<key>.cls`, the integer class label, which webdataset writes as ASCII decimal text ("207").
-  The arrays are VAE posterior moments: `extract_latent.py` stores `encode_moments` output, i.e.
-  (mean, logvar) stacked on the channel axis, 8 x 32 x 32 for ImageNet-256 (8 x 64 x 64 for 512).
-  The "512" in the shard names is hard-coded, so ImageNet-256 shards are named the same way; ImageNet-256
-  (1,281,167 samples) gives 128 shards, `latent_imagenet_512_train-{0000..0127}.tar`.
-* Anima-Lab/MaskDiT `train_wds.py` reads them back with `pickle.loads(item['latent'])` and
-  `int(item['cls'].decode('utf-8'))`, and `utils.sample` draws one latent per step:
-  mean, logvar = moments.chunk(2, dim=1); logvar clamped to [-30, 20];
-  0.18215 * (mean + exp(logvar / 2) * eps). That is `data.draw_latents` on our side.
-* CompVis/tread (the paper repo): its train.py `decode_data` reads `<key>.latent.npy` with np.load and
-  `int(item['cls'])`, and feeds the array to the model as it is: no posterior draw (its `utils.train_helper.sample`
-  is never called) and no scaling; its configs/config.yaml says `num_channels: 4`, the DiT takes 4 channels, and
-  its FID decode divides by the VAE's scaling_factor. So the paper's shards hold (4, 32, 32) latents already
-  multiplied by 0.18215 (mean or draw: its code does not say); MaskDiT's 8-channel moments would not run there
-  (users who converted MaskDiT's LMDB got (8, 32, 32), issues #5 and #13). data.latent_draw=stored reads them.
-
-data.latent_draw says what a read gives (LATENT_DRAWS): "sample" (moments: one posterior draw per read, by the
-training step's draw_latents; plain latents, latent_kind "sample": stored * latent_scale), "mean" (moments: the
-mean * latent_scale) or "stored" (the array as stored, any channel count, no draw and no scaling: the paper's).
-Given the model's channels C (data.channels), moments must hold 2C channels and stored arrays C; a count that fits
-neither is one error naming the member, its shape and what is allowed.
-
-So both latent encodings are accepted: `<key>.latent.npy` (np.save format, read with allow_pickle=False)
-and `<key>.latent` (a pickled ndarray, read with an unpickler that only allows numpy's array
-reconstruction, so a shard cannot run code). Labels are `<key>.cls`, decimal text.
-Any other member (`.jpg`, `.json`, ...) is ignored; a sample (group of members sharing a key) with neither
-a latent nor a label is skipped. Keys are split like webdataset does: the key is the member name up to
-the first "." of its base name, the extension is the rest; consecutive members with the same key form one
-sample.
-
-Why `tarfile` and not the `webdataset` package: webdataset streams shards (an IterableDataset with a
-shuffle buffer), so it cannot fetch sample i, and a run resumed from a checkpoint does not see exactly
-the batches an uninterrupted run would have seen. Our training loop needs a map-style dataset for
-`LatentLoader` (a pure function of seed/epoch/rank gives the batch order, and resume is exact). Uncompressed
-tar members are contiguous byte ranges, so one pass over the tar headers gives every sample's (shard,
-byte offset, size) and a read is a positional read of those bytes.
-
-The index (tread/data/wds_index.py; per sample: shard, offset and size of the latent member, label, key) is built
-once by scanning the tar headers (plus the tiny label members and the .npy headers), and cached as
-`<index_dir>/<hash>.npz`, where the hash covers every shard's absolute path, size and mtime: the next run
-starts at once, and a changed, added or removed shard gives a new hash (a rescan). Validation at indexing
-time: every sample has a latent and a label, labels are integers, every `.latent.npy` header (all samples,
-~128 bytes each) has the same shape and dtype and a member size that matches it; for pickled `.latent`
-members only the first sample of each shard is unpickled and checked. Every read checks shape and dtype
-again, so a bad sample fails with an error naming its shard and member, never silently.
-"""
+"""Random access to WebDataset latent shards (the TREAD / MaskDiT ImageNet latents) as a map-style dataset, through
+`tarfile` and a cached index of member offsets (tread/data/wds_index.py), so loading stays deterministic and resume
+exact. The shard layouts, data.latent_draw and the checks: docs/data.md, "The paper repo's WebDataset shards"."""
 from __future__ import annotations
 
 import collections
@@ -70,7 +20,7 @@ from .meta import DTYPES, FORMAT, LATENT_KINDS, VERSION, LatentDatasetError, dra
 from .reader import LatentMeta, warn_non_finite
 from .wds_index import build_index, decode_latent, pread
 
-LATENT_DRAWS = ("sample", "mean", "stored")   # data.latent_draw (module doc)
+LATENT_DRAWS = ("sample", "mean", "stored")   # data.latent_draw (docs/data.md)
 MAX_OPEN_SHARDS = 256                    # file descriptors kept open per process (least recently used closed)
 PathSpec = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
@@ -200,12 +150,9 @@ def _check_layout(first: str, shape: list[int], kind: str, draw: str, channels: 
 class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
     """WebDataset tar shards of latents, random access; the same interface as `data.LatentDataset`.
 
-    Items are (float32 (C, H, W), int64 label) as data.latent_draw says (module doc): raw VAE moments (mean,
-    logvar; 2C channels) for "sample" from moments (the training loop's draw_latents samples and scales them), the
-    mean * latent_scale for "mean", the stored array for "stored", stored values * latent_scale for "sample" from
-    latent_kind "sample". `meta` is a dict in the tread-latents meta format (validate_meta) describing the items:
-    shape is the item shape (the stored shape but for "mean": self._stored_shape), latent_kind "moments" only where
-    the training step draws, files holds the member-name patterns ("*.latent.npy", "*.cls").
+    Items are (float32 (C, H, W), int64 label) as data.latent_draw says (moments left for the training step's
+    draw_latents under "sample"). `meta` describes the items in the tread-latents format (validate_meta); its
+    files hold the member-name patterns ("*.latent.npy", "*.cls").
     """
 
     def __init__(self, path: PathSpec, *, num_classes: int = 1000, latent_scale: float = 0.18215,
@@ -339,7 +286,7 @@ class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
         return arr
 
     def _items(self, x: np.ndarray) -> torch.Tensor:
-        """Stored arrays (B, *stored shape) -> the items data.latent_draw gives (module doc)."""
+        """Stored arrays (B, *stored shape) -> the items data.latent_draw gives."""
         xt = torch.from_numpy(x)
         if self.latent_draw == "mean":
             return draw_latents(xt, {"latent_kind": "moments", "latent_scale": self.latent_scale}, mode="mean")

@@ -40,38 +40,19 @@ def _cast_finite(a: np.ndarray, dtype: str, what: str, start: int, stop: int, fi
 
 
 class LatentDatasetWriter:
-    """Write a dataset piece by piece, never holding it in RAM; atomic like write_latent_dataset.
+    """Write a dataset piece by piece into memory-mapped files, never holding it in RAM; atomic like
+    write_latent_dataset.
 
         with LatentDatasetWriter(path, shape=(C, H, W), num_samples=N, num_classes=K, ...) as writer:
-            writer.write(start, latents, labels)   # stored values (N_i, C, H, W) and labels (N_i,), any order
+            writer.write(start, latents, labels, extras={...})   # stored values (N_i, ...), labels (N_i,), any order
 
-    Video data: shape=(C, T, H, W) and video={"frames": F, "frame_stride": s, "fps": f, "temporal_factor": k} (meta
-    "video"); first_frame_latents=True adds first_frame_latents.npy ((C, 1, H, W) per clip, dataset dtype, stored
-    like "sample" latents), given with every write as extras["first_frame"].
-
-    Stored REPA features (tread/data/repa_features.py): repa_features={"encoder", "digest", "dim", "grid": [h, w],
-    ...} (meta "repa_features") adds repa_features.npy ((dim, h, w) per sample, dataset dtype), given with every
-    write as extras["repa_features"].
-
-    Optional per-sample arrays (see the module doc): text_shape=(L, D) (text_embeds.npy, in the dataset
-    dtype), text_mask=True (text_mask.npy, needs text_shape), pooled_dim=P (pooled_embeds.npy, dataset
-    dtype), loss_mask_shape=(Hm, Wm) (loss_mask.npy, uint8), reference_latents=True (reference_latents.npy,
-    dataset dtype, the model-space shape: FLUX Kontext references, stored like "sample" latents),
-    llama_shape=(n, L, Dl) (llama_embeds.npy, dataset dtype: HiDream's Llama hidden states, n layers; needs
-    text_shape). Each one declared must then come with every write, as write(start, latents, labels,
-    extras={"text": ..., "text_mask": ..., "pooled": ..., "llama": ..., "loss_mask": ..., "reference": ...}).
-
-    A caption table (several captions per sample; tread/data/meta.py): caption_counts=(N,) captions per sample
-    and/or empty_prompt=True (one more row, the last: the encoded empty prompt) make the text parts (CAPTION_KEYS)
-    rows of captions, written with write_captions(start_row, {"text": ..., ...}) (the empty prompt at row
-    `empty_row`) instead of with write(); caption_offsets.npy is written from the counts.
-    conditioning_meta adds descriptive keys to meta "conditioning" (e.g. {"text": {"family": "flux", "encoders":
-    [...], "max_length": 512}}); seq_len/dim/mask (layers for llama) come from the arrays.
-
-    Pieces go into memory-mapped files in a temporary sibling directory; leaving the block without an error
-    checks that every sample was written, records each file's size, mtime, digest and non-finite samples in
-    meta.json "integrity" (tread/data/integrity.py: training trusts it instead of reading the data again) and
-    renames the directory into place (commit()); an error removes it (abort()). Raises LatentDatasetExistsError if `path` exists and is not an empty directory.
+    Each optional file declared here (text_shape=(L, D), text_mask=True, pooled_dim=P, llama_shape=(n, L, Dl),
+    loss_mask_shape=(Hm, Wm), reference_latents=True, first_frame_latents=True with video=meta "video",
+    repa_features=meta "repa_features") must come with every write as its extras key (EXTRA_KEYS). caption_counts
+    and/or empty_prompt make the text parts a caption table, written with write_captions(start_row, ...) instead;
+    conditioning_meta adds free keys to meta "conditioning". A clean exit checks every sample was written, records
+    meta "integrity" and renames the directory into place (commit()); an error removes it (abort()). Raises
+    LatentDatasetExistsError if `path` exists and is not an empty directory.
     """
 
     def __init__(self, path: PathLike, *, shape: Sequence[int], num_samples: int, num_classes: int,
@@ -361,17 +342,11 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
                          repa_features: Optional[Mapping[str, Any]] = None) -> Path:
     """Write a dataset atomically: build it in a temporary sibling directory, then rename it into place.
 
-    `latents` (N, C, H, W) are the *stored* values (model space / latent_scale); video data: (N, C, T, H, W) with
-    `video` = meta "video" (tread/data/meta.py). `extra_meta` adds keys to meta.json (e.g. "builtin"). `extras` optionally adds per-sample conditioning / loss masks as full arrays
-    {"text": (N, L, D), "text_mask": (N, L) bool, "pooled": (N, P), "llama": (N, n, L, Dl), "loss_mask":
-    (N, Hm, Wm) uint8 or float in [0, 1], "reference": (N, C, H, W) stored reference latents, "first_frame":
-    (N, C, 1, H, W) stored first-frame latents (video), "repa_features": (N, dim, h, w) with `repa_features` its meta
-    (see LatentDatasetWriter)} (any subset; text_mask and llama need text),
-    described further by `conditioning_meta` (see LatentDatasetWriter). A caption table (tread/data/meta.py):
-    `caption_counts` (N,) captions per sample, the text parts then holding sum(caption_counts) rows (sample by
-    sample), and/or `empty_prompt` {"text": (1, L, D), ...} (the same text parts, one row: the encoded ""), stored
-    as the table's last row. Raises LatentDatasetExistsError if
-    `path` exists and is not an empty directory. Datasets too big for RAM: LatentDatasetWriter.
+    `latents` (N, C, H, W) (video: (N, C, T, H, W) with `video`) are the *stored* values (model space /
+    latent_scale); `extras` maps any of EXTRA_KEYS to full (N, ...) arrays (loss_mask uint8 or float in [0, 1]), the
+    other arguments as LatentDatasetWriter's; with `caption_counts` the text parts hold sum(caption_counts) rows, and
+    `empty_prompt` ({"text": (1, L, D), ...}) is stored as the table's last row. Returns the dataset path. Raises
+    LatentDatasetExistsError if `path` exists and is not an empty directory.
     """
     root = Path(path).expanduser().absolute()
     latents, labels = _check_arrays(root, latents, labels)

@@ -10,5 +10,5 @@ from tread.utils.targets import build_target
 OBJECTIVES = {"tread.diffusion.EDM": EDM, "tread.diffusion.RectifiedFlow": RectifiedFlow}
 
 
-def build_diffusion(cfg: Mapping[str, Any]) -> Union[EDM, RectifiedFlow]:
-    return build_target(cfg, OBJECTIVES, "diffusion")
+def build_diffusion(spec: Mapping[str, Any]) -> Union[EDM, RectifiedFlow]:
+    return build_target(spec, OBJECTIVES, "diffusion")

@@ -13,9 +13,8 @@ Denoiser = Callable[..., torch.Tensor]
 
 def call_with_aux(fn: Callable[..., Any], *args: Any, return_aux: bool = False,
                   **kwargs: Any) -> tuple[torch.Tensor, Optional[dict]]:
-    """(output, aux) of fn(*args, **kwargs): with return_aux, fn is asked for its auxiliary output (a backbone's,
-    e.g. REPA's tokens: RoutedBackbone.forward) and returns (output, aux); without it, fn is called as before and
-    aux is None. Preconditioners and losses apply their algebra to the output and pass aux on untouched."""
+    """(output, aux) of fn(*args, **kwargs): with return_aux, fn returns its auxiliary output too (e.g. REPA's
+    tokens); without it, aux is None. Preconditioners and losses pass aux on untouched."""
     if not return_aux:
         return fn(*args, **kwargs), None
     return fn(*args, return_aux=True, **kwargs)

@@ -75,10 +75,8 @@ class EDM:
         return with_aux(weight * (D_yn - x) ** 2, aux)
 
     def loss_weight(self, sigma: torch.Tensor) -> torch.Tensor:
-        """The weight of ||D(x + n; sigma) - x||^2. EDM's: (sigma^2 + sd^2) / (sigma sd)^2 = (SNR + 1) / sd^2 with
-        SNR = sd^2 / sigma^2. Min-SNR-gamma (Hang et al. 2023, for this x0-space loss): min(SNR, gamma) / sd^2, i.e.
-        EDM's weight times min(SNR, gamma) / (SNR + 1), the factor diffusers' training examples apply to a
-        v-prediction loss (EDM's weighted loss is one in effect): the low-noise levels are clamped at gamma."""
+        """The weight of ||D(x + n; sigma) - x||^2: EDM's (SNR + 1) / sd^2 with SNR = sd^2 / sigma^2, or with
+        Min-SNR-gamma (Hang et al. 2023) min(SNR, gamma) / sd^2, clamping the low-noise levels at gamma."""
         if self.min_snr_gamma is None:
             return (sigma ** 2 + self.sigma_data ** 2) / (sigma * self.sigma_data) ** 2
         sd2 = self.sigma_data ** 2

@@ -1,10 +1,7 @@
 """Rectified flow / flow matching: z_t = (1-t) x + t n, the network predicts n - x.
 
-Timestep shift: t -> s t / (1 + (s - 1) t) on training and sampling t alike (SD3's form; it equals diffusers'
-exponential time_shift exp(mu) / (exp(mu) + (1/t - 1)) with s = exp(mu)). The shift s is either static
-(`shift`) or, with `dynamic_shift`, FLUX's resolution-dependent one: mu is linear in the image sequence
-length (diffusers' calculate_shift), and that length is read from the latents' shape, as the FLUX pipelines
-read it from their packed latents (latents.shape[1]), so a sample at another resolution gets its own shift.
+The timestep shift t -> s t / (1 + (s - 1) t) applies to training and sampling alike; s is static (`shift`) or
+FLUX's resolution-dependent one (`dynamic_shift`), read from the latents' shape.
 """
 from __future__ import annotations
 
@@ -37,11 +34,9 @@ def shift_t(t: torch.Tensor, shift: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class DynamicShift:
-    """FLUX's resolution-dependent shift (FluxPipeline's calculate_shift and FlowMatchEulerDiscreteScheduler's
-    use_dynamic_shifting): mu = base_shift at base_seq_len image tokens and max_shift at max_seq_len, linear in
-    between (and beyond: extrapolated, as the pipeline does); the shift is exp(mu). The image sequence length
-    of latents (B, C, H, W) (or (B, C, T, H, W)) is T (H / patch_size) (W / patch_size): FLUX packs 2x2 latent
-    cells into one token (patch_size 2); a backbone that patchifies p x p cells has patch_size p."""
+    """FLUX's resolution-dependent shift (diffusers' calculate_shift): mu linear in the image sequence length
+    T (H / patch_size) (W / patch_size), base_shift at base_seq_len, max_shift at max_seq_len (extrapolated
+    beyond, as the pipeline); the shift is exp(mu)."""
     base_shift: float = 0.5
     max_shift: float = 1.15
     base_seq_len: int = 256
@@ -128,10 +123,10 @@ class RectifiedFlow:
     def check_tokens(self, model: nn.Module) -> None:
         """dynamic_shift.patch_size against the backbone: the sequence length computed from its training latents
         (input_size, frames) must be its token count (num_tokens), or mu would follow a wrong length."""
-        dyn, size, tokens = self.dynamic_shift, getattr(model, "input_size", None), getattr(model, "num_tokens", None)
-        if dyn is None or size is None or tokens is None:
+        dyn = self.dynamic_shift
+        if dyn is None:
             return
-        frames = int(getattr(model, "frames", 1))
+        size, tokens, frames = model.input_size, model.num_tokens, int(model.frames)
         counted = dyn.seq_len((1, 1, frames, size, size))
         if counted != tokens:
             raise ShiftConfigError(

@@ -48,11 +48,8 @@ def load_dinov2(weights: Optional[Union[str, Path]], key: str, model_id: str = R
 
 
 def fdd_pixels(images: torch.Tensor) -> torch.Tensor:
-    """uint8 (B, 3, H, W) images -> float32 (B, 3, 224, 224) DINOv2 input as FDD's reference implementation
-    (layer6ai-labs/dgm-eval, default path) makes it: PIL's bicubic resize of the uint8 image to 224 x 224 (no crop;
-    antialiased when shrinking, Keys a = -0.5; the width pass, then the height pass, each rounded to uint8), / 255,
-    then ImageNet mean and std. torch's antialiased bicubic is PIL's filter, so this matches torchvision's
-    Resize((224, 224), BICUBIC) on a PIL image up to rare 1-level differences (PIL's fixed-point weights)."""
+    """uint8 (B, 3, H, W) images -> float32 (B, 3, 224, 224) DINOv2 input as dgm-eval makes it: antialiased bicubic
+    resize (no crop), / 255, ImageNet mean and std."""
     x = images.float()
     for size in ((x.shape[-2], DINO_SIZE), (DINO_SIZE, DINO_SIZE)):      # PIL: the width pass, then the height
         if tuple(x.shape[-2:]) != size:                                   # pass, each rounded to uint8

@@ -1,30 +1,8 @@
-"""The metric feature networks (FID, sFID, IS, precision/recall, KID; FDD's DINOv2), frozen, built from explicit
-local files; tread/evaluation/extractors.py picks the files (and has the toy classifier built first).
+"""The metric feature networks (Inception for FID/sFID/IS/precision/recall/KID, the toy classifier, FDD's
+DINOv2), frozen and built from explicit local files.
 
-Every extractor is an nn.Module taking uint8 (B, 3, H, W) images (the torch-fidelity input convention):
-
-* `name`, `dim`, forward(images) -> float32 (B, dim) pool features (FID, precision/recall, KID);
-* `spatial_dim`, `num_logits`, forward_all(images) -> {"pool": (B, dim), "spatial": (B, spatial_dim),
-  "logits": (B, num_logits)}, all float32 and from ONE network pass (sFID uses "spatial", IS "logits").
-
-Inception (torch-fidelity's TF-compatible port, "inception-v3-compat") reproduces ADM's evaluator
-(openai/guided-diffusion evaluations/evaluator.py):
-
-* pool    = pool_3 (2048-d), torch-fidelity feature '2048';
-* logits  = pool_3 @ softmax/weights with NO bias (ADM multiplies pool_3 by the MatMul weights of
-            "softmax/logits/MatMul" only), torch-fidelity's 'logits_unbiased' (1008 classes);
-* spatial = ADM's "mixed_6/conv:0" (the ReLU output of the 1x1 branch of the 7th mixed block, 17x17x192),
-            channels [:7] in NHWC order, flattened: 17 * 17 * 7 = 2023-d.
-
-TF graph block names -> torch-fidelity modules (torch-fidelity's utils/util_convert_inception_weights.py
-maps "mixed_6/conv/{conv2d_params,batchnorm}" to "Mixed_6d.branch1x1.{conv,bn}"):
-
-    mixed -> Mixed_5b, mixed_1 -> Mixed_5c, mixed_2 -> Mixed_5d, mixed_3 -> Mixed_6a, mixed_4 -> Mixed_6b,
-    mixed_5 -> Mixed_6c, mixed_6 -> Mixed_6d, mixed_7 -> Mixed_6e, mixed_8 -> Mixed_7a, mixed_9 -> Mixed_7b,
-    mixed_10 -> Mixed_7c; "<block>/conv" (the first, 1x1 branch) -> "<Block>.branch1x1".
-
-So "mixed_6/conv:0" is the output of Mixed_6d.branch1x1 (a BasicConv2d: conv, batch norm, ReLU), which
-InceptionFeatures captures with a forward hook.
+Every extractor takes uint8 (B, 3, H, W) images: forward -> float32 (B, dim) pool features, forward_all ->
+{"pool", "spatial", "logits"} from one pass. Inception reproduces ADM's evaluator (docs/evaluation.md).
 """
 from __future__ import annotations
 
@@ -68,10 +46,8 @@ def inception_how_to_provide() -> str:
 
 
 def inception_weights_file(weights_path: Optional[Union[str, Path]] = None) -> Path:
-    """The Inception weights to load: `weights_path` (which must exist), else the torch hub cache's copy,
-    downloaded there first when missing. The download stays, as torch-fidelity and the VAE's hub lookup do it:
-    with network the standard weights simply appear; without, it fails within DOWNLOAD_TIMEOUT_S with
-    EncoderError saying how to provide the file."""
+    """The Inception weights to load: `weights_path` (which must exist), else the torch hub cache's copy, downloaded
+    there first when missing; without network it fails within DOWNLOAD_TIMEOUT_S with an EncoderError."""
     if weights_path is not None:
         path = Path(weights_path).expanduser()
         if not path.is_file():
@@ -154,12 +130,8 @@ class InceptionFeatures(nn.Module):
 
 
 def save_random_inception_weights(path: Union[str, Path], seed: int = 0) -> Path:
-    """Write a RANDOM-weight torch-fidelity 'inception-v3-compat' state_dict to `path` (loadable with
-    InceptionFeatures(path) / eval.inception_weights=path): for tests and offline smoke runs only, the
-    metrics it gives mean nothing. Deterministic in `seed`; the global RNG state is left untouched.
-
-    Convolutions get He-normal weights (and the classifier a 1/sqrt(fan_in) normal) so activations keep
-    their scale through the 94 layers; batch norms keep running mean 0 / variance 1."""
+    """Write a RANDOM-weight 'inception-v3-compat' state_dict to `path`, for tests and offline smoke runs only (its
+    metrics mean nothing). Deterministic in `seed`; the global RNG state is left untouched."""
     class _RandomInception(_inception_class()):
         def load_state_dict(self, state_dict, strict=True, assign=False):  # keep the random initialisation
             return None
@@ -179,12 +151,8 @@ def save_random_inception_weights(path: Union[str, Path], seed: int = 0) -> Path
 
 
 class ToyClassifierFeatures(nn.Module):
-    """Features of the offline toy-shapes classifier (tread/encoders/toy_classifier.py):
-
-    * pool    = the 64-d penultimate (pre-activation) embedding;
-    * logits  = its class head (10 toy classes);
-    * spatial = the first 7 channels of the 4th conv block's output (conv, BN, ReLU: 64 channels at 1/4 of the
-                input side, i.e. 8 x 8 at 32 px), NHWC-flattened like ADM's sFID features: 448-d at 32 px."""
+    """Features of the offline toy-shapes classifier: pool = the 64-d penultimate embedding, logits = its 10-class
+    head, spatial = the first 7 channels of the 4th conv block, NHWC-flattened like ADM's sFID (448-d at 32 px)."""
 
     name = "toy_classifier"
     SPATIAL_LAYER = 11  # index in classifier.trunk of the ReLU ending block 4 (the second stride-2 block)
@@ -239,9 +207,8 @@ def check_feature_name(name: str) -> str:
 def build_feature_extractor(name: str, *, inception_weights: Optional[Union[str, Path]] = None,
                             toy_classifier: Optional[Union[str, Path]] = None,
                             device: Union[str, torch.device] = "cpu") -> nn.Module:
-    """The frozen extractor `name` in eval mode on `device` ("auto": CUDA if available), from explicit files:
-    "inception" from `inception_weights` (None: the torch hub cache's copy, see inception_weights_file),
-    "toy_classifier" from the classifier file `toy_classifier` (tread.data.ensure_toy_classifier makes it)."""
+    """The frozen extractor `name` ("inception" from `inception_weights`, None: the hub cache; "toy_classifier" from
+    the file `toy_classifier`) in eval mode on `device` ("auto": CUDA if available)."""
     if check_feature_name(name) == "inception":
         extractor: nn.Module = InceptionFeatures(inception_weights)
     elif toy_classifier is None:
@@ -257,10 +224,8 @@ def extractor_device(extractor: nn.Module) -> torch.device:
 
 
 class DinoFeatures(nn.Module):
-    """FDD's feature network (Stein et al. 2023): the DINOv2 CLS token (after the final layer norm, what
-    dgm-eval's torch-hub model returns) of uint8 (B, 3, H, W) images (the metric extractors' input convention
-    above), preprocessed by dinov2.fdd_pixels (antialiased bicubic to 224 px, ImageNet normalisation). `name`
-    carries a digest of the weights, so cached reference statistics are never reused for other weights."""
+    """FDD's feature network: the DINOv2 CLS token (after the final layer norm) of uint8 (B, 3, H, W) images,
+    preprocessed by dinov2.fdd_pixels. `name` carries a digest of the weights, so cached references never mix."""
 
     def __init__(self, model: nn.Module, weights: Union[str, Path]):
         super().__init__()

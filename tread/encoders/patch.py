@@ -1,18 +1,8 @@
-"""Frozen patch-feature encoders for REPA (model.repa.encoder): images (B, 3, H, W) in [-1, 1] -> patch features
-(B, dim, h, w), no gradients.
+"""Frozen patch-feature encoders for REPA (model.repa.encoder): images (B, 3, H, W) in [-1, 1] -> patch
+features (B, dim, h, w), no gradients.
 
-* "dinov2": a local transformers Dinov2Model (model.repa.encoder_weights, a save_pretrained folder): the last
-  layer's patch tokens (CLS and register tokens dropped) on the patch grid, for 224 px inputs (ImageNet mean and
-  std, bicubic resize), as REPA uses them.
-* "toy": for the built-in data, the project's offline toy classifier (tread/encoders/toy_classifier.py) trained with
-  its own seed (REPA_TOY_SEED), NOT the network whose features the toy FID uses (that would align the model with
-  the evaluator itself): its last convolutional feature map (128 channels at 1/4 of the image side). The caller
-  passes the classifier's file (tread.data.ensure_toy_classifier(..., seed=REPA_TOY_SEED) builds it).
-* "toy_random" (control: any structure): the same architecture and feature map, untrained: the initialisation
-  torch draws after seeding with REPA_TOY_SEED (the toy encoder's own starting point), frozen; batch norm in eval
-  mode is then the identity. No file.
-* "toy_fid" (control: the leakage ceiling): the same feature map of the FID feature network itself, the toy
-  classifier trained with toy_classifier.DEFAULT_SEED (the file eval.features=toy_classifier uses).
+"dinov2" (a local Dinov2Model), "toy" (the toy classifier of REPA's own seed), and the controls "toy_random"
+(untrained) and "toy_fid" (the FID network itself); docs/research.md describes them.
 """
 from __future__ import annotations
 
@@ -114,9 +104,8 @@ def random_toy_classifier(resolution: int, seed: int = REPA_TOY_SEED) -> ToyClas
 
 def build_patch_encoder(name: str, *, weights: Optional[Union[str, Path]] = None,
                         device: Union[str, torch.device] = "cpu", resolution: int = 32) -> PatchEncoder:
-    """The frozen REPA encoder `name` on `device`, from `weights`: the toy classifier's file ("toy", "toy_fid":
-    the file of seed TOY_ENCODER_SEEDS[name]) or a Dinov2Model folder ("dinov2", model.repa.encoder_weights);
-    "toy_random" needs no file, only the data's image side `resolution` (px)."""
+    """The frozen REPA encoder `name` on `device`, from `weights` (the toy classifier's file, or a Dinov2Model folder
+    for "dinov2"); "toy_random" needs no file, only the image side `resolution`."""
     if name in TOY_ENCODER_SEEDS:
         if weights is None:
             raise EncoderError(f"model.repa.encoder={name} needs the toy classifier's file (weights=PATH; "

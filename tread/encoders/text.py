@@ -1,48 +1,8 @@
-"""Text conditioning: load a model family's text encoders from local folders and encode prompts the way that
-family's diffusers (0.42) pipeline does, into the arrays a latent dataset stores (tread/data/meta.py:
-text_embeds.npy, text_mask.npy, pooled_embeds.npy, llama_embeds.npy). Families (encoders by diffusers pipeline
-subfolder):
+"""Text conditioning: load a family's text encoders from local folders and encode prompts as that family's
+diffusers pipeline does, into the arrays a latent dataset stores (text_embeds, text_mask, pooled, llama).
 
-    flux      text_encoder: CLIP-L (CLIPTextModel); text_encoder_2: T5 (T5EncoderModel)
-              text   (B, 512, D): T5 last hidden state (no attention mask passed to T5)
-              pooled (B, P): CLIP pooler_output
-    sd3       text_encoder, text_encoder_2: CLIP-L, CLIP-G (CLIPTextModelWithProjection); text_encoder_3: T5
-              text   (B, 77 + 256, D): [CLIP-L ; CLIP-G] penultimate hidden states (77 tokens) joined on the
-                     feature axis and zero-padded to the T5 width D, then the T5 output on the sequence axis
-              pooled (B, P): [CLIP-L ; CLIP-G] text_embeds (projections)
-              without T5 (t5=False: text_encoder_3=None in the pipeline): the T5 part is zeros, 256 x D with D
-                     the transformer's joint_attention_dim (here: the pipeline folder's transformer/config.json,
-                     else text_encoder_3/config.json's d_model, else SD3's 4096); T5 is neither needed nor loaded
-    wan       text_encoder: UMT5 (UMT5EncoderModel)
-              text (B, 512, D): last hidden state (mask passed), padding positions zeroed; prompts are
-                   whitespace/HTML-cleaned as the pipeline does; text_mask (B, 512)
-    auraflow  text_encoder: UMT5 (or T5)
-              text (B, 256, D): last hidden state (mask passed) times the mask; text_mask (B, 256)
-    pixart    text_encoder: T5 (T5EncoderModel)
-              text (B, 120, D): last hidden state (mask passed); 300 tokens for PixArt-Sigma (detected from
-                   the folder's model_index.json); text_mask (B, L)
-
-Their tokenizers pad to max_length and truncate; CLIP tokenizers use their model_max_length (77). "mask" is
-the tokenizer's attention mask (True = real token), stored for the families whose pipelines compute one.
-
-Families encoded by their pipeline's own encode_prompt (tread/encoders/text_pipelines.py): one text_encoder +
-tokenizer each and no pooled embedding (but hidream: four encoders); L is the pipeline's max_sequence_length
-(counting its template's tokens):
-    flux2       Mistral3ForConditionalGeneration + AutoProcessor   text (B, 512, 3 x hidden), no mask
-    qwen_image  Qwen2_5_VLForConditionalGeneration                 text (B, 512, D) zero-padded + text_mask
-    chroma      T5EncoderModel                                     text (B, 512, D) + text_mask (+ first pad)
-    sana        Gemma2Model                                        text (B, 300, D) + text_mask
-    z_image     Qwen3Model                                         text (B, 512, D) zero-padded + text_mask
-    lumina2     Gemma2Model                                        text (B, 256, D) + text_mask
-    hidream     CLIP-L, CLIP-G (CLIPTextModelWithProjection), T5EncoderModel, LlamaForCausalLM (Llama-3.1-8B-Instruct)
-                text (B, 128, D): T5; pooled (B, P): [CLIP-L ; CLIP-G] projections; llama (B, n, 128, Dl):
-                Llama hidden_states[1:] (n = its layers, 32), batch first (the pipeline stacks them layer first)
-
-PixArt's optional caption cleaning (clean_caption, which needs bs4/ftfy) is not applied: prompts are used
-as given. Weights are never downloaded: pass a local diffusers pipeline folder (text_encoder*/ and
-tokenizer*/ subfolders), e.g. fetched with
-    hf download black-forest-labs/FLUX.1-dev --include 'text_encoder*/*' 'tokenizer*/*' --local-dir DIR
-or per-encoder folders. tread/encoders/tiny_text.py writes tiny random encoders (tests, offline trials).
+FLUX, SD3, Wan, AuraFlow and PixArt are encoded here; the newer families through their pipeline's own
+encode_prompt (text_pipelines.py). Weights are never downloaded. docs/data.md lists each family's arrays.
 """
 from __future__ import annotations
 
@@ -65,9 +25,8 @@ from tread.utils.readers import FileFormatError, read_json
 
 @dataclass
 class TextEncoders:
-    """A family's loaded encoders: models and tokenizers by pipeline subfolder name (e.g. "text_encoder_2",
-    "tokenizer_2"), where they came from, and the default sequence length for these weights (None: the
-    family's)."""
+    """A family's loaded encoders: models and tokenizers by pipeline subfolder name, where they came from, and the
+    default sequence length for these weights (None: the family's)."""
     family: str
     models: dict[str, Any]
     tokenizers: dict[str, Any]
@@ -100,12 +59,9 @@ def resolve_text_encoder_paths(family: str, paths: Union[PathLike, Mapping[str, 
                                t5: bool = True) -> dict[str, Path]:
     """{model or tokenizer subfolder name: local folder} for every encoder of `family`, without loading anything.
 
-    `paths` is a diffusers pipeline folder, or a dict with "pipeline" (that folder) and/or explicit folders
-    per model / tokenizer key (encoder_keys(family)). An explicit model folder holds config.json (or is a
-    pipeline-like folder with the subfolder inside); its tokenizer is taken from the explicit tokenizer key,
-    else that pipeline-like folder, else the pipeline folder, else the model folder itself. Missing files
-    raise TextEncoderError naming the family, the encoder, the path tried and how to get the files. t5=False
-    (sd3): T5's folders are not looked for.
+    `paths` is a diffusers pipeline folder, or a dict with "pipeline" and/or explicit folders per key
+    (encoder_keys(family)). Missing files raise TextEncoderError naming the family, encoder, path and how to get
+    them. t5=False (sd3): T5's folders are not looked for.
     """
     spec = family_spec(family)
     slots = family_slots(family, t5)
@@ -185,12 +141,9 @@ def _load_tokenizer(family: str, slot: EncoderSlot, folder: Path):
 
 def load_text_encoders(family: str, paths: Union[PathLike, Mapping[str, PathLike]], device: Any = "cpu",
                        dtype: torch.dtype = torch.float32, *, t5: bool = True) -> TextEncoders:
-    """Load `family`'s text encoders (the transformers class its pipeline uses: CLIPTextModel(WithProjection),
-    T5EncoderModel / UMT5EncoderModel, or by config.json model_type the MODEL_TYPES class of its kind) and
-    tokenizers (AutoTokenizer; AutoProcessor where the pipeline takes a processor) from local folders (see
-    resolve_text_encoder_paths), on `device` in `dtype`, in eval mode without gradients. Never downloads:
-    missing files raise TextEncoderError saying how to provide them. t5=False (sd3 only): T5 is not loaded (nor
-    needed); its part of the embeddings will be zeros (encode_prompts)."""
+    """Load `family`'s text encoders and tokenizers (the classes its pipeline uses) from local folders
+    (resolve_text_encoder_paths) on `device` in `dtype`, in eval mode without gradients. Never downloads:
+    missing files raise TextEncoderError. t5=False (sd3 only): T5 is not loaded; its part will be zeros."""
     spec = family_spec(family)
     found = resolve_text_encoder_paths(family, paths, t5=t5)
     models, tokenizers = {}, {}
@@ -211,9 +164,8 @@ def load_text_encoders(family: str, paths: Union[PathLike, Mapping[str, PathLike
 
 
 def sd3_t5_width(paths: Union[PathLike, Mapping[str, PathLike], None]) -> Optional[int]:
-    """The width of SD3's zeros in place of T5, as the pipeline takes it (its transformer's joint_attention_dim),
-    read from the pipeline folder's config files only: transformer/config.json, else text_encoder_3/config.json
-    (T5's d_model, when the folder has it); None when neither is there (encode_prompts then uses SD3_T5_WIDTH)."""
+    """The width of SD3's zeros in place of T5 (the transformer's joint_attention_dim), read from the pipeline
+    folder's config files only; None when they do not say (encode_prompts then uses SD3_T5_WIDTH)."""
     pipe = paths if isinstance(paths, (str, os.PathLike)) else (paths or {}).get("pipeline")
     if not pipe:
         return None
@@ -316,17 +268,12 @@ def _placed(enc: TextEncoders, slots: Sequence[EncoderSlot], device: torch.devic
 def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]], prompts: Union[str, Sequence[str]],
                    *, max_length: Optional[int] = None, device: Any = "cpu",
                    dtype: Optional[torch.dtype] = torch.float32, t5: Optional[bool] = None) -> dict[str, np.ndarray]:
-    """Encode `prompts` as `family`'s pipeline does (see the module doc): {"text": float32 (B, L, D),
-    "text_mask": bool (B, L) (FAMILIES[family].mask), "pooled": float32 (B, P) (flux, sd3, hidream), "llama":
-    float32 (B, n_layers, L, Dl) (hidream: the Llama hidden states, batch first)} as numpy arrays.
+    """Encode `prompts` as `family`'s pipeline does: numpy {"text": (B, L, D), "text_mask": (B, L) bool,
+    "pooled": (B, P), "llama": (B, n_layers, L, Dl)}, each as the family has it.
 
-    `encoders`: load_text_encoders' result, or a dict {pipeline subfolder name: model or tokenizer}.
-    max_length: the text sequence length L (the T5 part's for sd3; default: the family's; 300 for PixArt-Sigma
-    weights); for the pipeline-delegated families it is the pipeline's max_sequence_length. The
-    models run on `device` in `dtype`, without gradients; models elsewhere are moved (in place: load them
-    there with load_text_encoders to avoid it; dtype None keeps theirs). t5 (sd3 only for False): False
-    encodes without T5 (its part is zeros, as StableDiffusion3Pipeline with text_encoder_3=None); None: as the
-    encoders were loaded (load_text_encoders(..., t5=...); a dict: with T5).
+    `encoders`: load_text_encoders' result or a dict {subfolder name: model or tokenizer}; max_length: L
+    (default: the family's); models run on `device` in `dtype` (moved in place if elsewhere). t5 (sd3): False
+    encodes without T5 (zeros); None follows how the encoders were loaded.
     """
     spec = family_spec(family)
     enc, use_t5 = _as_encoders(family, encoders, t5)

@@ -1,36 +1,8 @@
-"""Text conditioning of the families whose prompt encoding is delegated to their diffusers (0.42) pipeline:
-encode_prompts (tread/encoders/text.py) builds the family's pipeline with only its text components (vae=None,
-transformer=None, a FlowMatchEulerDiscreteScheduler()) around the loaded encoders and calls the pipeline's own
-`encode_prompt(...)` (num_images_per_prompt=1, no classifier-free guidance), so templates, system prompts,
-dropped tokens and hidden-state choices are the pipeline's, not a copy of them. What each returns, and what is
-stored (text (B, L, D) float32; text_mask (B, L) bool where the pipeline computes one; no pooled embedding but
-HiDream's):
+"""Text conditioning of the families whose prompt encoding is delegated to their diffusers pipeline.
 
-    flux2       Flux2Pipeline: Mistral3ForConditionalGeneration + its AutoProcessor; chat template with the
-                pipeline's system message, padded to max_length; hidden states of layers (10, 20, 30) stacked on
-                the feature axis: D = 3 x hidden. No mask (the pipeline passes none on).
-    qwen_image  QwenImagePipeline: Qwen2.5-VL; the pipeline's prompt template, its first 34 tokens dropped, the last
-                hidden state of the real tokens only, padded to the batch's longest and cut to max_length. Stored
-                zero-padded to max_length (a fixed width for a dataset) with the mask (False on the padding).
-    chroma      ChromaPipeline: T5 with the attention mask; the mask returned is the pipeline's: the real tokens and
-                the first padding token.
-    sana        SanaPipeline: Gemma-2 (last hidden state) on the complex human instruction (SanaPipeline.__call__'s
-                default, read from its signature) + the lower-cased prompt; token 0 and the last max_length - 1
-                positions; the tokenizer's mask over them.
-    z_image     ZImagePipeline: Qwen3 on the chat template (generation prompt), the penultimate hidden state of each
-                prompt's real tokens (a list of variable-length rows); stored zero-padded to max_length + mask.
-    lumina2     Lumina2Pipeline: Gemma-2 on "<system prompt> <Prompt Start> <prompt>", penultimate hidden state;
-                the tokenizer's mask. max_length counts the system prompt's tokens too.
-    hidream     HiDreamImagePipeline: four encoders. text: T5 with the attention mask (max_length tokens); pooled
-                (B, P): CLIP-L and CLIP-G text_embeds (projections) joined, each CLIP fed min(max_length, 218)
-                tokens; llama (B, n, L, Dl): Llama-3.1's hidden_states[1:] (n = its layers, 32) with the attention
-                mask (the pipeline's pad token is the tokenizer's eos), stacked layer first by the pipeline,
-                stored batch first. No mask (the transformer takes none).
-    ltx_video   LTXPipeline: T5 run without the attention mask on the prompt padded to max_length (128); the
-                tokenizer's mask is returned (the transformer's encoder_attention_mask).
-    hunyuan_video  HunyuanVideo15Pipeline: Qwen2.5-VL's text model, hidden_states[-3], on its system-message template
-                padded to max_length (1000) after the 108-token template prefix is dropped, + the tokenizer's mask;
-                besides, "glyph" (B, 256, D2) / "glyph_mask": ByT5 on the prompt's quoted text (zeros, mask 0 without).
+The pipeline is built with only its text components and its own `encode_prompt` is called, so templates,
+system prompts and hidden-state choices are the pipeline's; the results are stored at a fixed length with
+a mask where the pipeline computes one (docs/data.md lists each family's arrays).
 """
 from __future__ import annotations
 
@@ -151,9 +123,8 @@ def fixed_length(rows: Rows, mask: Optional[torch.Tensor], length: int) -> tuple
 def encode_via_pipeline(family: str, spec: Any, models: dict[str, Any], tokenizers: dict[str, Any],
                         prompts: list[str], length: int, device: torch.device, paths: Optional[dict[str, str]] = None
                         ) -> dict[str, torch.Tensor]:
-    """Encode `prompts` with `family`'s pipeline's own encode_prompt; {"text", "text_mask"?, "pooled"?,
-    "llama"?} of `length` positions (see the module doc). `spec`: the family's FamilySpec
-    (tread/encoders/text.py); `paths` (load_text_encoders' folders) name the encoders in errors."""
+    """Encode `prompts` with `family`'s pipeline's own encode_prompt: {"text", "text_mask"?, "pooled"?, "llama"?} of
+    `length` positions. `spec`: the family's FamilySpec; `paths` name the encoders in errors."""
     pipe = build_pipeline(spec.pipeline, {s.model: models[s.model] for s in spec.slots},
                           {s.tokenizer: tokenizers[s.tokenizer] for s in spec.slots})
     try:

@@ -1,12 +1,9 @@
 """Tiny randomly initialised text encoders and word-level tokenizers per family, saved as a diffusers-style
-pipeline folder: offline stand-ins for tests, the built-in text data and the CPU worked example (their
-embeddings mean nothing; scripts/tiny_text_encoders.py writes them).
+pipeline folder: offline stand-ins for tests, the built-in text data and the CPU worked example.
 
-The language-model encoders (flux2, qwen_image, sana, z_image, lumina2, hidream's Llama) are tiny configs of the
-classes their pipelines load (tread.encoders.text.MODEL_TYPES), with word-level tokenizers whose special tokens are
-the real ones (chat markers, bos / pad) and a chat template of our own where the pipeline calls
-apply_chat_template; punctuation and line breaks are tokens, so Qwen-Image's template prefix is 34 tokens, as the
-pipeline drops."""
+They are tiny configs of the classes the pipelines load, with the real special tokens, so template prefixes
+have the lengths the pipelines drop (Qwen-Image's 34 tokens, HunyuanVideo's 108).
+"""
 from __future__ import annotations
 
 import inspect
@@ -245,12 +242,9 @@ def _tiny_encoder(family: str, slot: EncoderSlot, words: Sequence[str], clip_wid
 
 def save_tiny_text_encoders(family: str, out_dir: PathLike, *, seed: int = 0,
                             words: Sequence[str] = TINY_WORDS) -> Path:
-    """Write tiny randomly initialised text encoders + word-level tokenizers for `family` as a diffusers-style
-    pipeline folder (text_encoder*/, tokenizer*/, model_index.json naming the pipeline class) at `out_dir`;
-    returns it. For tests and offline trials only: the embeddings mean nothing. Widths fit each family's tiny
-    preset: text 32 (CLIP-L 32 for flux's pooled, CLIP-L 16 + CLIP-G 16 for sd3's and hidream's; T5, Qwen2.5-VL,
-    Gemma-2, Qwen3 32 wide), but flux2's text is 96 wide (3 stacked layers of a 32-wide Mistral3; 30 layers) and
-    hidream's Llama 24 wide (6 layers); 2 layers otherwise. Leaves the global RNG alone."""
+    """Write tiny random text encoders + word-level tokenizers for `family` as a diffusers-style pipeline folder at
+    `out_dir` (widths fit the family's tiny preset); returns it. For tests and offline trials only: the
+    embeddings mean nothing. Leaves the global RNG alone."""
     spec = family_spec(family)
     out = Path(out_dir).expanduser().absolute()
     out.mkdir(parents=True, exist_ok=True)

@@ -22,9 +22,8 @@ def tiny_vae(seed: int = 0):
 
 def fit_tiny_vae(vae, images: torch.Tensor, steps: int, seed: int = 0, batch_size: int = 32, lr: float = 2e-3,
                  kl_weight: float = 1e-6) -> list[float]:
-    """Fit `vae` to `images` (N, 3, H, W) in [-1, 1] for `steps` Adam steps (reconstruction MSE + a small KL);
-    sets its config scaling_factor to 1 / std of the posterior means, so model-space latents have unit variance,
-    as Stable Diffusion's VAE scale was chosen. Returns the loss every step."""
+    """Fit `vae` to `images` (N, 3, H, W) in [-1, 1] for `steps` Adam steps (MSE + a small KL), then set scaling_factor
+    to 1 / std of the posterior means (unit-variance model space). Returns the loss every step."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(vae.parameters(), lr=lr)
     losses = []

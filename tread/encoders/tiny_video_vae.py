@@ -1,15 +1,6 @@
-"""A tiny AutoencoderKLWan (4 latent channels, spatial factor 2, temporal factor 2, 0.12 M parameters) fitted briefly
-to given clips: an offline stand-in for Wan's VAE in the video worked example (precompute -> LoRA -> WanPipeline), so
-precompute runs its real video VAE path and decoded samples show what was learned. scripts/tiny_video_vae.py writes
-one; tread.encoders.vae.load_vae(path, cls="AutoencoderKLWan") loads it.
-
-Like Wan's own VAE it records per-channel latents_mean / latents_std in its config (here measured on the clips it
-was fitted to), so model space, (raw - latents_mean) / latents_std, has zero mean and unit variance per channel.
-
-Fitting notes: AutoencoderKLWan.decode clamps its output to [-1, 1], which zeroes the gradient of every pixel pushed
-past the clamp (a fit through it stalls at a flat grey/background picture), so the fit decodes through
-decode_unclamped; the posterior starts nearly deterministic (log-variance bias LOGVAR_INIT) so sampling noise does
-not drown the few hundred steps' signal."""
+"""A tiny AutoencoderKLWan fitted briefly to given clips: an offline stand-in for Wan's VAE in the video worked
+example, recording per-channel latents_mean / latents_std as Wan's VAE does (docs/video.md, "Video VAEs").
+"""
 from __future__ import annotations
 
 import math
@@ -26,10 +17,8 @@ LOGVAR_INIT = -8.0      # initial posterior log-variance (std 0.018): samples st
 
 
 def tiny_video_vae(seed: int = 0):
-    """The untrained tiny AutoencoderKLWan: two stages of 8 and 16 channels, the first halving each side and the frame
-    count (after the first frame), so F = 1 + 2k frames of H x W become 1 + k latent frames of H/2 x W/2. (Wan's own
-    compresses 4 x 8 x 8 into 16 channels; at the toy scale a few minutes of fitting on a CPU learn 2 x 2 x 2 into 4
-    channels to about 12 grey levels, where 4 x 4 x 4 stays at a blur of about 25: docs/video.md.)"""
+    """The untrained tiny AutoencoderKLWan: 8 and 16 channels, halving each side and the frame count (after the
+    first frame), so 1 + 2k frames of H x W become 1 + k latent frames of H/2 x W/2 with 4 channels."""
     from diffusers import AutoencoderKLWan  # deferred: diffusers takes seconds to import
 
     torch.manual_seed(seed)
@@ -58,10 +47,8 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
 
 def fit_tiny_video_vae(vae, clips: Union[torch.Tensor, Sequence[torch.Tensor]], steps: int, seed: int = 0,
                        batch_size: int = 4, lr: float = 3e-3, kl_weight: float = 1e-6) -> list[float]:
-    """Fit `vae` to `clips`, one (N, 3, F, H, W) tensor in [-1, 1] or a list of them (one per clip size; the steps
-    take them in turn), for `steps` Adam steps (reconstruction MSE through decode_unclamped + a small KL; learning
-    rate `lr` on a cosine decay to 0), then record the per-channel mean and std of the clips' posterior means as its
-    config latents_mean / latents_std. Returns the reconstruction MSE every step."""
+    """Fit `vae` to `clips` ((N, 3, F, H, W) in [-1, 1], or a list of such tensors taken in turn) for `steps` Adam
+    steps, decoding through decode_unclamped, then record latents_mean / latents_std. Returns the MSE per step."""
     sets = [clips] if isinstance(clips, torch.Tensor) else list(clips)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(vae.parameters(), lr=lr)

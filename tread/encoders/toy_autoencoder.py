@@ -1,17 +1,8 @@
-"""The independent evaluator's networks for the built-in toy_shapes data: a convolutional autoencoder (features for
-fd_ae) and a held-out pixel MLP classifier (class_acc), their training loops on given images, and their files.
+"""The independent evaluator's networks for the built-in toy_shapes data: a convolutional autoencoder (fd_ae
+features) and a held-out pixel MLP classifier (class_acc), their training loops and their files.
 
-The toy FID's network (toy_classifier.py, a BatchNorm CNN trained with labels, seed 12345) is also REPA's toy
-target (the same architecture, seed 777), so a model trained with REPA is judged by what it was taught. These two
-share neither its architecture nor its objective nor its seed:
-
-* ToyAutoencoder: strided 4x4 convolutions with GELU, no normalisation, trained to reconstruct images (MSE, no
-  labels), torch seed AUTOENCODER_SEED; features = its 32-channel bottleneck (1/4 of the image side) pooled by
-  mean and max over positions, 64-d.
-* ToyPixelMLP: a two-layer MLP on 8x8 area-downsampled pixels, trained on labels, torch seed MLP_SEED.
-
-tread/data/toy.py (ensure_toy_autoencoder, ensure_toy_pixel_mlp) generates fresh shapes for them, trains them
-here and caches the files under paths.cache_dir, as it does for the toy classifier.
+They share neither architecture, objective nor seed with the toy FID's classifier (docs/evaluation.md,
+"An independent evaluator for the built-in data").
 """
 from __future__ import annotations
 
@@ -170,9 +161,8 @@ def load_net(kind: str, path: Union[str, Path]) -> nn.Module:
 
 
 class AutoencoderFeatures(nn.Module):
-    """The autoencoder as a metric feature network (fd_ae; the features.py extractor interface): pool = its 64-d
-    pooled bottleneck, spatial = the same (references store both; no metric reads spatial). `name` carries the
-    seed, so a cached reference of another autoencoder is never reused."""
+    """The autoencoder as a metric feature network (fd_ae): pool = spatial = its 64-d pooled bottleneck; `name`
+    carries the seed, so a cached reference of another autoencoder is never reused."""
 
     def __init__(self, autoencoder: ToyAutoencoder, seed: int):
         super().__init__()

@@ -1,15 +1,6 @@
-"""An offline feature network for FID on the built-in toy_shapes data: the network, its training loop on given
-images, and its file (save, load, cache path).
-
-Inception weights need a download and say little about 32x32 coloured shapes, so the
-built-in data is scored with the penultimate features of a small CNN trained once,
-deterministically, to classify the shapes (300 images per class x 4 epochs of Adam: ~7 s on
-2 CPU cores, held-out accuracy 1.0). It is trained on freshly generated images (seed 12345),
-not on the training set (seed 0): tread/data/toy.py (ensure_toy_classifier) makes those images,
-trains it here and caches the file. Roughly, 500 samples against the dataset's reference give
-FID ~0.1 for real images, ~1 with Gaussian noise (sd 20/255), ~5-7 after a 3x3 blur, ~50-90
-with half the classes missing and ~200-260 for one class or pure noise: mode collapse and
-wrong looks are penalised strongly, pixel noise mildly (the classes are easy to tell apart).
+"""An offline feature network for FID on the built-in toy_shapes data: a small CNN, its training loop and its
+file. Trained on freshly generated images (seed 12345), not the training set; docs/evaluation.md gives its
+accuracy and the FID it gives for real, noisy and collapsed sample sets.
 """
 from __future__ import annotations
 
@@ -78,9 +69,8 @@ def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch
 def train_toy_classifier(images: torch.Tensor, labels: torch.Tensor, val_images: torch.Tensor,
                          val_labels: torch.Tensor, *, seed: int = DEFAULT_SEED, epochs: int = 4, batch_size: int = 64,
                          lr: float = 3e-3, verbose: bool = False) -> tuple[ToyClassifier, float]:
-    """Train a ToyClassifier on uint8 (N, 3, R, R) `images` and int64 `labels` (seeding torch's global RNG with
-    `seed` first: the initialisation and the batch order follow from it); return (model in eval mode, its
-    accuracy on the held-out val_images / val_labels)."""
+    """Train a ToyClassifier on uint8 (N, 3, R, R) `images` and int64 `labels`, torch seeded with `seed` first;
+    return (model in eval mode, its accuracy on val_images / val_labels)."""
     torch.manual_seed(seed)
     x, y = images, labels
     model = ToyClassifier(num_classes=int(y.max()) + 1, resolution=int(x.shape[-1]))

@@ -1,15 +1,8 @@
-"""The VAE (diffusers AutoencoderKL, or a video VAE) behind "vae"-decoded latent data: loading (cached,
-offline-aware), encoding images to raw latents / posterior moments, and decoding model-space latents to uint8
-pixels; for video VAEs (VIDEO_VAE_CLASSES) encoding clips, their model-space normalisation and decoding clips.
+"""The VAE (diffusers AutoencoderKL, or a video VAE): loading (cached, offline-aware), encoding to raw latents
+or posterior moments, and decoding model-space latents, (raw - shift_factor) * scaling_factor, to uint8 pixels.
 
-Conventions (tread/data/meta.py describes how a dataset records them):
-    raw latents   what vae.encode() gives (mean or a draw of the posterior) and vae.decode() takes.
-    model space   (raw - shift_factor) * scaling_factor; shift_factor is 0 for SD-VAE (FLUX's VAE has one).
-
-Loading never hangs on a machine without network: a local directory is loaded as is; a hub id is looked
-up in the local Hugging Face cache first, and only when it is not there (and HF_HUB_OFFLINE is unset and
-the hub answers within a few seconds) downloaded. Failures raise EncoderError with the exact steps
-to provide the weights.
+Loading never hangs without network: local folders first, then the local hub cache, and a download only when
+the hub answers within seconds; failures raise EncoderError with the steps to provide the weights.
 """
 from __future__ import annotations
 
@@ -151,13 +144,8 @@ def _from_disk_or_hub_(name: str, subfolder: Optional[str], cls: str):
 
 def load_vae(name_or_path: str, *, subfolder: Optional[str] = None, device: DeviceLike = "cpu",
              dtype: str = "float32", cls: str = "AutoencoderKL"):
-    """A diffusers VAE of class `cls` (VAE_CLASSES: AutoencoderKL, or a video VAE) in eval mode without gradients,
-    cached per process.
-
-    The cache key is (name, subfolder, device, dtype, cls); a second device or dtype of an already loaded VAE is
-    a copy of it, so the weights are read from disk (or the hub) once per process. Raises EncoderError
-    naming the VAE and how to provide it when it cannot be loaded.
-    """
+    """A diffusers VAE of class `cls` (VAE_CLASSES) in eval mode without gradients, cached per process by (name,
+    subfolder, device, dtype, cls); raises EncoderError naming the VAE and how to provide it."""
     if not isinstance(name_or_path, str) or not name_or_path:
         raise EncoderError(f"VAE name/path must be a non-empty string, got {name_or_path!r}")
     if cls not in VAE_CLASSES:
@@ -208,11 +196,10 @@ def images_to_vae_input(images: Union[torch.Tensor, np.ndarray]) -> torch.Tensor
 @torch.no_grad()
 def encode(vae, images: Union[torch.Tensor, np.ndarray], *, kind: str = "moments",
            generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Images -> raw latents (no scaling or shift), float32 on the VAE's device.
+    """Images (uint8 (B, H, W, 3) or float (B, 3, H, W) in [-1, 1]) -> raw float32 latents on the VAE's device.
 
-    images: uint8 (B, H, W, 3) or float (B, 3, H, W) in [-1, 1]. kind: "moments" -> (B, 2C, h, w) =
-    cat(mean, logvar) of the posterior; "mean" -> (B, C, h, w) mean; "sample" -> (B, C, h, w) one draw
-    mean + std * eps with eps from `generator` (on the VAE's device; None: the global RNG).
+    kind: "moments" -> (B, 2C, h, w) cat(mean, logvar); "mean" -> (B, C, h, w); "sample" -> one draw, eps from
+    `generator` (None: the global RNG).
     """
     if kind not in ENCODE_KINDS:
         raise ValueError(f"encode kind={kind!r}; allowed: {list(ENCODE_KINDS)}")
@@ -278,9 +265,8 @@ def _floats(values) -> Optional[list[float]]:
 
 
 def video_vae_info(vae) -> dict:
-    """The decode fields of a loaded video VAE (meta "decode" less "vae" / "subfolder", which the caller knows):
-    {"type": "vae", "class", "scaling_factor", "shift_factor", "latents_mean", "latents_std", "temporal_factor",
-    "spatial_factor"}; absent normalisation parts are None (see to_model_space)."""
+    """The decode fields of a loaded video VAE (meta "decode" less "vae" / "subfolder"): class, scaling and shift
+    factors, latents_mean / latents_std (None when absent), temporal and spatial factors."""
     name = type(vae).__name__
     if name not in VIDEO_VAE_CLASSES:
         raise EncoderError(f"{name} is not a video VAE; allowed: {list(VIDEO_VAE_CLASSES)}")
@@ -338,9 +324,8 @@ def _check_clips(vae, clips: torch.Tensor) -> tuple[int, int]:
 @torch.no_grad()
 def encode_video(vae, clips: torch.Tensor, kind: str = "mean",
                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Clips float (B, 3, F, H, W) in [-1, 1] -> raw latents float32 (B, C, T, H / s, W / s) on the VAE's device,
-    T = 1 + (F - 1) / temporal_factor, s the spatial factor. kind "mean": the posterior mean (what the pipelines'
-    retrieve_latents(..., sample_mode="argmax") gives); "sample": mean + std * eps, eps from `generator`."""
+    """Clips float (B, 3, F, H, W) in [-1, 1] -> raw float32 latents (B, C, 1 + (F - 1) / temporal_factor, H / s,
+    W / s); kind "mean": the posterior mean, "sample": one draw with eps from `generator`."""
     if kind not in ("mean", "sample"):
         raise ValueError(f"encode_video kind={kind!r}; allowed: ['mean', 'sample']")
     _check_clips(vae, clips)
@@ -362,9 +347,8 @@ def _clips_per_call(vae, wanted: int) -> int:
 
 @torch.no_grad()
 def decode_video(vae, latents: torch.Tensor, info: dict, batch_size: int = 1) -> torch.Tensor:
-    """Model-space latents (B, C, T, h, w) -> uint8 clips (B, F, H, W, 3) on the latents' device, F = 1 + (T - 1) *
-    temporal_factor, `batch_size` clips at a time. LTX VAEs with timestep conditioning decode at timestep 0 (what
-    LTXPipeline does by default, decode_timestep=0)."""
+    """Model-space latents (B, C, T, h, w) -> uint8 clips (B, 1 + (T - 1) * temporal_factor, H, W, 3), `batch_size`
+    clips at a time; timestep-conditioned LTX VAEs decode at timestep 0, as LTXPipeline."""
     if batch_size < 1:
         raise ValueError(f"decode batch_size must be >= 1, got {batch_size}")
     channels = latent_channels(vae)

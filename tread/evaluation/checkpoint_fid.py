@@ -1,11 +1,7 @@
 """Checkpoint benchmarking (fid.py mode=bench): sample N images per checkpoint, decode, score, tabulate.
 
-For each checkpoint: the seeds are sharded across processes (seed i at position p goes to rank p mod P);
-every seed has its own noise generator, so the images do not depend on the number of processes or the
-batch size. Features are gathered in seed order, so the metrics do not either. Every process writes its
-images straight into one shared memory-mapped array, from which the main process writes the ADM-format
-`samples.npz` (arr_0 uint8 NHWC, arr_1 labels) that the TF ADM evaluator also reads. One row per
-checkpoint is appended to `<out_dir>/metrics.jsonl` and the whole table is rewritten as `metrics.csv`.
+Seeds are sharded across processes, each with its own noise generator, so images and metrics do not depend on
+the process count or batch size; writes the ADM-format samples.npz and appends a row to metrics.jsonl / csv.
 """
 from __future__ import annotations
 
@@ -26,7 +22,7 @@ from tqdm.auto import tqdm
 from tread.data import decode_to_uint8, model_shape
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.sampling import Guidance, generate, load_for_inference, sampling_cost, text_conditioning
-from tread.utils.checkpoints import find_checkpoint, step_of
+from tread.checkpoint.files import find_checkpoint, step_of
 from tread.utils.distributed import all_reduce_max, barrier, rank, world_size
 from tread.utils.errors import UserError
 from tread.utils.io import atomic_write
@@ -43,9 +39,8 @@ class BenchError(UserError):
 # ----------------------------------------------------------------------------- checkpoints
 
 def expand_checkpoints(spec: Any) -> list[Path]:
-    """`spec`: one path, a comma-separated string, a list, or glob patterns of run dirs, checkpoint dirs
-    (…/checkpoints/step_XXXXXXX) or files in them. A run dir stands for its latest checkpoint.
-    Returns checkpoint dirs (deduplicated, in the given order; each glob sorted). Missing -> FileNotFoundError."""
+    """Checkpoint dirs from `spec` (a path, comma-separated paths, a list or globs of run dirs, step dirs or files in
+    them; a run dir means its latest), deduplicated in order. Missing -> FileNotFoundError."""
     if spec is None:
         raise BenchError("mode=bench needs checkpoints=<run dir | checkpoint dir | a file in it | glob | list>")
     items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s) for s in spec]
@@ -178,9 +173,8 @@ def sample_and_score(net, diffusion, meta: dict, positions: list[int], seeds: Se
                      acc: FeatureAccumulator, batch_size: int, num_steps: Optional[int], guidance: Guidance,
                      decode_kwargs: dict, buf: Optional[np.ndarray], label: str, cond_fn: Any,
                      device: torch.device, class_labels: str = "cycle") -> tuple[torch.Tensor, dict]:
-    """Sample this process's seeds (their positions in `seeds`), decode them, add their features to `acc` and
-    their images to the shared buffer `buf`; returns (labels by position, -1 where another rank has them;
-    the forward passes counted per branch)."""
+    """Sample this process's seeds, decode them, add their features to `acc` and images to `buf`; returns (labels by
+    position, -1 where another rank has them; the forward passes per branch)."""
     labels = torch.full((len(seeds),), -1, dtype=torch.long)
     my_seeds = [int(seeds[p]) for p in positions]
     bar = tqdm(total=len(seeds), disable=rank() != 0, desc=f"bench {label}", dynamic_ncols=True)
@@ -204,9 +198,8 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
                          out_dir: Path, device: torch.device, batch_size: int, num_steps: Optional[int],
                          use_ema: bool, decode_kwargs: dict, keep_npz: bool, metric_kwargs: dict,
                          guidance: Guidance, class_labels: str = "cycle") -> dict[str, Any]:
-    """Sample `seeds` from one checkpoint on this process's share, score against `reference` (an
-    tread.evaluation.reference.Reference), return the table row (on every rank). Call it on every rank. The row
-    records the guidance with the sampled forward passes and GFLOPs per image."""
+    """Sample `seeds` from one checkpoint (this process's share), score against `reference` and return the table row,
+    with the guidance, forward passes and GFLOPs per image. Call it on every rank."""
     start = time.time()
     net, diffusion, meta, config, image_shape = load_checked(ckpt, use_ema, guidance, reference, decode_kwargs,
                                                              device)
@@ -240,8 +233,8 @@ def benchmark_checkpoint(ckpt: Path, *, extractor, reference, metrics: Sequence[
                               class_labels=class_labels)
     # Every rank samples with the same settings: this rank's counts per image stand for all.
     cost = sampling_cost(net, guidance, stats, len(positions), cond_fn, int(seeds[0])) if positions else {}
-    return {**settings, "label": label, "step": step_of(ckpt), "model": config.get("model", {}).get("arch"),
-            "sampler_steps": num_steps or config.get("diffusion", {}).get("num_steps"),
+    return {**settings, "label": label, "step": step_of(ckpt), "model": config.model.arch,
+            "sampler_steps": num_steps or config.diffusion.num_steps,
             "forward_passes_per_image": cost.get("forward_passes_per_image"),
             "sample_gflops_per_image": cost.get("sample_gflops_per_image"),
             **{k: v for k, v in scores.items() if k != "num_samples"},

@@ -1,7 +1,5 @@
-"""In-training evaluation: samples of the EMA model, decoded and scored with the ADM metrics against the
-dataset's reference, plus a sample grid. Seeds are sharded across processes and every sample has its own
-generator (tread/sampling/generate.py), so the images (and the metrics) are the same whatever the batch size or
-number of processes.
+"""In-training evaluation: samples of the EMA model, decoded and scored with the ADM metrics against the dataset's
+reference, plus a sample grid; per-sample generators make it independent of batch size and process count.
 """
 from __future__ import annotations
 
@@ -15,52 +13,50 @@ from tread.data import check_decodable, decode_to_uint8
 from tread.evaluation.fdd import FDD, FddScorer, without_fdd
 from tread.evaluation.extractors import feature_extractor, reference_cache_path
 from tread.evaluation.images import as_frames, save_image_grid
-from tread.evaluation.metric_names import TOY_METRICS, without_toy
+from tread.schema.metric_names import TOY_METRICS, without_toy
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.reference import load_reference_full, read_reference_file, reference_for_dataset
 from tread.evaluation.toy_checks import ToyScorer, check_toy_metrics
 from tread.evaluation.validation import ValidationPrompts
 from tread.sampling import Guidance, generate, text_conditioning_for_seeds
+from tread.schema.train import Eval
 from tread.utils.distributed import all_gather_rows
 
 
-def decode_options(cfg: Any) -> dict[str, Any]:
-    """decode_to_uint8's keyword options from a config node's vae / vae_dtype / decode_batch_size keys (eval.*,
-    sample.py, fid.py; configs/decode/default.yaml), checked by the schema; decode_rule=paper adds rule="paper"."""
-    rule = {"rule": "paper"} if cfg.get("decode_rule") == "paper" else {}    # ours: the options (and cache keys) as before
-    return {"vae": cfg.get("vae"), "vae_dtype": cfg.get("vae_dtype"), "batch_size": cfg.get("decode_batch_size"), **rule}
+def decode_options(settings: Eval) -> dict[str, Any]:
+    """decode_to_uint8's keyword options from checked decode settings (eval.*, sample.py, fid.py:
+    configs/decode/default.yaml); decode_rule=paper adds rule="paper"."""
+    rule = {"rule": "paper"} if settings.decode_rule == "paper" else {}   # ours: the options (and cache keys) as before
+    return {"vae": settings.vae, "vae_dtype": settings.vae_dtype, "batch_size": settings.decode_batch_size, **rule}
 
 
 def metric_shape(dataset: Any, model: Any) -> tuple[int, ...]:
-    """The latent shape metric samples are drawn at: the data's; bucketed data (several shapes): the model's
-    square default grid (data.resolution; video: model.frames), scored against the center crops of the data's images
-    at that side."""
-    if not hasattr(dataset, "buckets"):
+    """The latent shape metric samples are drawn at: the data's, or for bucketed data the model's square default grid
+    (scored against center crops of the data's images)."""
+    if dataset.buckets is None:
         return tuple(dataset.shape)
-    frames = (model.frames,) if getattr(model, "frames_axis", False) and getattr(model, "frames", 1) > 1 else ()
+    frames = (model.frames,) if model.frames_axis and model.frames > 1 else ()
     return dataset.channels, *frames, model.input_size, model.input_size
 
 
 class Evaluator:
-    """ADM-style metrics (eval.metrics; FID by default) of generated samples against the dataset's
-    reference, plus a sample grid, and the captioned grid of the validation prompts (eval.validation_prompts,
-    encoded with `model`'s text encoders, model_cfg.text_encoders). The VAE (if any), the reference and the
-    prompts' embeddings are made once, here: missing text encoders fail first."""
+    """ADM-style metrics (eval.metrics) of generated samples against the dataset's reference, a sample grid and the
+    validation prompts' grid. The VAE, the reference and the prompts' embeddings are made once, here."""
 
-    def __init__(self, eval_cfg: Any, dataset, cache_dir: str | Path, accelerator, model: Any = None,
-                 model_cfg: Any = None, unconditional: str = "zeros"):
-        self.cfg = eval_cfg
+    def __init__(self, settings: Eval, dataset, cache_dir: str | Path, accelerator, model: Any = None,
+                 text_encoders: Optional[str] = None, unconditional: str = "zeros"):
+        self.cfg = settings
         self.dataset = dataset
         self.accelerator = accelerator
         self.device = accelerator.device
-        self.decode = decode_options(eval_cfg)
-        self.metrics = tuple(eval_cfg.metrics)
+        self.decode = decode_options(settings)
+        self.metrics = tuple(settings.metrics)
         # fdd and the toy checks have networks of their own (tread/evaluation/fdd.py, toy_checks.py)
         self.main_metrics = without_toy(without_fdd(self.metrics))
-        check_toy_metrics(self.metrics, eval_cfg.features, dataset.meta, hasattr(dataset, "buckets"))
-        self.guidance = Guidance.from_settings(eval_cfg)
-        self.validation = ValidationPrompts(eval_cfg, model_cfg or {}, model, dataset, self.device, unconditional) \
-            if eval_cfg.get("validation_prompts") else None
+        check_toy_metrics(self.metrics, settings.features, dataset.meta, dataset.buckets is not None)
+        self.guidance = Guidance.from_settings(settings)
+        self.validation = ValidationPrompts(settings, text_encoders, model, dataset, self.device, unconditional) \
+            if settings.validation_prompts else None
         # Loads the VAE now (once per process): missing weights fail before training.
         check_decodable(dataset.meta, **self.decode, device=self.device)
         self.sample_shape = metric_shape(dataset, model)
@@ -68,35 +64,35 @@ class Evaluator:
         decoded = decode_to_uint8(zeros, dataset.meta, **self.decode)       # (1, H, W, 3); video (1, F, H, W, 3)
         self.image_shape = tuple(decoded.shape[-3:])                        # (H, W, 3)
         self.frames = int(decoded.shape[1]) if decoded.dim() == 5 else 1   # video: FID/IS/FDD over every frame
-        self.square = self.image_shape[0] if hasattr(dataset, "buckets") else None   # bucketed: crop references
-        ref = eval_cfg.get("reference")
+        self.square = self.image_shape[0] if dataset.buckets is not None else None   # bucketed: crop references
+        ref = settings.reference
         if ref:                 # a given reference: its file is checked before any feature network is made
             if not Path(ref).is_file():
                 raise FileNotFoundError(f"eval.reference={ref!r} does not exist; build one with `python fid.py mode=ref ...`.")
             read_reference_file(ref)
         self.extractor = feature_extractor(
-            eval_cfg.features, inception_weights=eval_cfg.get("inception_weights"),
+            settings.features, inception_weights=settings.inception_weights,
             cache_dir=str(cache_dir), device=str(self.device),
             resolution=self.image_shape[0])
         if ref:
             self.ref_path = Path(ref)
         else:
             self.ref_path = reference_cache_path(cache_dir, dataset, self.extractor.name,
-                                                 eval_cfg.get("reference_max_images"), self.square)
+                                                 settings.reference_max_images, self.square)
             with accelerator.main_process_first():  # the first process builds and caches it
                 reference_for_dataset(dataset, self.extractor, self.ref_path,
-                                      max_images=eval_cfg.get("reference_max_images"), decode_kwargs=self.decode,
+                                      max_images=settings.reference_max_images, decode_kwargs=self.decode,
                                       square=self.square)
         self.reference = load_reference_full(self.ref_path, self.extractor, need=self.main_metrics or ("fid",))
-        self.fdd = FddScorer(eval_cfg, dataset, cache_dir, accelerator, self.decode, self.square) \
+        self.fdd = FddScorer(settings, dataset, cache_dir, accelerator, self.decode, self.square) \
             if FDD in self.metrics else None
         self.toy = ToyScorer(self.metrics, dataset, cache_dir, accelerator, self.decode, self.image_shape[0],
-                             eval_cfg.get("reference_max_images")) if set(TOY_METRICS) & set(self.metrics) else None
+                             settings.reference_max_images) if set(TOY_METRICS) & set(self.metrics) else None
 
     def __call__(self, net, diffusion, step: int, samples_dir: Optional[Path]) -> dict[str, Any]:
         start = time.time()
         acc, cfg = self.accelerator, self.cfg
-        offset = int(cfg.get("seed_offset") or 0)     # the paper code's FID-5K: seeds 100000..104999
+        offset = cfg.seed_offset                     # the paper code's FID-5K: seeds 100000..104999
         seeds = list(range(offset, offset + cfg.num_samples))[acc.process_index::acc.num_processes]
         shape = list(self.sample_shape)
         feats = FeatureAccumulator(self.extractor, self.main_metrics or ("fid",), device=self.device)  # a rank
@@ -107,7 +103,7 @@ class Evaluator:
         for batch, labels, x in generate(net, diffusion, seeds, shape, self.dataset.num_classes, self.device,
                                          batch_size=cfg.batch_size, num_steps=cfg.num_steps, guidance=self.guidance,
                                          cond_fn=text_conditioning_for_seeds(self.dataset, net),
-                                         class_labels=cfg.get("class_labels") or "cycle"):
+                                         class_labels=cfg.class_labels):
             decoded = decode_to_uint8(x, self.dataset.meta, **self.decode)   # (B, H, W, 3) uint8, video (B, F, ...)
             images, index = as_frames(decoded, batch, self.frames)             # indexed by seed (and frame)
             feats.add(images.permute(0, 3, 1, 2), index)

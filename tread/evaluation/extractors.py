@@ -19,9 +19,8 @@ from tread.utils.device import resolve_device
 def feature_extractor(name: str, *, cache_dir: Union[str, Path], resolution: int = 32,
                       inception_weights: Optional[Union[str, Path]] = None,
                       device: Union[str, torch.device] = "cpu") -> nn.Module:
-    """The frozen metric network `name` (eval.features) on `device`: Inception from `inception_weights` (None:
-    the torch hub cache), or the toy classifier trained at image side `resolution`, from `cache_dir` (trained
-    and cached there first, once: tread.data.ensure_toy_classifier)."""
+    """The frozen metric network `name` on `device`: Inception from `inception_weights` (None: the hub cache), or the
+    toy classifier for image side `resolution`, trained and cached in `cache_dir` first if needed."""
     toy = ensure_toy_classifier(cache_dir, resolution=resolution) if check_feature_name(name) == "toy_classifier" \
         else None
     return build_feature_extractor(name, inception_weights=inception_weights, toy_classifier=toy, device=device)
@@ -45,10 +44,8 @@ def extract_features(extractor: nn.Module,
 
 def reference_cache_path(cache_dir: Union[str, Path], dataset, extractor_name: str, max_images: Optional[int] = None,
                          square: Optional[int] = None, tag: str = "") -> Path:
-    """Where an auto-built reference of `dataset` is cached: <cache_dir>/references/<dataset folder>_<tag><extractor
-    name>_<N>img[_sq<side>].npz, N the images it covers (all, or eval.reference_max_images of them), so references
-    of other features, other caps or other crops never overwrite one another (reference_for_dataset still checks
-    the source it was built from, so a same-named folder elsewhere rebuilds, never misreads, it)."""
+    """Where an auto-built reference of `dataset` is cached: <cache_dir>/references/<dataset>_<tag><extractor>_<N>img
+    [_sq<side>].npz, so references of other features, caps or crops never overwrite one another."""
     count = len(dataset) if max_images is None else min(len(dataset), max_images)
     crop = f"_sq{square}" if square else ""
     return Path(cache_dir) / "references" / f"{dataset.root.name}_{tag}{extractor_name}_{count}img{crop}.npz"

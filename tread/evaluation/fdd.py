@@ -1,16 +1,6 @@
-"""FDD: the Fréchet distance between DINOv2 features of generated and reference images (Stein et al. 2023,
-"Exposing flaws of generative model evaluation metrics"), the metric SPRINT and recent DiT work report beside FID.
-
-It is FID's computation with another feature network: the samples' DINOv2 CLS features (encoders.features.
-DinoFeatures: dgm-eval's preprocessing, antialiased bicubic to 224 px and ImageNet normalisation; ViT-L/14 is
-the network FDD is defined on) against the reference's, with the same FeatureAccumulator and Fréchet distance.
-
-The reference, as defined, holds features of REAL images: `fid.py mode=ref source=<real images> fdd_out=REF.npz`
-builds it (from the images precompute reads) and training takes it as eval.fdd_reference=REF.npz. Without one,
-training builds it from VAE reconstructions of the dataset's latents (saying so in one line), cached in a file
-of its own (fdd_cache_path: the extractor name, i.e. the weights digest, and the image count), so building it
-never rebuilds or overwrites the FID reference. The weights are local only (eval.dinov2_weights); offline, a
-missing folder is one clear error.
+"""FDD: the Fréchet distance between DINOv2 features of generated and reference images (Stein et al. 2023), FID's
+computation with another feature network. The reference should hold real images' features; without one it is
+built from VAE reconstructions in its own cache file (docs/evaluation.md, "FDD as defined").
 """
 from __future__ import annotations
 
@@ -21,6 +11,7 @@ from tread.encoders.features import build_dino_features
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.extractors import reference_cache_path
 from tread.evaluation.reference import Reference, load_reference_full, read_reference_file, reference_for_dataset
+from tread.schema.train import Eval
 
 FDD = "fdd"
 
@@ -46,20 +37,20 @@ class FddScorer:
     """FDD for in-training evaluation: the DINOv2 network and its reference (eval.fdd_reference, or built from
     the dataset's VAE reconstructions and cached), made once."""
 
-    def __init__(self, eval_cfg: Any, dataset: Any, cache_dir: str | Path, accelerator: Any, decode: dict,
+    def __init__(self, settings: Eval, dataset: Any, cache_dir: str | Path, accelerator: Any, decode: dict,
                  square: Optional[int] = None):
         self.device = accelerator.device
-        given = eval_cfg.get("fdd_reference")
+        given = settings.fdd_reference
         if given and not Path(given).is_file():
             raise FileNotFoundError(f"eval.fdd_reference={given!r} does not exist; build one from real images with "
                                     f"`python fid.py mode=ref source=<images> fdd_out=REF.npz dinov2_weights=DIR`.")
         if given:
             read_reference_file(given)          # its format, before any network is loaded
-        self.extractor = build_dino_features(eval_cfg.get("dinov2_weights"), "eval.dinov2_weights", self.device)
+        self.extractor = build_dino_features(settings.dinov2_weights, "eval.dinov2_weights", self.device)
         if given:
             self.ref_path = Path(given)
         else:
-            max_images = eval_cfg.get("fdd_reference_max_images")
+            max_images = settings.fdd_reference_max_images
             self.ref_path = fdd_cache_path(cache_dir, dataset, self.extractor.name, max_images, square)
             if accelerator.is_main_process:
                 print(f"note: the FDD reference is built from VAE reconstructions of the dataset's latents, not real "

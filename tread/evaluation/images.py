@@ -27,9 +27,8 @@ def to_nhwc_uint8(images: ImagesLike, what: str = "images") -> np.ndarray:
 
 
 def as_frames(images: torch.Tensor, indices, per_clip: int) -> tuple[torch.Tensor, np.ndarray]:
-    """Decoded samples as images for the frame-level metrics: uint8 videos (B, F, H, W, 3) -> their B * F frames, frame
-    f of item i at index i * per_clip + f (per_clip >= F: every clip's frames have their own indices); images
-    (B, H, W, 3) pass unchanged with their indices."""
+    """Decoded samples as images for frame-level metrics: videos (B, F, H, W, 3) -> B * F frames, frame f of item i at
+    index i * per_clip + f; images pass unchanged with their indices."""
     idx = np.asarray(indices, dtype=np.int64).reshape(-1)
     if images.dim() != 5:
         return images, idx
@@ -41,8 +40,8 @@ def as_frames(images: torch.Tensor, indices, per_clip: int) -> tuple[torch.Tenso
 
 def clip_frames(dataset) -> int:
     """Pixel frames per clip of video data (the most of any frame bucket), 1 for images."""
-    if hasattr(dataset, "buckets"):
-        return max([int(getattr(b, "frames", 0) or 1) for b in dataset.buckets])
+    if dataset.buckets is not None:
+        return max([int(b.frames or 1) for b in dataset.buckets])
     return int((dataset.meta.get("video") or {}).get("frames", 1))
 
 
@@ -95,9 +94,8 @@ def wrap_caption(text: str, width: int, font, max_lines: int = CAPTION_MAX_LINES
 
 def make_captioned_grid(images: ImagesLike, captions: list[str], nrow: Optional[int] = None,
                         min_width: int = CAPTION_MIN_WIDTH, padding: int = 2) -> np.ndarray:
-    """Tile images as make_grid does, each with its caption drawn beneath it (PIL's default font, white on
-    black, wrapped to the image width). Images are upscaled (nearest) to at least `min_width` pixels across,
-    so small latents' captions stay legible; every cell has room for the longest caption's lines."""
+    """Tile images as make_grid does, each with its caption beneath (wrapped to the image width); images are upscaled
+    (nearest) to at least `min_width` pixels so captions stay legible."""
     images = to_nhwc_uint8(images)
     if len(captions) != len(images):
         raise ValueError(f"captioned grid: {len(images)} images but {len(captions)} captions")
@@ -167,9 +165,8 @@ def read_image_files(files: list[Path], first: Optional[Path] = None,
 
 
 def check_image_folder(folder: Union[str, Path], what: str = "images") -> tuple[int, tuple[int, int]]:
-    """(count, (height, width)) of an image folder's images, every header (and PNG's chunks) checked and every
-    size compared without decoding the pixels: a corrupt, empty (0x0) or odd-sized image is refused (FileFormatError
-    / ValueError naming it) before any feature is computed."""
+    """(count, (height, width)) of an image folder, every header checked without decoding pixels: a corrupt, empty or
+    odd-sized image is refused (FileFormatError / ValueError naming it)."""
     files = image_files(folder)
     first = image_size(files[0], "image", hint=f"Fix or remove it from {what}={folder}.")
     for f in files[1:]:

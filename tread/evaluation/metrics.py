@@ -1,16 +1,8 @@
-"""The ADM metric suite (FID, sFID, Inception Score, precision, recall) plus KID, in PyTorch.
+"""The ADM metric suite (FID, sFID, Inception Score, precision, recall) plus KID, in PyTorch, following
+openai/guided-diffusion's evaluator.py and torch-fidelity 0.4.0 (KID); docs/evaluation.md has the details.
 
-Formulas follow openai/guided-diffusion evaluations/evaluator.py (ADM, "Diffusion Models Beat GANs") and,
-for KID, torch-fidelity 0.4.0 (metric_kid.py); nothing here needs TensorFlow.
-
-    acc = FeatureAccumulator(extractor, metrics)            # on every rank
-    for images, seeds in batches:                           # uint8 (B, 3, H, W), the seeds as indices
-        acc.add(images, seeds)
-    acc.gather()                                            # collective: every rank then holds everything
+    acc = FeatureAccumulator(extractor, metrics); acc.add(images, seeds) ...; acc.gather()
     scores = compute_metrics(acc, load_reference_full(ref, extractor, need=metrics), metrics)
-
-Rows are kept with their indices and sorted by index after gathering, so the scores do not depend on the
-number of processes or the batch size (up to float summation order in the covariance sums).
 """
 from __future__ import annotations
 
@@ -24,7 +16,7 @@ import torch.nn as nn
 
 from tread.encoders.features import extractor_device, forward_features
 from tread.evaluation.frechet import FeatureStats, frechet_distance
-from tread.evaluation.metric_names import METRICS, ROW_METRICS, TOY_METRICS, check_metrics, without_toy
+from tread.schema.metric_names import METRICS, ROW_METRICS, TOY_METRICS, check_metrics, without_toy
 from tread.evaluation.reference import Reference
 from tread.utils.device import resolve_device
 from tread.utils.distributed import all_gather_rows
@@ -41,13 +33,8 @@ def _as_tensor(x: ArrayLike, dtype: torch.dtype, device: Optional[Union[str, tor
 # ----------------------------------------------------------------------------- Inception Score
 
 def inception_score(logits: ArrayLike, split_size: int = 5000) -> float:
-    """Inception Score as ADM's Evaluator.compute_inception_score (after improved-gan).
-
-    p = softmax(logits) per row; for every split of `split_size` consecutive rows (range(0, N, split_size),
-    so the last split may be shorter) score = exp(mean_i KL(p_i || mean_j p_j)) with
-    KL(p || q) = sum_c p_c (log p_c - log q_c); IS = the mean of the split scores.
-    ADM's logits are pool_3 @ W without the bias (torch-fidelity's 'logits_unbiased'). Computed in float64
-    from log_softmax (0 log 0 counts as 0), where ADM takes the log of a float32 softmax."""
+    """Inception Score as ADM's compute_inception_score: per split of `split_size` consecutive rows,
+    exp(mean_i KL(p_i || mean_j p_j)) with p = softmax(logits), averaged over splits; float64 from log_softmax."""
     logp = torch.log_softmax(_as_tensor(logits, torch.float64), dim=1)
     if logp.ndim != 2 or len(logp) == 0:
         raise ValueError(f"inception_score needs (N >= 1, classes) logits, got shape {tuple(logp.shape)}")
@@ -66,20 +53,16 @@ def inception_score(logits: ArrayLike, split_size: int = 5000) -> float:
 # ----------------------------------------------------------------------------- precision / recall
 
 def _pairwise_sq_dists(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Squared Euclidean distances max(|u|^2 - 2 u.v + |v|^2, 0) as ADM's _batch_pairwise_distances.
-
-    ADM's DistanceBlock evaluates this on float16 copies of the features and redoes it in float32 only
-    when the float16 result has non-finite values; we use the features' dtype (float32) throughout, which
-    is more precise, so a point exactly on a ball's boundary may rarely be classified differently."""
+    """Squared Euclidean distances max(|u|^2 - 2 u.v + |v|^2, 0), as ADM's _batch_pairwise_distances, in the
+    features' dtype (float32)."""
     d = a.pow(2).sum(1, keepdim=True) - 2.0 * (a @ b.T) + b.pow(2).sum(1)[None]
     return d.clamp_min_(0)
 
 
 def manifold_radii(feats: ArrayLike, k: int = 3, row_batch: int = 10000, col_batch: int = 10000,
                    device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
-    """(N,) squared distance of every row to its k-th nearest neighbour in the same set (ADM's
-    ManifoldEstimator.manifold_radii, nhood_sizes=(k,)): the k-th smallest entry (0-based) of the row of
-    squared distances, where the point itself is the 0th at distance 0, so k=3 is the 3rd other point."""
+    """(N,) squared distance of every row to its k-th nearest other row in the same set (ADM's
+    ManifoldEstimator.manifold_radii): k=3 is the 3rd other point."""
     x = _as_tensor(feats, torch.float32, device)
     n = len(x)
     if n < k + 1:
@@ -96,14 +79,9 @@ def manifold_radii(feats: ArrayLike, k: int = 3, row_batch: int = 10000, col_bat
 def precision_recall(ref_feats: ArrayLike, sample_feats: ArrayLike, k: int = 3, row_batch: int = 10000,
                      col_batch: int = 10000, device: Optional[Union[str, torch.device]] = None
                      ) -> tuple[float, float]:
-    """Improved precision and recall (Kynkaanniemi et al. 2019) as ADM's ManifoldEstimator.
-
-    Every set's manifold is the union of balls around its points with radius^2 = the squared distance to
-    the point's k-th nearest neighbour in its own set (manifold_radii). A point x is inside a ball around
-    y when ||x - y||^2 <= radius_y^2 (ADM compares squared distances with `<=`).
-    precision = fraction of samples inside at least one reference ball;
-    recall    = fraction of reference points inside at least one sample ball.
-    Distances are taken in (row_batch x col_batch) blocks of reference x sample rows, as ADM's evaluate_pr."""
+    """Improved precision and recall (Kynkaanniemi et al. 2019) as ADM's ManifoldEstimator: precision = fraction
+    of samples inside some reference ball, recall = of reference points inside some sample ball, each ball's
+    radius^2 the k-th neighbour distance in its own set (`<=` as ADM), in blocks of rows."""
     device = torch.as_tensor(ref_feats).device if device is None else resolve_device(device)
     ref = _as_tensor(ref_feats, torch.float32, device)
     sam = _as_tensor(sample_feats, torch.float32, device)
@@ -140,13 +118,9 @@ def _unbiased_mmd2(k_xx: torch.Tensor, k_xy: torch.Tensor, k_yy: torch.Tensor) -
 def kid(ref_feats: ArrayLike, sample_feats: ArrayLike, subsets: int = 100, subset_size: int = 1000,
         degree: int = 3, gamma: Optional[float] = None, coef0: float = 1.0, seed: int = 0,
         device: Optional[Union[str, torch.device]] = None) -> tuple[float, float]:
-    """Kernel Inception Distance (Binkowski et al. 2018) as torch-fidelity's kid_features_to_metric:
-    (mean, std) over `subsets` random subsets of the unbiased MMD^2 estimate
-        MMD^2 = sum_{i!=j} k(x_i, x_j) / (m(m-1)) + sum_{i!=j} k(y_i, y_j) / (m(m-1)) - 2 sum_{i,j} k(x_i, y_j) / m^2
-    with the polynomial kernel k(x, y) = (gamma x.y + coef0)^degree, gamma = 1/D by default; np.std (ddof=0).
-    Each subset draws m = subset_size reference rows, then m sample rows, without replacement from
-    np.random.RandomState(seed) (the order torch-fidelity draws input1, input2), so the result is
-    deterministic; m is clamped to min(n_ref, n_sample) where torch-fidelity raises. Kernels in float64."""
+    """Kernel Inception Distance as torch-fidelity's kid_features_to_metric: (mean, std) of the unbiased MMD^2 with
+    the polynomial kernel over `subsets` random subsets of m = subset_size rows (deterministic in `seed`;
+    m clamped to the smaller set), float64 kernels."""
     device = torch.as_tensor(ref_feats).device if device is None else resolve_device(device)
     x_all = _as_tensor(ref_feats, torch.float64, device)
     y_all = _as_tensor(sample_feats, torch.float64, device)
@@ -172,12 +146,9 @@ def kid(ref_feats: ArrayLike, sample_feats: ArrayLike, subsets: int = 100, subse
 # ----------------------------------------------------------------------------- feature accumulation
 
 class FeatureAccumulator:
-    """Collects what `metrics` need from generated images, batch by batch, on one or many processes.
-
-    add() runs extractor.forward_all once per batch and keeps float64 FeatureStats of the pool ("fid") and
-    spatial ("sfid") features, and float32 CPU rows of pool features (precision/recall/kid) and logits
-    ("is") with their integer indices (e.g. the sample seeds). gather() combines all ranks; afterwards
-    `pool_rows`, `logits` and `indices` hold every rank's rows sorted by index, and `n` is the total."""
+    """Collects what `metrics` need from generated images, batch by batch, on one or many processes: float64 stats
+    of pool / spatial features and float32 CPU rows (pool, logits) with their integer indices. After gather(),
+    `pool_rows`, `logits` and `indices` hold every rank's rows sorted by index and `n` is the total."""
 
     def __init__(self, extractor: nn.Module, metrics: Iterable[str] = FEATURE_METRICS,
                  device: Optional[Union[str, torch.device]] = None):
@@ -360,13 +331,8 @@ def _row_metrics(samples: FeatureAccumulator, reference: Reference, metrics: tup
 def compute_metrics(samples: FeatureAccumulator, reference: Reference, metrics: Iterable[str] = FEATURE_METRICS,
                     is_split_size: int = 5000, pr_k: int = 3, kid_subsets: int = 100, kid_subset_size: int = 1000,
                     seed: int = 0) -> dict[str, float]:
-    """{"fid", "sfid", "is", "precision", "recall", "kid", "kid_std"} (those requested) and "num_samples".
-
-    fid/sfid: Fréchet distance of the samples' pool/spatial statistics to the reference's mu/sigma and
-    mu_s/sigma_s (ADM: the whole-dataset statistics when the reference file has them); is: inception_score
-    of the samples' logits; precision/recall (k = pr_k) and kid: sample pool rows against the reference
-    images' pool rows (ADM: the 10K arr_0 images). Gathers `samples` first if that was not done (then this
-    is a collective: call it on every rank)."""
+    """{"fid", "sfid", "is", "precision", "recall", "kid", "kid_std"} (those requested) and "num_samples", against
+    `reference`'s statistics and pool rows. Gathers `samples` first if not done (then call it on every rank)."""
     metrics = check_metrics(metrics)
     if set(metrics) & set(TOY_METRICS):
         raise ValueError(f"metrics {[m for m in metrics if m in TOY_METRICS]} are not computed from '"

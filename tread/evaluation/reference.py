@@ -1,15 +1,12 @@
-"""References for the metrics: ADM-compatible .npz files and what the metrics need from them.
-
-An ADM reference batch holds arr_0 (uint8 NHWC reference images, 10K for ImageNet) and optionally mu/sigma
-(pool features) and mu_s/sigma_s (spatial features) computed over the whole dataset; ours add feature
-(extractor name), num_images, source and resolution. load_reference_full reads such files as they are;
-ReferenceBuilder / build_reference / reference_for_dataset write them. compute_stats / save_reference /
-load_reference are the pool-feature-only (FID) shorthands."""
+"""References for the metrics: ADM-compatible .npz files (arr_0 images, optionally whole-dataset mu/sigma and
+mu_s/sigma_s; ours add feature, num_images, source, resolution), read as they are and written by
+ReferenceBuilder / build_reference / reference_for_dataset.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Iterable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -23,7 +20,7 @@ from tread.evaluation.extractors import extract_features
 from tread.evaluation.frechet import FeatureStats
 from tread.evaluation.images import (ImagesLike, as_frames, clip_frames, image_files, iter_image_folder,
                                      npz_images_shape, to_nhwc_uint8)
-from tread.evaluation.metric_names import ROW_METRICS, check_metrics
+from tread.schema.metric_names import ROW_METRICS, check_metrics
 from tread.utils.distributed import all_gather_rows, is_distributed
 from tread.utils.errors import UserError
 from tread.utils.io import atomic_write
@@ -83,12 +80,9 @@ def load_reference(path: PathLike, extractor: nn.Module, batch_size: int = 250) 
 
 @dataclass
 class Reference:
-    """What the metrics compare samples against (see load_reference_full).
-
-    mu/sigma: pool-feature statistics (FID), mu_s/sigma_s: spatial-feature statistics (sFID), float64; for
-    ADM reference batches these cover the whole dataset. pool_rows: float32 (N, dim) pool features of the
-    reference *images* (arr_0: precision/recall/KID). num_images: the images behind mu/sigma when the file
-    says so (our files' num_images), else the number of arr_0 images. resolution: (H, W) of the images."""
+    """What the metrics compare samples against (load_reference_full): mu/sigma (FID) and mu_s/sigma_s (sFID) in
+    float64, pool_rows (N, dim) float32 of the reference images (precision/recall/KID), num_images and the
+    images' (H, W) resolution."""
 
     feature: str
     mu: Optional[np.ndarray] = None
@@ -139,10 +133,8 @@ def _load_stats(path: Path, data, files: set, keys: tuple[str, str], dim: Option
 
 
 def read_reference_file(path: PathLike) -> tuple[dict[str, np.ndarray], set[str], Optional[tuple[int, ...]]]:
-    """What a reference .npz holds besides its images, every format checked before any feature network is
-    loaded: (its other arrays, loaded; the names of all its arrays; the shape of its arr_0 images, None without
-    them). FileFormatError for a file that is no readable .npz, ValueError naming the key for a bad 'resolution',
-    'num_images' or arr_0 (uint8 (N, H, W, 3) images of at least 1x1 pixels)."""
+    """A reference .npz's other arrays, the names of all its arrays and its arr_0 shape (None without), all checked
+    before any feature network loads. FileFormatError for an unreadable .npz, ValueError naming a bad key."""
     path = Path(path)
     files = set(npz_names(path, "reference"))
     data = read_npz(path, "reference", keys=files - {"arr_0"})
@@ -212,10 +204,8 @@ def _add_image_features(ref: Reference, extractor: nn.Module, batch_size: int, w
 @torch.no_grad()
 def load_reference_full(path: PathLike, extractor: nn.Module, batch_size: int = 250,
                         need: Iterable[str] = ("fid",)) -> Reference:
-    """The reference for the metrics in `need`, from an npz AS IT IS (ours or an ADM reference batch):
-    stored mu/sigma and mu_s/sigma_s are used when present (ADM: whole-dataset statistics); whatever is
-    missing but needed is computed from the arr_0 images (uint8 NHWC) with `extractor`, and the arr_0 images'
-    pool features are computed when precision/recall/kid are needed (ADM uses its 10K arr_0 images there)."""
+    """The reference for the metrics in `need`, from an npz as it is (ours or ADM's): stored statistics are used,
+    whatever is missing is computed from the arr_0 images with `extractor`."""
     need = set(check_metrics(need))
     path = Path(path)
     if not path.is_file():
@@ -248,12 +238,10 @@ def _to_nhwc_tensor(images: Union[np.ndarray, torch.Tensor], what: str = "images
 class ReferenceBuilder:
     """Streams a (huge) dataset into an ADM-compatible reference npz, on one or many processes.
 
-    add(images, indices) accumulates float64 pool and spatial statistics of every image and keeps the images
-    whose global index (0 <= index < total) is in subset_indices(total, store_images, seed): ADM references
-    keep 10K images (arr_0) for precision/recall next to whole-dataset mu/sigma and mu_s/sigma_s.
-    With several processes: each adds its share (with global indices), all call all_reduce(), and one calls
-    save(). local=True: this process alone adds every image (e.g. the first process of a run building the
-    cache while the others wait), so save() needs no all_reduce even inside a distributed run."""
+    add(images, indices) accumulates float64 statistics and keeps the images subset_indices selects (arr_0).
+    Distributed: each process adds its share, all call all_reduce(), one calls save(); local=True: this process
+    adds every image alone.
+    """
 
     def __init__(self, extractor: nn.Module, total: int, store_images: Optional[int] = 10000, seed: int = 0,
                  local: bool = False):
@@ -365,7 +353,7 @@ class ReferenceBuilder:
 # ----------------------------------------------------------------------------- building references
 
 def _dataset_source(dataset) -> str:
-    return str(getattr(dataset, "root", getattr(dataset, "path", type(dataset).__name__)))
+    return str(dataset.root)
 
 
 def _describe_decode(decode_kwargs: Optional[dict]) -> str:
@@ -395,15 +383,13 @@ def _cached_reference_ok(path: Path, extractor: nn.Module, num_images: int, sour
 
 
 def _latents(dataset, indices: np.ndarray) -> torch.Tensor:
-    if hasattr(dataset, "__getitems__"):  # batched read (LatentDataset: one memmap fancy-index)
-        return torch.as_tensor(dataset.__getitems__(indices.tolist())[0])
-    return torch.stack([torch.as_tensor(dataset[int(j)][0]) for j in indices])
+    return torch.as_tensor(dataset.__getitems__(indices.tolist())[0])   # batched read (one memmap fancy-index)
 
 
 def _batches(dataset, indices: np.ndarray, batch_size: int) -> list[np.ndarray]:
     """`indices` in chunks of batch_size, split where a bucketed dataset's bucket changes (a batch: one shape)."""
     cuts = set(range(0, len(indices), batch_size))
-    if hasattr(dataset, "bucket_of"):
+    if dataset.buckets is not None:
         buckets = np.array([dataset.bucket_of(int(i)) for i in indices])
         cuts |= set((np.flatnonzero(np.diff(buckets)) + 1).tolist())
     edges = sorted(cuts | {len(indices)})
@@ -423,12 +409,9 @@ def square_images(images: torch.Tensor, side: int) -> torch.Tensor:
 def reference_for_dataset(dataset, extractor: nn.Module, out_path: PathLike, max_images: Optional[int] = None,
                           batch_size: int = 250, force: bool = False, decode_kwargs: Optional[dict] = None,
                           store_images: Optional[int] = 10000, square: Optional[int] = None) -> Path:
-    """Decode the dataset's latents (the posterior mean for 'moments' data) to uint8 images (video: every frame of
-    each clip, as_frames) and save an
-    ADM-style reference (mu/sigma, mu_s/sigma_s, up to `store_images` images as arr_0) to out_path.
-    Reuses out_path (unless force) if it holds all of that for the same features, dataset, image count and
-    decode options; older files (e.g. without mu_s/sigma_s or arr_0) are rebuilt. `square`: each image is
-    center-cropped to that side first (bucketed data, whose images have several shapes: square_images)."""
+    """Decode the dataset's latents (video: every frame) to uint8 images and save an ADM-style reference to
+    out_path, reusing a file that already holds all of it for the same features, dataset, count and decoding
+    (unless force). `square`: center-crop each image to that side first (bucketed data)."""
     out_path, source = Path(out_path), _dataset_source(dataset) + (f" (center crops {square}px)" if square else "")
     indices = subset_indices(len(dataset), max_images)
     decode = _describe_decode(decode_kwargs)
@@ -454,10 +437,8 @@ def reference_for_dataset(dataset, extractor: nn.Module, out_path: PathLike, max
 def build_reference(out: PathLike, extractor: nn.Module, source: PathLike, *, max_images: Optional[int] = None,
                     store_images: Optional[int] = 10000, batch_size: int = 250,
                     decode_kwargs: Optional[dict] = None) -> Path:
-    """An ADM-style reference npz from `source`: an image folder (all images one size), an .npz with arr_0
-    (uint8 NHWC, e.g. samples or another reference) or a latent dataset directory (with meta.json; decoded as
-    reference_for_dataset does). A fixed random subset of max_images images is used if given (sorted, as
-    subset_indices); store_images of those are kept as arr_0."""
+    """An ADM-style reference npz from `source`: an image folder, an .npz with arr_0 images or a latent dataset
+    directory; a fixed random subset of max_images if given, store_images of them kept as arr_0."""
     source = Path(source)
     if not source.exists():
         raise FileNotFoundError(f"reference source {source} does not exist")

@@ -1,15 +1,6 @@
-"""An independent evaluator for the built-in toy_shapes data, sharing no network with the toy FID (whose
-classifier's architecture REPA's toy target shares):
-
-* fd_ae: the Fréchet distance of the toy autoencoder's 64-d pooled bottleneck features (tread/encoders/
-  toy_autoencoder.py; reconstruction objective, seed 31337) against the same dataset images the toy FID uses;
-* class_acc: the accuracy of a held-out pixel MLP (seed 2718) on the samples, the conditioning label the target;
-* colour_acc / shape_acc: no training at all, the generator's own parameters (tread/data/toy.py): the sample's
-  foreground colour is nearest to its class's base colour (TOY_COLOURS); its foreground mask overlaps (IoU) a
-  template of its class's shape best, templates drawn with TOY_SHAPES over the jitter grid of centre and size.
-
-They are per-sample checks of the samples' class labels, so they exist only for identity-decoded toy_shapes data
-with eval.features=toy_classifier (check_toy_metrics).
+"""An independent evaluator for the built-in toy_shapes data, sharing no network with the toy FID: fd_ae,
+class_acc and the training-free colour_acc / shape_acc (docs/evaluation.md, "An independent evaluator").
+Only for identity-decoded toy_shapes data with eval.features=toy_classifier.
 """
 from __future__ import annotations
 
@@ -20,10 +11,10 @@ from typing import Any, Iterable, Mapping, Optional
 import numpy as np
 import torch
 
-from tread.data.toy import TOY_COLOURS, TOY_SHAPES, ensure_toy_autoencoder, ensure_toy_pixel_mlp
+from tread.data.builtin.toy import TOY_COLOURS, TOY_SHAPES, ensure_toy_autoencoder, ensure_toy_pixel_mlp
 from tread.encoders.toy_autoencoder import AUTOENCODER_SEED, AutoencoderFeatures, load_net
 from tread.evaluation.extractors import reference_cache_path
-from tread.evaluation.metric_names import TOY_METRICS
+from tread.schema.metric_names import TOY_METRICS
 from tread.evaluation.metrics import FeatureAccumulator, compute_metrics
 from tread.evaluation.reference import load_reference_full, reference_for_dataset
 from tread.utils.distributed import all_reduce_sum

@@ -1,14 +1,11 @@
 """Validation prompts during training (eval.validation_prompts): at every evaluation the EMA model samples each
-prompt with fixed seeds (0..eval.validation_per_prompt-1, so grids are comparable across steps) into a
-captioned grid, samples/validation_step_XXXXXXX.png; video models also write each sample as a video file,
-validation/step_XXXXXXX/<index>_<slug>.mp4 (tread/evaluation/videos.py), and grid its first, middle and last
-frame. The prompts are encoded once, at start-up, by the model's own text encoders (model.text_encoders), which
-are then freed; they do not count toward the metrics.
+prompt with fixed seeds into a captioned grid (and video files for video models). The prompts are encoded once
+at start-up and do not count toward the metrics.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Optional
 
 import torch
 
@@ -17,6 +14,7 @@ from tread.evaluation.images import save_captioned_grid
 from tread.evaluation.videos import STILL_NAMES, is_video, save_videos, slug, still_captions, stills, video_fps
 from tread.sampling import Guidance
 from tread.sampling.prompts import encode_for_model, generate_for_prompts
+from tread.schema.train import Eval
 
 VIDEO_DIR = "validation"    # under the run dir: validation/step_XXXXXXX/<index>_<slug>.mp4, a video per sample
 
@@ -32,7 +30,7 @@ def letterbox(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
 def sample_shapes(dataset: Any) -> list[tuple[list[int], str]]:
     """The (latent shape, label) validation samples are drawn at: every bucket of bucketed data (labelled by its
     image size), else the data's one shape (no label)."""
-    if hasattr(dataset, "buckets"):
+    if dataset.buckets is not None:
         return [(list(shape), b.name) for b, shape in zip(dataset.buckets, dataset.shapes)]
     return [(list(dataset.shape), "")]
 
@@ -41,14 +39,14 @@ class ValidationPrompts:
     """The encoded validation prompts of a run, and the sampling of their captioned grid: each prompt with
     each seed at each shape of sample_shapes (bucketed data: every bucket, letterboxed to one grid)."""
 
-    def __init__(self, eval_cfg: Any, model_cfg: Mapping[str, Any], model: Any, dataset: Any, device: torch.device,
+    def __init__(self, settings: Eval, text_encoders: Optional[str], model: Any, dataset: Any, device: torch.device,
                  unconditional: str = "zeros"):
-        self.cfg, self.dataset, self.device = eval_cfg, dataset, device
-        self.seeds = list(range(int(eval_cfg.validation_per_prompt)))
+        self.cfg, self.dataset, self.device = settings, dataset, device
+        self.seeds = list(range(int(settings.validation_per_prompt)))
         self.shapes = sample_shapes(dataset)
-        self.embeddings = encode_for_model(model, dataset.meta, list(eval_cfg.validation_prompts),
-                                           eval_cfg.negative_prompt,
-                                           model_cfg.get("text_encoders"), key="model.text_encoders", device=device,
+        self.embeddings = encode_for_model(model, dataset.meta, list(settings.validation_prompts),
+                                           settings.negative_prompt,
+                                           text_encoders, key="model.text_encoders", device=device,
                                            what="eval.validation_prompts", unconditional=unconditional)
 
     def sample(self, net: Any, diffusion: Any, guidance: Guidance,
@@ -68,11 +66,8 @@ class ValidationPrompts:
         return samples, captions
 
     def save(self, samples: list[torch.Tensor], captions: list[str], step: int, samples_dir: Path) -> dict[str, Any]:
-        """The captioned grid, samples_dir/validation_step_XXXXXXX.png (one row per bucket with several shapes,
-        else one row per prompt when there are several seeds per prompt; videos: one row of first, middle and
-        last frame per video), and for videos one file each, <run dir>/validation/step_XXXXXXX/<index>_<slug>.mp4
-        (.gif without an mp4 encoder; run dir = samples_dir's parent). Returns the record's
-        {"validation_grid": path, "validation_videos": [paths] (videos only)}."""
+        """Write the captioned grid (samples_dir/validation_step_XXXXXXX.png) and, for videos, one file each under
+        <run dir>/validation/step_XXXXXXX/; returns {"validation_grid": path, "validation_videos": [paths]}."""
         grid_path = Path(samples_dir) / f"validation_step_{step:07d}.png"
         if any(is_video(x) for x in samples):
             return self.save_videos([x if x.ndim == 4 else x[None] for x in samples], captions, grid_path,

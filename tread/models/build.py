@@ -1,8 +1,7 @@
-"""The one model builder: training, inference, the benchmark and the route planner all build here.
+"""The one model builder (training, inference, the benchmark and the route planner all build here).
 
-The `model` config's `_target_` names the builder (configs/model/*.yaml); only the builders below are
-allowed, so a config read back from a checkpoint cannot make us call anything else. Routes are
-validated against the model's depth while it is built.
+Only the allowlisted builders may be named by the `model` config's `_target_`, so a config read back from a
+checkpoint cannot call anything else; routes are validated against the model's depth while it is built.
 """
 from __future__ import annotations
 
@@ -19,6 +18,6 @@ BUILDERS = {"tread.models.build_dit": build_dit, "tread.models.build_sprint": bu
             "tread.models.families.build_family": build_family}
 
 
-def build_model(cfg: Mapping[str, Any]) -> nn.Module:
+def build_model(spec: Mapping[str, Any]) -> nn.Module:
     """The backbone a `model` config describes (DiT or a diffusers family), with its routing."""
-    return build_target(cfg, BUILDERS, "model")
+    return build_target(spec, BUILDERS, "model")

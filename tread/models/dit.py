@@ -1,7 +1,6 @@
 """DiT (Peebles & Xie 2023) with TREAD routing (Krause et al. 2025) inside its forward pass.
 
-The backbone takes (x, noise_level, labels) and knows nothing about sigma or the
-diffusion objective: EDM / rectified-flow wrappers in `diffusion/` do that algebra.
+The backbone takes (x, noise_level, labels); the diffusion wrappers in `diffusion/` do the sigma algebra.
 """
 from __future__ import annotations
 
@@ -15,7 +14,8 @@ import torch.nn.functional as F
 
 from tread.models.errors import ModelConfigError
 from tread.models.repa import repa_head, repa_output, repa_tap
-from tread.routing import RoutedBackbone, RoutePlan, RoutingController, run_blocks, tokens_per_block
+from tread.models.backbone import Backbone
+from tread.routing import RoutePlan, RoutingController, run_blocks, tokens_per_block
 from tread.routing.masks import token_keep_mask
 
 #################################################################################
@@ -48,11 +48,8 @@ class TimestepEmbedder(nn.Module):
 
 
 class LabelEmbedder(nn.Module):
-    """Class labels (B,) -> (B, D). Index `num_classes` is the null class used for CFG.
-
-    Label dropout is done by the training step (with its own generator), not here,
-    so the backbone stays deterministic given its inputs.
-    """
+    """Class labels (B,) -> (B, D). Index `num_classes` is the null class used for CFG; label dropout is done by the
+    training step, so the backbone stays deterministic given its inputs."""
 
     def __init__(self, num_classes: int, hidden_size: int):
         super().__init__()
@@ -64,9 +61,8 @@ class LabelEmbedder(nn.Module):
 
 
 def get_2d_sincos_pos_embed(embed_dim: int, grid_size: Union[int, tuple[int, int]]) -> np.ndarray:
-    """Fixed 2-D sin-cos position embedding, MAE-style, of a grid_size = (rows, cols) token grid (an int: square),
-    (rows * cols, embed_dim), tokens row-major: the first half of the features encodes the column, the second the
-    row (MAE's order)."""
+    """Fixed MAE-style 2-D sin-cos embedding (rows * cols, embed_dim) of a (rows, cols) grid (an int: square), tokens
+    row-major; the first half of the features encodes the column, the second the row."""
     assert embed_dim % 4 == 0, "hidden size must be divisible by 4 for 2-D sin-cos embeddings"
     rows, cols = (grid_size, grid_size) if isinstance(grid_size, int) else grid_size
     grid_w, grid_h = np.meshgrid(np.arange(cols, dtype=np.float64), np.arange(rows, dtype=np.float64))  # (rows, cols)
@@ -175,7 +171,7 @@ class FinalLayer(nn.Module):
 #################################################################################
 
 
-class DiT(RoutedBackbone):
+class DiT(Backbone):
     """Diffusion transformer over patchified latents, with optional TREAD routes."""
 
     def __init__(
@@ -247,7 +243,12 @@ class DiT(RoutedBackbone):
         self.check_size(int(x.shape[-2]), int(x.shape[-1]))
         return x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
 
-    def check_size(self, height: int, width: int) -> None:
+    analytic_flops = True
+
+    def latent_patch(self) -> tuple[int, int, int]:
+        return 1, self.patch_size, self.patch_size
+
+    def check_size(self, height: int, width: int, frames: int = 1) -> None:
         """Raise ModelConfigError (one line) for latents of height x width that are not whole patches."""
         p = self.patch_size
         if height < p or width < p or height % p or width % p:
@@ -260,9 +261,8 @@ class DiT(RoutedBackbone):
         return h * w
 
     def pos_embed_at(self, grid: tuple[int, int]) -> torch.Tensor:
-        """(1, h*w, D) sin-cos positions of an (h, w) token grid: the pos_embed buffer at the default grid, else
-        get_2d_sincos_pos_embed's table for that grid (float32, then the buffer's device and dtype), computed once
-        per grid and kept (a plain dict: never saved, not a buffer)."""
+        """(1, h*w, D) sin-cos positions of an (h, w) token grid: the pos_embed buffer at the default grid, else a table
+        computed once per grid and kept in a plain dict (never saved)."""
         if tuple(grid) == self.token_grid:
             return self.pos_embed
         like = self.pos_embed
@@ -293,11 +293,7 @@ class DiT(RoutedBackbone):
 
     def forward_flops(self, routes=None, grid: Optional[tuple[int, int]] = None) -> float:
         """Theoretical FLOPs of one forward pass per sample (multiply-add = 2), given routes, on latents of size
-        grid = (H, W) (default: input_size square).
-
-        Counts the matmuls (patch embed, qkv/proj, attention scores and values, MLP, final
-        layer); norms, activations and per-sample adaLN vectors are negligible.
-        """
+        grid = (H, W) (default: input_size square). Matmuls only: per block 2 n (4 D^2 + 2 D H) + 4 n^2 D."""
         N = self._tokens(grid)
         D = self.blocks[0].attn.qkv.in_features
         H = self.blocks[0].mlp.fc1.out_features
@@ -353,9 +349,8 @@ class DiT(RoutedBackbone):
 
     def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
                        force_keep: Optional[torch.Tensor] = None, return_aux: bool = False) -> Any:
-        """x (B, C, H, W), noise_level (B,), labels (B,) in [0, num_classes]; force_keep (B, N) bool; `plan`
-        from the routing controller (RoutedBackbone.forward makes it). With return_aux, (x, aux): the REPA head's
-        projected tokens and their ids (tread/models/repa.py)."""
+        """x (B, C, H, W), noise_level (B,), labels (B,) in [0, num_classes]; force_keep (B, N) bool; `plan` from the
+        routing controller. With return_aux, (x, aux): the REPA head's projected tokens and their ids."""
         grid = self.grid_of(x)
         x = self.x_embedder(x) + self.pos_embed_at(grid)                         # (B, N, D)
         c = self.t_embedder(noise_level) + self.y_embedder(labels)                # (B, D)

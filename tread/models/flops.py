@@ -1,12 +1,7 @@
-"""Theoretical FLOPs of a backbone's forward pass and of a training step.
+"""Theoretical FLOPs of a backbone's forward pass and of a training step: matmuls only, a multiply-add is 2.
 
-Counting convention (the same everywhere: training logs, the benchmark, the planner, sampling cost):
-matmuls only, a multiply-add is 2 FLOPs. Per DiT block with n tokens, width D and MLP width H:
-2 n (4 D^2 + 2 D H) for qkv, proj and the MLP plus 4 n^2 D for attention scores and values; patch embed +
-final linear: 2 * (2 N D p^2 C). The diffusers families are counted on one sample by torch's
-FlopCounterMode (matmuls and attention). A training step is 3x the forward (backward = 2x forward)
-times the batch. Every forward count takes an optional grid = a batch's latent (H, W) (an aspect-ratio
-bucket's; keep counts follow its tokens; video: (T, H, W)); the default is the model's input_size square.
+DiT is counted analytically, the diffusers families by FlopCounterMode on one sample; a training step is 3x the
+forward times the batch. Counts take an optional grid (a bucket's latent size). See docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -77,10 +72,9 @@ def counted_forward_flops(model: Any, x: torch.Tensor, labels: torch.Tensor,
 
 def flop_counter(model: Any, x: torch.Tensor, labels: torch.Tensor,
                  cond: Optional[Mapping[str, torch.Tensor]] = None) -> FlopCounterMode:
-    """The FlopCounterMode of one forward on the first sample of x (its per-module counts included). On the meta
-    device (a model built for its shapes only) the model's shape_only() context makes value-dependent parts
-    countable."""
-    shape_only = getattr(model, "shape_only", contextlib.nullcontext) if x.device.type == "meta" else contextlib.nullcontext
+    """The FlopCounterMode of one forward on the first sample of x (per-module counts included); on the meta device
+    the model's shape_only() context makes value-dependent parts countable."""
+    shape_only = model.shape_only if x.device.type == "meta" else contextlib.nullcontext
     with FlopCounterMode(display=False) as counter, torch.enable_grad(), shape_only():
         extra = {"cond": {k: v[:1] for k, v in cond.items()}} if cond else {}
         model(x[:1], torch.full((1,), 500.0, device=x.device), labels[:1], **extra)
@@ -88,13 +82,10 @@ def flop_counter(model: Any, x: torch.Tensor, labels: torch.Tensor,
 
 
 def model_forward_flops(model: Any, cond: Optional[Mapping[str, torch.Tensor]] = None, grid: Size = None) -> float:
-    """Theoretical forward FLOPs per sample of a backbone with its configured routes, on latents of the model's
-    default size or of size grid = (H, W) (a bucket's): DiT's analytic forward_flops, or counted on one sample for
-    the diffusers families (with `cond`, the data's text conditioning of one sample, when the data has it).
-    Counting runs the eager forward in training mode and leaves the router's random stream and the global one
-    where they were (peft's LoKr/LoHa layers draw from the global stream in every training forward, so an exact
-    resume needs the count not to move it)."""
-    if hasattr(model, "forward_flops"):
+    """Theoretical forward FLOPs per sample of a backbone with its configured routes, on the default latent size or
+    grid = (H, W); `cond`: one sample's text conditioning. The router's and the global random streams are left
+    where they were, so counting never disturbs an exact resume."""
+    if model.analytic_flops:
         return float(model.forward_flops(grid=grid))
     return float(training_flop_counter(model, cond, grid).get_total_flops())
 
@@ -120,38 +111,30 @@ def training_flop_counter(model: Any, cond: Optional[Mapping[str, torch.Tensor]]
 
 
 def sample_shape(model: Any, grid: Size = None) -> list[int]:
-    """The shape of one sample a family's FLOPs are counted on: (1, C, H, W), video (1, C, frames, H, W), with
-    (H, W) = grid or the default input_size square; a video grid (T, H, W) (a frame bucket's latents) sets the
-    frames too (default: model.frames)."""
+    """The shape of one sample a family's FLOPs are counted on: (1, C, H, W) or (1, C, frames, H, W), with (H, W) =
+    grid or the default square; a video grid (T, H, W) sets the frames too."""
     size = (model.input_size, model.input_size) if grid is None else tuple(int(g) for g in grid)
-    frames = size[0] if len(size) == 3 else getattr(model, "frames", 1)
+    frames = size[0] if len(size) == 3 else model.frames
     shape = [1, model.in_channels, *size[-2:]]
-    if getattr(model, "frames_axis", False) and (frames > 1 or len(size) == 3):
+    if model.frames_axis and (frames > 1 or len(size) == 3):
         shape.insert(2, frames)
     return shape
 
 
 def forward_flops_with_routes(model: Any, routes: Optional[Sequence[Mapping[str, Any]]],
                               cond: Optional[Mapping[str, torch.Tensor]] = None, grid: Size = None) -> float:
-    """Forward FLOPs per sample of a backbone run with `routes` (route specs; None: dense), e.g. one
-    branch of guided sampling or a planner candidate, on latents of the default size or of grid = (H, W):
-    DiT's analytic count, or counted on one sample for the families."""
-    if hasattr(model, "forward_flops"):
+    """Forward FLOPs per sample of a backbone run with `routes` (None: dense), e.g. a guided-sampling branch or a
+    planner candidate, on the default latent size or grid = (H, W)."""
+    if model.analytic_flops:
         return float(model.forward_flops(resolve_routes(routes, model.depth) if routes else [], grid=grid))
     with model.routing.override(routes=list(routes or [])):   # [] runs dense even in training mode
         return model_forward_flops(model, cond, grid)
 
 
 class RouteFlops:
-    """Forward FLOPs per sample of a diffusers family for any routes, from three counted forwards (dense and
-    every block routed at two ratios) instead of one per route set: a planner's thousands of candidates on a
-    56-block released preset (on the meta device) cost three forwards.
-
-    Exact, not an estimate: a block's matmul FLOPs are a polynomial of degree <= 2 in its image tokens n (linear
-    layers ~ n, attention ~ n (n + text)), so the three counts fix each block's polynomial, read from
-    FlopCounterMode's per-module counts of the modules routable_blocks() lists. The rest of the forward (embedders,
-    head) must count the same at every n; where it does not (work outside the block modules that grows with the
-    kept tokens), `exact` is False and __call__ counts each route set directly."""
+    """Forward FLOPs per sample of a diffusers family for any routes, from three counted forwards (dense and every
+    block routed at two ratios): each block's FLOPs are a polynomial of degree <= 2 in its tokens. `exact` is
+    False where the rest of the forward grows with the kept tokens; __call__ then counts each route set directly."""
 
     RATIOS = (0.5, 0.75)
 

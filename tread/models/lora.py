@@ -1,14 +1,7 @@
-"""Adapter fine-tuning through peft (`model.lora`): LoRA, LoKr or LoHa injected into a module in place, base
-weights frozen.
+"""Adapter fine-tuning through peft (`model.lora`): LoRA, LoKr or LoHa injected in place, base weights frozen.
 
-peft's `inject_adapter_in_model` keeps every base parameter name (adapters add `.lora_A.default.weight`,
-`.lokr_w1.default`, `.hada_w1_a.default`, ... beside them), so pretrained diffusers weights still load
-unchanged, full and adapter-only checkpoints hold the same names, and the adapter alone can be taken out in
-peft's format (`adapter_state_dict`). What diffusers pipelines load (`pipe.load_lora_weights`) is the exact
-LoRA form of any of the three written by tread/models/lora_export.py.
-
-The three types share `rank`, `alpha` (scale = alpha / rank), `target_modules` and `init`; the keys of one
-type only (TYPE_KEYS) are an error with another, so a setting is never silently ignored.
+Base parameter names are kept, so pretrained weights load unchanged and full and adapter-only checkpoints
+share names; keys of another adapter type are an error (TYPE_KEYS).
 """
 from __future__ import annotations
 
@@ -46,47 +39,47 @@ def check_type_keys(given: Iterable[str], adapter_type: str, key: str = "model.l
                               f"{list(COMMON_KEYS + TYPE_KEYS[adapter_type])}.")
 
 
-def _fraction(cfg: Mapping[str, Any], name: str, key: str) -> float:
-    value = cfg.get(name, 0.0)
+def _fraction(spec: Mapping[str, Any], name: str, key: str) -> float:
+    value = spec.get(name, 0.0)
     value = 0.0 if value is None else value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise LoraConfigError(f"{key}.{name}={value!r} is not allowed; allowed: a number in [0, 1).")
     return float(value)
 
 
-def lora_settings(cfg: Mapping[str, Any], key: str = "model.lora") -> dict[str, Any]:
+def lora_settings(spec: Mapping[str, Any], key: str = "model.lora") -> dict[str, Any]:
     """model.lora checked and completed (type, alpha defaults), everything that needs no module."""
-    cfg = dict(cfg)
-    unknown = sorted(set(cfg) - set(LORA_KEYS))
+    spec = dict(spec)
+    unknown = sorted(set(spec) - set(LORA_KEYS))
     if unknown:
         raise LoraConfigError(f"{key} has unknown key(s) {unknown}; allowed: {list(LORA_KEYS)}.")
-    adapter_type = cfg.get("type") or "lora"
-    check_type_keys(cfg, adapter_type, key)
-    rank, alpha = cfg.get("rank"), cfg.get("alpha")
+    adapter_type = spec.get("type") or "lora"
+    check_type_keys(spec, adapter_type, key)
+    rank, alpha = spec.get("rank"), spec.get("alpha")
     alpha = rank if alpha is None else alpha
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise LoraConfigError(f"{key}.rank={rank!r} must be a positive integer (adapter rank, e.g. 16).")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise LoraConfigError(f"{key}.alpha={alpha!r} must be a positive number (scale = alpha / rank).")
-    targets = cfg.get("target_modules")
+    targets = spec.get("target_modules")
     targets = [targets] if isinstance(targets, str) else list(targets or [])
     if not targets:
         raise LoraConfigError(f"{key}.target_modules must list module names to adapt, e.g. "
-                              f"[to_q, to_k, to_v, to_out.0]; got {cfg.get('target_modules')!r}.")
-    init = cfg.get("init", True)
+                              f"[to_q, to_k, to_v, to_out.0]; got {spec.get('target_modules')!r}.")
+    init = spec.get("init", True)
     if adapter_type in LYCORIS_INITS and init not in LYCORIS_INITS[adapter_type]:
         raise LoraConfigError(f"{key}.init={init!r} is not allowed for {key}.type={adapter_type}; allowed: one of "
                               f"{list(LYCORIS_INITS[adapter_type])}.")
-    factor = cfg.get("decompose_factor", -1)
+    factor = spec.get("decompose_factor", -1)
     if isinstance(factor, bool) or not isinstance(factor, int) or not (factor == -1 or factor >= 1):
         raise LoraConfigError(f"{key}.decompose_factor={factor!r} is not allowed; allowed: -1 (near-square "
                               f"Kronecker factors) or an integer >= 1 (the first factor's size where it divides).")
-    if not isinstance(cfg.get("decompose_both", False), bool):
-        raise LoraConfigError(f"{key}.decompose_both={cfg['decompose_both']!r} is not allowed; allowed: true or "
+    if not isinstance(spec.get("decompose_both", False), bool):
+        raise LoraConfigError(f"{key}.decompose_both={spec['decompose_both']!r} is not allowed; allowed: true or "
                               f"false.")
-    fractions = {n: _fraction(cfg, n, key) for n in ("dropout", "rank_dropout", "module_dropout")}
+    fractions = {n: _fraction(spec, n, key) for n in ("dropout", "rank_dropout", "module_dropout")}
     return dict(type=adapter_type, rank=rank, alpha=alpha, target_modules=targets, init=init, **fractions,
-                decompose_factor=factor, decompose_both=cfg.get("decompose_both", False))
+                decompose_factor=factor, decompose_both=spec.get("decompose_both", False))
 
 
 def peft_config(s: Mapping[str, Any]):
@@ -113,12 +106,12 @@ def _check_targets(module: nn.Module, targets: list[str], key: str) -> None:
                               f"linear layer names there include {linear[:20]}.")
 
 
-def apply_lora(module: nn.Module, cfg: Mapping[str, Any], key: str = "model.lora") -> nn.Module:
+def apply_lora(module: nn.Module, spec: Mapping[str, Any], key: str = "model.lora") -> nn.Module:
     """Inject the adapters model.lora describes into `module` and freeze the rest of it. The targets may be
     nn.Linear or any layer peft's chosen tuner accepts (e.g. a quantized Linear); others are one clear error."""
     from peft import inject_adapter_in_model  # deferred: see peft_config
 
-    settings = lora_settings(cfg, key)
+    settings = lora_settings(spec, key)
     _check_targets(module, settings["target_modules"], key)
     config = peft_config(settings)
     for p in module.parameters():

@@ -1,28 +1,7 @@
 """Any of our adapters (LoRA, LoKr, LoHa) as an exact plain LoRA in the format diffusers pipelines load.
 
-What diffusers 0.42.1 does with a LoRA file (loaders/lora_pipeline.py, loaders/peft.py, utils/peft_utils.py):
-`pipe.load_lora_weights(dir_or_file)` keeps the keys that start with `transformer.` and contain "lora"
-(FLUX, SD3, AuraFlow, Wan pipelines alike), so LoKr (`lokr_w1`) and LoHa (`hada_w1_a`) keys are refused or
-dropped: only `transformer.load_lora_adapter` reads LoKr, and nothing reads LoHa. The peft LoraConfig comes
-from the file's safetensors metadata `lora_adapter_metadata` (JSON, keys prefixed `transformer.`) when it is
-there; otherwise the rank of each module is read off lora_B's shape and alpha is taken equal to the rank
-(scale 1), since our files have no kohya-style `.alpha` tensors.
-
-So every adapter is written as LoRA factors (B, A) with delta W = B @ A exactly, the scale alpha / rank folded
-into B, and the metadata says the same (lora_alpha = r, per-module ranks in rank_pattern/alpha_pattern): the
-scale comes out right whether a loader reads the metadata or not.
-
-- LoRA: B = scale * lora_B, A = lora_A.
-- LoKr: delta W = scale * kron(W1, W2) with each factor either a full matrix or a product X = Xa @ Xb. Writing
-  each factor as a product L @ R (Xa @ Xb as it is; a full a x b matrix as I_a @ X or X @ I_b, whichever inner
-  size is smaller), kron(L1 R1, L2 R2) = kron(L1, L2) @ kron(R1, R2) (the mixed-product rule) gives
-  B = scale * kron(L1, L2), A = kron(R1, R2) of rank inner1 * inner2: e.g. cols(W1) * r for a decomposed W2,
-  r1 * r with decompose_both.
-- LoHa: delta W = scale * (W1a W1b) * (W2a W2b) (elementwise); by the face-splitting identity
-  sum_a P_ia Q_aj * sum_b U_ib V_bj = sum_(a,b) (P_ia U_ib)(Q_aj V_bj), B is the row-wise Kronecker product of
-  W1a and W2a and A the column-wise one of W1b and W2b: rank r * r.
-Where such a rank reaches min(out, in), the dense update is written instead (B = delta W, A = I, or the other
-way round), still exact. No SVD, no tolerance: the export equals the trained adapter up to float rounding.
+Each adapter becomes factors (B, A) with delta W = B @ A exactly, the scale folded into B (no SVD, no
+tolerance); docs/design.md ("Exact LoRA export") gives the identities and what diffusers reads.
 """
 from __future__ import annotations
 

@@ -1,28 +1,8 @@
-"""A quantized frozen base under adapters (`model.quantize: int8 | int4 | nf4`, QLoRA-style training).
+"""A quantized frozen base under adapters (`model.quantize: int8 | int4 | nf4`, QLoRA-style), and the lighter
+`model.base_dtype: bf16 | fp8` storage of the frozen base.
 
-The Linear layers of the routable blocks (attention projections, MLPs, the blocks' modulation layers: nearly
-all of a transformer's weights) are quantized in place; the embedders, the final norm and output projection
-stay in full precision: they are a small share of the weights, and the first and last layers are the most
-sensitive to quantization error (the usual choice of QLoRA and of diffusers' quantizers). Every quantized layer
-stays an nn.Linear subclass with the same in/out features, so peft's LoRA, LoKr and LoHa tuners wrap it
-like any Linear (tread/models/lora.py) and routing (which only reorders tokens between blocks) is unaffected.
-
-Libraries, one per mode where it is best (both small pure-Python/abi3 wheels, CPU and CUDA, autograd through
-the frozen weight so upstream adapters get gradients):
-- int8, int4: optimum-quanto (qint8 per output row; qint4 packed two per byte, groups of up to 128 input
-  features, per row where the width does not divide). On CUDA quanto picks its fast kernels itself
-  (int8 matmuls; int4 through torch's tinygemm for bf16 on sm80+).
-- nf4: torchao's NF4Tensor (QLoRA's 4-bit NormalFloat, blocks of 64 with double-quantized scales), whose
-  F.linear dequantizes on the fly (fused by torch.compile on GPU).
-
-Quantization is a pure function of the weights, so a seeded rebuild (resume, sampling) reproduces the same base.
-
-`model.base_dtype: fp32 | bf16 | fp8` (store_base) is the lighter alternative for an adapter run: the frozen Linear
-layers (nearly all the weights) are stored in bf16 (half of fp32) and, with fp8, those of the routable blocks in
-float8 e4m3 with one fp32 scale per output row (torchao's Float8Tensor, weight-only: its matmul dequantizes, on any
-CPU or GPU); the trained parameters (adapters, class table) stay fp32 and everything else (norms, embeddings,
-buffers) fp32 as before. Such a layer computes in bf16 (what bf16 autocast does anyway); outside autocast
-(sampling, fp32 runs) its output is cast back to the input's dtype.
+The routable blocks' Linear layers are quantized in place and stay nn.Linear subclasses, so peft wraps them and
+routing is unaffected. docs/families.md ("Quantized base") gives the libraries and why.
 """
 from __future__ import annotations
 
@@ -133,10 +113,9 @@ def _linears(module: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
 
 
 def store_base(model: nn.Module, base_dtype: str = "fp32", key: str = "model.base_dtype") -> nn.Module:
-    """Store, in place, the frozen nn.Linear layers of `model` (a RoutedFamily, adapters already injected) in
-    bf16 as LowPrecisionLinear, and with fp8 those of its routable blocks as float8 e4m3 weights (one fp32 scale
-    per output row); every other floating parameter and buffer in fp32 (a bf16 load made them bf16). fp32: as
-    built (bit-identical to a run without the key)."""
+    """Store, in place, the frozen nn.Linear layers of `model` (adapters already injected) in bf16, and with fp8 those
+    of its routable blocks as float8 e4m3 (one fp32 scale per output row); other floating tensors in fp32. fp32:
+    as built."""
     if base_dtype not in BASE_DTYPES:
         raise QuantizeConfigError(f"{key}={base_dtype!r} is not allowed; allowed: one of {list(BASE_DTYPES)}.")
     if base_dtype == "fp32":
@@ -166,9 +145,8 @@ def _to_fp8(weight: torch.Tensor) -> torch.Tensor:
 
 
 class LowPrecisionLinear(nn.Linear):
-    """A frozen Linear stored in bf16 (or float8 weights dequantized to bf16): it computes in bf16, what bf16 autocast
-    does with an fp32 Linear, and outside autocast casts its output back to the input's dtype. A float8 weight is
-    dequantized in the forward and again in the backward, so autograd keeps the 1-byte weight, not a bf16 copy."""
+    """A frozen Linear stored in bf16 (or float8 weights dequantized to bf16) that computes in bf16 and, outside
+    autocast, casts its output back; autograd keeps the 1-byte float8 weight, not a bf16 copy."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(self.weight.dtype)
@@ -193,9 +171,8 @@ class _DequantLinear(torch.autograd.Function):
 
 
 def quantize_mode(module: nn.Module) -> Optional[str]:
-    """How a built model stores its frozen base in integer / float8 codes: model.quantize's mode, or "fp8"
-    (model.base_dtype=fp8); None: in floating point (fp32, or bf16 with model.base_dtype=bf16). Such a base is
-    shared by the EMA and left out of checkpoints (a seeded rebuild makes the same one)."""
+    """How a built model stores its frozen base in integer / float8 codes (model.quantize's mode, or "fp8"), else
+    None. Such a base is shared by the EMA and left out of checkpoints."""
     return next((m._tread_quantize for m in module.modules() if getattr(m, "_tread_quantize", None)), None)
 
 

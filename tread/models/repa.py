@@ -1,11 +1,7 @@
 """REPA (representation alignment, Yu et al. 2024, arXiv 2410.06940) for routed DiTs: a projection head on the
-tokens after one block, aligned by negative cosine similarity with a frozen encoder's patch features of the
-clean image.
+tokens after one block, aligned by negative cosine similarity with a frozen encoder's patch features.
 
-With routing, the aligned tokens are the ones the block actually computed: when the block lies inside a route,
-only the kept tokens, each compared with the encoder feature of its own position (the route's token indices
-gather the targets); outside a route, every token. Set-aside tokens have no new representation at that block,
-so aligning them would only pull on the block's input, which is not REPA.
+Inside a route only the kept tokens are aligned, each with its own position's feature (docs/research.md).
 """
 from __future__ import annotations
 
@@ -90,9 +86,8 @@ def repa_output(x: torch.Tensor, head: Optional[RepaHead], tap: Optional[dict], 
 
 
 def patch_targets(features: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """Encoder patch features (B, C, h, w) -> (B, N, C) on the model's token grid (row-major, as the DiT's patch
-    embedding orders tokens): unchanged when the grids agree, else area-averaged (coarser) or bilinearly
-    interpolated (finer)."""
+    """Encoder patch features (B, C, h, w) -> (B, N, C) on the model's row-major token grid: unchanged when the grids
+    agree, else area-averaged (coarser) or bilinearly interpolated (finer)."""
     h, w = grid
     if features.shape[-2:] != (h, w):
         if features.shape[-2] >= h and features.shape[-1] >= w:

@@ -1,20 +1,7 @@
-"""SPRINT-style sparse-dense residual fusion (Park et al. 2025, arXiv 2510.21986), written from the paper's
-description: a DiT whose blocks split into
+"""SPRINT-style sparse-dense residual fusion (Park et al. 2025, arXiv 2510.21986), from the paper's description.
 
-* dense shallow blocks [0, start): every token;
-* a deep span [start, end]: only the kept tokens when a route is active (SPRINT drops 75%);
-* the fusion: the deep output, with the dropped positions filled by a learned mask token, concatenated with
-  the shallow features (the tokens entering the span) and projected back to the width by a Linear(2D, D);
-* dense final blocks (end, depth), then the final layer.
-
-The span is architecture (model.sprint), not a route: inference and dense fine-tuning (a routing schedule
-phase with `routes: []`) run the span on all tokens and still fuse. Routes on a SPRINT model are exactly one
-route over the span, at any ratio.
-
-Path drop: in training, each sample's whole deep output is replaced by mask tokens with probability
-`path_drop_prob` (SPRINT's 0.1), so the model learns the prediction without its deep path. At sampling,
-path-drop guidance (sampling.path_drop) takes that prediction for the unconditional branch of classifier-free
-guidance: those rows skip the deep span (nearly half the FLOPs of a CFG step on a deep model).
+Dense shallow blocks, a deep span on the kept tokens, a Linear(2D, D) fusion with the shallow features, dense
+final blocks; path drop trains the no-deep-path prediction for path-drop guidance (docs/research.md).
 """
 from __future__ import annotations
 
@@ -118,9 +105,8 @@ class SprintDiT(DiT):
         return x
 
     def forward_flops(self, routes=None, path_dropped: bool = False, grid: Optional[tuple[int, int]] = None) -> float:
-        """DiT's count with the deep span at its kept tokens, plus the fusion (2 N 2D D); `path_dropped`: a pass
-        whose deep span is skipped (path-drop guidance's unconditional branch); grid: latents (H, W) (default:
-        input_size square)."""
+        """DiT's count with the deep span at its kept tokens plus the fusion (2 N 2D D); `path_dropped`: the deep
+        span is skipped (path-drop guidance's unconditional branch); grid: latents (H, W)."""
         routes = routes if routes is not None else self.routing.routes
         N, D = self._tokens(grid), self.pos_embed.shape[-1]
         H = self.blocks[0].mlp.fc1.out_features

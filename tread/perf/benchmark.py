@@ -1,14 +1,5 @@
-"""Timing THE training step: tread.training.step.TrainStep of a composed training config, built by training.setup
-exactly as train() builds it, on a fixed synthetic batch of the config's data shape.
-
-    bench = StepBench(compose([...]))   # check_train, accelerator, parts (seeded by train.seed), seeded streams
-    stats = bench.step()                # one optimizer update (the loop's step), on the synthetic batch
-    stats = bench.step(batch)           # ... or on a batch of the run's loader
-    seconds = bench.timed(10)
-
-Several configs (e.g. dense and routed) are timed in interleaved rounds (time_interleaved) after a warm-up,
-so slow drift of the machine hits all of them alike; configs built from the same seed start from the same
-weights. PairedTimer keeps a dense baseline built and times other configs against it one at a time.
+"""Timing the training step (tread.training.step.TrainStep) of a checked training config (tread.schema.check_train)
+built as train() builds it, on a fixed synthetic batch; configs are timed in interleaved rounds (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -27,8 +18,8 @@ from tread.models.flops import model_forward_flops, train_step_flops
 from tread.perf.memory import MemoryMeter, static_bytes
 from tread.perf.peaks import fraction_of_bound, mfu, speedup_bound
 from tread.perf.routes import route_dicts
-from tread.schema import check_train
-from tread.training.setup import build_parts, make_accelerator, micro_batch_size, seed_streams
+from tread.schema.train import TrainConfig
+from tread.training.setup import build_parts, make_accelerator, seed_streams
 from tread.training.step import StepSettings, StepStats, TrainStep
 
 GRAPH_KEYS = ("unique_graphs", "graph_breaks")
@@ -38,7 +29,7 @@ def synthetic_batch(model: torch.nn.Module, batch: int, device: torch.device, se
     """(x, labels) of the model's input shape: x (B, C, R, R), or (B, C, T, R, R) for video models with
     frames > 1, and labels below the model's class count; the same for every config of one geometry."""
     shape = [batch, model.in_channels, model.input_size, model.input_size]
-    if getattr(model, "frames_axis", False) and getattr(model, "frames", 1) > 1:
+    if model.frames_axis and model.frames > 1:
         shape.insert(2, model.frames)
     gen = torch.Generator("cpu").manual_seed(seed)
     x = torch.randn(shape, generator=gen)
@@ -61,25 +52,21 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 class StepBench:
-    """THE training step of one composed training config (see the module docstring). `parts` are the run's
-    training parts (model, objective, EMA, optimizer); `batch` the synthetic micro-batch on the device.
+    """THE training step of one checked training config (kept as `cfg`): `parts` are the run's model, objective, EMA
+    and optimizer, `batch` the synthetic micro-batch on the device; its Accelerator is made as train() makes it."""
 
-    Each StepBench makes its Accelerator as train() does (make_accelerator resets accelerate's process-wide
-    state); configs timed together differ only in their routes, so they all see the same state."""
-
-    def __init__(self, cfg: Any, data_meta: Optional[Mapping[str, Any]] = None):
-        check_train(cfg)
-        self.cfg = cfg
-        self.accelerator = make_accelerator(cfg.train)
-        self.parts = build_parts(cfg, self.accelerator)
-        seed_streams(cfg, self.parts.model, self.accelerator.process_index)
+    def __init__(self, config: TrainConfig, data_meta: Optional[Mapping[str, Any]] = None):
+        self.cfg = config
+        self.accelerator = make_accelerator(self.cfg.train)
+        self.parts = build_parts(self.cfg, self.accelerator)
+        seed_streams(self.cfg.train.seed, self.cfg.routing.seed, self.parts.model, self.accelerator.process_index)
         self.parts.prepare()
         self.parts.net.train()
-        settings = StepSettings.from_config(cfg, use_mask=False, data_meta=data_meta,
+        settings = StepSettings.from_config(self.cfg, use_mask=False, data_meta=data_meta,
                                             routed=self.parts.model.routing.enabled)
         self.train_step = TrainStep(self.parts, settings)
         self.step_index = 0
-        micro = micro_batch_size(cfg.train, self.accelerator.num_processes)
+        micro = self.cfg.micro_batch(self.accelerator.num_processes)
         self.batch = synthetic_batch(self.parts.model, micro, self.device)
 
     @property
@@ -173,9 +160,8 @@ def _time_round(bench: StepBench, n: int, meter: MemoryMeter, o: dict) -> None:
 
 def time_interleaved(benches: Sequence[StepBench], steps: int, warmup: int, rounds: int,
                      meter: MemoryMeter) -> list[dict]:
-    """Warm every config up (compilation happens here), then time them in interleaved rounds. Per config: the
-    step times, the transient memory peak, the static bytes, and the graphs and graph breaks compiled in
-    the warm-up and while timed."""
+    """Warm every config up (compilation happens here), then time them in interleaved rounds; per config the step
+    times, memory peak, static bytes and the graphs and graph breaks compiled."""
     out = [_new_measurement() for _ in benches]
     for bench, o in zip(benches, out):
         o["warmup"] = _warm_up(bench, warmup)
@@ -189,11 +175,9 @@ def time_interleaved(benches: Sequence[StepBench], steps: int, warmup: int, roun
 
 def time_one_at_a_time(builders: Sequence[Callable[[], StepBench]], steps: int, warmup: int,
                        rounds: int) -> tuple[list[StepBench], list[dict]]:
-    """time_interleaved for models of which two configs do not fit in memory: each round builds each config
-    afresh (the same seed gives the same weights), warms it up, times its share of the steps and releases it before
-    the next is built, so the rounds still alternate (A B A B) against drift, at the cost of a build and a warm-up
-    per config per round. Returns the released benches (for their records) and time_interleaved's measurements
-    (warm-up graph counts from the first round)."""
+    """time_interleaved for models of which two configs do not fit in memory: each round builds, warms up, times
+    and releases each config in turn (the same seed gives the same weights). Returns the released benches and
+    time_interleaved's measurements."""
     out = [_new_measurement() for _ in builders]
     benches: list[StepBench] = []
     for n in split_steps(steps, rounds):
@@ -241,8 +225,8 @@ def step_records(timed_configs: Sequence[Timed], base: int, peak: Optional[float
     for i, t in enumerate(timed_configs):
         med, model = t.median_s, t.bench.model
         speedup, achieved = base_s / med, flops[i] / med
-        rec = {"model": model_name, "family": str(t.bench.cfg.model.get("family") or "dit"),
-               "preset": t.bench.cfg.model.get("preset"), "config": t.label, "dense": not model.routing.enabled,
+        rec = {"model": model_name, "family": str(t.bench.cfg.model.family or "dit"),
+               "preset": t.bench.cfg.model.preset, "config": t.label, "dense": not model.routing.enabled,
                "baseline": i == base, "routes": t.bench.routes(), "tokens": int(model.num_tokens), "batch": batch,
                "step_ms": 1e3 * med, "step_ms_all": [1e3 * s for s in t.meas["times"]],
                "images_per_s": batch / med, "tokens_per_s": batch * model.num_tokens / med,
@@ -262,15 +246,15 @@ class PairedTimer:
     """Times configs one at a time against a dense baseline that stays built: each call builds the other
     config's StepBench, times both in interleaved rounds and frees it; dense_times collects every dense step."""
 
-    def __init__(self, dense_cfg: Any, steps: int, warmup: int, rounds: int, max_configs: int = 16):
+    def __init__(self, dense: TrainConfig, steps: int, warmup: int, rounds: int, max_configs: int = 16):
         allow_compiled_configs(max_configs + 1)
         self.steps, self.warmup, self.rounds = steps, warmup, rounds
-        self.dense = StepBench(dense_cfg)
+        self.dense = StepBench(dense)
         self.meter = MemoryMeter(self.dense.device)
         self.dense_times: list[float] = []
 
-    def __call__(self, cfg: Any) -> dict:
-        bench = StepBench(cfg)
+    def __call__(self, candidate: TrainConfig) -> dict:
+        bench = StepBench(candidate)
         counted = bench.forward_flops()   # what the training loop logs for this config
         dense, other = time_interleaved([self.dense, bench], self.steps, self.warmup, self.rounds, self.meter)
         self.dense_times += dense["times"]

@@ -1,10 +1,6 @@
-"""The benchmark as a library: `run_benchmark(BenchRequest(...))` times THE training step of a model under several
-route configs, interleaved, on this device (tread/perf/benchmark.py: StepBench, time_interleaved), and optionally
-the sampler, the FID feature extractor and the data loader. scripts/benchmark.py is its command line: a
-BenchRequest field per flag, same name; docs/benchmarks.md says what each figure means.
-
-    out = run_benchmark(BenchRequest(arch="DiT-S/2", resolution=16, channels=4, batch=32, routes=("none", "paper")))
-    out["results"][1]["speedup"], benchmark_markdown(out)
+"""The benchmark as a library: `run_benchmark(BenchRequest(...))` times THE training step under several route
+configs, interleaved, and optionally the sampler, the FID feature extractor and the data loader.
+scripts/benchmark.py is its command line (a BenchRequest field per flag); docs/benchmarks.md explains the figures.
 """
 from __future__ import annotations
 
@@ -20,7 +16,8 @@ from tread.perf.benchmark import (StepBench, Timed, allow_compiled_configs, spli
 from tread.perf.fit import largest_fitting
 from tread.perf.geometry import choose_geometry, resolution_for_tokens
 from tread.perf.memory import MemoryMeter
-from tread.perf.overrides import DEVICES, check_device, check_sets, compose_or_raise, precision_name, run_overrides
+from tread.perf.overrides import (DEVICES, check_device, check_sets, compose_or_raise, fused_adamw, precision_name,
+                                  run_overrides)
 from tread.perf.peaks import device_name, device_peak_flops
 from tread.perf.routes import routing_overrides
 from tread.perf.throughput import eval_feature_throughput, loader_throughput, sampling_throughput
@@ -152,8 +149,8 @@ def base_overrides(args: BenchRequest, family: Optional[str]) -> tuple[list[str]
             + (["optimizer.fused=false"] if args.unfused_adamw else [])
             + ([f"paths.cache_dir={args.cache_dir}"] if args.cache_dir else []))
     probe = compose_or_raise(model_overrides(args, family, True) + tail + list(args.sets), BenchError)
-    resolution = args.resolution if args.tokens is None else resolution_for_tokens(probe, args.tokens)
-    geometry = choose_geometry(probe, resolution, args.channels)
+    resolution = args.resolution if args.tokens is None else resolution_for_tokens(probe.model, args.tokens)
+    geometry = choose_geometry(probe.model, probe.data, resolution, args.channels)
     return geometry.overrides + tail, geometry
 
 
@@ -194,26 +191,26 @@ def bench_model(args: BenchRequest, family: Optional[str], peak: Optional[float]
     args, fit = fitted(args, family)
     configs, geometry, shared = config_overrides(args, family)
     allow_compiled_configs(len(configs))
-    cfgs = [compose_or_raise(overrides, BenchError) for _, overrides, _ in configs]
+    checked = [compose_or_raise(overrides, BenchError) for _, overrides, _ in configs]
     if args.one_at_a_time:
-        benches, meas = time_one_at_a_time([partial(StepBench, c) for c in cfgs], args.steps, args.warmup,
+        benches, meas = time_one_at_a_time([partial(StepBench, c) for c in checked], args.steps, args.warmup,
                                            args.rounds)
     else:
-        benches = [StepBench(c) for c in cfgs]
+        benches = [StepBench(c) for c in checked]
         meas = time_interleaved(benches, args.steps, args.warmup, args.rounds, MemoryMeter(benches[0].device))
     dev = benches[0].device
     meter = MemoryMeter(dev)
     timed = [Timed(label, b, m) for (label, _, _), b, m in zip(configs, benches, meas)]
     base = next(i for i, (_, _, dense) in enumerate(configs) if dense)
-    cfg, model = timed[base].bench.cfg, timed[base].bench.model
-    name = str(cfg.model.arch) if family is None else f"{family}/{args.preset}"
+    config, model = timed[base].bench.cfg, timed[base].bench.model
+    name = str(config.model.arch) if family is None else f"{family}/{args.preset}"
     info = {"model": name, "family": family or "dit", "resolution": int(model.input_size),
             "channels": int(model.in_channels), "tokens": int(model.num_tokens), "depth": int(model.depth),
             "params": sum(p.numel() for p in model.parameters()),
             "geometry": geometry.line(model.num_tokens, "timing", "--resolution/--tokens/--channels time others"),
-            "flops_source": ("analytic (tread/models/flops.py, = DiT.forward_flops)" if hasattr(model, "forward_flops")
+            "flops_source": ("analytic (tread/models/flops.py, = DiT.forward_flops)" if model.analytic_flops
                              else "torch FlopCounterMode, one forward (tread/models/flops.py)"),
-            "overrides": shared, "cfg": cfg, "meter": meter.method, "device": dev, "fit_batch": fit}
+            "overrides": shared, "config": config, "meter": meter.method, "device": dev, "fit_batch": fit}
     out = {"info": info, "results": step_records(timed, base, peak, name, meter.method)}
     if args.sampling:
         out["sampling"] = sampling_throughput(timed[base].bench, args.sampling_steps, name)
@@ -221,22 +218,21 @@ def bench_model(args: BenchRequest, family: Optional[str], peak: Optional[float]
 
 
 def settings_of(args: BenchRequest, infos: list[dict], peak: Optional[float], note: str) -> dict:
-    first, cfg = infos[0], infos[0]["cfg"]
-    t = cfg.train
+    first, config = infos[0], infos[0]["config"]
+    t = config.train
     return {
         "model": first["model"] if len(infos) == 1 else "all families", "family": args.family,
         "arch": args.arch if args.family == "dit" else None, "preset": args.preset if args.family != "dit" else None,
         "resolution": first["resolution"], "channels": first["channels"], "tokens": first["tokens"],
         "depth": first["depth"], "params": first["params"], "geometry": first["geometry"],
-        "models": [{k: v for k, v in i.items() if k not in ("cfg", "meter", "device")} for i in infos],
-        "overrides": first["overrides"], "batch": int(t.batch_size), "fit_batch": first["fit_batch"], "grad_accum_steps": int(t.grad_accum_steps),
-        "lr": float(cfg.optimizer.lr), "label_dropout": float(t.label_dropout), "grad_clip": t.grad_clip,
-        "ema_decay": float(cfg.ema.decay), "device": str(first["device"]), "device_name": device_name(first["device"]),
-        "threads": torch.get_num_threads(), "precision": precision_name(t, first["device"]),
-        "compile": bool(args.compile),
-        "compile_backend": str(t.compile_backend) if args.compile else None,
-        "fused_adamw": bool(cfg.optimizer.get("fused", False)),
-        "gradient_checkpointing": bool(cfg.model.gradient_checkpointing), "torch": torch.__version__,
+        "models": [{k: v for k, v in i.items() if k not in ("config", "meter", "device")} for i in infos],
+        "overrides": first["overrides"], "batch": t.batch_size, "fit_batch": first["fit_batch"],
+        "grad_accum_steps": t.grad_accum_steps, "lr": float(config.optimizer.lr),
+        "label_dropout": float(t.label_dropout), "grad_clip": t.grad_clip, "ema_decay": float(config.ema.decay),
+        "device": str(first["device"]), "device_name": device_name(first["device"]), "threads": torch.get_num_threads(),
+        "precision": precision_name(t, first["device"]), "compile": bool(args.compile),
+        "compile_backend": t.compile_backend if args.compile else None, "fused_adamw": fused_adamw(config.optimizer),
+        "gradient_checkpointing": config.model.gradient_checkpointing, "torch": torch.__version__,
         "steps": args.steps, "warmup": args.warmup, "rounds": len(split_steps(args.steps, args.rounds)),
         "one_at_a_time": bool(args.one_at_a_time),
         "route_specs": [label for label, _ in route_configs(args.routes)], "flops_source": first["flops_source"],
@@ -260,13 +256,12 @@ def run_benchmark(args: BenchRequest) -> dict:
         samplings = [r["sampling"] for r in runs if "sampling" in r]
         if samplings:
             out["sampling"] = samplings[0] if len(samplings) == 1 else samplings
-        cfg, device = runs[0]["info"]["cfg"], runs[0]["info"]["device"]
+        paths, device = runs[0]["info"]["config"].paths, runs[0]["info"]["device"]
         if args.eval_features:
             out["eval"] = eval_feature_throughput(args.features, args.image_size, args.eval_batch or args.batch,
-                                                  args.eval_repeats, device, str(cfg.paths.cache_dir),
-                                                  args.inception_weights)
+                                                  args.eval_repeats, device, paths.cache_dir, args.inception_weights)
         if args.data_loader:
-            out["loader"] = loader_throughput(args.data_path, str(cfg.paths.cache_dir), args.batch,
+            out["loader"] = loader_throughput(args.data_path, paths.cache_dir, args.batch,
                                               args.loader_workers, max(10, args.steps), device,
                                               out["results"][0]["step_ms"])
     return out

@@ -1,22 +1,22 @@
-"""Which latent geometry (channels x resolution^2) the planner and the benchmark work on, and why.
-
-A geometry the user names (--resolution/--channels, or --tokens) is used as named. Otherwise a DiT plans for
-the data its size is trained on: DiT-S/B/L/XL for ImageNet-256 SD-VAE latents (4x32x32, configs/data/
-imagenet256.yaml), DiT-T for the built-in toy data (configs/data/toy.yaml); the diffusers families, and any
-run that names its data (--data), for their config's data. Only channels and resolution are taken from
-the usual data (FLOPs and step time need no data path); the composed config keeps its own data otherwise.
+"""Which latent geometry (channels x resolution^2) the planner and the benchmark work on: the one the user names,
+else the data the model's size is usually trained on (only channels and resolution are taken from it).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional, Union
 
 import torch
 
 from tread.models import build_model, parse_arch
-from tread.schema import compose
+from tread.perf.overrides import data_geometry
+from tread.schema.data import LatentsData, WdsData
+from tread.schema.model import DiTModel, FamilyModel
 from tread.utils.errors import UserError
+
+ModelSection = Union[DiTModel, FamilyModel]    # a checked config's model and data sections (tread.schema)
+DataSection = Union[LatentsData, WdsData]
 
 NAMED = "as named by --resolution/--channels"
 USUAL_DATA = {"T": "toy", "S": "imagenet256", "B": "imagenet256", "L": "imagenet256", "XL": "imagenet256"}
@@ -47,30 +47,30 @@ class Geometry:
         return f"{doing} {self.channels}x{r}x{r} latents ({num_tokens} tokens): {self.why}{tail}"
 
 
-def is_dit(cfg: Any) -> bool:
-    return cfg.model.get("_target_") in ("tread.models.build_dit", "tread.models.build_sprint")
+def is_dit(model: ModelSection) -> bool:
+    return model.target in ("tread.models.build_dit", "tread.models.build_sprint")
 
 
-def usual_data_name(cfg: Any) -> Optional[str]:
+def usual_data_name(model: ModelSection) -> Optional[str]:
     """The data config a DiT of this size trains on (None for the families and unknown archs)."""
-    if not is_dit(cfg):
+    if not is_dit(model):
         return None
-    arch = str(cfg.model.arch)
+    arch = str(model.arch)
     size = arch[len("DiT-"):].split("/")[0] if arch.startswith("DiT-") else None
     return USUAL_DATA.get(size)
 
 
-def choose_geometry(cfg: Any, resolution: Optional[int] = None, channels: Optional[int] = None,
-                    data_named: Optional[str] = None) -> Geometry:
-    """The geometry for `cfg` (composed without geometry overrides): named values win; the rest from the
-    arch's usual data (unless --data names the data) or the config's data."""
-    usual = None if data_named else usual_data_name(cfg)
-    base = compose([f"data={usual}"]).data if usual else cfg.data
-    c = channels if channels is not None else int(base.channels)
-    r = resolution if resolution is not None else int(base.resolution)
+def choose_geometry(model: ModelSection, data: DataSection, resolution: Optional[int] = None,
+                    channels: Optional[int] = None, data_named: Optional[str] = None) -> Geometry:
+    """The geometry for a config's `model` and `data` (composed without geometry overrides): named values win; the
+    rest from the arch's usual data (unless --data names the data) or the config's data."""
+    usual = None if data_named else usual_data_name(model)
+    base = data_geometry(usual, GeometryError) if usual else (data.channels, data.resolution)
+    c = channels if channels is not None else base[0]
+    r = resolution if resolution is not None else base[1]
     named = [f for f, v in (("--resolution", resolution), ("--channels", channels)) if v is not None]
-    source = (f"the usual data of {cfg.model.arch}, {DATA_TEXT[usual]}" if usual else
-              f"the data of the composed config ({describe_data(cfg.data, data_named)})")
+    source = (f"the usual data of {model.arch}, {DATA_TEXT[usual]}" if usual else
+              f"the data of the composed config ({describe_data(data, data_named)})")
     if len(named) == 2:
         why = NAMED
     elif named:
@@ -78,37 +78,36 @@ def choose_geometry(cfg: Any, resolution: Optional[int] = None, channels: Option
     else:
         why = source
     overrides = []
-    if resolution is not None or r != int(cfg.data.resolution):
-        key = "data.builtin_args.resolution" if cfg.data.get("builtin") else "data.resolution"
+    if resolution is not None or r != data.resolution:
+        key = "data.builtin_args.resolution" if data.builtin else "data.resolution"
         overrides.append(f"{key}={r}")
-    if channels is not None or c != int(cfg.data.channels):
+    if channels is not None or c != data.channels:
         overrides.append(f"data.channels={c}")
     # a train command for the usual data names it (data=imagenet256) and what was named on top of it
-    from_usual = usual is not None and len(named) < 2 and (int(base.channels), int(base.resolution)) != (
-        int(cfg.data.channels), int(cfg.data.resolution))
+    from_usual = usual is not None and len(named) < 2 and base != (data.channels, data.resolution)
     train_overrides = ([f"data={usual}"] + [f"data.resolution={resolution}"] * (resolution is not None)
                        + [f"data.channels={channels}"] * (channels is not None)) if from_usual else overrides
     return Geometry(c, r, why, overrides, train_overrides, usual if from_usual else None)
 
 
-def describe_data(data_cfg: Any, data_named: Optional[str]) -> str:
+def describe_data(data: DataSection, data_named: Optional[str]) -> str:
     if data_named:
         return f"data={data_named}"
-    return "the built-in toy data" if data_cfg.get("builtin") else "its data"
+    return "the built-in toy data" if data.builtin else "its data"
 
 
-def resolution_for_tokens(cfg: Any, tokens: int) -> int:
+def resolution_for_tokens(model: ModelSection, tokens: int) -> int:
     """The latent side that gives `tokens` square tokens with the model's patch size (built on the meta
     device: shapes only)."""
     side = math.isqrt(tokens)
     if tokens < 1 or side * side != tokens:
         raise GeometryError(f"--tokens {tokens} is not a square number of tokens; allowed: 1, 4, 16, 64, 256, ...")
-    return side * token_patch(cfg)
+    return side * token_patch(model)
 
 
-def token_patch(cfg: Any) -> int:
+def token_patch(model: ModelSection) -> int:
     """Latent cells per token along H (DiT: the arch's patch; families: their latent patch)."""
-    if is_dit(cfg):
-        return parse_arch(str(cfg.model.arch))[3]
+    if is_dit(model):
+        return parse_arch(str(model.arch))[3]
     with torch.device("meta"):
-        return int(build_model(cfg.model).latent_patch()[1])
+        return int(build_model(model.plain()).latent_patch()[1])

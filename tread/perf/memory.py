@@ -1,11 +1,7 @@
-"""Memory of a training step: the static bytes a run keeps (weights, optimizer state, EMA), the transient peak
-of a code region, and (memory_per_gpu) the static bytes per GPU of DDP vs FSDP for a model's parameter counts,
-with the memory options (model.quantize, model.base_dtype, ema.mode, optimizer=adamw8bit).
-
-Transient peak = the peak above what was resident when the region began: CUDA max_memory_allocated (reset
-per region); on the CPU the process peak RSS (VmHWM in /proc/self/status, reset through /proc/self/clear_refs;
-where that cannot be reset, the ru_maxrss growth, which only sees new peaks). CPU figures are approximate
-(allocator caching)."""
+"""Memory of a training step: static bytes (weights, optimizer state, EMA), the transient peak of a code region
+(CUDA max_memory_allocated, or the process peak RSS on the CPU, approximate), and memory_per_gpu, the static
+bytes per GPU of DDP vs FSDP with the memory options (docs/scaling.md).
+"""
 from __future__ import annotations
 
 import ctypes
@@ -113,9 +109,8 @@ def release_free_memory() -> None:
 
 
 def map_large_allocations(threshold: int = 1 << 20) -> None:
-    """Serve every allocation of `threshold` bytes or more by its own mapping (glibc's mallopt M_MMAP_THRESHOLD; it
-    otherwise raises the threshold to up to 32 MiB as tensors are freed, and the heap keeps what they held), so a
-    freed tensor leaves the RSS at once and a peak RSS counts live memory; no-op elsewhere. Process-wide."""
+    """Serve every allocation of `threshold` bytes or more by its own mapping (glibc's M_MMAP_THRESHOLD), so a freed
+    tensor leaves the RSS at once and the peak RSS counts live memory; process-wide, a no-op elsewhere."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)     # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
@@ -179,9 +174,7 @@ def count_params(model: nn.Module, lora_rank: int = 16, lora_targets: Sequence[s
 
 
 def linear_bytes(layer: LinearShape, quantize: Optional[str], base_dtype: str) -> Optional[int]:
-    """Stored bytes of one frozen Linear's weight and bias (None: it stays fp32): model.quantize stores a block's
-    weight at QUANT_BITS plus fp32 scales (bias fp32); base_dtype=fp8 a block's weight as 1-byte codes plus one fp32
-    scale per output row (bias bf16); bf16 (and fp8 outside the blocks) weight and bias in bf16."""
+    """Stored bytes of one frozen Linear's weight and bias under model.quantize / base_dtype (None: it stays fp32)."""
     weight, bias = layer.out * layer.inp, layer.out if layer.bias else 0
     if quantize is not None:
         if not layer.in_block:
@@ -202,9 +195,8 @@ def base_bytes(counts: ParamCounts, quantize: Optional[str] = None, base_dtype: 
 
 
 def adam_bytes(sizes: Sequence[int], block: Optional[int] = None) -> int:
-    """AdamW's state for parameters of `sizes` values: two fp32 moments (block None: optimizer=adamw), or
-    optimizer=adamw8bit's with `block` values per scale (ADAM8_* above), and the step count both keep per parameter
-    (an fp32 scalar tensor)."""
+    """AdamW's state bytes for parameters of `sizes` values: two fp32 moments (block None), or adamw8bit's with `block`
+    values per scale, plus the per-parameter step count."""
     eight = [n for n in sizes if block is not None and n >= ADAM8_MIN and n % block == 0]
     return ADAM_STATES * (sum(n + FP32 * (n // block + ADAM8_QMAP) for n in eight)
                           + FP32 * (sum(sizes) - sum(eight))) + FP32 * len(sizes)
@@ -212,12 +204,9 @@ def adam_bytes(sizes: Sequence[int], block: Optional[int] = None) -> int:
 
 def memory_per_gpu(counts: ParamCounts, parallel: str, world: int, lora: bool, quantize: Optional[str] = None, *,
                    base_dtype: str = "fp32", ema: str = "full", adam_block: Optional[int] = None) -> dict[str, int]:
-    """Static bytes per GPU: weights, gradients, AdamW moments and the EMA, each divided by `world` under fsdp, plus
-    FSDP's transient all-gathered weights (the root group and two blocks: the running one and the prefetched next).
-    LoRA trains only the adapters; its frozen base is fp32, or stored by `quantize` / `base_dtype` (base_bytes). The
-    EMA (tread/training/ema.py make_ema, ema.mode): full, a copy of the backbone whose quantized / fp8 base is
-    shared (counted once, with the weights); trained, the trained parameters only; cpu (host memory) and off: none
-    on the GPU. adam_block: optimizer=adamw8bit's block (None: fp32 moments)."""
+    """Static bytes per GPU: weights, gradients, AdamW moments and the EMA (each divided by `world` under fsdp, plus
+    FSDP's all-gathered root group and two blocks). LoRA trains only the adapters over a base stored as
+    `quantize` / `base_dtype` say; the EMA follows ema.mode; adam_block: adamw8bit's block (None: fp32 moments)."""
     trainable = counts.lora if lora else counts.total
     sizes = (counts.lora_sizes if lora else counts.sizes) or (trainable,)
     base = base_bytes(counts, quantize, base_dtype) if lora else FP32 * counts.total
@@ -250,11 +239,8 @@ def table_presets() -> list[tuple[str, str]]:
 
 
 def data_channels(family: str, preset: str) -> int:
-    """Latent channels of the data a family preset trains on, from the family module's own statements: the
-    preset's out_channels where it states them (the predicted latent), else its transformer in_channels mapped back
-    through the family's data_config (FLUX packs 2x2 latent cells
-    into a token: 4 per data channel), or, for a preset that leaves them to the data (tiny, mid), those of the
-    family's first released geometry (the first preset that fixes them: its VAE's latent channels)."""
+    """Latent channels of the data a family preset trains on: the preset's out_channels, else its in_channels mapped
+    back through data_config, else those of the family's first released geometry."""
     module = family_module(family)
     out_per_channel = module.FAMILY.data_config(1, 64, {}).get("out_channels")
     if module.PRESETS[preset].get("out_channels") and out_per_channel:   # the predicted latent: the data's channels
@@ -267,9 +253,8 @@ def data_channels(family: str, preset: str) -> int:
 
 
 def build_on_meta(family: str, preset: str) -> nn.Module:
-    """The backbone a preset describes, on the meta device (no memory, no weights): DiT on ImageNet-256 latents
-    (4x32x32, 1000 classes); a family with its text conditioning only (no class table) at its preset's sample
-    size (64 where it has none)."""
+    """The backbone a preset describes, on the meta device: DiT on ImageNet-256 latents (4x32x32, 1000 classes), a
+    family with text conditioning only at its preset's sample size (64 where it has none)."""
     with torch.device("meta"):
         if family == "dit":
             return build_dit(preset, input_size=32, in_channels=4, num_classes=1000)
@@ -281,9 +266,8 @@ def build_on_meta(family: str, preset: str) -> nn.Module:
 
 def memory_rows(worlds: Sequence[int] = (2, 8), lora_rank: int = 16,
                 presets: Optional[Sequence[tuple[str, str]]] = None) -> list[dict]:
-    """One row per preset: parameter counts and GiB per GPU for full fine-tuning and LoRA, DDP and FSDP at each
-    world size, and the DDP variants (VARIANTS: lean = ema.mode=trained + optimizer=adamw8bit; a bf16 / fp8 base;
-    a quantized base)."""
+    """One row per preset: parameter counts and GiB per GPU for full fine-tuning and LoRA, DDP and FSDP at each world
+    size, and the DDP memory-option VARIANTS."""
     rows = []
     for family, preset in presets or table_presets():
         model = build_on_meta(family, preset)

@@ -1,14 +1,17 @@
 """From the tools' flags to training-config overrides: the benchmark and the planner compose the config
-`python train.py <overrides>` would run, with a one-line error when it does not compose."""
+`python train.py <overrides>` would run, checked (tread.schema.check_train), with a one-line error when it does not
+compose. Only this module holds composed configs unchecked: data_geometry reads a data config's shape alone."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
-from tread.schema import compose
+from tread.schema import check_train, compose
+from tread.schema.compose import COMPOSE_ERRORS
+from tread.schema.model import AdamW, AdamW8bit
+from tread.schema.train import Train, TrainConfig
 from tread.training.setup import mixed_precision
 from tread.utils.device import why_unavailable
 from tread.utils.errors import UserError
@@ -20,11 +23,23 @@ class OverrideError(UserError):
     """Overrides that do not compose, or a --set that is not a Hydra override."""
 
 
-def compose_or_raise(overrides: Sequence[str], error: type[UserError] = OverrideError) -> Any:
-    """The composed training config, or `error` with Hydra's first line."""
+def compose_or_raise(overrides: Sequence[str], error: type[UserError] = OverrideError) -> TrainConfig:
+    """The composed training config, checked; `error` with Hydra's first line when it does not compose (a value
+    check_train refuses is its one-line ConfigError)."""
+    return check_train(_composed(overrides, error), unset_ok=("data.path",))   # synthetic batches: no data read
+
+
+def data_geometry(name: str, error: type[UserError] = OverrideError) -> tuple[int, int]:
+    """(channels, resolution) of the data config `name` (configs/data/<name>.yaml), read from the config composed
+    with it unchecked: it may leave keys mandatory (data.path=???) that a shape does not need."""
+    data = _composed([f"data={name}"], error).data
+    return int(data.channels), int(data.resolution)
+
+
+def _composed(overrides: Sequence[str], error: type[UserError]) -> DictConfig:
     try:
         return compose(list(overrides))
-    except (HydraException, OmegaConfBaseException) as err:
+    except COMPOSE_ERRORS as err:
         raise error(f"the overrides {' '.join(overrides)} do not compose: {str(err).splitlines()[0]}") from None
 
 
@@ -61,8 +76,13 @@ def run_overrides(precision: Optional[str] = None, device: str = "auto", compile
     return ov
 
 
-def precision_name(train_cfg: Any, device: torch.device) -> str:
+def precision_name(train: Train, device: torch.device) -> str:
     """The step's precision on `device`: fp32 for mixed_precision=no, else bf16 or fp16 (auto resolved as training
     resolves it)."""
-    value = mixed_precision(train_cfg.mixed_precision, device)[0]
+    value = mixed_precision(train.mixed_precision, device)[0]
     return "fp32" if value == "no" else value
+
+
+def fused_adamw(optimizer: Union[AdamW, AdamW8bit]) -> bool:
+    """optimizer.fused of optimizer=adamw (null: false); true for an optimizer without the key (adamw8bit)."""
+    return bool(optimizer.fused) if isinstance(optimizer, AdamW) else True

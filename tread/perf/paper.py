@@ -1,22 +1,6 @@
-"""The paper code's training step (CompVis/tread), built from a checkout the user provides, for timing beside ours
-in one process (scripts/compare_paper.py). Nothing of it is vendored here: its licence (CC BY-NC-SA) forbids
-copying, so PAPER_DIR is imported as it is.
-
-Its step, as its train.py runs it: `dit.get_model(arch, params)` (blocks and final layer under the
-`@torch.compile` they ship with; routes on when given), wrapped by `edm.EDMDiffusion().wrap_model_with_precond`,
-`get_training_loss(net, x, y, class_drop_prob=0.1).mean()` under autocast, `zero_grad`, `backward`, `AdamW(lr 1e-4,
-betas (0.9, 0.999), eps 1e-8, no weight decay)` as its config builds it (torch's default implementation for the
-device), and `utils.train_helper.update_ema` (decay 0.9999). On CUDA its fp32 matmuls and convolutions run in
-TF32, as its train.py sets (torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32); bf16 is autocast. Step
-times are taken between CUDA synchronisations (tread.perf.benchmark.timed).
-
-Importing it: the paper's modules are top-level names (`dit`, `edm`, `routing_module`, and `utils`, a folder
-without __init__.py); ours all live under `tread`, so nothing clashes and they are imported under their own
-names, where they stay. While they import, a finder on sys.meta_path resolves PAPER_DIR's top-level names in
-PAPER_DIR, ahead of sys.path, so a `utils` package elsewhere cannot shadow the paper's. Its
-`utils/edm_helper.py` imports deepspeed for a ZeRO-3 EMA helper the step never calls; when deepspeed is not
-installed the same finder serves an empty `deepspeed` package written to a temporary folder. That stub has no
-package metadata, so accelerate and the other libraries that ask still find deepspeed not installed.
+"""The paper code's training step (CompVis/tread), built from a checkout the user provides, for timing beside
+ours in one process (scripts/compare_paper.py; docs/benchmarks.md). Nothing of it is vendored: its licence
+forbids copying.
 """
 from __future__ import annotations
 
@@ -64,10 +48,8 @@ DEEPSPEED_STUB = {"deepspeed/__init__.py": "", "deepspeed/runtime/__init__.py": 
 
 
 class _PaperFinder(importlib.abc.MetaPathFinder):
-    """Finds the paper's top-level modules (PAPER_TOP_LEVEL) in PAPER_DIR, ahead of sys.path (a regular `utils`
-    package elsewhere would otherwise win over the paper's utils folder, which has no __init__.py), and
-    `deepspeed` in `stubs` when given; every other name as usual (PAPER_DIR's datasets.py is no `datasets` for
-    the libraries imported meanwhile). Submodules resolve through their package's __path__."""
+    """Finds the paper's top-level modules (PAPER_TOP_LEVEL) in PAPER_DIR ahead of sys.path, and `deepspeed` in
+    `stubs` when given; every other name resolves as usual."""
 
     def __init__(self, paper_dir: Path, stubs: Optional[Path]):
         self.folders = dict.fromkeys(PAPER_TOP_LEVEL, paper_dir)
@@ -82,9 +64,8 @@ class _PaperFinder(importlib.abc.MetaPathFinder):
 
 @contextlib.contextmanager
 def _paper_importable(paper_dir: Path) -> Iterator[None]:
-    """The paper's modules importable by their own names while the block runs, and, when deepspeed is not
-    installed, an empty `deepspeed` package from a temporary folder. The finder leaves afterwards; what was
-    imported stays imported under its name (none is ours: our code is the `tread` package)."""
+    """While the block runs, the paper's modules are importable by their own names (with an empty `deepspeed` stub
+    when it is not installed); what was imported stays imported."""
     with tempfile.TemporaryDirectory(prefix="paper_stubs_") as stubs:
         need_stub = importlib.util.find_spec("deepspeed") is None
         if need_stub:

@@ -7,9 +7,10 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from tread.data import build_dataset
+from tread.perf.geometry import DataSection
 from tread.perf.plan import PlanError
 from tread.perf.routes import routing_overrides
 from tread.schema import compose
@@ -20,9 +21,8 @@ from tread.utils.errors import USER_ERRORS
 
 @dataclass(frozen=True)
 class Pilot:
-    """What the pilot trains: steps (--pilot N; 0 with a time budget), seconds (--pilot-seconds), the top k
-    candidates (--pilot-top), ranked by FID (--pilot-fid) or loss; `run` are the run overrides (precision,
-    device, compile), `sets` the user's --set overrides."""
+    """What the pilot trains: steps or seconds, the top k candidates ranked by FID or loss; `run` are the run
+    overrides (precision, device, compile), `sets` the user's --set overrides."""
 
     steps: int = 0
     seconds: Optional[float] = None
@@ -76,12 +76,13 @@ def pilot_overrides(p: Pilot) -> list[str]:
     return ov
 
 
-def check_pilot_data(dense_cfg: Any) -> None:
-    """Build (or open) the pilot's data now, so a mismatch is an error before any timing."""
-    want = (int(dense_cfg.data.channels), int(dense_cfg.data.resolution))
-    name = dense_cfg.data.get("builtin") or dense_cfg.data.get("path")
+def check_pilot_data(data: DataSection) -> None:
+    """Build (or open) the pilot's data (the dense config's data section) now, so a mismatch is an error before
+    any timing."""
+    want = (data.channels, data.resolution)
+    name = data.builtin or data.path
     try:
-        ds = build_dataset(dense_cfg.data)
+        ds = build_dataset(data.plain())
     except USER_ERRORS as err:   # the data's own checks (shape, files) name what it has
         raise PlanError(f"--pilot trains on the data ({name}), which does not fit the plan's --channels {want[0]} "
                         f"--resolution {want[1]}: {str(err).splitlines()[0]}") from None

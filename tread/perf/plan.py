@@ -1,9 +1,5 @@
-"""The route planner's logic: candidates under the paper's guidelines, their FLOPs, which to time and in what
-order, and the recommendation rule (tread/perf/planner.py plans with them; docs/ablations.md states the rules).
-
-Candidates are single routes {ratio, start, end}; FLOPs come from tread.models.flops.forward_flops_with_routes on
-the model models.build_model builds from the composed config; timing goes through a time_fn (candidate row ->
-medians of one pairing with dense), by default tread.perf.benchmark.PairedTimer, THE training step of each config.
+"""The route planner's logic: candidates under the paper's guidelines, their FLOPs, which to time and in what order,
+and the recommendation rule (docs/ablations.md, "Route planning", states the rules).
 """
 from __future__ import annotations
 
@@ -19,6 +15,7 @@ from tread.models.flops import RouteFlops, forward_flops_with_routes, train_step
 from tread.perf.benchmark import PairedTimer
 from tread.perf.routes import label_of, route_dicts, routing_overrides
 from tread.routing import Route, tokens_per_block, tokens_processed_fraction
+from tread.schema.train import TrainConfig
 from tread.utils.errors import UserError
 
 PAPER_RATIO, PAPER_START, PAPER_END_FROM_END = 0.5, 2, 4   # the paper's route: 0.5 over blocks 2..depth-4
@@ -180,7 +177,7 @@ def flops_function(model: Any) -> Callable[[Sequence[Route]], float]:
     """Forward FLOPs per sample for a route set, cached: DiT's analytic count (forward_flops_with_routes), or a
     family's per-block polynomials from three counted forwards (tread.models.flops.RouteFlops)."""
     cache: dict = {}
-    count = RouteFlops(model) if not hasattr(model, "forward_flops") else partial(forward_flops_with_routes, model)
+    count = RouteFlops(model) if not model.analytic_flops else partial(forward_flops_with_routes, model)
 
     def fn(routes: Sequence[Route]) -> float:
         key = tuple(routes)
@@ -226,9 +223,8 @@ def mark_same_cost(rows: list[dict], timed: list[dict]) -> None:
 
 def measure_candidates(rows: list[dict], k: int, time_fn: TimeFn, target: dict,
                        log: Callable[[str], None] = lambda s: None) -> list[dict]:
-    """Time at most k of the candidates that meet the target by FLOPs (order: docs/ablations.md, "Timing");
-    fills step/speedup fields in place, logs progress with an estimate of the time left, and returns the
-    timed rows in the order they were timed."""
+    """Time at most k of the candidates that meet the target by FLOPs (order: docs/ablations.md), filling their
+    step/speedup fields in place; returns the timed rows in timing order."""
     pending = [c for c in rows if c["meets_theory"]]
     x = target.get("speedup")
     timed, fractions, start = [], [], time.perf_counter()
@@ -291,7 +287,7 @@ def train_command(overrides: Sequence[str], routes: Sequence[dict]) -> str:
     return "python train.py " + " ".join(shlex.quote(o) for o in list(overrides) + routing_overrides(routes))
 
 
-def paired_time_fn(timer: PairedTimer, compose_candidate: Callable[[list[str]], Any]) -> TimeFn:
+def paired_time_fn(timer: PairedTimer, compose_candidate: Callable[[list[str]], TrainConfig]) -> TimeFn:
     """time_fn of the one training step: the candidate's composed config against the timer's dense baseline,
     with its FLOPs counted as the training loop counts them (flops_match: the same as the plan's)."""
     def time_fn(cand: dict) -> dict:

@@ -1,12 +1,6 @@
-"""The route planner as a library: `plan(PlanRequest(...))` composes the config train.py would run, lists and
-counts the candidates, times and pilots them as asked and recommends one (docs/ablations.md, "Route planning",
-states every rule). scripts/plan_routes.py is its command line: a PlanRequest field per flag, same name.
-
-    res = plan(PlanRequest(arch="DiT-B/2", target_speedup=1.3))     # FLOPs only
-    res["recommendation"]["train_command"], res["markdown"]
-
-Bad values raise PlanError naming the flag (one line), when the request is built or, for what needs the model
-(depth, patch size, reachability), before any timing.
+"""The route planner as a library: `plan(PlanRequest(...))` composes the config, lists, counts, times and pilots
+the candidates as asked and recommends one; scripts/plan_routes.py is its command line. Bad values raise
+PlanError naming the flag before any timing.
 """
 from __future__ import annotations
 
@@ -23,8 +17,9 @@ import torch
 from tread.models import DIT_ARCHS, build_model
 from tread.models.families import family_module
 from tread.perf.benchmark import PairedTimer, split_steps
-from tread.perf.geometry import Geometry, choose_geometry, is_dit, token_patch
-from tread.perf.overrides import check_device, check_sets, compose_or_raise, precision_name, run_overrides
+from tread.perf.geometry import DataSection, Geometry, ModelSection, choose_geometry, is_dit, token_patch
+from tread.perf.overrides import (check_device, check_sets, compose_or_raise, fused_adamw, precision_name,
+                                  run_overrides)
 from tread.perf.peaks import device_name
 from tread.perf.pilot import Pilot, check_pilot_data, run_pilot
 from tread.perf.plan import (PAPER_END_FROM_END, PAPER_START, RULE, PlanError, Space, TimeFn, evaluate_candidates,
@@ -32,6 +27,7 @@ from tread.perf.plan import (PAPER_END_FROM_END, PAPER_START, RULE, PlanError, S
                              recommend, resolve_span, train_command, unreachable_message)
 from tread.perf.plan_report import markdown
 from tread.schema import CONFIG_DIR
+from tread.schema.train import TrainConfig
 from tread.utils.device import cpu_threads, resolve_device
 from tread.utils.errors import USER_ERRORS
 
@@ -137,7 +133,7 @@ def check_target(a: PlanRequest) -> None:
 def model_overrides(a: PlanRequest) -> list[str]:
     """model=..., data=..., and --arch / --preset, checked against the model config they apply to."""
     head = [f"model={a.model}"] + ([f"data={a.data}"] if a.data else [])
-    probe = compose_or_raise(head + list(a.sets) + ["routing=none"], PlanError)
+    probe = compose_or_raise(head + list(a.sets) + ["routing=none"], PlanError).model
     if a.arch is not None:
         if not is_dit(probe):
             raise PlanError(f"--arch {a.arch} applies to model=tread|dit; model={a.model} is a diffusers family: "
@@ -149,9 +145,9 @@ def model_overrides(a: PlanRequest) -> list[str]:
         if is_dit(probe):
             raise PlanError(f"--preset {a.preset} applies to the diffusers families; model={a.model} is a DiT: use "
                             f"--arch (e.g. --arch DiT-B/2)")
-        presets = sorted(family_module(probe.model.family).PRESETS)
+        presets = sorted(family_module(probe.family).PRESETS)
         if a.preset not in presets:
-            raise PlanError(f"--preset {a.preset} is not a {probe.model.family} preset; allowed: {', '.join(presets)}")
+            raise PlanError(f"--preset {a.preset} is not a {probe.family} preset; allowed: {', '.join(presets)}")
         head.append(f"model.preset={a.preset}")
     return head
 
@@ -159,13 +155,13 @@ def model_overrides(a: PlanRequest) -> list[str]:
 @dataclass
 class Configs:
     """The overrides train.py would get (model: model, data, --arch/--preset; the geometry's; batch: --batch;
-    then --set), and the dense config they compose to."""
+    then --set), and the dense config they compose to, checked."""
 
     model: list[str]
     geometry: Geometry
     batch: list[str]
     sets: list[str]
-    dense_cfg: Any = None
+    dense: Optional[TrainConfig] = None
 
     @property
     def head(self) -> list[str]:
@@ -183,28 +179,31 @@ class Configs:
 def make_configs(a: PlanRequest) -> Configs:
     model = model_overrides(a)
     probe = compose_or_raise(model + list(a.sets) + ["routing=none"], PlanError)
-    c = Configs(model, choose_geometry(probe, a.resolution, a.channels, a.data),
+    c = Configs(model, choose_geometry(probe.model, probe.data, a.resolution, a.channels, a.data),
                 [f"train.batch_size={a.batch}"] if a.batch is not None else [], list(a.sets))
-    c.dense_cfg = compose_or_raise(c.overrides + ["routing=none"], PlanError)
+    check_patch(probe.model, c.geometry.resolution)   # before the dense config's check refuses it by its keys
+    c.dense = compose_or_raise(c.overrides + ["routing=none"], PlanError)
     return c
 
 
-def model_for_flops(cfg: Any, a: PlanRequest) -> Any:
-    """The dense model to count FLOPs on, built on the meta device (shapes only, no memory: a released preset
-    such as FLUX.2 dev's 32B parameters plans on any machine; a family's forward is counted by FlopCounterMode).
-    A DiT's patch divisibility is a flag error."""
-    res = int(cfg.data.resolution)
-    if is_dit(cfg) and res % token_patch(cfg):
-        patch, lower = token_patch(cfg), res - res % token_patch(cfg)
+def check_patch(model: ModelSection, res: int) -> None:
+    """A DiT's patch divisibility of the planned resolution is a flag error."""
+    if is_dit(model) and res % token_patch(model):
+        patch, lower = token_patch(model), res - res % token_patch(model)
         examples = f"{lower} or {lower + patch}" if lower else f"{patch}"
-        raise PlanError(f"--resolution {res} is not divisible by the patch size {patch} of {cfg.model.arch}; "
+        raise PlanError(f"--resolution {res} is not divisible by the patch size {patch} of {model.arch}; "
                         f"allowed: multiples of {patch}, e.g. {examples}")
+
+
+def model_for_flops(model: ModelSection, data: DataSection, a: PlanRequest) -> Any:
+    """The dense model to count FLOPs on (the dense config's model, for its data's geometry), built on the meta
+    device (shapes only, so a released preset plans on any machine)."""
     try:
         with torch.device("meta"):
-            return build_model(cfg.model)
+            return build_model(model.plain())
     except USER_ERRORS as err:   # our config errors name the key and the allowed values
-        raise PlanError(f"model={a.model} ({cfg.model.get('arch')}) cannot be built for --resolution {res} "
-                        f"--channels {int(cfg.data.channels)}: {str(err).splitlines()[0]}") from None
+        raise PlanError(f"model={a.model} ({model.arch}) cannot be built for --resolution {data.resolution} "
+                        f"--channels {data.channels}: {str(err).splitlines()[0]}") from None
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -220,8 +219,8 @@ def pilot_of(a: PlanRequest) -> Pilot:
 
 def candidates(a: PlanRequest, c: Configs) -> dict:
     """FLOPs of dense and every candidate on the model train.py builds; raises when no candidate can meet it."""
-    model = model_for_flops(c.dense_cfg, a)
-    depth, num_tokens, batch = int(model.depth), int(model.num_tokens), int(c.dense_cfg.train.batch_size)
+    model = model_for_flops(c.dense.model, c.dense.data, a)
+    depth, num_tokens, batch = int(model.depth), int(model.num_tokens), c.dense.train.batch_size
     space = Space(tuple(ratio_grid(a.ratios, a.ratio_step, a.max_ratio)), a.min_start, a.max_end, a.min_blocks,
                   a.max_ratio)
     route_sets = generate_candidates(depth, space.ratios, space.min_start, space.max_end, space.min_blocks)
@@ -259,19 +258,19 @@ def time_candidates(a: PlanRequest, c: Configs, found: dict, time_fn: Optional[T
 
 
 def settings_of(a: PlanRequest, c: Configs, found: dict, timing: dict) -> dict:
-    cfg, (lo, hi), dev = c.dense_cfg, resolve_span(found["depth"], a.min_start, a.max_end), timing["device"]
-    return {"model": a.model, "model_name": str(cfg.model.get("arch")), "family": str(cfg.model.get("family") or "dit"),
+    dense, (lo, hi), dev = c.dense, resolve_span(found["depth"], a.min_start, a.max_end), timing["device"]
+    return {"model": a.model, "model_name": str(dense.model.arch), "family": str(dense.model.family or "dit"),
             "overrides": c.overrides, "geometry": c.geometry.line(found["tokens"]), "geometry_source": c.geometry.why,
             "usual_data": c.geometry.usual_data,
-            "resolution": int(cfg.data.resolution), "channels": int(cfg.data.channels), "tokens": found["tokens"],
+            "resolution": dense.data.resolution, "channels": dense.data.channels, "tokens": found["tokens"],
             "depth": found["depth"], "batch": found["batch"], "ratios": list(found["space"].ratios), "span": [lo, hi],
             "min_start": a.min_start, "max_end": a.max_end, "min_blocks": a.min_blocks, "max_ratio": a.max_ratio,
             "measure": a.measure, "steps": a.steps, "warmup": a.warmup,
             "rounds": len(split_steps(a.steps, a.rounds)), "device": str(dev), "device_name": device_name(dev),
-            "threads": torch.get_num_threads(), "precision": a.precision or precision_name(cfg.train, dev),
+            "threads": torch.get_num_threads(), "precision": a.precision or precision_name(dense.train, dev),
             "compile": bool(a.compile), "torch": torch.__version__,
-            "gradient_checkpointing": bool(cfg.model.get("gradient_checkpointing", False)),
-            "fused_adamw": bool(cfg.optimizer.get("fused", True)), "show": a.show,
+            "gradient_checkpointing": dense.model.gradient_checkpointing,
+            "fused_adamw": fused_adamw(dense.optimizer), "show": a.show,
             "flops": "theoretical: 3 x forward x batch, matmuls + attention, multiply-add = 2 (tread/models/flops.py)",
             "timing": timing["timing"]}
 
@@ -307,7 +306,7 @@ def plan(a: PlanRequest, time_fn: Optional[TimeFn] = None) -> dict:
         if a.measure or pilot.enabled:   # long runs: say up front what they plan for
             log(c.geometry.line(found["tokens"]))
         if pilot.enabled:
-            check_pilot_data(c.dense_cfg)
+            check_pilot_data(c.dense.data)
         timing = time_candidates(a, c, found, time_fn)
         rows = found["rows"]
         rec = recommend(rows, a.target)

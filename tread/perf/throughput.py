@@ -17,9 +17,8 @@ SAMPLERS = {EDM: "edm_heun", RectifiedFlow: "rf_euler"}
 
 
 def sampling_throughput(bench: StepBench, num_steps: int, model_name: str) -> dict:
-    """Images/s of the config's sampler (EDM Heun for DiT, rectified-flow Euler for the families) on the
-    bench's EMA net, the eager copy in-training evaluation samples with (dense: routes apply in training only),
-    one batch of the bench's batch size, under the run's autocast."""
+    """Images/s of the config's sampler on the bench's EMA net (dense, the eager copy evaluation samples with), one
+    batch of the bench's batch size, under the run's autocast."""
     diffusion, net, device = bench.parts.diffusion, bench.parts.ema, bench.device
     x = bench.batch[0]
     gen = torch.Generator(device).manual_seed(0)
@@ -57,10 +56,8 @@ def eval_feature_throughput(features: str, image_size: int, batch: int, repeats:
 
 def loader_throughput(data_path: Optional[str], cache_dir: str, batch: int, workers: int, batches: int,
                       device: torch.device, step_ms: float) -> dict:
-    """The training data loader alone (LatentLoader: sharded sampler, workers, pinned memory, prefetch) on
-    `data_path` or the built-in toy data; with workers a batch is fetched while the step runs, so the wait per
-    step is what the loader cannot hide behind a step of `step_ms`. train.py logs the real wait
-    (data_wait_frac in metrics.jsonl)."""
+    """The training data loader alone (LatentLoader with workers, pinned memory, prefetch) on `data_path` or the toy
+    data: the wait per step it cannot hide behind a step of `step_ms`."""
     path = data_path or ensure_toy_dataset(Path(cache_dir) / "toy_shapes_r16_n1000_s0", num_per_class=1000,
                                            resolution=16, seed=0)
     loader = LatentLoader(LatentDataset(path), batch, seed=0, num_workers=workers,

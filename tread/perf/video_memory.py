@@ -1,21 +1,13 @@
-"""Activation memory of a video family's training step with gradient checkpointing, routed and not, per frame count.
-
-Activations are measured, not modelled: the bytes autograd saves for backward during THE training step
-(tread.perf.benchmark.StepBench: the step train.py runs), each storage once (saved_bytes). With
-model.gradient_checkpointing every block keeps only its inputs, so a routed block keeps K = (1 - ratio) N tokens
-instead of N, and a route keeps its start's full tokens and the kept ids for the scatter (expected_routed: the
-analytic figure the measurement must equal). Every saved tensor is per token or constant, so at a fixed width the
-bytes are exactly a + b N in the N video tokens where K/N is fixed (per_token_fit checks it on the measured points),
-which carries CPU measurements at small grids to the full-size grid (480x832 pixels: 60x104 latents).
-
-On a GPU, gpu_rows measures the step's peak (torch.cuda.max_memory_allocated) beside the same saved bytes
-(scripts/video_memory_gpu.py)."""
+"""Activation memory of a video family's training step with gradient checkpointing, routed and not, per frame count:
+measured as the bytes autograd saves (saved_bytes), checked against the analytic figure (expected_routed) and
+carried to full-size grids by an exact a + b N fit (docs/benchmarks.md, "Video memory").
+"""
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -71,9 +63,8 @@ def is_weight_copy(t: torch.Tensor, params: set[int], depth: int = 4) -> bool:
 
 
 def saved_bytes(run: Callable[[], Any], params: Iterable[torch.Tensor]) -> Saved:
-    """Run `run()` counting what autograd saves for backward (torch.autograd.graph.saved_tensors_hooks): the bytes of
-    each storage once, the storages of `params` left out. A checkpointed block saves its inputs only (its inner
-    tensors go to torch's checkpoint hook, not this one)."""
+    """Run `run()` counting the bytes autograd saves for backward, each storage once, `params`' storages left out (a
+    checkpointed block saves its inputs only)."""
     params = {p.untyped_storage().data_ptr() for p in params}
     acts: dict[int, int] = {}
     copies: dict[int, int] = {}
@@ -105,9 +96,9 @@ def build_bench(family: str, preset: str, route: str, latents: Sequence[int], fr
     if family not in video_families():
         raise VideoMemoryError(f"--video {family}:{preset}: {family!r} is not a video family; allowed: "
                                f"{', '.join(video_families())}.")
-    cfg = compose_or_raise(video_overrides(family, preset, route, latents, min(frames), precision, device, sets),
-                           VideoMemoryError)
-    return StepBench(cfg)
+    config = compose_or_raise(video_overrides(family, preset, route, latents, min(frames), precision, device, sets),
+                              VideoMemoryError)
+    return StepBench(config)
 
 
 def video_batch(bench: StepBench, frames: int, latents: Sequence[int], seed: int = 0) -> tuple:
@@ -145,9 +136,8 @@ def measure_config(bench: StepBench, frames: Sequence[int], latents: Sequence[in
 
 
 def expected_routed(dense: dict, routes: Sequence[tuple[int, int, int, int]], batch: int = 1) -> int:
-    """The routed step's saved bytes from the dense step's, with checkpointing: per route (start, end, kept K,
-    total N), its end - start + 1 blocks keep K tokens' inputs instead of N, its start keeps the N tokens it
-    gathers from and scatters back over, and the K kept ids (int64)."""
+    """The routed step's saved bytes from the dense step's, with checkpointing: per route its blocks keep K tokens'
+    inputs instead of N, plus its start's N tokens and the K kept ids (int64)."""
     per_token, out = dense["token_bytes"], dense["activations"]
     for start, end, kept, total in routes:
         out -= batch * ((end - start + 1) * (total - kept) - total) * per_token - batch * kept * INDEX_BYTES

@@ -21,9 +21,8 @@ from tread.routing.spec import Route, RouteConfigError, resolve_routes, routing_
 
 @dataclass
 class RoutePlan:
-    """What one forward pass routes, decided before it runs: the active routes, each route's keep count
-    (force-keep growth included) and its pre-drawn scores. Made eagerly (RoutingController.plan), so the
-    forward that consumes it has no generator calls and no host syncs and compiles into one graph."""
+    """What one forward pass routes, decided eagerly before it runs (RoutingController.plan): the active routes, their
+    keep counts (force-keep growth included) and pre-drawn scores, so the forward compiles into one graph."""
 
     routes: list[Route] = field(default_factory=list)
     keep: list[int] = field(default_factory=list)              # kept tokens per route
@@ -40,9 +39,9 @@ class RoutePlan:
 class RoutingController:
     """Holds a model's validated routes, its routing schedule, its router and the inference-time override.
 
-    `routes` are the configured routes (routing.routes): their spans are what inference routing and TREAD
-    guidance use. Training steps route `training_routes`: the configured routes, or with a schedule
-    (routing.schedule) the current phase's, set by `set_step` at the start of every training step."""
+    `routes` (routing.routes) are what inference routing and TREAD guidance use; training steps route
+    `training_routes`, the current schedule phase's (set by `set_step`).
+    """
 
     def __init__(self, routes: Sequence[Route], depth: int, router: Optional[TokenRouter] = None,
                  fp32_after_route: bool = False, schedule: Optional[RouteSchedule] = None):
@@ -81,9 +80,8 @@ class RoutingController:
 
     def plan(self, batch: int, num_tokens: int, device: torch.device, training: bool,
              force_keep: Optional[torch.Tensor] = None, grid: Optional[Sequence[int]] = None) -> RoutePlan:
-        """The routes this forward takes (active_routes) with their keep counts and the router's scores, drawn
-        now, in route order, from the router's own generator (or its per-sample generators). `grid`: the batch's
-        token grid ((t, h, w) or (h, w)), which structured selection needs."""
+        """The routes this forward takes, with their keep counts and scores drawn now, in route order, from the router's
+        generator(s). `grid`: the batch's token grid, which structured selection needs."""
         routes = self.active_routes(training)
         keep = [keep_count(r.num_keep(num_tokens), force_keep) for r in routes]
         noise = [self.router.draw(batch, num_tokens, device, grid, r.selection_ratio, force_keep) for r in routes]
@@ -110,11 +108,8 @@ class RoutingController:
     @contextlib.contextmanager
     def override(self, selection_ratio: Optional[float] = None,
                  routes: Optional[Sequence[Mapping[str, Any]]] = None) -> Iterator[None]:
-        """Route at inference too (e.g. for TREAD-guided sampling).
-
-        `selection_ratio` reuses the configured spans with a new ratio; `routes` gives
-        explicit route specs. `selection_ratio=0` with no routes configured is dense.
-        """
+        """Route at inference too (e.g. TREAD-guided sampling): `selection_ratio` reuses the configured spans with a new
+        ratio, `routes` gives explicit specs; `selection_ratio=0` with no routes configured is dense."""
         if routes is not None:
             new = resolve_routes(routes, self.depth)
         elif selection_ratio is not None:
@@ -138,17 +133,10 @@ class RoutingController:
 class RoutedBackbone(nn.Module):
     """Base of every routed backbone (DiT and the diffusers families).
 
-    `forward(x, noise_level, labels, force_keep=None, *, return_aux=False, **cond)` plans the routes eagerly
-    (the router's generator draws here, and a force-keep mask's keep count is read here) and then runs
-    `routed_forward`, which the subclass implements with `run_blocks`. `compile()` compiles `routed_forward`
-    alone, so the compiled graph has no generator calls and no host syncs: one graph per route shape, no graph
-    breaks. Subclasses set `self.routing` (a RoutingController) and provide `num_tokens` (and `tokens_in(x)`
-    where a batch's grid may differ from the default) and `grid_of(x)`, the token grid structured selection
-    groups (read only in that mode).
-
-    `return_aux=True` asks for (output, aux): aux is a dict of auxiliary outputs computed inside routed_forward
-    for a training loss (DiT's REPA tokens, tread/models/repa.py). Only backbones whose routed_forward takes
-    `return_aux` have any; the flag reaches routed_forward only when set, so every other call is unchanged.
+    `forward(x, noise_level, labels, force_keep=None, *, return_aux=False, **cond)` plans the routes eagerly,
+    then runs `routed_forward` (the subclass's, with `run_blocks`); `compile()` compiles `routed_forward` alone.
+    Subclasses set `self.routing` and provide `num_tokens` and `grid_of(x)` (and `tokens_in(x)` for other
+    grids). `return_aux=True` returns (output, aux) where routed_forward supports it (DiT's REPA tokens).
     """
 
     routing: RoutingController
@@ -207,21 +195,11 @@ def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, plan: Rout
                tap: Optional[dict] = None) -> Any:
     """Run `blocks` over routable tokens x (B, N, D), routing a subset past each route of `plan`.
 
-    Two calling conventions, one routing semantics:
-
-    * plain (DiT): `block(x) -> x`, per-sample conditioning bound by the caller; returns x.
-    * with `context` or `per_token` (diffusers families): `block(x, context, per_token) -> (x, context)`.
-      `context` is state that is never routed (text stream, register tokens, ...) and flows through every
-      block; `per_token` holds tensors shaped (B, N, ...) that belong to the tokens (per-sample RoPE
-      frequencies, per-token timestep modulation) and are gathered with them. Returns (x, context).
-
-    At a route's start the kept tokens (and their per-token tensors) are gathered; after its end they are
-    scattered back over the route-start tokens, so set-aside tokens re-enter unchanged. `force_keep` (B, N)
-    marks tokens that are never dropped. `checkpoint` recomputes each block in backward (activation
-    checkpointing); selection happens outside the checkpointed call, so recomputation sees the same tokens.
-    Blocks in `plan.fp32_blocks` run outside autocast on float32 inputs (RoutingController.fp32_blocks).
-    `tap` = {"block": i} receives the tokens block i computed, tap["tokens"] (B, K or N, D), and inside a route
-    the kept tokens' positions tap["ids"] (B, K), else None (REPA aligns them, tread/models/repa.py).
+    Plain (DiT): `block(x) -> x`, returns x. With `context` or `per_token` (families):
+    `block(x, context, per_token) -> (x, context)`; context is never routed, per_token tensors (B, N, ...) are
+    gathered with the tokens; returns (x, context). `force_keep` (B, N) marks tokens never dropped, `checkpoint`
+    recomputes each block in backward, `plan.fp32_blocks` run outside autocast, and `tap` = {"block": i}
+    receives that block's tokens (and the kept ids inside a route) for REPA.
     """
     plain = context is None and per_token is None
     full_tokens = dict(per_token or {})

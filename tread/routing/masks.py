@@ -9,11 +9,8 @@ import torch
 
 
 def _area_weights(src: int, dst: int) -> torch.Tensor:
-    """(dst, src) float64 matrix: row i holds the fraction of target cell i covered by each source pixel.
-
-    Cell i spans [i * src / dst, (i + 1) * src / dst) in source pixels; in units of 1 / dst pixel both the
-    cell and pixel j ([j * dst, (j + 1) * dst)) have integer ends, so the overlaps are exact integers.
-    """
+    """(dst, src) float64 matrix: row i holds the fraction of target cell i covered by each source pixel
+    (exact: in units of 1 / dst pixel every overlap has integer ends)."""
     i = torch.arange(dst, dtype=torch.int64)[:, None]
     j = torch.arange(src, dtype=torch.int64)[None, :]
     overlap = (torch.minimum((i + 1) * src, (j + 1) * dst) - torch.maximum(i * src, j * dst)).clamp_min(0)
@@ -39,24 +36,14 @@ def _area_resize(mask: torch.Tensor, hw: Sequence[int], name: str) -> torch.Tens
 
 
 def resize_loss_mask(loss_mask: torch.Tensor, hw: Sequence[int]) -> torch.Tensor:
-    """Area-resize a (B, 1, Hm, Wm) coverage mask in [0, 1] to (B, 1, H, W) (e.g. the latent resolution).
-
-    Every output value is the exact area-weighted mean of the mask over that output pixel (pixels cut by a
-    non-divisible grid contribute their overlapping fraction; for divisible sizes this is F.interpolate(mode=
-    "area")), so it stays in [0, 1]; the result has the mask's float dtype (float32 for a bool mask).
-    Multiply the per-element loss by it to weight the loss.
-    """
+    """Area-resize a (B, 1, Hm, Wm) coverage mask in [0, 1] to (B, 1, H, W): each output is the exact area-weighted
+    mean over its pixel (F.interpolate(mode="area") for divisible sizes), in the mask's float dtype."""
     out = _area_resize(loss_mask, hw, "resize_loss_mask")
     dtype = loss_mask.dtype if loss_mask.is_floating_point() else torch.float32
     return out.clamp_(0.0, 1.0).to(dtype)
 
 
 def token_keep_mask(loss_mask: torch.Tensor, grid_hw: Sequence[int]) -> torch.Tensor:
-    """(B, Ht * Wt) bool: True for the tokens of an (Ht, Wt) token grid of which MORE THAN HALF the area is covered.
-
-    `loss_mask` is a (B, 1, Hm, Wm) coverage mask in [0, 1] at any resolution. A token's coverage is the
-    exact area-weighted mean of the mask over its cell (resize_loss_mask to grid_hw, in float64); a token is
-    kept when that exceeds 0.5 (+1e-6 so that rounding never keeps an exactly half-covered token). Tokens
-    are in row-major order (h, then w), as a patch embedding flattens them.
-    """
+    """(B, Ht * Wt) bool, row-major: True for the tokens of an (Ht, Wt) grid more than half covered (+1e-6, so an
+    exactly half-covered token is never kept) by `loss_mask` (B, 1, Hm, Wm) in [0, 1], at any resolution."""
     return (_area_resize(loss_mask, grid_hw, "token_keep_mask") > 0.5 + 1e-6).flatten(1)

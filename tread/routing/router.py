@@ -1,8 +1,7 @@
 """The parameter-free TREAD token router: pick kept tokens, gather them, scatter them back.
 
-Shaped like MAE's `random_masking`: score tokens, keep the top-K per sample with one
-gather, restore with one scatter. Set-aside tokens come back with the exact values they
-had at the route's start; gradients reach them through that identity path.
+Shaped like MAE's `random_masking`: top-K per sample with one gather, restored with one scatter; set-aside
+tokens come back unchanged, with gradients through that identity path.
 """
 from __future__ import annotations
 
@@ -17,12 +16,8 @@ SELECTION_MODES = ("random", "importance", "structured")
 
 
 class TokenRouter:
-    """Chooses which tokens a route keeps, drawing from its own generator.
-
-    The router owns one `torch.Generator` per device, seeded from the run seed (and
-    rank), so turning routing on never shifts the training RNG stream (init, noise,
-    label dropout, data order). Its state is saved in checkpoints for exact resume.
-    """
+    """Chooses which tokens a route keeps, drawing from its own generator (one per device, seeded from the run seed
+    and rank), so routing never shifts the training RNG stream; its state is checkpointed."""
 
     def __init__(self, seed: int = 0, mode: str = "random", importance_weight: float = 0.5):
         if mode not in SELECTION_MODES:
@@ -64,9 +59,8 @@ class TokenRouter:
 
     @contextlib.contextmanager
     def per_sample(self, generators: Sequence[torch.Generator]) -> Iterator[None]:
-        """Draw each sample's scores from its own generator (sampling: sample i depends only on its seed).
-        A batch of B rows uses generator i for rows i, i + G, i + 2G, ... (G = len(generators)), so the
-        conditional and unconditional halves of a CFG batch route the same tokens."""
+        """Draw each sample's scores from its own generator; rows i, i + G, i + 2G, ... use generator i, so both halves
+        of a CFG batch route the same tokens."""
         previous, self._per_sample = self._per_sample, list(generators)
         try:
             yield
@@ -80,11 +74,8 @@ class TokenRouter:
 
     def draw(self, B: int, N: int, device: torch.device, grid: Optional[Sequence[int]] = None, ratio: float = 0.0,
              force_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Scores (B, N) in [0, 1] from the router's own stream (or the per-sample generators). Drawn eagerly,
-        before a (possibly compiled) forward runs: a torch.Generator inside a compiled graph would break it, so
-        the graph receives the scores as an input (RoutingController.plan). Random and importance modes: uniform.
-        Structured mode: group-wise scores (structured.py) for the token grid `grid` ((t, h, w) or (h, w)), the
-        route's `ratio` and the force-keep mask (B, N)."""
+        """Scores (B, N) in [0, 1] from the router's own stream (or the per-sample generators), drawn eagerly before a
+        (possibly compiled) forward; structured mode uses `grid`, `ratio` and the force-keep mask."""
         if not self.needs_grid:
             return self._uniform(B, [N], device)[0]
         grid3 = token_grid3(grid, N)
@@ -106,13 +97,10 @@ class TokenRouter:
     # -- selection -------------------------------------------------------------------
     def select(self, x: torch.Tensor, num_keep: int, force_keep: Optional[torch.Tensor] = None,
                noise: Optional[torch.Tensor] = None, grid: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """Indices (B, K) of the tokens to keep from `x` (B, N, D).
+        """Indices (B, K) of the tokens to keep from `x` (B, N, D); force-kept tokens are never dropped.
 
-        `noise` (B, N) are scores drawn beforehand (draw); without it they are drawn here, and K = num_keep is
-        grown for the whole batch when some sample force-keeps more tokens than that (keep_count), so the
-        batch stays rectangular. With `noise`, num_keep is taken as final (the plan grew it already), so this
-        function runs inside a compiled graph without host syncs. Force-kept tokens are never dropped.
-        `grid` (structured mode, drawing here): x's token grid; the group side follows num_keep / N.
+        `noise` (B, N): scores drawn beforehand (then num_keep is final: no host sync); without it they are
+        drawn here and K grows for the batch when a sample force-keeps more (keep_count). `grid`: structured mode.
         """
         B, N, _ = x.shape
         if noise is None:
@@ -149,10 +137,7 @@ def gather_tokens(x: torch.Tensor, ids_keep: torch.Tensor) -> torch.Tensor:
 
 
 def scatter_tokens(x_full: torch.Tensor, x_kept: torch.Tensor, ids_keep: torch.Tensor) -> torch.Tensor:
-    """Put processed kept tokens (B, K, D) back into x_full (B, N, D) out of place.
-
-    Positions not in ids_keep keep x_full's values (the route-start values), so the
-    set-aside tokens skip the span through an identity path that carries gradients.
-    """
+    """Put processed kept tokens (B, K, D) back into x_full (B, N, D) out of place; other positions keep the
+    route-start values, an identity path that carries gradients."""
     index = ids_keep.unsqueeze(-1).expand(-1, -1, x_full.shape[-1])
     return x_full.scatter(1, index, x_kept.to(x_full.dtype))

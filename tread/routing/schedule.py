@@ -1,23 +1,8 @@
-"""Routing schedules: routes that change during training (routing.schedule).
+"""Routing schedules (routing.schedule): phases by training step, each with the configured routes, a ratio, a
+linear ratio ramp or explicit routes, and optionally its own training hyperparameters.
 
-A schedule is a list of phases by training step. Each phase starts at `start_step` and lasts until the next
-phase starts (the last one until training ends), and trains with
-
-* the configured routes (routing.routes), when it names nothing else;
-* `selection_ratio: r`: the configured route spans at ratio r;
-* `selection_ratio: [a, b]`: a linear ramp from a at the phase's start to b at the next phase's start, over the
-  configured spans (the keep count follows the ratio step by step; so a ramp needs a next phase);
-* `routes: [...]`: explicit routes, `routes: []` dense (e.g. the dense fine-tuning phase after routed training,
-  as the paper's best DiT-XL/2 result was made).
-
-A phase may also change training hyperparameters from its start on (checked here; tread/training/phases.py applies them):
-`train: {lr, batch_size, warmup_steps, grad_clip}` (any of them; the global batch, the lr warm-up restarting at the
-phase's start) and `path_drop_prob` (model=sprint). Keys a phase leaves out are the config's (train.*,
-optimizer.lr, model.sprint.path_drop_prob), whatever an earlier phase set.
-
-The routes of a step are a pure function of the step, so a resume anywhere, across a phase boundary included,
-continues exactly. Inference (sampling, evaluation) is unaffected: it runs dense or with the spans of
-routing.routes, whatever the phase.
+The routes of a step are a pure function of the step, so resume is exact; inference is unaffected
+(docs/routes.md, "Routing schedules").
 """
 from __future__ import annotations
 

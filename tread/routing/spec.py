@@ -1,11 +1,7 @@
-"""Route specs: parsing and validation against a model's depth.
+"""Route specs (TREAD, Krause et al. 2025, arXiv 2501.04765): parsing and validation against a model's depth.
 
-A route sets aside a fraction `selection_ratio` of the tokens at block `start_layer_idx`
-and puts them back, unchanged, after block `end_layer_idx` (both ends inclusive).
-TREAD, Krause et al. 2025 (arXiv 2501.04765).
-
-Validation happens once, when the model is built, so a bad route fails in seconds,
-before any data is read or any output is written.
+A route sets aside `selection_ratio` of the tokens from block `start_layer_idx` to `end_layer_idx`, both
+inclusive; validation runs when the model is built, before any data is read.
 """
 from __future__ import annotations
 
@@ -63,11 +59,8 @@ def _field(route: Any, i: int, name: str) -> Any:
 
 
 def resolve_routes(routes: Iterable[Any] | None, depth: int) -> list[Route]:
-    """Validate `routes` against a model of `depth` blocks and resolve negative indices.
-
-    Indices may be negative (-1 is the last block). After resolution every route must
-    satisfy 0 <= start <= end < depth, and routes must be sorted and non-overlapping.
-    """
+    """Validate `routes` against a model of `depth` blocks and resolve negative indices (-1 is the last block):
+    then 0 <= start <= end < depth, sorted and non-overlapping."""
     routes = list(routes or [])
     resolved: list[Route] = []
     for i, route in enumerate(routes):
@@ -110,11 +103,11 @@ def resolve_routes(routes: Iterable[Any] | None, depth: int) -> list[Route]:
     return resolved
 
 
-def routing_from_config(cfg: Mapping[str, Any] | None, depth: int) -> list[Route]:
+def routing_from_config(routing: Mapping[str, Any] | None, depth: int) -> list[Route]:
     """Routes from a `routing` config group ({enabled, routes, ...}); [] when disabled."""
-    if cfg is None or not cfg.get("enabled", False):
+    if routing is None or not routing.get("enabled", False):
         return []
-    routes = cfg.get("routes")
+    routes = routing.get("routes")
     if not routes:
         raise RouteConfigError(NO_ROUTES_MESSAGE)
     return resolve_routes(routes, depth)
@@ -122,9 +115,8 @@ def routing_from_config(cfg: Mapping[str, Any] | None, depth: int) -> list[Route
 
 def tokens_per_block(routes: Sequence[Route], depth: int, num_tokens: int,
                      keep: Optional[Sequence[int]] = None) -> list[int]:
-    """Tokens each of the `depth` blocks processes: all of them, or a route's kept count inside its span.
-    `keep` gives the kept count per route (e.g. grown by force-keep, RoutePlan.keep); default Route.num_keep.
-    The one place that turns routes into per-block work: FLOPs, token shares and the planner count with it."""
+    """Tokens each of the `depth` blocks processes: all, or a route's kept count (`keep`, default Route.num_keep) inside
+    its span. FLOPs, token shares and the planner all count with it."""
     n = [num_tokens] * depth
     for j, r in enumerate(routes):
         kept = r.num_keep(num_tokens) if keep is None else keep[j]

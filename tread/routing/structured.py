@@ -1,24 +1,7 @@
 """Structured selection (routing.selection.mode=structured): SPRINT's group-wise token subsampling.
 
-SPRINT (Park et al. 2025, arXiv 2510.21986; its released `structured_with_random_offset` mask) cuts the token
-grid into k x k groups and keeps one token per group at a random offset (0.75 -> 2x2 groups, keep 1 of 4), so
-the kept tokens cover the image with no holes. The offset is drawn per sample and per group (SPRINT draws one
-uniform value per position in every group of every sample and keeps each group's top ones).
-
-Here the rule is written as scores for the router's usual top-K, so it needs no new selection code and the
-compiled forward is unchanged (the scores are drawn eagerly, in the plan):
-
-* groups: frame by frame (video: each token frame on its own), k x k from the top-left of the (h, w) token
-  grid; when h or w is not a multiple of k the last row / column of groups is smaller (the offset is uniform
-  over the tokens the group has).
-* k = group_side(ratio): the smallest side whose k*k tokens keep at least one token at that ratio
-  (k*k*(1 - ratio) >= 1): 0.75 -> 2, 8/9 -> 3, 0.5 -> 2 (two of every 2x2, as SPRINT's 0.5), 0 -> 1.
-* within each group a uniform random order (rank 0 = the kept offset); score = 1 - (rank + u) / k^2 with u
-  uniform per token, in (0, 1]. Top-K takes every group's rank-0 token before any rank-1 token, and so on:
-  at ratio 1 - 1/k^2 on a grid of whole groups exactly one token per group; otherwise every group keeps
-  floor or ceil of its share, the leftover slots going to groups in random order (u).
-* force-kept tokens rank first in their group (the router adds 2 to their score as in every mode), so a
-  group holding a forced token keeps no extra token for it; the keep count is unchanged (keep_count).
+The grid is cut into k x k groups per frame and each keeps its share at random offsets, written as scores for
+the router's usual top-K, so the compiled forward is unchanged (docs/routes.md, "Structured selection").
 """
 from __future__ import annotations
 

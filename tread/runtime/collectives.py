@@ -1,11 +1,5 @@
-"""Collective timeouts that name the rank that was waited for. On every rank, once, after the process group
-exists (after `Accelerator()`), around all the work that follows:
-
-    with watch_collectives(cfg.train.collective_timeout_min):
-        ...      # a collective that fails for a peer -> CollectiveTimeout, one line naming the rank
-
-The design (the heartbeat in the rendezvous store, the roll call, every message, NCCL's behaviour, and why
-not dist.monitored_barrier) is in docs/reliability.md, "A stopped or lost rank".
+"""Collective timeouts that name the rank that was waited for: `with watch_collectives(minutes): ...` on every
+rank, once, after the process group exists (docs/reliability.md, "A stopped or lost rank").
 """
 from __future__ import annotations
 
@@ -74,9 +68,8 @@ def set_collective_timeout(timeout_min: float) -> bool:
 
 @contextlib.contextmanager
 def watch_collectives(timeout_min: Optional[float]) -> Iterator[Optional["CollectiveMonitor"]]:
-    """Every rank, once, after the process group exists: set the collective timeout, start the heartbeat,
-    and turn a collective that fails in the block because a peer did not answer into CollectiveTimeout
-    (one line naming the rank). Yields the monitor (None without a process group or with timeout None)."""
+    """Every rank, once, after the process group exists: set the collective timeout, start the heartbeat, and turn a
+    collective that fails for a peer into CollectiveTimeout naming the rank. Yields the monitor (or None)."""
     if timeout_min is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         timeout_min is None or timeout_delta(timeout_min)   # a bad value is reported even on one process
         yield None
@@ -201,9 +194,8 @@ class CollectiveMonitor:
                              timeout=datetime.timedelta(seconds=self.answer_sec))
 
     def stop(self) -> None:
-        """End the heartbeat (idempotent). The store's host (rank 0) then waits, briefly, until the other
-        ranks have stopped theirs too: the store ends with its process, and a store call that finds it gone
-        makes torch print a C++ stack trace."""
+        """End the heartbeat (idempotent); the store's host (rank 0) then waits briefly for the other ranks to stop
+        theirs, since the store ends with its process."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -270,9 +262,8 @@ class CollectiveMonitor:
     # -- after an exception in the block -------------------------------------------------------------------
 
     def explain(self, err: BaseException) -> Optional[CollectiveTimeout]:
-        """The CollectiveTimeout for `err`, raised on this rank inside the block, or None to let it through:
-        not a collective's error (then it is published for the other ranks to cite), or every rank alive
-        and no timeout."""
+        """The CollectiveTimeout for `err`, or None to let it through: not a collective's error (then published for the
+        other ranks to cite), or every rank alive and no timeout."""
         self._ending = self._explaining = True
         store = self._probe
         if not is_comm_error(err):
@@ -317,9 +308,8 @@ class CollectiveMonitor:
         store.add(self._key("ending"), 1)
 
     def _roll_call(self, store: Any) -> tuple[list[int], list[int], list[str]]:
-        """Mark this rank as failed, then watch the other ranks' heartbeats for roll_call_sec: the still
-        ones, those of them that gave up themselves, and 'rank r: <state>: pid .. on host ..' for the rest.
-        TimeoutError if the store does not answer."""
+        """Mark this rank as failed, then watch the others' heartbeats for roll_call_sec and describe each that is still
+        or gave up. TimeoutError if the store does not answer."""
         wait, others = self.answer_sec, [r for r in range(self.world) if r != self.rank]
         _timed(lambda: self._mark(store), wait)
         first = _timed(lambda: [store.add(self._key("beat", r), 0) for r in others], wait)
@@ -354,10 +344,8 @@ class CollectiveMonitor:
 
     def _conclude(self, store: Any, kind: str, culprits: list[int], message: str, alive: Optional[int] = None,
                   mark: bool = False) -> None:
-        """Publish this rank's finding (the first one stays) and count this rank as done. The rank hosting the
-        store then stays a little, as the store ends with it: until the other live ranks (`alive` with this
-        one) are done with theirs, or, after an error of its own, until the others have read it (at most a roll
-        call: a stopped rank never does)."""
+        """Publish this rank's finding (the first one stays) and count this rank as done; the store's host then waits
+        briefly for the other live ranks, as the store ends with it."""
         def publish() -> int:
             if mark:
                 self._mark(store)

@@ -1,13 +1,6 @@
-"""A lock on a training run directory: two runs never write the same run dir at once.
-
-    with RunDirLock(run_dir) as lock:       # raises RunDirLocked (a UserError) if another live run holds it
-        if lock.note:                       # "took over a stale lock of pid 123 on host h (process gone)"
-            print(lock.note)
-        ...                                 # train; the lock file goes away on leaving the block
-
-The lock is `<run_dir>/.lock` (JSON: pid, host, start time, SLURM job id, argv, start_ticks, boot_id); one
-process of a run (rank 0) takes it. When a lock is stale and how taking it stays atomic, also on NFS:
-docs/reliability.md, "One launch per run directory".
+"""A lock on a training run directory (`<run_dir>/.lock`, taken by rank 0): two runs never write the same run
+dir. `with RunDirLock(run_dir) as lock: ...` raises RunDirLocked if another live run holds it; staleness
+and take-over: docs/reliability.md, "One launch per run directory".
 """
 from __future__ import annotations
 
@@ -132,9 +125,8 @@ class RunDirLock:
     # -- acquire ------------------------------------------------------------------------------------------
 
     def acquire(self) -> Optional[str]:
-        """Take the lock (creating run_dir if needed). Returns a note if a stale lock was taken over (also
-        logged), else None. Raises RunDirLocked if another live process holds it or the file is unreadable, and
-        WriteError (tread/utils/io.py) if the lock cannot be written; no temp file is left either way."""
+        """Take the lock (creating run_dir); returns a note if a stale lock was taken over, else None. RunDirLocked if a
+        live process holds it or the file is unreadable, WriteError if it cannot be written."""
         if self.held:
             return self.note
         record = own_record()

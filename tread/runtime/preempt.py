@@ -1,20 +1,6 @@
 """Preemption and Ctrl-C: SIGTERM, SIGUSR1, SIGUSR2 and SIGINT end a run at the next step boundary with a
-checkpoint.
-
-A cluster stops a job by signalling it (SLURM: SIGTERM on preemption, `scancel` and `scontrol requeue`, then
-SIGKILL after KillWait; a time-limit warning chosen with `--signal`, SIGUSR2 under submitit's launcher); a
-person presses Ctrl-C (SIGINT). The handler only records the signal; the loop finishes the current step,
-writes a checkpoint and summary.json with status "preempted" ("interrupted" for SIGINT), and train.py exits
-with EXIT_PREEMPTED (EXIT_INTERRUPTED). With several processes the ranks agree on the stop step with one small
-CPU all-reduce per step, so they all stop at the same one.
-
-The first SIGINT also gives SIGINT back its default action, so a second Ctrl-C ends the process at once (killed
-by SIGINT, no checkpoint of this step), even when the run hangs where Python cannot run a handler.
-
-Inside a SLURM job with train.slurm_requeue=true, a time-limit warning (SIGUSR1/SIGUSR2) also requeues the
-job after the checkpoint (`scontrol requeue`); SIGTERM is not requeued here: preemption and `scontrol
-requeue` requeue by themselves, and `scancel` means stop. A requeued job (SLURM_RESTART_COUNT >= 1)
-resumes from its run dir's latest checkpoint.
+checkpoint; the ranks agree on the stop step, a second Ctrl-C kills at once, and with train.slurm_requeue a
+time-limit warning requeues the job (docs/reliability.md, "Preemption").
 """
 from __future__ import annotations
 
@@ -49,9 +35,8 @@ def stop_exit_status(status: str) -> int:
 
 
 class StopRequest:
-    """The first stop signal this process received (None: none yet). With several processes, `agreed()`
-    all-reduces the flag over a gloo group on the CPU (made here, by every rank), so a CUDA run gets no
-    device sync per step from it, only a few-byte message."""
+    """The first stop signal this process received (None: none yet); `agreed()` all-reduces the flag over a CPU gloo
+    group, so a CUDA run gets no device sync per step from it."""
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None

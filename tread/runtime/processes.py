@@ -1,10 +1,6 @@
-"""Processes of this host, as the run-dir lock and the collective monitor judge them: alive, stopped or gone,
-and whether a pid still names the process that was recorded (its start time) on the same boot.
-
-psutil reads the process table; two things stay our own (docs/reliability.md, "What torch, psutil and
-submitit do for us"): existence is asked with os.kill(pid, 0), which also sees a live process of another
-user that /proc hides (hidepid), and the start time is kept in clock ticks after boot, a value that never
-changes, where psutil's create_time() adds a boot time that moves with clock adjustments.
+"""Processes of this host, as the run-dir lock and the collective monitor judge them: alive, stopped or gone, and
+whether a pid still names the recorded process on the same boot (why os.kill and clock ticks, not psutil alone:
+docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -32,9 +28,8 @@ def process_state(pid: int) -> Optional[str]:
 
 
 def process_start_ticks(pid: int) -> Optional[int]:
-    """The start time of process `pid` in clock ticks after boot (field 22 of /proc/<pid>/stat), or None.
-    psutil gives it as boot time + ticks / CLK_TCK; the boot time is read before and after, and a value
-    taken while the clock was adjusted (the two differ) is read again."""
+    """The start time of process `pid` in clock ticks after boot (field 22 of /proc/<pid>/stat), or None; read again
+    when the boot time moved meanwhile (a clock adjustment)."""
     for _ in range(3):
         try:
             boot = psutil.boot_time()

@@ -1,16 +1,5 @@
-"""Process-group environment for train.py runs whose processes SLURM starts itself.
-
-accelerate's `Accelerator()` forms a process group only from the torch.distributed variables
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) that `accelerate launch` and `torchrun` set.
-When SLURM starts one process per GPU instead (the `hydra/launcher=slurm` preset: submitit runs every
-sweep job as `srun` tasks, `tasks_per_node` = GPUs; or your own `srun python train.py ...`), each task
-only has SLURM's variables. `export_slurm_env()` translates them, so that each task becomes one rank of
-the job's multi-GPU run.
-
-It reads srun's *step* variables (SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST, ...), not the allocation's
-(SLURM_NTASKS): a batch script or an `salloc` shell that runs `python train.py` directly has
-SLURM_NTASKS (and SLURM_PROCID=0) from the allocation but starts a single process, which must not wait
-for ranks that never come.
+"""Process-group environment for train.py runs whose processes SLURM starts itself: `export_slurm_env()` turns
+srun's step variables into the torch.distributed ones Accelerator() reads (docs/scaling.md, "SLURM").
 """
 from __future__ import annotations
 
@@ -90,12 +79,8 @@ def slurm_dist_env(env: MutableMapping[str, str]) -> Optional[dict[str, str]]:
 
 
 def export_slurm_env(env: MutableMapping[str, str] = os.environ) -> Optional[dict[str, str]]:
-    """Inside a multi-task srun step (submitit's SLURM launcher included) without RANK set, export RANK,
-    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT so that `Accelerator()` joins the
-    job's process group. A no-op otherwise (plain runs, `accelerate launch`/`torchrun`, one task); returns what
-    it set. A MASTER_ADDR/MASTER_PORT you exported yourself is kept. CUDA_VISIBLE_DEVICES is left alone:
-    accelerate picks cuda:(LOCAL_RANK mod visible GPUs), right whether a task sees all the node's GPUs or
-    only its own."""
+    """Inside a multi-task srun step without RANK set, export RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT (keeping ones you exported); a no-op otherwise. Returns what it set."""
     values = slurm_dist_env(env)
     if values is None:
         return None

@@ -43,9 +43,8 @@ CLASS_LABELS = ("cycle", "random")    # class_labels: seed i gets class i mod K 
 
 def batch_labels(seeds: Sequence[int], start: int, num_classes: int, classes: Optional[Sequence[int]],
                  device: torch.device, gen: Optional[StackedRandomGenerator] = None) -> torch.Tensor:
-    """Labels of the batch seeds[start:start + len]: `classes` cycled over positions; else, given the samples'
-    generators `gen` (class_labels=random), each sample's class drawn from its own generator after its noise (the
-    paper code's and EDM's generate.py order); else class_for_seed."""
+    """Labels of the batch seeds[start:start + len]: `classes` cycled; else with generators `gen` each sample's class
+    drawn from its own generator after its noise; else class_for_seed."""
     if classes is None and gen is not None:
         return gen.randint(0, num_classes, size=[len(seeds)], device=device)
     if classes is None:
@@ -61,12 +60,9 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
              cond_fn: Optional[CondFn] = None, guidance: Optional[Guidance] = None, stats: Optional[dict] = None,
              uncond_fn: Optional[CondFn] = None, class_labels: str = "cycle"
              ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """Yield (seeds, labels, latents) batches. `classes` defaults to class_for_seed; `cond_fn(seeds)` gives
-    per-sample conditioning (text embeddings) for text-conditioned models; `uncond_fn(seeds)`, that of CFG's
-    unconditional branch (negative prompts; None: the null label). `guidance` (CFG, inference routing, TREAD
-    guidance; default none) draws each sample's routed tokens from a generator seeded by its seed; `stats`
-    counts forward passes per branch (tread/sampling/cost.py); `class_labels` (cycle | random) picks the labels when
-    `classes` is not given (batch_labels)."""
+    """Yield (seeds, labels, latents) batches. `classes` defaults to class_for_seed; `cond_fn(seeds)` /
+    `uncond_fn(seeds)` give per-sample conditioning of the two CFG branches; `guidance` draws each sample's
+    routed tokens from its seed's generator; `stats` counts forward passes per branch."""
     net.eval()
     seeds = list(seeds)
     guidance = guidance if guidance is not None else Guidance()
@@ -87,17 +83,18 @@ def generate(net, diffusion, seeds: Sequence[int], shape: Sequence[int], num_cla
 def given_frames(net, x: torch.Tensor, cond: Optional[dict]) -> torch.Tensor:
     """A model.i2v model's samples ("frames" mode) with their conditioning frames put back after the last step, as the
     image-to-video pipelines do (tread/models/families/first_frame.py); x unchanged otherwise."""
-    use = conditioned(cond, x.shape[0], x.device) if getattr(backbone(net), "i2v_frames", False) else None
+    if not cond or cond.get(FIRST_FRAME) is None:      # no conditioning frames: nothing to put back
+        return x
+    use = conditioned(cond, x.shape[0], x.device) if backbone(net).i2v_frames else None
     return x if use is None else restore_frames(x, cond[FIRST_FRAME], use)
 
 
 def text_conditioning_for_seeds(dataset, net) -> Optional[CondFn]:
-    """Text-conditioned data and model: sample seed i with the text embeddings (and FLUX Kontext reference
-    latents) of dataset item i mod N (so samples follow the data's caption distribution); None for
+    """Sample seed i with the text embeddings (and Kontext reference latents) of dataset item i mod N; None for
     class-conditional data or models."""
-    if not has_model_conditioning(getattr(dataset, "conditioning", None) or {}):
+    if not has_model_conditioning(dataset.conditioning or {}):
         return None
-    if not hasattr(getattr(net, "model", net), "conditioning"):  # DiT: class labels only
+    if not backbone(net).text_conditioned:  # DiT: class labels only
         return None
 
     def cond(seeds: list[int]) -> dict:

@@ -1,20 +1,8 @@
-"""Sampling-time guidance and routing as small wrappers over a denoiser.
+"""Sampling-time guidance and routing as small wrappers over a denoiser `(x, noise, labels, **cond) -> prediction`.
 
-A denoiser is `(x, noise, labels, **cond) -> prediction` (noise: EDM sigma or rectified-flow t); the samplers in
-tread/diffusion call nothing else. Each method below wraps a denoiser into another one, in a few lines:
-
-* `routed`: the network at a branch's inference routes (None: dense, the model's own inference behaviour);
-* `counted`: per-sample forward passes into `stats` (tread/sampling/cost.py turns them into FLOPs);
-* `cfg`: classifier-free guidance, uncond + s * (cond - uncond), both halves in one batched call;
-* `path_drop`: SPRINT's path-drop guidance, CFG's unconditional rows skip the model's deep span;
-* `tread_guidance`: weak + w * (strong - weak) on the conditional rows, the weak branch at a higher ratio;
-* `null_labels`: the paper code's unconditional TREAD guidance (both branches get the null label);
-* `interval`: guidance only where lo <= noise level <= hi (Kynkaenniemi et al. 2024), else a plain pass;
-* `conditional`: the plain conditional prediction (the negative prompts' UNCOND entry, there for CFG, dropped).
-
-`Guidance` (the sample.py / fid.py / eval.* settings) builds the stack in `Guidance.denoiser`; a new method is a new
-wrapper there. CFG tells the wrappers below it that its batch is [conditional rows; unconditional rows] with the
-COND_ROWS keyword, which `routed` never passes to the network. docs/routes.md describes the settings.
+`Guidance` (the sample.py / fid.py / eval.* settings) stacks them in `Guidance.denoiser`: routed, counted, cfg,
+path_drop, tread_guidance, null_labels, interval, conditional. CFG passes COND_ROWS to the wrappers below it;
+docs/routes.md describes the settings.
 """
 from __future__ import annotations
 
@@ -50,22 +38,15 @@ class Guidance:
     tread_uncond: bool = False                # TREAD guidance's branches with the null label (the paper code's)
 
     @classmethod
-    def from_settings(cls, cfg: Any) -> "Guidance":
-        """From a config node's sampling keys (configs/sampling/default.yaml: sample.py, fid.py, in-training
-        evaluation), already checked by the schema (tread.schema.sampling.SamplingSettings)."""
-        def number(key: str, default: Any) -> Any:
-            value = cfg.get(key, default)
-            return None if value is None else float(value)
-
-        interval = cfg.get("guidance_interval")
-        spans = cfg.get("route_spans")
-        return cls(cfg_scale=number("cfg_scale", 1.0), selection_ratio=number("selection_ratio", None),
-                   tread_scale=number("tread_scale", 1.0),
-                   tread_weak_selection_ratio=number("tread_weak_selection_ratio", 0.5),
+    def from_settings(cls, s: Any) -> "Guidance":
+        """From checked sampling settings (configs/sampling/default.yaml's keys: sample.py, fid.py, in-training
+        evaluation; tread.schema.sampling.SamplingSettings)."""
+        interval, spans, ratio = s.guidance_interval, s.route_spans, s.selection_ratio
+        return cls(cfg_scale=float(s.cfg_scale), selection_ratio=None if ratio is None else float(ratio),
+                   tread_scale=float(s.tread_scale), tread_weak_selection_ratio=float(s.tread_weak_selection_ratio),
                    interval=None if interval is None else (float(interval[0]), float(interval[1])),
                    route_spans=None if spans is None else tuple((int(a), int(b)) for a, b in spans),
-                   path_drop=bool(cfg.get("path_drop", False)), cfg_rule=str(cfg.get("cfg_rule", "any")),
-                   tread_uncond=bool(cfg.get("tread_uncond", False)))
+                   path_drop=bool(s.path_drop), cfg_rule=str(s.cfg_rule), tread_uncond=bool(s.tread_uncond))
 
     @property
     def is_plain(self) -> bool:
@@ -78,9 +59,8 @@ class Guidance:
 
     @property
     def guides(self) -> bool:
-        """Whether classifier-free guidance applies at this scale: any scale != 1, or with cfg_rule=above_one (the
-        paper code's rectified-flow sampler) only scales above 1 and 0 (the unconditional prediction; 0 < s < 1
-        then samples the plain conditional prediction)."""
+        """Whether CFG applies at this scale: any scale != 1, or with cfg_rule=above_one only scales above 1 and 0 (then
+        0 < s < 1 samples the plain conditional prediction)."""
         if self.cfg_rule == "above_one":
             return self.cfg_scale > 1.0 or self.cfg_scale == 0.0
         return self.cfg_scale != 1.0
@@ -105,7 +85,7 @@ class Guidance:
             raise GuidanceError(f"tread_uncond=true (the paper code's unconditional TREAD guidance) replaces "
                                 f"classifier-free guidance; it needs cfg_scale=1 (got {self.cfg_scale}): set the "
                                 f"guidance weight with tread_scale.")
-        if self.path_drop and not hasattr(model, "span"):
+        if self.path_drop and model.span is None:
             raise GuidanceError(f"path_drop=true needs a SPRINT model (model=sprint: a deep span to skip); this "
                                 f"checkpoint's backbone is {type(model).__name__}. Allowed here: path_drop=false.")
         prefix = "route_spans" if self.route_spans is not None else "the checkpoint's routes"
@@ -132,9 +112,8 @@ class Guidance:
                 "path_drop": self.path_drop, "cfg_rule": self.cfg_rule, "tread_uncond": self.tread_uncond}
 
     def denoiser(self, net: Any, null_label: int, stats: Optional[dict] = None) -> Denoiser:
-        """What the samplers call for `net` under this guidance: the network itself when there is nothing to guide,
-        route or count, else the stack of wrappers. `stats`, when given, accumulates the per-sample forward passes
-        per branch ({ratio or None: count}, path-dropped rows under PATH_DROP)."""
+        """What the samplers call for `net`: the network itself when nothing is guided, routed or counted, else the
+        stack of wrappers; `stats` accumulates per-sample forward passes per branch."""
         if stats is None and self.is_plain:
             return net
         model = backbone(net)
@@ -186,10 +165,8 @@ def conditional(inner: Denoiser) -> Denoiser:
 
 
 def cfg(inner: Denoiser, scale: float, null_label: int) -> Denoiser:
-    """Classifier-free guidance: uncond + scale * (cond - uncond), from one call on [conditional rows; unconditional
-    rows]. The unconditional rows get the null label (the model's own unconditional input, as in training label
-    dropout: text models zero their text embeddings), or, where the conditioning carries an UNCOND entry (negative
-    prompts), the real labels with that entry's conditioning."""
+    """Classifier-free guidance: uncond + scale * (cond - uncond), from one call on [conditional; unconditional] rows.
+    The unconditional rows get the null label, or with an UNCOND entry (negative prompts) that conditioning."""
     def call(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
         cond, uncond = split_uncond(cond)
         uncond_labels = torch.full_like(labels, null_label) if uncond is None else labels
@@ -212,9 +189,8 @@ def path_drop(inner: Denoiser) -> Denoiser:
 
 
 def tread_guidance(strong: Denoiser, weak: Denoiser, w: float) -> Denoiser:
-    """TREAD guidance: weak + w * (strong - weak) on the conditional rows (all rows without CFG; the unconditional
-    rows keep the strong prediction), the weak branch called on those rows only, after the strong one. w = 0 gives
-    the weak branch, w = 1 the strong one."""
+    """TREAD guidance: weak + w * (strong - weak) on the conditional rows (all rows without CFG), the weak branch run
+    on those rows only, after the strong one; w = 0 gives the weak branch, w = 1 the strong one."""
     def call(x: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, **cond: Any) -> torch.Tensor:
         out = strong(x, noise, labels, **cond)
         rows = cond.pop(COND_ROWS, None)
@@ -249,9 +225,8 @@ def backbone(net: Any) -> Any:
 
 
 def _joined(first: dict, second: dict) -> dict:
-    """Per-sample conditioning of the batched [conditional, unconditional] call: `first`'s rows, then
-    `second`'s (nested dicts, such as the samplers' cond={...}, joined key by key; where `second` lacks a
-    key, `first`'s rows are repeated: the unconditional branch replaces only what it has)."""
+    """Per-sample conditioning of the batched [conditional, unconditional] call: `first`'s rows, then `second`'s,
+    key by key; where `second` lacks a key, `first`'s rows are repeated."""
     return {k: (torch.cat([v, second.get(k, v)]) if isinstance(v, torch.Tensor) else
                 _joined(v, second.get(k, v)) if isinstance(v, dict) else v)
             for k, v in first.items()}
@@ -264,9 +239,8 @@ def _rows(cond: dict, n: int) -> dict:
 
 
 def split_uncond(cond: dict) -> tuple[dict, Optional[dict]]:
-    """(conditional, unconditional) keyword arguments of the denoiser: the samplers pass the per-sample
-    conditioning as cond={...}; an UNCOND entry in it is the unconditional branch's conditioning (negative
-    prompts), removed from the conditional one. (cond, None) where there is none (the null label then)."""
+    """(conditional, unconditional) keyword arguments of the denoiser: an UNCOND entry in cond={...} is the
+    unconditional branch's conditioning (negative prompts); (cond, None) without one."""
     inner = cond.get("cond")
     if not isinstance(inner, dict) or UNCOND not in inner:
         return cond, None
@@ -290,8 +264,6 @@ def per_sample_routing(net: Any, seeds: Sequence[int], device: Any, guidance: Op
 
 
 def classifier_free_guidance(net: Any, cfg_scale: float, null_label: int) -> Denoiser:
-    """net(x, noise, labels, **cond) -> uncond + cfg_scale * (cond - uncond), both branches in one batched
-    call; cfg_scale == 1 is the plain conditional model. Per-sample conditioning tensors in `cond` (text
-    embeddings, ...) are repeated for the unconditional half, whose null label tells the model to drop them,
-    unless `cond` carries the unconditional half's own conditioning (UNCOND, see split_uncond)."""
+    """net(x, noise, labels, **cond) -> uncond + cfg_scale * (cond - uncond), both branches in one batched call;
+    cfg_scale == 1 is the plain conditional model. Unconditional rows: see cfg."""
     return Guidance(cfg_scale=cfg_scale).denoiser(net, null_label)

@@ -1,13 +1,6 @@
-"""Prompts in: the conditioning of a text-conditioned model from prompts, encoded by its family's own text
-encoders (tread/encoders/text.py, the family pipeline's encoding) the way its training data was encoded (the sequence
-length and encoder dtype that the data's meta.json records). Shared by sample.py prompts=[...] and the
-in-training validation prompts (eval.validation_prompts).
-
-Classifier-free guidance: the unconditional branch gets the negative prompt's embeddings; an empty negative
-prompt gives what the model learned as "unconditional": the zero text embeddings of training label dropout
-(tread/models/families/base.py::null_text), or, for a run trained with caption dropout to the encoded empty
-prompt (train.caption_dropout > 0, mode empty: tread/training/caption_dropout.py), the encoded "" itself
-(learned_unconditional).
+"""Prompts in: a text-conditioned model's conditioning from prompts, encoded by its family's text encoders as its
+training data was (sequence length and dtype from the data's meta.json), for sample.py prompts=[...] and the
+validation prompts. An empty negative prompt gives what the model learned as unconditional.
 """
 from __future__ import annotations
 
@@ -44,13 +37,13 @@ def resolve_mode(mode: str, family: Optional[str]) -> str:
     return FAMILY_MODES[family]
 
 
-def learned_unconditional(config: Any) -> str:
-    """What a run (its training config) learned as the unconditional input: "empty" (the encoded "") when it
-    trained with caption dropout to the empty prompt, else "zeros" (label dropout's null text)."""
-    train = config.get("train") or {}
-    if float(train.get("caption_dropout", 0.0) or 0.0) <= 0:
+def learned_unconditional(caption_dropout: float, mode: str, family: Optional[str]) -> str:
+    """What a run learned as the unconditional input (train.caption_dropout, train.caption_dropout_mode,
+    model.family): "empty" (the encoded "") with caption dropout to the empty prompt, else "zeros" (label
+    dropout's null text)."""
+    if caption_dropout <= 0:
         return "zeros"
-    return resolve_mode(train.get("caption_dropout_mode", "auto"), (config.get("model") or {}).get("family"))
+    return resolve_mode(mode, family)
 
 
 class PromptError(UserError):
@@ -88,7 +81,7 @@ def check_prompts(prompts: Sequence[Any], key: str = "prompts") -> list[str]:
 
 def check_text_model(model: Any, meta: Mapping[str, Any], what: str = "prompts") -> str:
     """The family of a model that prompts can condition: a diffusers family trained on text embeddings."""
-    if not hasattr(model, "conditioning"):
+    if not model.text_conditioned:
         raise PromptError(f"{what} need a text-conditioned model (a diffusers family trained on text embeddings), "
                           f"but this is the class-conditional {type(model).__name__} model, sampled by "
                           f"class only.")
@@ -96,7 +89,7 @@ def check_text_model(model: Any, meta: Mapping[str, Any], what: str = "prompts")
         raise PromptError(f"{what} need a model trained on text embeddings, but this {model.family} model was "
                           f"trained on class-conditional data (no text embeddings): train it on text data "
                           f"(data=toy_text, or latents precomputed with captions) to condition it on prompts.")
-    if getattr(model, "kontext", False):
+    if model.kontext:
         raise PromptError(f"{what} are not supported for a FLUX Kontext model (model.kontext=true): each image also "
                           f"needs a reference image, which prompts do not give; sample it without prompts (seed i "
                           f"takes the text and reference of training item i mod N).")
@@ -127,11 +120,9 @@ class PromptEmbeddings:
 def encode_for_model(model: Any, meta: Mapping[str, Any], prompts: Sequence[str], negative_prompt: str,
                      text_encoders: Optional[str], *, key: str, device: Any = "cpu",
                      what: str = "prompts", unconditional: str = "zeros") -> PromptEmbeddings:
-    """Encode `prompts` (and a non-empty `negative_prompt`) for `model` with the text encoders at
-    `text_encoders` (a local diffusers pipeline folder; `key` names the setting in messages), at the sequence
-    length and dtype of the training data's encoding. The encoders are freed before returning. `what` names
-    the prompts' setting in messages. unconditional="empty" (learned_unconditional): an empty negative prompt
-    is encoded too, as "" (else it is the null label)."""
+    """Encode `prompts` (and a non-empty `negative_prompt`) for `model` with the encoders at `text_encoders`, at the
+    training data's sequence length and dtype; the encoders are freed before returning. unconditional="empty":
+    an empty negative prompt is encoded as "" too. `key` / `what` name the settings in messages."""
     family = check_text_model(model, meta, what)
     prompts = check_prompts(prompts)
     if not text_encoders:
@@ -143,7 +134,7 @@ def encode_for_model(model: Any, meta: Mapping[str, Any], prompts: Sequence[str]
     text_meta = meta["conditioning"]["text"]
     dtype = ENCODER_DTYPES.get(str(text_meta.get("encoder_dtype")), torch.float32)
     # SD3 without T5 (model.use_t5=false, or data precomputed with --no-t5): T5 is neither needed nor loaded.
-    no_t5 = family == "sd3" and (text_meta.get("t5") is False or getattr(model, "use_t5", True) is False)
+    no_t5 = family == "sd3" and (text_meta.get("t5") is False or model.use_t5 is False)
     try:
         encoders = load_text_encoders(family, str(text_encoders), device=device, dtype=dtype, t5=not no_t5)
         negative = bool(negative_prompt) or unconditional == "empty"
@@ -176,7 +167,7 @@ def check_widths(model: Any, tensors: Mapping[str, torch.Tensor], where: str) ->
 
     for name, have, want, config_key in (("text", width("text"), model.text_dim, model.text_dim_key),
                                          ("pooled", width("pooled"), model.pooled_dim, model.pooled_dim_key),
-                                         ("Llama", width("llama"), getattr(model, "llama_dim", None),
+                                         ("Llama", width("llama"), model.llama_dim,
                                           "caption_channels[1]")):
         if have is not None and want and int(have) != int(want):
             raise PromptError(f"{where} gives {have}-wide {name} embeddings, but the model takes {want} "

@@ -1,13 +1,6 @@
 """What every config section is built from: a strict pydantic model (types are not coerced, unknown keys are
-rejected) and the conversion of a validation error into one line that names the key, the value and what
-is allowed.
-
-Why pydantic rather than Hydra structured configs: the checks need ranges and cross-field rules (a weak
-TREAD-guidance ratio above the main one, eval settings that only matter when evaluation runs), which
-OmegaConf's dataclass typing cannot express; the error text must be ours (one `error:` line), while
-Hydra reports type errors of structured configs in its own multi-line format before our code runs; and
-the same checks serve callers without Hydra (tests, the planner, the benchmark).
-The YAML files stay the single source of defaults: the schema states types and ranges only.
+rejected) and the conversion of a validation error into one line naming the key, the value and what is
+allowed. Why pydantic rather than Hydra structured configs: docs/design.md.
 """
 from __future__ import annotations
 
@@ -32,6 +25,14 @@ class Section(BaseModel):
     """A config node: every key typed (no coercion), unknown keys rejected."""
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    def plain(self) -> dict[str, Any]:
+        """The keys the config set, as plain data under their config names (`_target_`, ...): what the builders
+        below the schema (models, objectives, data) take."""
+        return self.model_dump(by_alias=True, exclude_unset=True)
+
+    def check(self) -> None:
+        """Rules between this section's keys and the rest of the config's (a section with such rules overrides)."""
 
 
 def key(desc: str, *, default: Any = ..., alias: Optional[str] = None, **constraints: Any) -> Any:

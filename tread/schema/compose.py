@@ -8,7 +8,11 @@ from typing import Optional, Sequence
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+COMPOSE_ERRORS = (HydraException, OmegaConfBaseException)   # overrides that do not compose
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 

@@ -100,7 +100,7 @@ class LatentsData(DataCommon):
     builtin: Optional[Literal[tuple(BUILTIN_ARGS)]] = key(f"null (use data.path as is) or {one_of(BUILTIN_ARGS)}")
     builtin_args: Optional[dict[str, Any]] = key("null or the built-in generator's arguments", default=None)
 
-    def check_builtin(self) -> None:
+    def check(self) -> None:
         if self.builtin is None:
             return
         if self.builtin_args is None:

@@ -175,6 +175,15 @@ class DiTModel(Backbone):
     mlp_ratio: Optional[Number] = key("a number in [0.25, 16] (MLP width = mlp_ratio x hidden size; DiT: 4)",
                                       ge=0.25, le=16, default=None)
 
+    # The keys only the families have, as a DiT has them (not config keys): every model section reads alike.
+    family = property(lambda self: None)
+    quantize = property(lambda self: None)
+    base_dtype = property(lambda self: "fp32")
+    i2v = property(lambda self: None)
+    lora = property(lambda self: None)
+    preset = property(lambda self: None)
+    text_encoders = property(lambda self: None)
+
     @model_validator(mode="after")
     def check_model(self) -> "DiTModel":
         """The overrides fit together, model.sprint belongs to model=sprint, and REPA's block and SPRINT's span lie
@@ -267,6 +276,8 @@ class FamilyModel(Backbone):
     repa: Optional[Any] = key("null (REPA, repa=toy|toy_random|toy_fid|dinov2, is for DiT models: "
                               "model=dit|tread|sprint)", default=None)
 
+    sprint = property(lambda self: None)      # model=sprint's key, as a family has it (not a config key)
+
     @model_validator(mode="after")
     def check_quantize(self) -> "FamilyModel":
         """A quantized base trains through adapters only (tread/models/quantize.py says it, once); REPA is DiT's."""
@@ -285,7 +296,7 @@ class FamilyModel(Backbone):
             check_family_config(self.family, self.preset, self.config)
         return self
 
-    def check_family_keys(self) -> None:
+    def check(self) -> None:
         for name, families in FAMILY_ONLY.items():
             if name in self.model_fields_set and self.family not in families:
                 raise ConfigError(f"model.{name} is a key of model.family={' | '.join(families)}; "
@@ -352,7 +363,7 @@ class EDMConfig(Section):
         "null (EDM's loss weight) or a number > 0: Min-SNR-gamma, min(SNR, gamma) / sigma_data^2 with SNR = "
         "sigma_data^2 / sigma^2 (Hang et al. 2023: 5)", default=None)
 
-    def check_range(self) -> None:
+    def check(self) -> None:
         if not self.sigma_min < self.sigma_max:
             raise ConfigError(f"diffusion.sigma_min={self.sigma_min} and diffusion.sigma_max={self.sigma_max} are not "
                               f"allowed; allowed: 0 < sigma_min < sigma_max.")
@@ -412,7 +423,7 @@ class AdamCommon(Section):
     weight_decay: NonNegativeNumber
     eps: PositiveNumber
 
-    def check_betas(self) -> None:
+    def check(self) -> None:
         if not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"optimizer.betas={list(self.betas)} is not allowed; allowed: [beta1, beta2], each in "
                               f"[0, 1).")

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from omegaconf import DictConfig
 from pydantic import Field
 
-from tread.evaluation.metric_names import METRICS
+from tread.schema.metric_names import METRICS
 from tread.schema.base import SEED_LIMIT, ConfigError, Flag, PositiveInt, check, check_dirs, key, show
 from tread.schema.sampling import (NEGATIVE_PROMPT, PROMPTS, TEXT_ENCODERS, DecodeSettings, MetricSettings, Prompt,
                              SamplingSettings, check_guidance)

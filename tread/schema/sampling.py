@@ -11,7 +11,7 @@ from pydantic import Field
 
 from tread.encoders.features import FEATURE_NAMES
 from tread.encoders.vae import VAE_DTYPES
-from tread.evaluation.metric_names import METRICS
+from tread.schema.metric_names import METRICS
 from tread.schema.base import ConfigError, Number, Section, check, key, one_of
 
 # Prompts in (sample.py prompts, eval.validation_prompts): tread/sampling/prompts.py encodes them.

@@ -1,6 +1,8 @@
 """The training config (configs/train.yaml and its groups), checked once at start-up: `check_train`."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -9,8 +11,10 @@ from omegaconf import DictConfig
 
 from tread.schema.base import (SEED_LIMIT, ConfigError, Flag, Number, PositiveNumber, Section, check, check_dirs, key,
                                one_of, show)
-from tread.schema.data import DATA
-from tread.schema.model import DIFFUSIONS, MODELS, OPTIMIZERS, SPRINT_TARGET, FamilyModel, Routing
+from tread.schema.data import DATA, LatentsData, WdsData
+from tread.schema.model import (DIFFUSIONS, MODELS, OPTIMIZERS, SPRINT_TARGET, AdamW, AdamW8bit, DiTModel, EDMConfig,
+                                FamilyModel, RFConfig, Routing)
+from tread.schema.phases import TrainPhases
 from tread.schema.sampling import (NEGATIVE_PROMPT, PROMPTS, DecodeSettings, MetricSettings, Prompt, SamplingSettings,
                              check_guidance)
 from tread.schema.tree import container, pick
@@ -153,11 +157,63 @@ SECTIONS = {"train": Train, "ema": EMA, "checkpoint": Checkpoint, "wandb": Wandb
 TOP_KEYS = ("resume", *SECTIONS)
 
 
-def check_train(cfg: Union[DictConfig, dict]) -> dict[str, Any]:
-    """Check every key of a composed training config; returns the checked sections. ConfigError names the first
-    bad key, its value and what is allowed. Runtime facts (the world size, the dataset, the model's depth) are
-    checked where they become known, still before training starts."""
-    tree = container(cfg, required_ok=("eval.reference",) if not _eval_on(cfg) else ())
+@dataclass(frozen=True)
+class TrainConfig:
+    """A checked training config: its typed sections, the values derived from them (computed once), and the
+    whole config as plain data, resolved once (config.yaml, checkpoints, trackers)."""
+
+    train: Train
+    ema: EMA
+    checkpoint: Checkpoint
+    wandb: Wandb
+    paths: Paths
+    eval: Eval
+    routing: Routing
+    model: Union[DiTModel, FamilyModel]
+    data: Union[LatentsData, WdsData]
+    diffusion: Union[EDMConfig, RFConfig]
+    optimizer: Union[AdamW, AdamW8bit]
+    resume: Optional[str]
+    resolved: dict[str, Any]
+
+    @property
+    def eval_on(self) -> bool:
+        return bool(self.eval.every_steps or self.eval.at_end)
+
+    @cached_property
+    def phases(self) -> TrainPhases:
+        """Each step's hyperparameters: the config's, overridden by routing.schedule's phases."""
+        return TrainPhases.from_sections(self.train, self.optimizer.lr, self.routing, self.model.sprint)
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        layout = self.checkpoint.layout
+        return layout == "sharded" or (layout == "auto" and self.train.parallel == "fsdp")
+
+    @property
+    def text_model(self) -> bool:
+        return isinstance(self.model, FamilyModel)
+
+    def micro_batch(self, world_size: int) -> int:
+        """The per-process micro-batch: train.batch_size is global, over processes and accumulation steps."""
+        return micro_batch(self.train.batch_size, world_size, self.train.grad_accum_steps, "train.batch_size")
+
+
+def micro_batch(batch: int, world_size: int, accum: int, name: str) -> int:
+    """A global batch split over processes and accumulation steps, or one error line naming the key."""
+    denom = world_size * accum
+    if batch % denom:
+        raise ConfigError(f"{name}={batch} is the global batch and must be divisible by num_processes ({world_size}) "
+                          f"x train.grad_accum_steps ({accum}) = {denom}.")
+    return batch // denom
+
+
+def check_train(cfg: Union[DictConfig, dict], unset_ok: tuple[str, ...] = ()) -> TrainConfig:
+    """Check every key of a composed training config. ConfigError names the first bad key, its value and what is
+    allowed. Runtime facts (the world size, the dataset, the model's depth) are checked where they become known,
+    still before training starts. `unset_ok`: mandatory keys a caller that never reads them may leave ??? (the
+    planner and the benchmark time synthetic batches: data.path)."""
+    tree = container(cfg, required_ok=unset_ok + (("eval.reference",) if not _eval_on(cfg) else ()))
     unknown = sorted(set(tree) - set(TOP_KEYS))
     if unknown:
         raise ConfigError(f"{unknown[0]} is not a known key; the training config takes {list(TOP_KEYS)}.")
@@ -168,13 +224,13 @@ def check_train(cfg: Union[DictConfig, dict]) -> dict[str, Any]:
     out = {name: check(pick(kind, tree.get(name), name), tree.get(name), name) for name, kind in SECTIONS.items()}
     _cross_checks(out)
     check_dirs({"paths.cache_dir": out["paths"].cache_dir, "paths.output_dir": out["paths"].output_dir})
-    return out
+    return TrainConfig(**out, resume=resume, resolved=tree)
 
 
-def check_train_files(cfg: Any) -> None:
+def check_train_files(config: TrainConfig) -> None:
     """The files a checked training config names that must exist before any work (the data's own files are
     checked when it opens, right after): the evaluation reference."""
-    reference = cfg["eval"]["reference"] if _eval_on(cfg) else None
+    reference = config.eval.reference if config.eval_on else None
     if reference is not None and not Path(reference).expanduser().is_file():
         raise ConfigError(f"eval.reference={reference!r} does not exist; allowed: null (built from the dataset and "
                           f"cached) or a reference .npz (`python fid.py mode=ref ...` builds one).")
@@ -187,15 +243,14 @@ def _eval_on(cfg: Any) -> bool:
 def _cross_checks(s: dict[str, Any]) -> None:
     """Rules between sections."""
     for name in ("model", "diffusion", "optimizer", "data"):
-        for method in ("check_family_keys", "check_range", "check_betas", "check_builtin"):
-            getattr(s[name], method, lambda: None)()
+        s[name].check()
     check_guidance(s["eval"], "eval.")
     _check_trackers(s["train"].log_with, s["wandb"].mode)
     if s["train"].caption_dropout > 0 and not isinstance(s["model"], FamilyModel):
         raise ConfigError(f"train.caption_dropout={s['train'].caption_dropout} needs a text-conditioned model "
                           f"(model=flux|sd3|pixart|...); this model is class-conditional: allowed: 0 (use "
                           f"train.label_dropout for classifier-free guidance).")
-    if s["checkpoint"].adapter_only and not (isinstance(s["model"], FamilyModel) and s["model"].lora is not None):
+    if s["checkpoint"].adapter_only and s["model"].lora is None:
         raise ConfigError("checkpoint.adapter_only=true needs LoRA adapters (model.lora={rank: ..., target_modules: "
                           "[...]}); without them every weight trains and must be saved.")
     _check_memory_options(s)
@@ -222,7 +277,7 @@ def _check_memory_options(s: dict[str, Any]) -> None:
     """ema.mode, model.base_dtype and optimizer=adamw8bit are for DDP runs with single-file checkpoints: FSDP shards
     the EMA like the model (a shared base would be sharded twice), all-gathers one dtype per block, and the sharded
     checkpoint layout does not take 8-bit moments."""
-    fsdp, base = s["train"].parallel == "fsdp", getattr(s["model"], "base_dtype", "fp32")
+    fsdp, base = s["train"].parallel == "fsdp", s["model"].base_dtype
     if fsdp and s["ema"].mode != "full":
         raise ConfigError(f"ema.mode={s['ema'].mode} cannot be combined with train.parallel=fsdp (the EMA is sharded "
                           f"like the model there); allowed: ema.mode=full with fsdp, or train.parallel=ddp.")

@@ -31,6 +31,11 @@ def container(cfg: Union[DictConfig, Mapping[str, Any]], required_ok: Sequence[s
     return tree
 
 
+def to_yaml(tree: Mapping[str, Any]) -> str:
+    """A plain config as the YAML text config.yaml and the trackers keep (OmegaConf's layout)."""
+    return OmegaConf.to_yaml(tree)
+
+
 def pick(kind: Any, value: Any, name: str) -> type[Section]:
     """The section class: `kind` itself, or from a {_target_ or format: class} table by the value's own key."""
     if isinstance(kind, type):

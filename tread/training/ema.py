@@ -1,15 +1,5 @@
-"""Exponential moving average of model weights, updated with foreach kernels, and where it is kept (ema.mode).
-
-ema.mode:
-- full (the default): a copy of the whole preconditioned backbone on the device; a quantized frozen base
-  (model.quantize, model.base_dtype=fp8) is shared with the model, not copied (it never changes).
-- trained: a copy whose frozen parameters are the model's own (shared), so it holds only what trains: for an
-  adapter run the adapters and the class table, not a second frozen base. Averages, checkpoints and exports
-  are those of `full` (a frozen parameter's average is itself).
-- cpu: as trained, with the averaged parameters (and the copy's buffers) in host memory (HostEma); each update
-  copies the trained weights to the host, and evaluation moves the averages to the device for each forward.
-- off: no average. Evaluation, sampling, the checkpoint's EMA weights (ema.safetensors) and the adapter export
-  are the trained model itself (ModelAsEma).
+"""Exponential moving average of model weights, updated with foreach kernels, and where it is kept (ema.mode:
+full, trained, cpu or off; docs/configuration.md, `ema.mode`).
 """
 from __future__ import annotations
 
@@ -21,7 +11,7 @@ import torch.nn as nn
 
 from tread.models.quantize import frozen_base
 from tread.schema.train import EMA_MODES
-from tread.training.fsdp import local
+from tread.utils.dtensor import local
 
 # The start-up line of each mode but the default (tread/training/loop.py announce).
 EMA_NOTES = {"trained": "EMA: the trained parameters only (ema.mode=trained); the frozen base is the model's",
@@ -92,15 +82,10 @@ class HostEma(nn.Module):
 
 @torch.no_grad()
 def ema_update(ema: nn.Module, model: nn.Module, decay: float, skip: Optional[torch.Tensor] = None) -> None:
-    """ema <- decay * ema + (1 - decay) * model, over the parameters that train (requires_grad in `model`: the
-    frozen base of an adapter run never moves, so its average is itself and is skipped; it may be shared with the
-    EMA); buffers are copied. `skip` (a 0/1 tensor on the device, the non-finite guard's flag) leaves the EMA
-    unchanged when 1, without a host sync: the weight stays a device tensor, given once per parameter (foreach
-    lerp's tensor-list form; its scalar form would read the tensor back to the host, a sync per step on CUDA, and
-    the tensor-list form computes the same bits: tests/test_host_syncs.py). Sharded modules (train.parallel=fsdp:
-    EMA and model sharded alike) are averaged shard by shard, with no communication. An EMA in host memory
-    (ema.mode=cpu) gets the trained weights copied over (and `skip` read back: a sync); ema.mode=off holds no
-    parameters and is left alone."""
+    """ema <- decay * ema + (1 - decay) * model over the parameters that train; buffers are copied, a frozen base
+    is skipped. `skip` (the non-finite guard's 0/1 device tensor) leaves the EMA unchanged when 1 without a host
+    sync (foreach lerp's tensor-list form; tests/test_host_syncs.py). FSDP shards are averaged locally; a host
+    EMA (ema.mode=cpu) gets the weights copied (one sync); ema.mode=off is left alone."""
     pairs = [(e, p) for e, p in zip(ema.parameters(), model.parameters()) if p.requires_grad]
     if not pairs:
         return

@@ -1,17 +1,6 @@
-"""The non-finite guard: a step whose loss or gradient norm is NaN/inf changes nothing.
-
-Each step computes a 0/1 flag on the device. The fused AdamW kernel takes it as `found_inf` (the mechanism
-torch's GradScaler uses) and leaves weights, moments and step count untouched when it is 1, and the EMA
-update's weight is multiplied by (1 - flag): no host sync per step on any device. Counts are kept on the
-device too and read at log records, where the loop already syncs:
-
-    train.nonfinite=skip   the update is skipped, counted, logged (`nonfinite_skips` in train records);
-                           train.max_nonfinite_skips skips in a row end the run with an error
-    train.nonfinite=stop   skipped the same way, and the run ends at the next log record
-
-An optimizer without a fused kernel (optimizer.fused=false) is skipped on the host instead (one sync).
-Checkpoints are never written with non-finite weights (tread/training/checkpoint.py checks), so the newest
-checkpoint on disk is always a finite one.
+"""The non-finite guard: a step whose loss or gradient norm is NaN/inf changes nothing (train.nonfinite=skip
+counts and logs it, =stop ends the run at the next log record). The device-side flag feeds the fused AdamW's
+`found_inf` and the EMA weight, so no host sync per step; how and why: docs/reliability.md.
 """
 from __future__ import annotations
 

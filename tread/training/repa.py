@@ -1,12 +1,6 @@
-"""REPA during training: the frozen encoder of model.repa, its patch features of each batch's clean images, and
-the alignment loss added to the diffusion loss (tread/models/repa.py defines which tokens are aligned).
-
-The targets are the encoder's features of the images, stored beside the latents when they were precomputed
-(tread/data/repa_features.py; model.repa.targets auto or precomputed, used only when the same encoder made them),
-or else the features of the batch's latents decoded as evaluation decodes them (identity data directly, VAE data
-with the data's VAE: one VAE decode per training batch). The encoder's forward FLOPs per image (`encoder_flops`)
-count in the run's training FLOPs while targets are decoded (summary.json repa_targets, repa_encoder_flops_per_step),
-and the time the targets take is summed per log window (metrics.jsonl repa_target_sec).
+"""REPA during training: the frozen encoder of model.repa, its patch features of each batch's clean images
+(stored with the data when the same encoder made them, else of the batch's latents decoded), and the
+alignment loss added to the diffusion loss (docs/data.md, "REPA features").
 """
 from __future__ import annotations
 
@@ -16,11 +10,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn as nn
-from omegaconf import open_dict
 
 from tread.data import decode_to_uint8
-from tread.data.repa_features import encoder_input, features_mismatch, load_repa_encoder
-from tread.evaluation.evaluator import decode_options
+from tread.data.builtin.toy import load_repa_encoder
+from tread.data.repa_features import encoder_input, features_mismatch
 from tread.models.errors import ModelConfigError
 from tread.models.dit import parse_arch
 from tread.models.repa import alignment_loss, patch_targets, resolve_repa_block
@@ -71,13 +64,12 @@ class Repa:
     targets: str = "decoded"    # "decoded": encoded from the decoded latents each step; "precomputed": stored
     timer: TargetTimer = field(default_factory=TargetTimer)   # time spent on the targets (repa_target_sec)
     name: str = ""              # model.repa.encoder (which stored features are this encoder's)
+    resolved: dict[str, Any] = field(default_factory=dict)   # model.repa's block and encoder_dim, nulls resolved
 
     def loss(self, projected: torch.Tensor, ids: Optional[torch.Tensor], x: torch.Tensor,
              meta: Mapping[str, Any], features: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The alignment loss of a training forward's projected tokens (B, K or N, C) and their ids (B, K) or
-        None (the backbone's auxiliary output under REPA_AUX) against the encoder's features of the clean
-        latents x (B, C, H, W): `features` (B, dim, h, w) when given (stored with the data), else the encoder's
-        of x decoded."""
+        """The alignment loss of projected tokens (B, K or N, C) with their ids (B, K) or None against the encoder's
+        features of the clean latents x (B, C, H, W): `features` (B, dim, h, w) when stored, else of x decoded."""
         with torch.no_grad(), self.timer:
             if features is None:
                 features = self.encoder(encoder_input(decode_to_uint8(x.detach(), meta, **self.decode)))
@@ -88,41 +80,46 @@ class Repa:
 
 def dit_depth(model: Any) -> int:
     """The DiT's block count: model.depth, or model.arch's (REPA is for DiT models only; the schema checks it)."""
-    return int(model.get("depth") or parse_arch(model.arch)[0])
+    return int(model.depth or parse_arch(model.arch)[0])
 
 
-def build_repa(cfg: Any, device: torch.device) -> Optional[Repa]:
-    """The run's Repa (None without model.repa). Builds the encoder before the model, so a missing encoder fails
-    in seconds, fills model.repa.encoder_dim from it when null (the head is sized by it) and model.repa.block from
-    the model's depth when null (REPA's published rule), so the saved config rebuilds the same model in
-    sample.py."""
-    spec = cfg.model.get("repa")
-    if not spec:
+def build_repa(model: Any, resolution: int, cache_dir: str, decode: dict[str, Any], device: torch.device
+               ) -> Optional[Repa]:
+    """The run's Repa (None without model.repa) for data of latent side `resolution`, built before the model so a
+    missing encoder fails early; also returns `resolved`, the encoder_dim and block filled in when null, which
+    the saved config keeps so sample.py and a resume rebuild the same model."""
+    spec = model.repa
+    if spec is None:
         return None
     # The trained toy encoders are the toy classifier trained (once, cached) at the data's side with their seed
     # (toy: REPA's own, toy_fid: the FID network's); toy_random is built from its seed, no file.
-    resolution = int(cfg.data.resolution)
-    encoder, _ = load_repa_encoder(spec.encoder, spec.get("encoder_weights"), cache_dir=cfg.paths.cache_dir,
-                                   resolution=resolution, device=device)
-    if spec.get("encoder_dim") is not None and int(spec.encoder_dim) != int(encoder.dim):
+    encoder, _ = load_repa_encoder(spec.encoder, spec.encoder_weights, cache_dir=cache_dir, resolution=resolution,
+                                   device=device)
+    if spec.encoder_dim is not None and int(spec.encoder_dim) != int(encoder.dim):
         raise ModelConfigError(f"model.repa.encoder_dim={spec.encoder_dim} but the {spec.encoder} encoder's features "
                                f"are {encoder.dim} wide; allowed: {encoder.dim} or null (read from the encoder).")
-    with open_dict(cfg):       # the saved config then rebuilds the same head in sample.py and on resume
-        cfg.model.repa.block = resolve_repa_block(spec.get("block"), dit_depth(cfg.model))
-        cfg.model.repa.encoder_dim = int(encoder.dim)
-    return Repa(encoder, float(spec.weight), decode_options(cfg.eval), encoder_flops=encoder.flops(resolution),
-                timer=TargetTimer(cuda=torch.device(device).type == "cuda"), name=str(spec.encoder))
+    resolved = {"block": resolve_repa_block(spec.block, dit_depth(model)), "encoder_dim": int(encoder.dim)}
+    return Repa(encoder, float(spec.weight), decode, encoder_flops=encoder.flops(resolution),
+                timer=TargetTimer(cuda=torch.device(device).type == "cuda"), name=str(spec.encoder),
+                resolved=resolved)
+
+
+def with_resolved(tree: dict[str, Any], repa: Optional[Repa]) -> dict[str, Any]:
+    """A plain config holding a "model" section, with model.repa's resolved block and encoder width filled in;
+    `tree` itself when there is no REPA."""
+    if repa is None:
+        return tree
+    return {**tree, "model": {**tree["model"], "repa": {**tree["model"]["repa"], **repa.resolved}}}
 
 
 def use_stored_targets(repa: Optional[Repa], dataset: Any, mode: str, where: str) -> Optional[str]:
-    """model.repa.targets: with "auto" or "precomputed", align with the features the data stores when this run's
-    encoder made them (the dataset then reads them; repa.targets becomes "precomputed"); "precomputed" without
-    them is a ModelConfigError. Returns a note when "auto" falls back to decoding although features are stored
-    (another encoder's), else None."""
+    """Resolve model.repa.targets "auto"/"precomputed" against the features the data stores; "precomputed"
+    without matching features raises ModelConfigError. Returns a note when "auto" falls back to decoding
+    although (another encoder's) features are stored, else None."""
     if repa is None or mode == "decoded":
         return None
-    stored = (getattr(dataset, "meta", None) or {}).get("repa_features")
-    why = features_mismatch(stored, repa.name, repa.encoder) if hasattr(dataset, "read_repa_features") else \
+    stored = (dataset.meta or {}).get("repa_features")
+    why = features_mismatch(stored, repa.name, repa.encoder) if dataset.stores_repa_features else \
         "the data's format (data.format=wds) stores no REPA features"
     if why is None:
         dataset.read_repa_features()

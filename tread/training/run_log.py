@@ -1,23 +1,20 @@
-"""The run's records: metrics.jsonl (always, on the main process) and the trackers of train.log_with, through
-accelerate's tracker classes (accelerate.tracking): TensorBoard event files in <run dir>/tensorboard/, wandb
-(offline files in <run dir>/wandb/). wandb.mode=offline|online alone implies wandb (tread/schema/train.py refuses
-wandb in train.log_with with wandb.mode=disabled). A resumed run logs to the same places: each TensorBoard launch
-starts with a SessionLog.START at its first step, and TensorBoard's reader hides the earlier launches' events from
-that step on (a step logged twice shows the resumed launch's value, as metrics.jsonl keeps it)."""
+"""The run's records: metrics.jsonl (always, on the main process) and the trackers of train.log_with
+(TensorBoard, wandb) through accelerate's tracker classes; docs/evaluation.md, "Run logs".
+"""
 from __future__ import annotations
 
 import io
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker
-from omegaconf import OmegaConf
 from PIL import Image
 from tensorboard.compat.proto.summary_pb2 import Summary
 
+from tread.schema.tree import to_yaml
 from tread.evaluation.videos import gif_bytes
 from tread.utils.io import append_whole
 
@@ -31,14 +28,14 @@ def tracker_names(log_with: Sequence[str], wandb_mode: str) -> list[str]:
     return names + ["wandb"] if wandb_mode != "disabled" and "wandb" not in names else names
 
 
-def config_text(config: dict) -> str:
-    """The resolved config as a Markdown YAML block (TensorBoard's text plugin renders Markdown)."""
-    return f"```yaml\n{OmegaConf.to_yaml(config)}```"
+def config_text(hparams: dict) -> str:
+    """The run's resolved config as a Markdown YAML block (TensorBoard's text plugin renders Markdown)."""
+    return f"```yaml\n{to_yaml(hparams)}```"
 
 
-def start_trackers(run_dir: Path, names: Sequence[str], wandb_cfg: dict, config: Optional[dict],
+def start_trackers(run_dir: Path, names: Sequence[str], wandb: Mapping[str, Any], hparams: Optional[dict],
                    step: int) -> list[GeneralTracker]:
-    """Started trackers, each given the config: TensorBoard as text at `step` (the launch's first step), wandb as
+    """Started trackers, each given the run's resolved config (`hparams`): TensorBoard as text at `step` (the launch's first step), wandb as
     its run config. wandb's client is imported by WandBTracker.start (deferred there: seconds to import)."""
     trackers: list[GeneralTracker] = []
     if "tensorboard" in names:
@@ -46,12 +43,12 @@ def start_trackers(run_dir: Path, names: Sequence[str], wandb_cfg: dict, config:
         # TensorBoard hides an interrupted launch's records after the resumed checkpoint (as metrics.jsonl drops them)
         board = TensorBoardTracker(TENSORBOARD_DIR, Path(run_dir), purge_step=step + 1)
         board.start()
-        if config is not None:
-            board.log({CONFIG_TAG: config_text(config)}, step=step)
+        if hparams is not None:
+            board.log({CONFIG_TAG: config_text(hparams)}, step=step)
         trackers.append(board)
     if "wandb" in names:
-        run = WandBTracker(wandb_cfg.get("project"), entity=wandb_cfg.get("entity"), name=wandb_cfg.get("name"),
-                           mode=wandb_cfg["mode"], dir=str(run_dir), config=config)
+        run = WandBTracker(wandb.get("project"), entity=wandb.get("entity"), name=wandb.get("name"),
+                           mode=wandb["mode"], dir=str(run_dir), config=hparams)
         run.start()
         trackers.append(run)
     return trackers
@@ -64,16 +61,17 @@ def scalars(values: dict[str, Any]) -> dict[str, float]:
 
 class RunLog:
     """Appends one JSON object per line to run_dir/metrics.jsonl on the main process (a line that cannot be
-    written whole is not written: WriteError), and mirrors each record to the trackers as `<type>/<key>` at the
-    record's step: every value to wandb (as before), the finite numbers to TensorBoard."""
+    written whole is not written: WriteError), and mirrors each record to the trackers as `<type>/<key>`:
+    every value to wandb, the finite numbers to TensorBoard."""
 
     def __init__(self, run_dir: Path, is_main: bool, log_with: Sequence[str] = (),
-                 wandb_cfg: Optional[dict] = None, config: Optional[dict] = None, step: int = 0):
+                 wandb: Optional[Mapping[str, Any]] = None, hparams: Optional[dict] = None, step: int = 0):
+        """`wandb`: the wandb section as plain data ({mode, project, entity, name}; None: no wandb)."""
         self.is_main = is_main
         self.path = Path(run_dir) / "metrics.jsonl"
-        wandb_cfg = wandb_cfg or {}
-        names = tracker_names(log_with, wandb_cfg.get("mode", "disabled"))
-        self.trackers = start_trackers(Path(run_dir), names, wandb_cfg, config, step) if is_main else []
+        wandb = wandb or {"mode": "disabled"}
+        names = tracker_names(log_with, wandb["mode"])
+        self.trackers = start_trackers(Path(run_dir), names, wandb, hparams, step) if is_main else []
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.is_main:
@@ -98,9 +96,8 @@ class RunLog:
                 tracker.log_images({tag: [pixels]}, step=step)                 # a list of one wandb.Image
 
     def log_videos(self, tag: str, paths: Sequence[str], step: int) -> None:
-        """Video files (the validation videos) on every tracker at `step`, each as `<tag>/<file stem>`: on
-        TensorBoard an animated GIF in an image summary (its image plugin plays it; add_video would need moviepy),
-        on wandb a wandb.Video of the file."""
+        """Video files (the validation videos) on every tracker at `step`, each as `<tag>/<file stem>`: an animated
+        GIF in a TensorBoard image summary, a wandb.Video on wandb."""
         if not self.trackers:
             return
         tags = {f"{tag}/{Path(p).stem}": Path(p) for p in paths}

@@ -9,25 +9,26 @@ import os
 import shutil
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn as nn
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from omegaconf import OmegaConf
 
 from tread.data import (BucketedDataset, LatentLoader, PhasedSampler, ShardedBatchSampler, build_dataset,
                         check_dataset, make_sampler)
 from tread.data.loader import PHASE_STRIDE
 from tread.diffusion.build import build_diffusion
 from tread.models import build_model
+from tread.models.backbone import Backbone
 from tread.schema import ConfigError
+from tread.schema.train import TrainConfig, micro_batch
 from tread.training.ema import make_ema
 from tread.training.fsdp import check_parallel, shard_backbone
-from tread.training.phases import TrainPhases
-from tread.training.repa import Repa, build_repa
+from tread.schema.phases import TrainPhases
+from tread.training.repa import Repa, build_repa, with_resolved
+from tread.evaluation.evaluator import decode_options
 from tread.utils.distributed import rank
 from tread.utils.errors import UserError
 from tread.utils.targets import build_target
@@ -47,9 +48,8 @@ def _adamw8bit_class() -> type:
     from torchao.optim import AdamW8bit
 
     class LoopAdamW8bit(AdamW8bit):
-        """torchao's AdamW8bit with the plain-float lr the loop sets every step (tread.training.step.set_lr) turned into
-        the tensor torchao keeps, and, with every parameter on the CPU, its per-parameter update run eagerly
-        (torchao compiles it: 4-17 s per parameter shape on a CPU; on CUDA the compiled kernel is the point)."""
+        """torchao's AdamW8bit taking the plain-float lr the loop sets every step (tread.training.step.set_lr), with
+        the per-parameter update run eagerly when every parameter is on the CPU (compiling it there is slow)."""
 
         def step(self, closure: Any = None) -> Any:
             for group in self.param_groups:
@@ -89,21 +89,21 @@ class TrainingParts:
         self.ema.to(self.accelerator.device)
 
 
-def make_accelerator(train_cfg: Any) -> Accelerator:
+def make_accelerator(train: Any) -> Accelerator:
     """A fresh Accelerator for this run, with train.mixed_precision resolved for its device (auto: mixed_precision)
     and CUDA's fp32 matmuls set by train.tf32. AcceleratorState is a process-wide singleton; it is cleared
     (keeping the process group) so train() can run again in one process with other settings (tests, sweeps)."""
     AcceleratorState._reset_state()
-    cpu = train_cfg.cpu or cpu_process_group()
+    cpu = train.cpu or cpu_process_group()
     device = torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")
-    set_tf32(train_cfg.tf32, device)
-    return Accelerator(mixed_precision=mixed_precision(train_cfg.mixed_precision, device)[0], cpu=cpu)
+    set_tf32(train.tf32, device)
+    return Accelerator(mixed_precision=mixed_precision(train.mixed_precision, device)[0], cpu=cpu)
 
 
 def mixed_precision(setting: str, device: torch.device) -> tuple[str, str]:
-    """(accelerate's mixed_precision, why) for train.mixed_precision on `device`. auto is bf16 autocast where the
-    device multiplies bf16 natively (CUDA from Ampere on; a CPU with AVX512-BF16 or AMX, where a bf16 matmul runs
-    2-2.5x faster than fp32: docs/benchmarks.md), else fp32 ("no"); no, bf16 and fp16 are taken as given."""
+    """(accelerate's mixed_precision, why) for train.mixed_precision on `device`: auto is bf16 autocast where the
+    device multiplies bf16 natively (CUDA from Ampere on; a CPU with AVX512-BF16 or AMX), else fp32 ("no");
+    no, bf16 and fp16 are taken as given."""
     if setting != "auto":
         return setting, "train.mixed_precision"
     if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
@@ -135,92 +135,81 @@ def cpu_process_group(env: Mapping[str, str] = os.environ) -> bool:
     return int(env.get("WORLD_SIZE") or 1) > 1 and not torch.cuda.is_available()
 
 
-def build_parts(cfg: Any, accelerator: Accelerator) -> TrainingParts:
+def build_parts(config: TrainConfig, accelerator: Accelerator) -> TrainingParts:
     """Model (routes validated against its depth here), objective, EMA, compile and optimizer, with the same
     initialisation on every process (seeded by train.seed)."""
-    check_shared_base(cfg)
-    check_parallel(cfg, accelerator.num_processes, accelerator.device.type == "cuda")
-    repa = build_repa(cfg, accelerator.device)              # the encoder first: it sizes the REPA head
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
+    train = config.train
+    check_shared_base(config.model, train)
+    check_parallel(train, config.eval, accelerator.num_processes, accelerator.device.type == "cuda")
+    repa = build_repa(config.model, config.data.resolution, config.paths.cache_dir, decode_options(config.eval),
+                      accelerator.device)           # the encoder first: it sizes the REPA head
+    torch.manual_seed(train.seed)
+    model = build_model(with_resolved({"model": config.model.plain()}, repa)["model"])
     if repa is not None:                                    # the targets' grid: each batch's tokens
         repa.patch = model_patch(model)
-    diffusion = build_diffusion(cfg.diffusion)
+    diffusion = build_diffusion(config.diffusion.plain())
     net = diffusion.precondition(model)
     # ema.mode (tread/training/ema.py): a copy (a quantized frozen base shared), the trained parameters only, ...
-    ema = make_ema(net, model, cfg.ema.get("mode", "full"))
-    sharded = maybe_shard(cfg.train, model, ema.model)      # before the optimizer: parameters become shards
-    compiled = maybe_compile(cfg.train, model, accelerator.device)
+    ema = make_ema(net, model, config.ema.mode)
+    sharded = maybe_shard(train, model, ema.model)          # before the optimizer: parameters become shards
+    compiled = maybe_compile(train, model, accelerator.device)
     # LoRA (model.lora) freezes the base weights: only parameters that require grad are optimised.
-    optimizer = build_target(cfg.optimizer, OPTIMIZERS, "optimizer")(params=[p for p in net.parameters()
-                                                                             if p.requires_grad])
+    optimizer = build_target(config.optimizer.plain(), OPTIMIZERS, "optimizer")(
+        params=[p for p in net.parameters() if p.requires_grad])
     return TrainingParts(accelerator, model, diffusion, net, ema, optimizer, compiled, sharded, repa)
 
 
-def check_shared_base(cfg: Any) -> None:
+def check_shared_base(model: Any, train: Any) -> None:
     """The EMA shares a quantized base with the trained model, which per-module FSDP sharding cannot do."""
-    if cfg.model.get("quantize") and cfg.train.parallel == "fsdp":
-        raise ConfigError(f"model.quantize={cfg.model.quantize} cannot be combined with train.parallel=fsdp (the "
+    if model.quantize and train.parallel == "fsdp":
+        raise ConfigError(f"model.quantize={model.quantize} cannot be combined with train.parallel=fsdp (the "
                           f"EMA shares the quantized base, which FSDP would shard twice); allowed: train.parallel="
                           f"ddp, or model.quantize=null.")
 
 
-def maybe_shard(train_cfg: Any, model: nn.Module, ema_model: nn.Module) -> bool:
+def maybe_shard(train: Any, model: nn.Module, ema_model: nn.Module) -> bool:
     """train.parallel=fsdp: shard the backbone and its EMA copy alike, one FSDP group per routable block (the
     EMA is resharded after every forward: it only samples)."""
-    if train_cfg.parallel != "fsdp":
+    if train.parallel != "fsdp":
         return False
-    shard_backbone(model, train_cfg.fsdp.reshard_after_forward, train_cfg.fsdp.cpu_offload)
-    shard_backbone(ema_model, True, train_cfg.fsdp.cpu_offload, forward_only=True)
+    shard_backbone(model, train.fsdp.reshard_after_forward, train.fsdp.cpu_offload)
+    shard_backbone(ema_model, True, train.fsdp.cpu_offload, forward_only=True)
     return True
 
 
-def maybe_compile(train_cfg: Any, model: nn.Module, device: torch.device) -> bool:
+def maybe_compile(train: Any, model: nn.Module, device: torch.device) -> bool:
     """torch.compile the backbone's routed forward in place (train.compile: auto = compile_by_default). Parameter
     names and checkpoints are unchanged. The router draws outside the compiled graph and keep counts are
     static per route, so one graph per route shape compiles in the first step and nothing after."""
-    setting = train_cfg.compile
+    setting = train.compile
     if not (setting is True or (setting == "auto" and compile_by_default(device))):
         return False
-    model.compile(backend=train_cfg.compile_backend, mode=train_cfg.compile_mode)
+    model.compile(backend=train.compile_backend, mode=train.compile_mode)
     return True
 
 
 def compile_by_default(device: torch.device) -> bool:
     """train.compile=auto: on with CUDA, and on a CPU where inductor can build its kernels (a C++ compiler on
-    PATH): there a compiled DiT-S/2 step is never slower than the eager one and up to 0.8-0.9x of it (bf16 routed,
-    whose casts it fuses; docs/benchmarks.md). Short CPU runs, whose ~40 s compilation the steps do not pay back,
-    set train.compile=false (experiment=toy, debug=tiny)."""
+    PATH); measurements in docs/benchmarks.md. Short CPU runs set train.compile=false (experiment=toy, debug=tiny)."""
     if device.type == "cuda":
         return True
     return device.type == "cpu" and any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++"))
 
 
-def micro_batch_size(train_cfg: Any, world_size: int) -> int:
-    """The per-process micro-batch: train.batch_size is global, over processes and accumulation steps."""
-    denom = world_size * train_cfg.grad_accum_steps
-    if train_cfg.batch_size % denom:
-        raise ConfigError(
-            f"train.batch_size={train_cfg.batch_size} is the global batch and must be divisible by "
-            f"num_processes ({world_size}) x train.grad_accum_steps ({train_cfg.grad_accum_steps}) = {denom}.")
-    return train_cfg.batch_size // denom
-
-
-def open_dataset(cfg: Any, model: nn.Module):
-    """The run's dataset (a built-in one is made first), checked against the model's input, then its files against
-    their integrity record (tread/data/integrity.py: a stat per file when unchanged; a scan for older datasets):
-    NaN/inf data is refused, naming the file and the first sample, unless data.allow_nonfinite."""
-    dataset = build_dataset(cfg.data)
+def open_dataset(data: Any, model: nn.Module, arch: str):
+    """The run's dataset (the data section's; a built-in one is made first), checked against the model (`arch`:
+    model.arch) and its files against their integrity record: NaN/inf data is refused, naming the file and the
+    first sample, unless data.allow_nonfinite."""
+    dataset = build_dataset(data.plain())
     if isinstance(dataset, BucketedDataset):
-        check_bucket_grids(cfg, dataset, model)
+        check_bucket_grids(data, dataset, model, arch)
     elif (dataset.channels, dataset.resolution) != (model.in_channels, model.input_size):
         raise ConfigError(
-            f"data at '{cfg.data.path}' is {dataset.channels}x{dataset.resolution}x{dataset.resolution} but the model "
+            f"data at '{data.path}' is {dataset.channels}x{dataset.resolution}x{dataset.resolution} but the model "
             f"expects {model.in_channels}x{model.input_size}x{model.input_size} (model.in_channels/model.input_size).")
-    check_frames(cfg, dataset, model)
-    if hasattr(model, "check_text_data"):      # text-conditioned families: the embedding widths
-        model.check_text_data(getattr(dataset, "conditioning", None) or {}, f"'{cfg.data.path}'")
-    notes, warned = check_dataset(dataset, cfg.data.allow_nonfinite)
+    check_frames(data, dataset, model, arch)
+    model.check_text_data(dataset.conditioning or {}, f"'{data.path}'")   # a text family: the embedding widths
+    notes, warned = check_dataset(dataset, data.allow_nonfinite)
     for text in warned:
         warnings.warn(text, UserWarning, stacklevel=2)
     for text in notes if rank() == 0 else ():
@@ -228,119 +217,113 @@ def open_dataset(cfg: Any, model: nn.Module):
     return dataset
 
 
-def check_frames(cfg: Any, dataset: Any, model: nn.Module) -> None:
+def check_frames(data: Any, dataset: Any, model: nn.Module, arch: str) -> None:
     """Video data (meta "video": (C, T, H, W) latents) needs a video family (model.frames), and single-shape data
     has the latent frames data.frames says and, for a video family, model.frames (1 for images); model.i2v needs the
     clips' first-frame latents; one error line."""
-    first = dataset.parts[0] if isinstance(dataset, BucketedDataset) else dataset
-    video, frames = getattr(first, "video", None), getattr(first, "frames", 1)
-    takes_video = bool(getattr(model, "frames_axis", False))
-    if getattr(model, "i2v", False) and (getattr(first, "conditioning", None) or {}).get("first_frame") is None:
-        raise ConfigError(f"model.i2v=true but the data at '{cfg.data.path}' has no first-frame latents "
+    first = dataset.parts[0]
+    video, frames = first.video, first.frames
+    takes_video = model.frames_axis
+    if model.i2v and (first.conditioning or {}).get("first_frame") is None:
+        raise ConfigError(f"model.i2v=true but the data at '{data.path}' has no first-frame latents "
                           f"(first_frame_latents.npy): precompute the clips with --first-frame, or set model.i2v=false.")
     if video is not None and not takes_video:
-        raise ConfigError(f"data at '{cfg.data.path}' is video ({video['frames']} frames per clip, latents "
-                          f"{list(first.shape)}) but model {cfg.model.arch} takes images; use a video family "
+        raise ConfigError(f"data at '{data.path}' is video ({video['frames']} frames per clip, latents "
+                          f"{list(first.shape)}) but model {arch} takes images; use a video family "
                           f"(model=wan) or image data.")
     if isinstance(dataset, BucketedDataset):     # frame buckets: every bucket its own T, whole temporal patches
-        pt = model.latent_patch()[0] if takes_video and hasattr(model, "latent_patch") else 1
+        pt = model.latent_patch()[0] if takes_video else 1
         off = [f"{b.name} (T={shape[1]})" for b, shape in zip(dataset.buckets, dataset.shapes)
                if len(shape) == 4 and shape[1] % pt]
         if off:
-            raise ConfigError(f"bucket(s) {', '.join(off)} of '{cfg.data.path}' are not whole {pt}-frame temporal "
-                              f"patches of {cfg.model.arch}: precompute with --frame-buckets giving T a multiple "
+            raise ConfigError(f"bucket(s) {', '.join(off)} of '{data.path}' are not whole {pt}-frame temporal "
+                              f"patches of {arch}: precompute with --frame-buckets giving T a multiple "
                               f"of {pt}.")
         return
-    want = int(cfg.data.get("frames", 1))
+    want = data.frames
     if frames != want or (takes_video and int(model.frames) != frames):
         model_frames = f", model.frames={model.frames}" if takes_video else ""
-        raise ConfigError(f"data at '{cfg.data.path}' has {frames} latent frame(s) per sample"
+        raise ConfigError(f"data at '{data.path}' has {frames} latent frame(s) per sample"
                           f"{' (images)' if video is None else ''} but data.frames={want}{model_frames}; set "
                           f"data.frames={frames} (video families take model.frames from it).")
 
 
-def model_patch(model: nn.Module) -> tuple[int, int]:
+def model_patch(model: Backbone) -> tuple[int, int]:
     """The latent (height, width) one token covers: DiT's patch, a family's latent patch (or 2x2 packing)."""
-    if hasattr(model, "latent_patch"):
-        return tuple(model.latent_patch()[1:])
-    return model.patch_size, model.patch_size
+    return tuple(model.latent_patch()[1:])
 
 
-def check_bucket_grids(cfg: Any, dataset: BucketedDataset, model: nn.Module) -> None:
+def check_bucket_grids(data: Any, dataset: BucketedDataset, model: nn.Module, arch: str) -> None:
     """Bucketed data: the model's channels, and every bucket a whole token grid (its latent sides multiples of
     the patch); one error line naming the buckets that are not."""
     if dataset.channels != model.in_channels:
-        raise ConfigError(f"data at '{cfg.data.path}' has {dataset.channels} channels but the model expects "
+        raise ConfigError(f"data at '{data.path}' has {dataset.channels} channels but the model expects "
                           f"{model.in_channels} (model.in_channels).")
     ph, pw = model_patch(model)
     off = [f"{b.name} (latents {h}x{w})" for b, (*_, h, w) in zip(dataset.buckets, dataset.shapes)
            if h % ph or w % pw]
     if off:
-        raise ConfigError(f"bucket(s) {', '.join(off)} of '{cfg.data.path}' are not whole {ph}x{pw}-latent patches "
-                          f"of {cfg.model.arch}: precompute with --bucket-stride = the VAE factor x {max(ph, pw)}.")
-    if hasattr(model, "check_size"):        # a family's own limits (position tables, padded sequence lengths)
-        for bucket, (*_, h, w) in zip(dataset.buckets, dataset.shapes):
-            try:
-                model.check_size(h, w)
-            except UserError as err:
-                raise ConfigError(f"bucket {bucket.name} of '{cfg.data.path}': {err}") from None
+        raise ConfigError(f"bucket(s) {', '.join(off)} of '{data.path}' are not whole {ph}x{pw}-latent patches "
+                          f"of {arch}: precompute with --bucket-stride = the VAE factor x {max(ph, pw)}.")
+    for bucket, (*_, h, w) in zip(dataset.buckets, dataset.shapes):   # a family's limits (position tables, ...)
+        try:
+            model.check_size(h, w)
+        except UserError as err:
+            raise ConfigError(f"bucket {bucket.name} of '{data.path}': {err}") from None
     # train.compile: one graph per bucket shape (and per route shape within it); dynamo's default of 8 graphs per
     # function would send the 9th bucket to eager for good.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(dataset.buckets))
 
 
-def uses_loss_mask(cfg: Any, dataset) -> bool:
+def uses_loss_mask(train: Any, dataset) -> bool:
     """Whether this run weights its loss by the data's loss masks (train.masked_loss: auto | true | false)."""
-    has = (getattr(dataset, "conditioning", None) or {}).get("loss_mask") is not None
-    if cfg.train.masked_loss is True and not has:
+    has = (dataset.conditioning or {}).get("loss_mask") is not None
+    if train.masked_loss is True and not has:
         raise ConfigError(f"train.masked_loss=true but the data at '{dataset.root}' has no loss masks "
                           f"(loss_mask.npy); build it with --loss-masks, use data=toy_masked, or set "
                           f"train.masked_loss=auto.")
-    return has and cfg.train.masked_loss is not False
+    return has and train.masked_loss is not False
 
 
-def make_loader(cfg: Any, dataset, accelerator: Accelerator) -> LatentLoader:
+def make_loader(config: TrainConfig, dataset, accelerator: Accelerator) -> LatentLoader:
     """This process's shard of the data, in the deterministic, resumable order of (train.seed, epoch); bucketed
     data draws each batch from one bucket (data.resolution_schedule: the phases' buckets), a bucket too small
     for a batch on every process is dropped with a warning."""
-    batch, rank, world = micro_batch_size(cfg.train, accelerator.num_processes), accelerator.process_index, \
+    train, data, phases = config.train, config.data, config.phases
+    batch, rank, world = config.micro_batch(accelerator.num_processes), accelerator.process_index, \
         accelerator.num_processes
     sampler = None
-    phases = TrainPhases.from_config(cfg)
     if phases.changes_batch():          # routing.schedule phases with their own train.batch_size
-        sampler = batch_phase_sampler(cfg, dataset, phases, rank, world)
+        sampler = batch_phase_sampler(train, data.path, dataset, phases, rank, world)
     elif isinstance(dataset, BucketedDataset):
-        schedule = cfg.data.get("resolution_schedule")
-        schedule = OmegaConf.to_container(schedule, resolve=True) if schedule is not None else None
-        sampler = make_sampler(dataset, batch, cfg.train.seed, rank, world, schedule, cfg.train.grad_accum_steps)
+        schedule = [phase.plain() for phase in data.resolution_schedule] if data.resolution_schedule else None
+        sampler = make_sampler(dataset, batch, train.seed, rank, world, schedule, train.grad_accum_steps)
         warn_dropped_buckets(dataset, sampler, batch * world)
-    elif cfg.data.get("resolution_schedule"):
+    elif data.resolution_schedule:
         raise ConfigError(f"data.resolution_schedule needs bucketed data (precompute --buckets/--bucket-pixels); "
-                          f"'{cfg.data.path}' has one shape: set data.resolution_schedule=null")
-    return LatentLoader(dataset, batch, seed=cfg.train.seed, rank=rank, world_size=world,
-                        num_workers=cfg.train.num_workers, pin_memory=accelerator.device.type == "cuda",
+                          f"'{data.path}' has one shape: set data.resolution_schedule=null")
+    return LatentLoader(dataset, batch, seed=train.seed, rank=rank, world_size=world,
+                        num_workers=train.num_workers, pin_memory=accelerator.device.type == "cuda",
                         sampler=sampler)
 
 
-def batch_phase_sampler(cfg: Any, dataset, phases: TrainPhases, rank: int, world: int) -> PhasedSampler:
-    """Batch sizes by routing.schedule phase (single-shape data): one ShardedBatchSampler per run of steps with one
-    global batch, from the first micro-batch of its first step; run k draws with train.seed + PHASE_STRIDE * k (run 0
-    as a run without phases), from its own position 0. Each size must split over processes and accumulation."""
-    runs, accum = phases.batch_phases(), cfg.train.grad_accum_steps
+def batch_phase_sampler(train: Any, path: str, dataset, phases: TrainPhases, rank: int, world: int
+                        ) -> PhasedSampler:
+    """Batch sizes by routing.schedule phase (single-shape data at `path`): one ShardedBatchSampler per run of steps
+    with one global batch, from the first micro-batch of its first step; run k draws with train.seed +
+    PHASE_STRIDE * k (run 0 as a run without phases), from its own position 0."""
+    runs, accum = phases.batch_phases(), train.grad_accum_steps
     first = next(i for _, _, i in runs if i is not None)
     if isinstance(dataset, BucketedDataset):
-        raise ConfigError(f"routing.schedule[{first}].train.batch_size is set but the data at '{cfg.data.path}' is "
+        raise ConfigError(f"routing.schedule[{first}].train.batch_size is set but the data at '{path}' is "
                           f"bucketed; allowed: phase batch sizes with single-shape data only (or no batch_size in "
                           f"the phases).")
     out = []
     for k, (start, batch, index) in enumerate(runs):
         name = "train.batch_size" if index is None else f"routing.schedule[{index}].train.batch_size"
-        if batch % (world * accum):
-            raise ConfigError(f"{name}={batch} is the global batch and must be divisible by num_processes ({world}) "
-                              f"x train.grad_accum_steps ({accum}) = {world * accum}.")
+        micro = micro_batch(batch, world, accum, name)
         try:
-            sampler = ShardedBatchSampler(len(dataset), batch // (world * accum), cfg.train.seed + PHASE_STRIDE * k,
-                                          rank, world)
+            sampler = ShardedBatchSampler(len(dataset), micro, train.seed + PHASE_STRIDE * k, rank, world)
         except ValueError as err:
             raise ConfigError(f"{name}={batch}: {err}") from None
         out.append((start * accum, sampler))
@@ -358,12 +341,7 @@ def warn_dropped_buckets(dataset: BucketedDataset, sampler: Any, need: int) -> N
                       f"to use them.", UserWarning, stacklevel=2)
 
 
-def seed_streams(cfg: Any, model: nn.Module, rank: int) -> None:
+def seed_streams(train_seed: int, routing_seed: int, model: nn.Module, rank: int) -> None:
     """Each process's training stream (noise, label dropout, moments) and the router's own stream."""
-    torch.manual_seed(cfg.train.seed * 1_000_003 + rank)
-    model.routing.router.manual_seed(int(cfg.routing.seed) * 1_000_003 + rank)
-
-
-def ensure_dirs(run_dir: Path) -> None:
-    for sub in ("checkpoints", "samples"):
-        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(train_seed * 1_000_003 + rank)
+    model.routing.router.manual_seed(routing_seed * 1_000_003 + rank)

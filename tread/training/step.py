@@ -1,12 +1,6 @@
-"""One training step: what train.py runs every step, and what the benchmark and the route planner time.
-
-A step is one optimizer update: for each of `grad_accum_steps` micro-batches, move the batch to the device,
-draw latents from moments data, drop labels (classifier-free guidance training), take the data's text
-embeddings and loss mask, compute the objective's loss under autocast and backpropagate (gradient sync only
-on the last micro-batch); then clip, step the optimizer and update the EMA, both skipped on the device
-when the loss or the gradient norm is not finite (tread/training/guard.py). The random draws happen in this
-order on the training stream: moments, label dropout, caption dropout (only with train.caption_dropout > 0:
-tread/training/caption_dropout.py), then the objective's sigma/t and noise.
+"""One training step (one optimizer update over grad_accum_steps micro-batches): what train.py runs every
+step, and what the benchmark and the route planner time. Random draws on the training stream, in order:
+moments, label dropout, caption dropout (only when enabled), then the objective's sigma/t and noise.
 """
 from __future__ import annotations
 
@@ -25,9 +19,10 @@ from tread.models.repa import REPA_AUX
 from tread.training.caption_dropout import caption_dropout_settings, drop_captions
 from tread.routing import resize_loss_mask
 from tread.training.ema import ema_decay_at, ema_update
-from tread.training.fsdp import full
+from tread.utils.dtensor import full
 from tread.training.guard import nonfinite_flag
-from tread.training.phases import TrainPhases
+from tread.schema.phases import TrainPhases
+from tread.schema.train import TrainConfig
 from tread.training.setup import TrainingParts
 
 
@@ -54,21 +49,21 @@ class StepSettings:
     phases: Optional[TrainPhases] = None      # routing.schedule's per-phase lr, warm-up, clipping, path drop; None: off
 
     @classmethod
-    def from_config(cls, cfg: Any, use_mask: bool = False, data_meta: Optional[Mapping[str, Any]] = None,
+    def from_config(cls, config: TrainConfig, use_mask: bool = False, data_meta: Optional[Mapping[str, Any]] = None,
                     routed: bool = True, dataset: Any = None) -> "StepSettings":
         """From a checked training config; `use_mask` whether this run weights its loss by loss masks (the data's
         and train.masked_loss), `routed` whether the model has routes (force-keep needs them), `dataset` the run's
         data (its stored empty prompt, for caption dropout)."""
-        t = cfg.train
-        p, mode, empty = caption_dropout_settings(cfg, data_meta or {}, dataset)
+        t = config.train
+        p, mode, empty = caption_dropout_settings(t, config.model.family, config.data, data_meta or {}, dataset)
         return cls(grad_accum_steps=t.grad_accum_steps, grad_clip=t.grad_clip, label_dropout=t.label_dropout,
-                   lr=cfg.optimizer.lr, lr_warmup_steps=t.lr_warmup_steps, lr_schedule=t.lr_schedule,
-                   max_steps=t.max_steps, ema_decay=cfg.ema.decay,
-                   ema_warmup=cfg.ema.warmup, use_mask=use_mask,
+                   lr=config.optimizer.lr, lr_warmup_steps=t.lr_warmup_steps, lr_schedule=t.lr_schedule,
+                   max_steps=t.max_steps, ema_decay=config.ema.decay,
+                   ema_warmup=config.ema.warmup, use_mask=use_mask,
                    force_keep=bool(use_mask and t.mask_force_keep and routed), data_meta=dict(data_meta or {}),
                    caption_dropout=p, caption_dropout_mode=mode, empty_prompt=empty,
-                   i2v_probability=float(t.i2v_probability) if cfg.model.get("i2v") else None,
-                   phases=TrainPhases.from_config(cfg))
+                   i2v_probability=float(t.i2v_probability) if config.model.i2v else None,
+                   phases=config.phases)
 
 
 @dataclass
@@ -90,9 +85,9 @@ class TrainStep:
     def __init__(self, parts: TrainingParts, settings: StepSettings):
         self.parts, self.s = parts, settings
         self.null_label = parts.model.num_classes
-        self.takes_text = hasattr(parts.model, "conditioning")   # DiT is class-conditional: text is ignored
+        self.takes_text = parts.model.text_conditioned   # DiT is class-conditional: text is ignored
         self.empty_prompt = {k: v.to(parts.accelerator.device) for k, v in (settings.empty_prompt or {}).items()}
-        self.i2v_frames = bool(getattr(parts.model, "i2v_frames", False))   # given frames are left out of the loss
+        self.i2v_frames = parts.model.i2v_frames   # given frames are left out of the loss
 
     def __call__(self, batches: Iterator, step: int) -> StepStats:
         p, s = self.parts, self.s
@@ -122,7 +117,7 @@ class TrainStep:
         if self.s.phases is None:
             return self.s.grad_clip
         hyper = self.s.phases.at(step)
-        if hyper.path_drop_prob is not None and hasattr(self.parts.model, "path_drop_prob"):
+        if hyper.path_drop_prob is not None and self.parts.model.path_drop_prob is not None:    # SPRINT
             self.parts.model.path_drop_prob = hyper.path_drop_prob
         return hyper.grad_clip
 
@@ -188,9 +183,7 @@ class TrainStep:
 
 def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int) -> float:
     """The lr multiplier at optimizer step `step` (0-based), a pure function of the step (an exact resume needs no
-    scheduler state). Warm-up: (step + 1) / warmup_steps, so the first step already moves (the paper's). After it,
-    diffusers' get_scheduler lambdas at `step`: constant 1; linear (T - step) / (T - W); cosine
-    0.5 (1 + cos(pi (step - W) / (T - W))), with T = total_steps, W = warmup_steps (T - W at least 1)."""
+    scheduler state): warm-up (step + 1) / warmup_steps, then diffusers' constant, linear or cosine schedule."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "linear":

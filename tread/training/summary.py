@@ -13,14 +13,14 @@ from tread.data import COND_KEYS, has_model_conditioning
 from tread.models.flops import forward_flops_with_routes, train_step_flops
 from tread.routing import tokens_processed_fraction
 from tread.runtime.preempt import stop_status
-from tread.training.phases import TrainPhases
+from tread.schema.train import TrainConfig
 from tread.utils.io import WriteError, atomic_write_json
 
 
 def sample_conditioning(model: Any, dataset) -> Optional[dict]:
     """One sample's text embeddings (and Kontext reference latents) when a text-conditioned family trains on
     data that has them (FLOPs are counted with them); None otherwise."""
-    if hasattr(model, "conditioning") and has_model_conditioning(getattr(dataset, "conditioning", None) or {}):
+    if model.text_conditioned and has_model_conditioning(dataset.conditioning or {}):
         extras = dataset.__getitems__([0])[2]
         return {k: extras[k] for k in COND_KEYS if k in extras}
     return None
@@ -28,14 +28,14 @@ def sample_conditioning(model: Any, dataset) -> Optional[dict]:
 
 def bucket_names(dataset) -> Optional[dict[tuple[int, int], str]]:
     """Bucketed data: latent (h, w) -> the bucket's name (image WIDTHxHEIGHT); None for other data."""
-    if not hasattr(dataset, "buckets"):
+    if dataset.buckets is None:
         return None
     return {tuple(shape[1:]): b.name for b, shape in zip(dataset.buckets, dataset.shapes)}
 
 
 def grid_weights(dataset) -> Optional[dict[tuple[int, int], float]]:
     """Bucketed data: latent (h, w) -> its share of the samples (of the steps, in expectation); None otherwise."""
-    if not hasattr(dataset, "buckets"):
+    if dataset.buckets is None:
         return None
     total = float(sum(dataset.bucket_sizes))
     weights: dict[tuple[int, int], float] = {}
@@ -45,27 +45,24 @@ def grid_weights(dataset) -> Optional[dict[tuple[int, int], float]]:
 
 
 class RunSummary:
-    """The summary of one launch of a run, written to <run dir>/summary.json by the main process at the end.
+    """The summary of one launch of a run, written to <run dir>/summary.json by the main process at the end:
+    start-phase, per-launch and whole-run keys (docs/ablations.md lists them all)."""
 
-    Start-phase keys (the routes at this launch's first step): tokens_fraction, train_flops_per_step; per launch:
-    tokens_fraction_measured, steps_per_sec; whole run (steps 0..final_step over all launches): tokens_fraction_run,
-    train_flops_run (= train_flops_total), tokens_fraction_measured_run (docs/ablations.md lists them all)."""
-
-    def __init__(self, run_dir: Path, overrides: Optional[list[str]], cfg: Any, model: Any, dataset, start_step: int,
-                 repa: Any = None):
+    def __init__(self, run_dir: Path, overrides: Optional[list[str]], config: TrainConfig, model: Any, dataset,
+                 start_step: int, repa: Any = None):
         routes = model.routing.routes
-        self.model, self.batch = model, cfg.train.batch_size
+        self.model, self.batch, self.budget_min = model, config.train.batch_size, config.train.time_budget_min
         # model.repa (a tread.training.repa.Repa): the frozen encoder's forward per image counts while its targets are
         # decoded and encoded each step, not when they were precomputed from the images
         self.encoder_flops = repa.encoder_flops if repa is not None and repa.targets == "decoded" else 0.0
-        self.hyper = TrainPhases.from_config(cfg)        # routing.schedule phases may change the batch
+        self.hyper = config.phases                      # routing.schedule phases may change the batch
         self.cond = sample_conditioning(model, dataset)
         self._flops: dict[tuple, float] = {}
         self.grid_weights = grid_weights(dataset)
         self.flops_per_step = self.step_flops(model.routing.routes_at(start_step), self.batch_at(start_step))
         self.data: dict[str, Any] = {
             "status": "running", "run_dir": str(run_dir), "overrides": list(overrides or []),
-            "model": str(cfg.model.arch), "routes": [r.__dict__ for r in routes], "start_step": start_step,
+            "model": str(config.model.arch), "routes": [r.__dict__ for r in routes], "start_step": start_step,
             "tokens_fraction": self.tokens_fraction(model.routing.routes_at(start_step)),
             "train_flops_per_step": self.flops_per_step, "schedule": self.phases()}
         if repa is not None:
@@ -108,7 +105,7 @@ class RunSummary:
     def reference_tokens(self) -> int:
         """Never-routed reference image tokens per sample (model.kontext: the reference has the target's shape), 0
         without references."""
-        return int(self.model.num_tokens) if getattr(self.model, "kontext", False) else 0
+        return int(self.model.num_tokens) if self.model.kontext else 0
 
     def with_reference(self, fraction: float) -> float:
         """A target-token share as a share of all image tokens: the reference goes through every block in full."""
@@ -120,10 +117,9 @@ class RunSummary:
         return self.hyper.at(step).batch_size
 
     def step_flops(self, routes, batch: int) -> float:
-        """Theoretical FLOPs of a training step of `batch` samples that takes `routes` (counted once per distinct
-        route list and batch); for bucketed data the mean over the buckets' grids weighted by their samples (the
-        share of steps each gets), plus the REPA encoder's forward of each image when its targets are decoded (no
-        backward: it is frozen)."""
+        """Theoretical FLOPs of a training step of `batch` samples taking `routes` (cached per route list and batch):
+        for bucketed data the sample-weighted mean over bucket grids, plus the frozen REPA encoder's forward when
+        its targets are decoded."""
         key = (tuple(routes), batch)
         if key not in self._flops:
             grids = self.grid_weights or {None: 1.0}
@@ -135,7 +131,7 @@ class RunSummary:
         """Forward FLOPs per sample with `routes` at latent grid (H, W) (None: the default), REPA's head included."""
         kw = {} if grid is None else {"grid": grid}
         forward = forward_flops_with_routes(self.model, [r.__dict__ for r in routes], self.cond, **kw)
-        return forward + getattr(self.model, "repa_flops", lambda _, **k: 0.0)(list(routes), **kw)   # REPA (DiT)
+        return forward + self.model.repa_flops(list(routes), **kw)   # REPA's head (DiT)
 
     def phases(self) -> Optional[list[dict[str, Any]]]:
         """The routing schedule's phases with their routes, token share, global batch and FLOPs per step (at each
@@ -187,13 +183,11 @@ class RunSummary:
         """An evaluation due at `step` that a stop signal (`reason`: its name) skipped."""
         self.data.setdefault("eval_skipped", []).append({"step": step, "reason": reason})
 
-    def finish(self, step: int, train_sec_total: float, train_sec: float, out_of_time: bool, cfg: Any,
-               is_main: bool, preempted: Optional[str] = None, nonfinite_skips: int = 0,
+    def finish(self, step: int, train_sec_total: float, train_sec: float, out_of_time: bool, is_main: bool, preempted: Optional[str] = None, nonfinite_skips: int = 0,
                measured: Optional[tuple[float, int]] = None) -> dict[str, Any]:
-        """Complete the summary (training-only throughput, FLOPs spent, final and best FID, skipped steps, the
-        whole-run keys); `preempted`: the stop signal's name (status "interrupted" for SIGINT, else "preempted");
-        `measured`: (sum of the measured per-step token shares, steps) over all launches (the resume state's
-        tokens_sum, tokens_steps), else this launch's. The main process writes it."""
+        """Complete the summary (throughput, FLOPs, final and best FID, skipped steps, whole-run keys). `preempted`:
+        the stop signal's name; `measured`: (sum of measured token shares, steps) over all launches, else this
+        launch's. The main process writes it."""
         steps_run = step - self.data["start_step"]
         per_sec = (lambda n: n / train_sec if train_sec else None)
         self.data.update({
@@ -201,7 +195,7 @@ class RunSummary:
             "wall_sec": time.time() - self.start,
             "stop_reason": preempted or ("time_budget" if out_of_time else "max_steps"), "signal": preempted,
             "nonfinite_skips": nonfinite_skips,
-            "time_budget_min": cfg.train.time_budget_min, "train_sec_total": train_sec_total, "train_sec": train_sec,
+            "time_budget_min": self.budget_min, "train_sec_total": train_sec_total, "train_sec": train_sec,
             "steps_per_sec": per_sec(steps_run), "images_per_sec": per_sec(self.hyper.batch_sum(self.data["start_step"],
                                                                                                 step)),
             "train_flops_total": self.flops_between(0, step),

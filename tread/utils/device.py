@@ -23,9 +23,8 @@ def cuda_count() -> int:
 
 
 def why_unavailable(device: DeviceLike) -> Optional[str]:
-    """None when this machine has the device named ("cuda", "cuda:N"; any other name is not about CUDA and
-    passes), else what it has instead: "no CUDA device" or "CUDA devices 0..K-1". The one availability test
-    of the programs; each words its own error around it."""
+    """None when this machine has the device named ("cuda", "cuda:N"; other names pass), else what it has instead:
+    "no CUDA device" or "CUDA devices 0..K-1"."""
     name = str(device)
     if not name.startswith("cuda"):
         return None

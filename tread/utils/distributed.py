@@ -57,10 +57,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 
 def rank_zero_call(fn: Callable[[], T]) -> T:
-    """fn() on rank 0 only, its result on every rank; a user error it raises (tread.utils.errors.USER_ERRORS,
-    e.g. tread.runtime.lock.RunDirLocked) is raised on every rank, so that none is left waiting in a later
-    collective for a rank 0 that has ended. A collective: every rank must call it. Without a process group:
-    fn()."""
+    """fn() on rank 0 only, its result on every rank; a user error it raises is raised on every rank, so none waits
+    in a later collective. A collective: every rank must call it. Without a process group: fn()."""
     if not is_distributed():
         return fn()
     outcome: Any = None
@@ -76,9 +74,8 @@ def rank_zero_call(fn: Callable[[], T]) -> T:
 
 
 def all_gather_rows(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """All-gather tensors with the same (possibly different per rank, possibly 0) number of rows: each is
-    padded to the largest count, gathered, trimmed and concatenated in rank order (on the CPU).
-    Not distributed: the tensors themselves, on the CPU. A collective: every rank must call it."""
+    """All-gather tensors whose row counts differ per rank (possibly 0): padded, gathered, trimmed and concatenated in
+    rank order on the CPU. A collective; without a process group, the tensors themselves."""
     if not is_distributed():
         return [t.cpu() for t in tensors]
     dev, world = comm_device(), dist.get_world_size()

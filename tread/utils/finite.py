@@ -1,8 +1,6 @@
-"""Which of many tensors holds a NaN or an infinity, in one pass and one host sync: a 2-norm per tensor (one
-foreach kernel; NaN and inf propagate into it) screens them all, and only a tensor whose norm is not finite is
-looked at element by element (its norm may also overflow, from values near float32's limit that are finite).
-Measured on the CPU for 260 tensors of 4.5M values: 4.5 ms, against 86 ms for an isfinite kernel per tensor and
-580 ms for foreach's max-abs norm."""
+"""Which of many tensors holds a NaN or an infinity, in one pass and one host sync: a foreach 2-norm screens them
+all, and only a tensor whose norm is not finite is looked at element by element (docs/benchmarks.md).
+"""
 from __future__ import annotations
 
 from typing import Mapping, Optional

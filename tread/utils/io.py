@@ -17,10 +17,8 @@ PathLike = Union[str, os.PathLike]
 
 
 class WriteError(OSError, UserError):
-    """A file that could not be written (disk full, quota, read-only file system, permissions): one line naming
-    the file and the cause. Still an OSError (errno, strerror, filename) for code that handles those, and a
-    UserError, so that a program prints it as one `error:` line. Raised by the writes of this module, which
-    leave the file as it was (atomic replace; a failed append is cut off again)."""
+    """A file that could not be written: one line naming the file and the cause. Both an OSError (errno, strerror,
+    filename) and a UserError; the writes of this module leave the file as it was."""
 
     def __str__(self) -> str:
         name = errno.errorcode.get(self.errno, "") if self.errno else ""
@@ -30,9 +28,8 @@ class WriteError(OSError, UserError):
 
 @contextlib.contextmanager
 def writing(path: PathLike) -> Iterator[None]:
-    """An OSError raised inside the block becomes a WriteError naming `path`: the file the block writes, which
-    the OSError may not name (a temp file's name, or none for a failed write()); an inner block's WriteError
-    is named for the outer block's file too."""
+    """An OSError raised inside the block becomes a WriteError naming `path` (which the OSError may not name); an inner
+    block's WriteError is named for the outer block's file too."""
     try:
         yield
     except OSError as err:
@@ -55,9 +52,8 @@ def file_in_the_way(path: PathLike) -> Optional[Path]:
 
 
 def atomic_write(path: PathLike, write: Callable[[BinaryIO], Any], fsync: bool = False) -> Path:
-    """Call write(binary file) on a temp file next to `path`, then rename it over `path`. `fsync` also
-    forces the bytes to disk before the rename (resumable work whose parts must survive a power loss).
-    A failure (WriteError for an OSError) removes the temp file; `path` keeps what it held."""
+    """Call write(binary file) on a temp file next to `path`, then rename it over `path` (`fsync`: force the bytes to
+    disk first). On failure the temp file is removed and `path` keeps what it held."""
     path = Path(path)
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,9 +90,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def append_whole(path: PathLike, data: bytes) -> None:
-    """Append `data` (one record: a line) to `path`, whole or not at all: a failed write (WriteError) or an
-    interruption cuts the file back to its length before, so no torn record stays (a kill -9 mid-write can
-    still leave one: readers drop a torn last line, tread/runtime/run_dir.py::trim_metrics)."""
+    """Append `data` (one record: a line) to `path` whole or not at all: a failed write or an interruption cuts the
+    file back (a kill -9 may still tear one; readers drop a torn last line)."""
     with writing(path):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
@@ -131,10 +126,8 @@ def create_new(path: PathLike, data: bytes) -> bool:
 
 
 def unwritable_dir(path: PathLike) -> Optional[tuple[Path, OSError]]:
-    """Whether files can be made in directory `path`, or (when it does not exist yet) in the nearest existing
-    directory above it: None if they can (or a file is in the way: making the directory says so), else
-    (that directory, the error). Tried for real with an unnamed temporary file (nothing appears in the
-    directory), so a read-only file system, missing permissions, ACLs and root squash all show, also to root."""
+    """None if files can be made in directory `path` (or the nearest existing directory above it), else (that
+    directory, the error). Tried for real with an unnamed temporary file, so permissions, ACLs and root squash show."""
     path = Path(path).absolute()
     existing = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
     if existing is None or file_in_the_way(existing) is not None:

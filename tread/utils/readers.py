@@ -1,23 +1,6 @@
-"""One guarded way to read every file format the programs accept: JSON, YAML, .npy, .npz and images.
-
-Each reader refuses a file it cannot read with ONE error (FileFormatError, or the caller's own UserError class
-given as `error=`) whose message names the file, says what is wrong with it and what is expected, e.g.
-
-    /data/x/meta.json: nested 200000 levels deep (the limit is 64); expected a JSON object ...
-    images '/s/samples.npz': a single .npy array, not an .npz archive; expected an .npz archive (a zip of ...
-
-never a RecursionError, BadZipFile, UnidentifiedImageError or a traceback from deep inside a library. The
-messages start with `what` (how the caller names the file: "meta.json", "reference", "latents file") and end
-with `hint` (what the user can do about it), when given: `<place>: <what is wrong>; expected <what>. <hint>`.
-
-    JSON   read_json / parse_json: nesting deeper than MAX_JSON_DEPTH is refused before json.loads recurses
-    YAML   read_yaml: yaml.safe_load (plain data only), the same depth limit
-    .npy   read_npy (optionally memory-mapped) / parse_npy (bytes): never pickles; an .npz given as .npy refused
-    .npz   read_npz (small arrays, loaded), npz_names, npz_array_info and iter_npz_batches (one array, header
-           only / streamed in row batches: 50K images never sit in memory at once); never pickles
-    image  read_image (decoded, in one mode), image_size (header, PNG chunks checked), image_problem (why not)
-
-Safetensors files are read by tread/utils/tensorfile.py, which guards them itself (StateFileError).
+"""One guarded way to read every file format the programs accept (JSON, YAML, .npy, .npz, images): a bad
+file is ONE error (FileFormatError or the caller's `error=`), `<place>: <what is wrong>; expected <what>.
+<hint>`, never a library traceback; nothing is unpickled.
 """
 from __future__ import annotations
 
@@ -123,9 +106,8 @@ def read_json(path: PathLike, what: str = "JSON file", expect: str = "a JSON doc
 
 def read_yaml(path: PathLike, what: str = "YAML file", expect: str = "a YAML document",
               error: Error = FileFormatError, hint: str = "") -> Any:
-    """The YAML document in `path` as plain data (yaml.safe_load: no tags that build objects); `error` if it is
-    not UTF-8, nests too deep (flow brackets beyond MAX_JSON_DEPTH, or block nesting Python cannot follow) or is
-    not YAML. FileNotFoundError if it is missing."""
+    """The YAML document in `path` as plain data (yaml.safe_load); `error` if it is not UTF-8, nests too deep or is
+    not YAML; FileNotFoundError if it is missing."""
     place = where(what, path)
     text = _text(_read_bytes(path, place, expect, error, hint), place, expect, error, hint)
     try:

@@ -1,6 +1,6 @@
 """Config keys renamed since checkpoints were written: one table serves both the refusal of an old key typed on the
 command line or in a config (tread/schema/base.py, tread/cli/errors.py) and the upgrade of a checkpoint's stored
-config on read (tread/utils/checkpoints.py:read_meta), so that a run written before resumes and samples unchanged."""
+config on read (tread/checkpoint/files.py:read_meta), so that a run written before resumes and samples unchanged."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -15,9 +15,8 @@ SAMPLING_SECTION = "eval"   # where a training config, and so a checkpoint's, ho
 
 
 def renamed_message(dotted: str, value: str, section: Optional[str] = None) -> Optional[str]:
-    """The refusal of an old key ('eval.route_ratio', given `value` as the user spelled it), naming the new one; None
-    for a key that was not renamed, or not where the sampling keys live: `section` is where they live in the
-    program at hand ("" for sample.py and fid.py, "eval" for train.py; None: either)."""
+    """The refusal of an old key, naming the new one; None for a key that was not renamed. `section` is where the
+    sampling keys live in the program at hand ("" for sample.py and fid.py, "eval" for train.py; None: either)."""
     prefix, _, name = dotted.rpartition(".")
     sections = ("", SAMPLING_SECTION) if section is None else (section,)
     if name not in RENAMED_KEYS or prefix not in sections:
@@ -38,9 +37,9 @@ def rename_keys(node: dict) -> dict:
     return node
 
 
-def upgrade_keys(config: Any) -> Any:
-    """A checkpoint's plain config (as read from checkpoint.json) with its renamed sampling keys upgraded, in place."""
-    section = config.get(SAMPLING_SECTION) if isinstance(config, dict) else None
+def upgrade_keys(tree: Any) -> Any:
+    """A checkpoint's plain tree (as read from checkpoint.json) with its renamed sampling keys upgraded, in place."""
+    section = tree.get(SAMPLING_SECTION) if isinstance(tree, dict) else None
     if isinstance(section, dict):
         rename_keys(section)
-    return config
+    return tree

@@ -1,16 +1,10 @@
-"""Building objects from config nodes with a `_target_`, but only from an allowlist.
-
-Hydra's `instantiate` imports and calls whatever `_target_` names. For configs a user writes on the
-command line that is the point; for a config read back from a checkpoint it would run any function the
-file names. Models, objectives and optimizers are therefore built here: the target must be one of the
-names the caller allows, and the arguments are plain data.
+"""Building objects from config nodes with a `_target_`, but only from an allowlist: a config read back from a
+checkpoint must not run whatever function it names, as Hydra's `instantiate` would.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
-
-from omegaconf import DictConfig, OmegaConf
+from typing import Any, Callable, Mapping, Sequence
 
 from tread.utils.errors import UserError
 
@@ -20,9 +14,12 @@ class TargetError(UserError):
 
 
 def plain(node: Any) -> Any:
-    """A config node as plain Python data (dicts, lists, scalars), interpolations resolved."""
-    if isinstance(node, DictConfig) or OmegaConf.is_config(node):
-        return OmegaConf.to_container(node, resolve=True)
+    """A spec as plain Python data: mappings as dicts and lists as lists, all the way down (a config node's
+    interpolations resolve as its values are read)."""
+    if isinstance(node, Mapping):
+        return {k: plain(v) for k, v in node.items()}
+    if isinstance(node, Sequence) and not isinstance(node, (str, bytes, tuple)):
+        return [plain(v) for v in node]
     return node
 
 
@@ -80,10 +77,10 @@ def find_targets(tree: Any, path: str = "") -> list[tuple[str, Any]]:
     return found
 
 
-def check_targets(config: Any, allowed: Mapping[str, Any], where: str) -> None:
-    """Refuse a config (read from a file) that names code other than the project's builders: each
+def check_targets(tree: Any, allowed: Mapping[str, Any], where: str) -> None:
+    """Refuse a tree (read from a file) that names code other than the project's builders: each
     `_target_` must sit directly in a section of `allowed` and be one of that section's names."""
-    for dotted, target in find_targets(plain(config)):
+    for dotted, target in find_targets(plain(tree)):
         section = dotted[: -len("._target_")] if dotted.endswith("._target_") else ""
         if section not in allowed or target not in allowed[section]:
             names = sorted(n for names in allowed.values() for n in names)

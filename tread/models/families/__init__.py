@@ -31,11 +31,9 @@ def build_family(family: str, *, input_size: int, in_channels: int, num_classes:
                  lora: Optional[Mapping[str, Any]] = None, arch: Optional[str] = None,
                  text_encoders: Optional[str] = None, quantize: Optional[str] = None, base_dtype: str = "fp32",
                  **family_kwargs: Any) -> RoutedFamily:
-    """Build a routed family model: a preset's diffusers config (+ `config` overrides) with fresh weights, or
-    `pretrained` weights (hub id or local diffusers folder) loaded unchanged with from_pretrained.
-    `text_encoders` (where prompts are encoded: tread/sampling/prompts.py) plays no part in building. `quantize`
-    (tread/models/quantize.py) quantizes the frozen base blocks before `lora`'s adapters are injected on top;
-    `base_dtype` (bf16 | fp8: pretrained weights load in bf16) stores the frozen base after they are."""
+    """Build a routed family model from a preset's diffusers config (+ `config` overrides) with fresh weights, or
+    from `pretrained` weights loaded unchanged. `quantize` quantizes the frozen base before `lora`'s adapters
+    are injected; `base_dtype` (bf16 | fp8) stores the frozen base. `text_encoders` plays no part here."""
     check_quantize(quantize, lora)
     check_base_dtype(base_dtype, lora, quantize)
     module = family_module(family)

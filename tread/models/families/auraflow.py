@@ -1,22 +1,7 @@
 """AuraFlow (diffusers AuraFlowTransformer2DModel) with TREAD routing.
 
-Route indices count over the joint MMDiT blocks first, then the single DiT blocks, as one sequence:
-with 4 + 32 blocks, index 4 is the first single block and -1 the last one.
-
-The context (never routed) is diffusers' text stream: the 8 learned register tokens followed by the
-projected text, (B, 8 + L, D). Joint blocks update it in their own stream. diffusers' single blocks run
-on one concatenation [registers, text, image]; here each single block concatenates the context with the
-image tokens it is given (the kept ones under a route), runs diffusers' block and splits the result, so
-text and registers are never dropped and the context keeps flowing through the single blocks exactly
-as in diffusers (the dense path is the same computation as diffusers' forward).
-
-Positions: diffusers' `pos_embed` (AuraFlowPatchEmbed) adds the learned absolute position table (the centred
-h x w window of a sqrt(pos_embed_max_size)^2 grid, pe_selection_index_based_on_dim: any grid up to that side,
-square or not; larger ones are refused, check_grid) before the blocks, so routing gathers hidden states only;
-`per_token` is empty. Conditioning is per sample (temb) and there is no pooled text embedding.
-
-Timesteps: the AuraFlow pipeline passes t = sigma in [0, 1] (scheduler timestep / 1000) and the
-transformer's Timesteps embedding scales by 1000 itself, so noise_level (t * 1000) is divided by 1000.
+Routes count over the joint blocks, then the single blocks; the 8 register tokens and the text are
+never-routed context (docs/families.md, "Implementation notes").
 """
 from __future__ import annotations
 

@@ -1,39 +1,21 @@
-"""TREAD routing for diffusers transformer families (FLUX, SD3, Wan, AuraFlow, PixArt).
+"""TREAD routing for diffusers transformer families: the shared loop and the family contract.
 
-A family wraps the diffusers transformer *unchanged* as `self.transformer`, so module and
-parameter names stay diffusers' own and `from_pretrained` weights load as they are. We do not
-fork diffusers' model classes: each family re-implements only the top-level forward loop, in
-three steps, and calls diffusers' own embedders, blocks and output layers:
-
-    embed(x, t, cond)  -> Embedded: routable image/video tokens, never-routed context (text
-                          stream, registers), per-token tensors (RoPE rows, per-token timestep
-                          modulation) and per-sample conditioning
-    block_fns(emb)     -> one callable per transformer block, (x, context, per_token) -> (x, context)
-    head(x, emb)       -> the model output in the latent layout (B, C, H, W) or (B, C, T, H, W)
-
-`routing.run_blocks` does the routing between the two, the same code that routes DiT: only the
-image tokens are gathered (with their per-token tensors), the context is never touched, route
-indices count over `routable_blocks()` as one sequence. Tests prove per family that the dense path
-equals diffusers' own `transformer(...)` and that routes compute what running the blocks on the
-kept subsequence (with its true positions) computes.
-
-The backbone contract is DiT's: forward(x, noise_level, labels, force_keep=None, cond=None), with
-noise_level = t * 1000 (rectified-flow t in [0, 1]). Class-conditional data (labels only) is
-turned into text conditioning by a learned class-to-text table (`ClassTextEmbedder`); text data
-passes `cond` = {"text": (B, L, D), "text_mask": (B, L), "pooled": (B, P)} from the dataset.
+A family wraps the diffusers transformer unchanged (`self.transformer`) and re-implements only the top-level
+forward as `embed` -> `block_fns` -> `head`; `routing.run_blocks` routes between them, gathering image tokens
+only. docs/families.md describes the contract and what each family routes.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from tread.models.errors import ModelConfigError
 from tread.models.families.first_frame import FIRST_FRAME, condition_inputs, conditioned
-from tread.routing import RoutedBackbone, RoutePlan, RoutingController, run_blocks
+from tread.models.backbone import Backbone
+from tread.routing import RoutePlan, RoutingController, run_blocks
 from tread.routing.masks import token_keep_mask
 
 
@@ -86,12 +68,12 @@ def null_text(cond: Mapping[str, torch.Tensor], drop: torch.Tensor) -> dict[str,
     return out
 
 
-class RoutedFamily(RoutedBackbone):
+class RoutedFamily(Backbone):
     """Base class of the diffusers families: config checks, conditioning, routing and the forward loop."""
 
     family: ClassVar[str] = ""
     hub_hint: ClassVar[str] = ""          # a hub repo to name in "how to get the weights" errors
-    frames_axis: ClassVar[bool] = False  # True: inputs are (B, C, T, H, W) (video); images get T = 1
+    text_conditioned: ClassVar[bool] = True
     diffusers_class: ClassVar[str] = ""   # the diffusers transformer class, e.g. "FluxTransformer2DModel"
     text_dim_key: ClassVar[str] = ""      # the transformer config key holding the text embedding width
     pooled_dim_key: ClassVar[Optional[str]] = None   # ... the pooled text width (None: no pooled embedding)
@@ -105,19 +87,14 @@ class RoutedFamily(RoutedBackbone):
     # say how to use such data (reference_advice).
     takes_references: ClassVar[bool] = False
     takes_llama: ClassVar[bool] = False   # the data's Llama hidden states (cond["llama"]): HiDream only
+    llama_dim: Optional[int] = None       # their width (HiDream)
+    use_t5: bool = True                   # model.use_t5 (SD3: false zeroes the T5 part of the text)
     reference_advice: ClassVar[str] = "set model.kontext=true"
-    kontext: bool = False
     # How a family takes image-to-video conditioning frames (model.i2v, cond["first_frame"]: first_frame.py): "frames"
     # (the clean frames in place at timestep 0, force-kept, left out of the loss, put back after sampling: the families
     # whose embed takes (B, N) timesteps), "channels" (the family's embed builds its pipeline's condition channels
     # itself: HunyuanVideo 1.5), "" (none).
     i2v_mode: ClassVar[str] = ""
-
-    @contextlib.contextmanager
-    def shape_only(self) -> Iterator[None]:
-        """Around a FLOPs count on the meta device (shapes only, e.g. a released preset): what makes the forward
-        computable without values, with the same matmuls. Nothing by default; HiDream's MoE overrides it."""
-        yield
 
     def __init__(self, transformer: nn.Module, *, input_size: int, in_channels: int, num_classes: int,
                  routing: Optional[Mapping[str, Any]] = None, text_len: int = 8, arch: str = "",
@@ -149,14 +126,12 @@ class RoutedFamily(RoutedBackbone):
         return getattr(diffusers, cls.diffusers_class)
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
-        """diffusers config keys that follow from the data (channels, sample size) and from `config` (the preset
-        merged with model.config overrides, e.g. its patch_size); explicit preset/override keys win. Default: a
-        transformer that patchifies the latents as they are and predicts a latent of the same shape, with its
-        position table (pos_table) sized to the data's token grid."""
+    def data_config(cls, in_channels: int, input_size: int, diffusers_config: Mapping[str, Any]) -> dict[str, Any]:
+        """diffusers diffusers_config keys that follow from the data (channels, sample size) and from `diffusers_config`; explicit
+        preset/override keys win."""
         out = {"in_channels": in_channels, "out_channels": in_channels, "sample_size": input_size}
         if cls.pos_table:
-            side = max(1, input_size // int(config.get("patch_size", 2)))
+            side = max(1, input_size // int(diffusers_config.get("patch_size", 2)))
             out["pos_embed_max_size"] = side if cls.pos_table == "side" else side * side
         return out
 
@@ -176,11 +151,10 @@ class RoutedFamily(RoutedBackbone):
     def check_shapes(self) -> None:
         """Raise FamilyConfigError when the data does not fit the transformer config."""
 
-    def _check_packed_io(self, config: Any, name: str) -> None:
-        """check_shapes' part shared by the families whose pipeline packs 2x2 latent cells into one token before a
-        patch_size-1 transformer (FLUX, FLUX.2, Chroma; `name` for messages): patch_size 1, config.in_channels =
-        4 x data.channels, out_channels null or equal to it, an even data.resolution."""
-        c, channels = config, self.in_channels
+    def _check_packed_io(self, transformer_config: Any, name: str) -> None:
+        """check_shapes' part for families whose pipeline packs 2x2 latent cells into one token (FLUX, FLUX.2, Chroma):
+        patch_size 1, in_channels = 4 x data.channels, out_channels null or equal, even resolution."""
+        c, channels = transformer_config, self.in_channels
         if c.patch_size != 1:
             raise FamilyConfigError(f"model.config.patch_size={c.patch_size}: {name}'s pipeline packs 2x2 latent cells "
                                     f"into tokens itself and needs the transformer's patch_size 1.")
@@ -195,15 +169,12 @@ class RoutedFamily(RoutedBackbone):
         if self.input_size % 2:
             raise FamilyConfigError(f"data.resolution={self.input_size} must be even: {name} packs 2x2 latent cells.")
 
-    def _check_patch_io(self, config: Any, note: str, *, learned_sigma: bool = False,
+    def _check_patch_io(self, transformer_config: Any, note: str, *, learned_sigma: bool = False,
                         width_key: Optional[str] = "caption_projection_dim",
                         width_note: str = "the text stream enters the joint blocks") -> None:
-        """check_shapes' part shared by the families that patchify the latents as they are (each error names the
-        key, its value and what is allowed): config.in_channels equals data.channels (`note` says why);
-        out_channels (None: in_channels) too, or twice it with learned_sigma; data.resolution is a multiple of
-        patch_size; config.<width_key> (None: not checked) equals the width num_attention_heads x
-        attention_head_dim (`width_note` says why)."""
-        c, channels = config, self.in_channels
+        """check_shapes' part for families that patchify the latents as they are: in/out channels, resolution a
+        multiple of patch_size and (when `width_key` is given) the width; each error names key, value and rule."""
+        c, channels = transformer_config, self.in_channels
         if c.in_channels != channels:
             raise FamilyConfigError(f"model.config.in_channels={c.in_channels} must equal data.channels="
                                     f"{channels} ({note}).")
@@ -302,9 +273,8 @@ class RoutedFamily(RoutedBackbone):
         return t * h * w
 
     def check_size(self, height: int, width: int, frames: int = 1) -> None:
-        """Raise FamilyConfigError, one line naming the family, the size and what is allowed, for latents of height x
-        width (x frames) this family cannot take: sides that are not whole tokens, or a token grid beyond what the
-        diffusers model can position (check_grid). Cheap: call it for every bucket before training starts."""
+        """Raise FamilyConfigError (one line: family, size, what is allowed) for latents of height x width (x frames)
+        this family cannot take. Cheap: call it for every bucket before training starts."""
         pt, ph, pw = self.latent_patch()
         if height < ph or width < pw or height % ph or width % pw or frames < 1 or frames % pt:
             what = f"{height}x{width}" + (f" x {frames} frames" if frames != 1 or pt != 1 else "")
@@ -318,9 +288,8 @@ class RoutedFamily(RoutedBackbone):
         """A family's limits on a (t, h, w) token grid (its position table or RoPE table); none by default."""
 
     def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
-        """This batch's conditioning: its text (text_conditioning; label dropout zeroes text only) plus, with
-        model.kontext, the reference latents cond["reference"] (of the target's shape: check_reference): edit models
-        always see their input image, in both CFG branches."""
+        """This batch's conditioning: its text (label dropout zeroes text only) plus, with model.kontext, the
+        reference latents cond["reference"], which condition both CFG branches."""
         text = self.text_conditioning(labels, cond)
         if not self.kontext:
             return text
@@ -402,8 +371,7 @@ class RoutedFamily(RoutedBackbone):
     def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
                 force_keep: Optional[torch.Tensor] = None, *, return_aux: bool = False, **kwargs: Any) -> Any:
         """RoutedBackbone.forward; with model.i2v ("frames" mode) and cond["first_frame"], first the image-to-video
-        pipelines' inputs (first_frame.py): the clean conditioning frames in place, their tokens at timestep 0 and
-        force-kept."""
+        inputs (first_frame.py)."""
         use = conditioned(kwargs.get("cond"), x.shape[0], x.device) if self.i2v_frames else None
         if use is not None:
             pt, ph, pw = self.latent_patch()
@@ -421,9 +389,8 @@ class RoutedFamily(RoutedBackbone):
     def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
                        force_keep: Optional[torch.Tensor] = None, cond: Optional[Mapping[str, torch.Tensor]] = None
                        ) -> torch.Tensor:
-        """x (B, C, H, W) (or (B, C, T, H, W) for video), noise_level (B,) = t * 1000, labels (B,);
-        force_keep (B, N) bool over image tokens; cond: text embeddings from the data (optional); `plan` from
-        the routing controller (RoutedBackbone.forward makes it)."""
+        """x (B, C, H, W) or (B, C, T, H, W), noise_level (B,) = t * 1000, labels (B,); force_keep (B, N) bool over
+        image tokens; cond: the data's text embeddings (optional); `plan` from the routing controller."""
         text = self.conditioning(labels, cond)
         self.check_reference(text, x)
         xm = self.to_model_layout(x)
@@ -450,18 +417,16 @@ class RoutedFamily(RoutedBackbone):
         return self.from_model_layout(out, x)
 
     def tokens_from_mask(self, mask: torch.Tensor, size: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """A (B, 1, Hm, Wm) coverage mask in [0, 1] (any resolution) -> (B, N) bool: tokens more than half covered,
-        on the token grid of the batch's latents, size = x.shape[2:] ((H, W), video (T, H, W); default: the default
-        grid, data.resolution square)."""
+        """A (B, 1, Hm, Wm) coverage mask in [0, 1] -> (B, N) bool: tokens more than half covered, on the token grid
+        of `size` (x.shape[2:]; default: the default grid)."""
         t, h, w = self.token_grid if size is None else self.grid_of(mask.new_empty(0, 0, *map(int, size)))
         keep = token_keep_mask(mask, (h, w))                                    # (B, h*w)
         return keep.repeat(1, t) if t > 1 else keep
 
 
 def cond32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Per-sample conditioning that block closures hold (temb, modulation): float32 when autocast is off,
-    i.e. inside a routing.fp32_after_route block, so it matches the block's float32 inputs and weights. (The meta
-    device, shapes only, has no autocast.)"""
+    """Per-sample conditioning that block closures hold, as float32 when autocast is off (inside a
+    routing.fp32_after_route block), to match the block's float32 inputs and weights."""
     if t is None or not t.is_floating_point() or (t.device.type != "meta" and torch.is_autocast_enabled(t.device.type)):
         return t
     return t.float()

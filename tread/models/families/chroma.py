@@ -1,44 +1,7 @@
 """Chroma (diffusers ChromaTransformer2DModel, ChromaPipeline) with TREAD routing.
 
-What diffusers 0.42.1 does (models/transformers/transformer_chroma.py, pipelines/chroma/pipeline_chroma.py):
-
-Blocks: FLUX's layout, num_layers dual-stream ChromaTransformerBlock (image and text streams, joint attention)
-then num_single_layers ChromaSingleTransformerBlock (released Chroma1: 19 + 38). Route indices count over the
-dual blocks first, then the single blocks, as one sequence (as FLUX). Unlike FLUX's, diffusers' single block
-takes the already concatenated [text, image] sequence (no encoder_hidden_states argument): our callable
-concatenates the text stream with the kept image tokens, runs the block and splits them again.
-
-Modulation (pruned adaLN): no per-block adaLN linear layers. The approximator `distilled_guidance_layer`
-(ChromaApproximator) maps time_text_embed(timestep * 1000) (B, M, 64) to one modulation vector per row,
-pooled_temb (B, M, D), M = 3 * num_single_layers + 12 * num_layers + 2, and the forward slices it per block:
-    single block j:  rows [3j, 3j + 3)                       (shift, scale, gate)
-    dual block i:    rows [3S + 6i, 3S + 6i + 6) (image) ++ rows [3S + 6D + 6i, 3S + 6D + 6i + 6) (text)
-    norm_out:        rows [M - 2, M)                          (shift, scale)
-with S = num_single_layers, D = num_layers. `modulation(pooled_temb, index)` reproduces this for route index
-`index`; the slices are per sample (B, rows, D), shared by a sample's tokens, so they are bound in the block
-closures (not per-token tensors). The timestep embedder feeds a guidance of 0 itself: no guidance input.
-
-RoPE: FLUX's 3-axis RoPE (FluxPosEmbed, axes_dims_rope), ids (0, row, col) for the image tokens of the 2x2-packed
-latent grid and zeros for the text tokens, concatenated [text, image] (ChromaPipeline._prepare_latent_image_ids,
-text_ids = zeros(L, 3)). As for FLUX the image rows of the (cos, sin) table are per-token tensors that run_blocks
-gathers with the kept tokens; the text rows are shared. The attention is diffusers' FluxAttention with
-FluxAttnProcessor, so FLUX's `BatchedRopeFluxAttnProcessor` (per-sample RoPE tables, same maths) is used as is.
-
-Text: T5 only, no pooled embedding. The text stream (context_embedder(text)) is never routed. attention_mask is a
-(B, L + N) mask over [text, image]; every block (dual and single) turns it into the (B, 1, S, S) outer product
-mask[:, None, None, :] * mask[:, None, :, None] and hands it to the attention. The pipeline's image part is all
-ones: image tokens are never masked; padded text tokens are masked as keys and as queries (their rows are fully
-masked: SDPA gives them a zero attention output). We build it from cond["text_mask"] (B, L) (True = attend; the
-pipeline's mask keeps the real tokens and the first padding token) as a BOOL mask [text_mask, True * K] for the
-K image tokens a block sees. Note: the 0.42.1 pipeline passes the mask in the text encoder's float dtype, which
-SDPA adds as a +0/+1 bias instead of masking (diffusers issues #12116, #13619); we pass booleans, which mask.
-diffusers' gradient-checkpointing branch drops the mask in the single blocks; our loop always passes it.
-
-Timesteps: the pipeline passes t / 1000 (t in [0, 1000]) and the transformer multiplies by 1000, so
-`timestep(noise_level)` = noise_level / 1000 (as FLUX). Shift: the pipeline computes FLUX's dynamic shift mu from
-the packed image token count (configs/model/chroma.yaml).
-
-Packing, ids and the processor come from flux.py (imported, not copied).
+FLUX's block layout, RoPE and packing (imported from flux.py) with Chroma's pruned modulation (the
+approximator's rows, sliced per block) and a boolean [text, image] attention mask (docs/families.md).
 """
 from __future__ import annotations
 

@@ -1,53 +1,7 @@
 """Cosmos-Predict2 (diffusers CosmosTransformer3DModel) with TREAD routing.
 
-Facts from diffusers 0.42.1 (models/transformers/transformer_cosmos.py, pipelines/cosmos/pipeline_cosmos2_*.py):
-
-Blocks: `transformer_blocks` (num_layers CosmosTransformerBlock, one kind; route indices count over them): adaLN-Zero
-(LayerNorm, shift/scale/gate from SiLU(embedded_timestep) -> linear_1 (adaln_lora_dim) -> linear_2, plus temb) before
-self-attention (RMS qk-norm, 3D RoPE), cross-attention to the text (no RoPE) and a GELU feed-forward. The text is
-context: cross-attended in every block, never updated, never routed. Output: CosmosAdaLayerNorm(embedded_timestep,
-temb[..., :2D]) and proj_out, once, on all tokens after every route has scattered back.
-
-Tokens: latents (B, C, T, H, W) get extra channels concatenated as the pipelines do (an all-zero condition mask when
-config.in_channels = C + 1, the Video2World geometry; then the all-zero padding mask when config.concat_padding_mask:
-the pipelines pass padding_mask = zeros(1, 1, height, width), resized NEAREST to the latent size); CosmosPatchEmbed
-cuts (1, ph, pw) patches with features (C, pt, ph, pw) and a bias-free Linear, in (t, h, w) order. Images run as
-T = 1. Our head unpatchifies proj_out's (ph, pw, pt, C) features with unpack_patches, equal to diffusers' own permute
-because pt = 1 (check_shapes requires it: every released model has patch_size (1, 2, 2), and diffusers' per-frame
-timestep path assumes it).
-
-Positions: CosmosRotaryPosEmbed gives (N, Dh) cos/sin rows for every token's true (t, h, w): head dim split into
-t / h / w parts (dim_h = dim_w = Dh // 6 * 2, dim_t the rest), NTK-scaled theta 10000 * rope_scale[i] **
-(dim / (dim - 2)), rotate-half layout (use_real_unbind_dim=-2). Temporal positions are t / fps * 24 when an fps is
-given (Cosmos2VideoToWorldPipeline passes fps, default 16), plain t without (Cosmos2TextToImagePipeline): that is
-`model.frame_rate` (null = the text-to-image convention). The rows are per-token tensors (B, N, Dh), gathered with the
-kept tokens; diffusers' apply_rotary_emb takes only a shared (S, Dh) table, so attn1 gets
-BatchedRopeCosmosAttnProcessor (CosmosAttnProcessor2_0's maths, diffusers' dispatch_attention_fn; attn2 keeps
-diffusers' processor). The learnable absolute embedding (config extra_pos_embed_type="learnable", Cosmos 1.0; None in
-every Predict2 model) is ADDED AT THE START OF EVERY BLOCK by diffusers' block, so it is a per-token tensor (B, N, D)
-too, gathered with the kept tokens.
-
-Timesteps and objective (the change of variables): the Predict2 pipelines are EDM in FlowMatch clothing. Latents are
-x_sigma = x0 + sigma * eps (prepare_latents: noise * sigma_max 80), sigmas Karras between 80 and 0.002
-(FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True), sigma_min/max/data registered in the pipeline's __init__).
-Each step: t = sigma / (sigma + 1), c_in = c_skip = 1 - t, c_out = -t; the transformer gets x_sigma * c_in and
-timestep t (in [0, 1], into Timesteps(D, flip_sin_to_cos) directly, no x1000), and x0_hat = c_skip x_sigma + c_out F.
-Since x_sigma * (1 - t) = x_sigma / (1 + sigma) = (1 - t) x0 + t eps, the transformer's input IS our rectified-flow
-x_t at our t, and x0_hat = x_t - t F, i.e. F = eps - x0: the raw output IS our velocity. So timestep() = noise_level /
-1000, no input scaling, no output sign or scale: released weights predict our velocity unchanged.
-
-Per-frame noise: a noise_level (B, T) (T latent frames) runs through diffusers' per-frame path (timestep
-(B, 1, T, 1, 1), as Cosmos2VideoToWorldPipeline gives conditioning frames their own t): temb (B, N, 3D) and
-embedded_timestep (B, N, D) per token, gathered with the kept tokens; the head uses the full-length ones.
-`model.expand_timesteps=true` feeds a (B,) noise level through that path as (B, T), as that pipeline always does.
-
-Text: T5 (the pipelines' google-t5/t5-11b encoder, width 1024 = text_embed_dim; last_hidden_state of 512 tokens with
-the attention mask, padding rows zeroed); the transformer gets no text mask. A data text_mask is applied the same way
-(masked rows zeroed) here and in diffusers_forward.
-
-Not supported: Video2World conditioning frames (a V2W checkpoint trains text-to-video with an all-zero condition mask,
-no conditioning frames: nothing to force-keep), Cosmos 1.0's EDM objective (sigma_data 0.5, not a change of variables
-of ours), Cosmos 2.5 (use_crossattn_projection, Qwen2.5-VL text) and Transfer (img_context, controlnet).
+The Predict2 pipelines' EDM preconditioning is a change of variables of our rectified flow, so the raw
+output is our velocity; docs/families.md ("Cosmos-Predict2") gives the derivation and what is routed.
 """
 from __future__ import annotations
 
@@ -92,10 +46,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class BatchedRopeCosmosAttnProcessor:
-    """CosmosAttnProcessor2_0's maths (q/k/v, RMS qk-norm, RoPE, attention, to_out) whose RoPE table may be per
-    sample: image_rotary_emb (cos, sin), each (S, Dh) or (B, S, Dh). Uses diffusers' dispatch_attention_fn, so a
-    backend chosen with `set_attention_backend` still applies. (diffusers' GQA repeat is a no-op here: diffusers'
-    Attention gives q, k and v the same heads.)"""
+    """CosmosAttnProcessor2_0's maths with a RoPE table (cos, sin) that may be per sample: each (S, Dh) or
+    (B, S, Dh). Attention goes through diffusers' dispatch_attention_fn (set_attention_backend applies)."""
 
     _attention_backend = None
     _parallel_config = None
@@ -127,12 +79,12 @@ class CosmosFamily(RoutedFamily):
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, diffusers_config: Mapping[str, Any]) -> dict[str, Any]:
         """The data's channels (a V2W preset's own in_channels wins); refuses, before diffusers' constructor divides
         by zero, a head dim CosmosRotaryPosEmbed cannot split."""
-        head_dim = config.get("attention_head_dim", 128)
+        head_dim = diffusers_config.get("attention_head_dim", 128)
         if head_dim % 2 or head_dim < 12:
-            raise FamilyConfigError(f"model.config.attention_head_dim={head_dim}: CosmosRotaryPosEmbed splits the head "
+            raise FamilyConfigError(f"model.diffusers_config.attention_head_dim={head_dim}: CosmosRotaryPosEmbed splits the head "
                                     f"dim into t/h/w parts of at least 4; allowed: even and >= 12.")
         return {"in_channels": in_channels, "out_channels": in_channels}
 
@@ -254,9 +206,8 @@ class CosmosFamily(RoutedFamily):
 
     def diffusers_forward(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor],
                           transformer: nn.Module) -> torch.Tensor:
-        """diffusers' forward as the Predict2 pipelines call it: x_sigma * c_in (= our x_t), timestep t (B,) or per
-        frame (B, 1, T, 1, 1), fps, the zero padding mask at pixel size, the zero condition mask (V2W geometry); the
-        raw output is the velocity (see the module doc)."""
+        """diffusers' forward as the Predict2 pipelines call it (x_sigma * c_in = our x_t, timestep t, fps, the zero
+        masks); the raw output is the velocity."""
         B, C, T, H, W = x.shape
         timestep = self._timestep(timestep, x)
         kw: dict[str, Any] = {}

@@ -1,18 +1,7 @@
-"""Image-to-video conditioning frames (`model.i2v`): the clean latents of a clip's first frame condition the
-video, as the diffusers image-to-video pipelines of the families with per-token timesteps feed them.
+"""Image-to-video conditioning frames (`model.i2v`), as the diffusers image-to-video pipelines feed them.
 
-Wan 2.2 TI2V (`WanImageToVideoPipeline` with `expand_timesteps`) and LTX-Video (`LTXImageToVideoPipeline`) encode
-the conditioning image alone into Tc latent frames (Tc = 1) and, at every denoising step, put those clean latents in
-place of the first Tc frames of the noisy latents, give their tokens timestep 0 (the per-token timesteps
-t * (1 - mask)), and after the last step put the clean frames back into the result. Training does the same to the
-noisy input (`condition_inputs`) and leaves the conditioning frames out of the loss (`frame_loss_weight`): they are
-given, not predicted.
-
-Routing never drops a conditioning token: their tokens are force-kept, so every route keeps them (the force-keep
-mask of the routes, tread/routing/controller.py; a model without routes has nothing to drop). The data stores the
-conditioning latents apart (`first_frame_latents.npy`, read as cond["first_frame"] (B, C, Tc, H, W), model space:
-tread/data/meta.py); cond["i2v"] (B,) bool, when present, says which samples are conditioned (the others train as
-text-to-video, as Wan 2.2 TI2V trains both).
+The clean first-frame latents replace the noisy ones, get timestep 0, are force-kept by every route and left
+out of the loss (docs/video.md, "Image-to-video (first frames)").
 """
 from __future__ import annotations
 
@@ -35,10 +24,9 @@ def conditioned(cond: Optional[Mapping[str, torch.Tensor]], batch: int, device: 
 def condition_inputs(x: torch.Tensor, noise_level: torch.Tensor, first: torch.Tensor, use: torch.Tensor,
                      tokens_per_frame: int, frames_per_token: int = 1
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The pipeline's inputs at one step. x (B, C, T, H, W) noisy latents, noise_level (B,) or (B, N) per token
-    (N = T / frames_per_token * tokens_per_frame, tokens in (t, h, w) order), first (B, C, Tc, H, W) clean conditioning
-    latents, use (B,) bool. Returns (x with the first Tc frames of the `use` samples replaced, (B, N) noise levels
-    that are 0 on their tokens, (B, N) bool: those tokens)."""
+    """The pipeline's inputs at one step: x (B, C, T, H, W) noisy latents, noise_level (B,) or (B, N), first
+    (B, C, Tc, H, W) clean latents, use (B,) bool. Returns (x with the `use` samples' first Tc frames replaced,
+    (B, N) noise levels that are 0 on their tokens, (B, N) bool marking those tokens)."""
     B, Tc = x.shape[0], first.shape[2]
     if tuple(first.shape[:2]) != tuple(x.shape[:2]) or tuple(first.shape[3:]) != tuple(x.shape[3:]) or \
             Tc > x.shape[2] or Tc % frames_per_token:

@@ -1,27 +1,7 @@
-"""FLUX (diffusers FluxTransformer2DModel) with TREAD routing.
+"""FLUX (diffusers FluxTransformer2DModel) with TREAD routing, and FLUX Kontext (`kontext=True`).
 
-Route indices count over the double-stream blocks first, then the single-stream blocks, as one
-sequence: with 19 + 38 blocks, index 19 is the first single-stream block and -1 the last one.
-
-Latents (B, C, H, W) are packed 2x2 into tokens (B, H/2 * W/2, 4C) as the FLUX pipeline does, with
-position ids (0, row, col) on the batch's own (H/2, W/2) grid (any even H and W, square or not: the
-pipeline's _prepare_latent_image_ids(H/2, W/2)). RoPE: diffusers computes one (cos, sin) table for the
-concatenated [text, image] ids. We split it: the text rows are shared by the batch, the image rows become
-per-token tensors (B, N, head_dim) that run_blocks gathers with the kept tokens, so each kept token
-keeps its true 2-D position. `BatchedRopeFluxAttnProcessor` accepts these per-sample tables (and
-the shared (S, head_dim) form), with separate or fused QKV projections alike.
-
-Single-stream blocks concatenate [text, image] inside diffusers' block; the block only ever sees the
-kept image tokens, and force-keep masks live on the image tokens alone, so their shape is the same
-in double- and single-stream blocks.
-
-FLUX Kontext (`kontext=True`, model=flux_kontext): the reference image's latents cond["reference"]
-(B, C, H, W), the target's shape, are packed into as many extra image tokens with position ids (1, row,
-col), as FluxKontextPipeline builds them: diffusers sees hidden_states = [target, reference] and the
-output keeps the target's part. Only the target tokens are routable (`Embedded.x`, the loss); the
-reference tokens and their RoPE rows are never-routed context (text, reference) that each block's
-callable appends to the kept target tokens, so they pass through the blocks' image weights, and splits
-off again after the block.
+Routes count over the double-stream blocks, then the single-stream blocks. The image RoPE rows are per-token
+tensors gathered with the kept tokens; Kontext's reference tokens are never-routed context (docs/families.md).
 """
 from __future__ import annotations
 
@@ -61,11 +41,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class BatchedRopeFluxAttnProcessor:
-    """FLUX attention (same maths as diffusers' FluxAttnProcessor) whose RoPE table may be per sample.
+    """FLUX attention (diffusers' FluxAttnProcessor maths) whose RoPE table may be per sample.
 
-    image_rotary_emb: (cos, sin), each (S, Dh) shared by the batch or (B, S, Dh) per sample, S being the
-    text + image length the block attends over. Uses diffusers' attention dispatcher, so a backend chosen
-    with `set_attention_backend` still applies.
+    image_rotary_emb: (cos, sin), each (S, Dh) shared or (B, S, Dh) per sample, S = text + image length.
     """
 
     _attention_backend = None
@@ -118,7 +96,7 @@ class FluxFamily(RoutedFamily):
     reference_advice = "use model=flux_kontext (or model.kontext=true)"
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, diffusers_config: Mapping[str, Any]) -> dict[str, Any]:
         return {"in_channels": in_channels * cls.PACK ** 2}
 
     def __init__(self, transformer: nn.Module, *, guidance: Optional[float] = None, kontext: bool = False,

@@ -1,56 +1,7 @@
 """FLUX.2 (diffusers Flux2Transformer2DModel, Flux2Pipeline) with TREAD routing.
 
-What diffusers 0.42.1 does (models/transformers/transformer_flux2.py, pipelines/flux2/pipeline_flux2.py):
-
-Blocks: num_layers dual-stream Flux2TransformerBlock (image and text streams, joint attention, SwiGLU MLPs) then
-num_single_layers Flux2SingleTransformerBlock (one "parallel" block: fused QKV + MLP-in projection, fused
-attention-out + MLP-out projection) on the [text, image] sequence (released FLUX.2-dev: 8 + 48). Route indices
-count over the dual blocks first, then the single blocks, as one sequence. diffusers concatenates [text, image]
-once before the single blocks; we hand each single block the text stream and the kept image tokens
-(encoder_hidden_states + split_hidden_states=True), which the block concatenates [text, image] itself and splits
-again: the same maths (the single blocks' modulation is shared by every token).
-
-Modulation (shared, not per-block adaLN): the blocks hold no modulation layers. temb = time_guidance_embed(t * 1000,
-guidance * 1000) (B, D); three Flux2Modulation layers map it ONCE per forward to double_stream_modulation_img /
-_txt (B, 6D: shift/scale/gate for attention and MLP) and single_stream_modulation (B, 3D), which every dual / single
-block receives (temb_mod_img, temb_mod_txt / temb_mod). They are per sample, shared by a sample's tokens, so they
-are bound in the block closures (not per-token tensors). norm_out (AdaLayerNormContinuous) takes temb.
-
-Guidance (guidance-distilled, guidance_embeds: true, FLUX.2-dev): Flux2TimestepGuidanceEmbeddings adds a
-guidance embedding of guidance * 1000 (model.guidance: the pipeline's guidance_scale, default 4.0) to the timestep
-embedding. There is no pooled text embedding (no pooled_projections input) and no attention mask: the pipeline
-pads the prompt to 512 tokens and the transformer attends to all of them (cond["text_mask"] is not used).
-
-RoPE: Flux2PosEmbed, 4 axes (axes_dims_rope, FLUX.2-dev (32, 32, 32, 32), theta 2000), ids (T, H, W, L):
-    text tokens  (0, 0, 0, l), l = 0..L-1                         (Flux2Pipeline._prepare_text_ids)
-    target image (0, row, col, 0) on the packed latent grid         (_prepare_latent_ids)
-    reference i  (10 + 10 i, row, col, 0) on its own packed grid    (_prepare_image_ids, scale 10)
-The transformer embeds txt_ids and img_ids separately and concatenates [text, image] rows. We embed the same ids:
-the text rows are shared by the batch, the target rows become per-token tensors (B, N, head_dim) that run_blocks
-gathers with the kept tokens (each kept token keeps its true position), the reference rows are shared. diffusers'
-Flux2AttnProcessor / Flux2ParallelSelfAttnProcessor apply one (S, head_dim) table to the whole batch, so we install
-`BatchedRopeFlux2AttnProcessor` / `BatchedRopeFlux2ParallelSelfAttnProcessor`: the same maths, with per-sample
-tables, through diffusers' dispatch_attention_fn. The KV-cache processors (Flux2KVAttnProcessor,
-Flux2KVParallelSelfAttnProcessor: reference K/V cached across denoising steps, Klein KV) are inference-only and are
-not used: our forward never passes kv_cache / kv_cache_mode.
-
-Latents: the pipeline patchifies the VAE's latents 2x2 into 4C channels ordered (C, 2, 2) (_patchify_latents: 32
--> 128 channels, in_channels 128 for the released model) and flattens the grid row-major (_pack_latents): exactly
-FLUX's 2x2 packing, so we take (B, C, H, W) latents and pack them as flux.py does (patch_size 1 in the
-transformer). Note: the pipeline normalizes the latents by the VAE's BatchNorm statistics AFTER patchifying (per
-packed channel (c, dy, dx)), which is the data's business (precompute), not the model's.
-
-References (multi-reference editing; `kontext=True`, model.kontext: the same key and data path as FLUX Kontext):
-cond["reference"] is the reference latents (B, C, Hr, Wr) (one reference image; the data's reference_latents.npy,
-the target's shape) or a list of them (several references, each its own size). The pipeline appends their packed
-tokens after the target's, hidden_states = [target, reference 0, reference 1, ...], with the ids above, and keeps
-the output's target part. Only the target tokens are routable (`Embedded.x`, the loss); the reference tokens and
-their RoPE rows are never-routed context (text, references) that each block's callable appends to the kept target
-tokens, so they pass through every block's image weights, and splits off again after the block: they are never
-gathered, dropped or scattered.
-
-Timesteps: the pipeline passes sigma = t / 1000 and the transformer multiplies by 1000 (as FLUX), so
-`timestep(noise_level)` = noise_level / 1000. Shift: configs/model/flux2.yaml.
+Routes count over the dual blocks, then the single blocks; the shared modulation is computed once per forward
+and the reference images are never-routed context (docs/families.md, "Implementation notes").
 """
 from __future__ import annotations
 
@@ -100,9 +51,8 @@ def _attend(proc: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 class BatchedRopeFlux2AttnProcessor:
-    """diffusers' Flux2AttnProcessor (the dual-stream blocks' Flux2Attention), same maths, whose RoPE table may be
-    per sample: image_rotary_emb (cos, sin), each (S, Dh) shared by the batch or (B, S, Dh), S = text + image
-    length. Separate or fused (fuse_qkv_projections) projections; diffusers' attention dispatcher."""
+    """diffusers' Flux2AttnProcessor (dual-stream blocks), same maths, with a RoPE table (cos, sin) of (S, Dh) or
+    (B, S, Dh); separate or fused projections."""
 
     _attention_backend = None
     _parallel_config = None

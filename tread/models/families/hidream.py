@@ -1,67 +1,7 @@
 """HiDream-I1 (diffusers HiDreamImageTransformer2DModel) with TREAD routing.
 
-What diffusers 0.42.1 does (models/transformers/transformer_hidream_image.py, HiDreamImagePipeline in
-pipelines/hidream_image/pipeline_hidream_image.py), and what we route:
-
-Blocks: `num_layers` dual-stream blocks (`double_stream_blocks`, HiDreamImageTransformerBlock: separate image and
-text weights, joint attention over [image, text]) then `num_single_layers` single-stream blocks
-(`single_stream_blocks`, HiDreamImageSingleTransformerBlock: one set of weights over [image, text]); each wrapped
-in a HiDreamBlock. Released HiDream-I1: 16 + 32; tiny: 2 + 6. Route indices count over the dual blocks, then the
-single blocks, as one sequence (index 2 is the first single block of tiny).
-
-Latents (B, C, H, W) are patchified by diffusers' own `transformer.patchify` (p x p cells per token, features
-ordered (p_h, p_w, C)) and embedded by `x_embedder` (a Linear). Position ids (B, N, 3) are (0, row, col) per
-image token; the text ids are all zero. RoPE (HiDreamImageEmbedND, theta 10000, one table per id axis,
-`axes_dims_rope`, released [64, 32, 32]) is computed per sample from the ids as (B, S, 1, Dh/2, 2, 2) rotation
-matrices and diffusers' own HiDreamAttnProcessor already takes per-sample tables, so no attention processor is
-replaced: the image rows are per-token tensors that run_blocks gathers with the kept tokens (each kept token
-keeps its true (row, col)); the text rows (identity rotations, ids 0) stay with the text. Attention is over
-[image, text] (image first) in both block kinds. Square latents (any size) have no padding and no mask, diffusers'
-square path. Non-square latents: diffusers' `patchify` pads the image stream to max_seq = max_resolution[0] *
-max_resolution[1] / p^2 tokens (zero patches through x_embedder, position ids 0) and multiplies the pad tokens'
-KEYS by 0 (`hidden_states_masks`): a zero key still takes softmax weight exp(0 - max), so the pads do take part in
-the attention and run through every block. We build the same: the pad tokens are never-routed context (after the
-image tokens, before the text, as diffusers orders them), with the same key mask, so a route never drops them
-and they pass every block in full (check_grid refuses h * w > max_seq, which diffusers cannot pad).
-
-Text (never routed): T5 (B, L5, caption_channels[0]), a LIST of Llama-3.1 hidden states indexed by layer, one per
-block (`llama_layers[i]` picks the Llama layer block i uses; released: layers 0..31 then 31 for the last 16
-blocks), and pooled CLIP-L + CLIP-G embeddings (B, text_emb_dim). Each text input has its own projection
-(`caption_projection[i]` for block i's Llama state, `caption_projection[-1]` for T5). The running text stream is
-`initial_encoder_hidden_states` = [T5, the LAST block's Llama state] (L0 = L5 + Ll tokens); block i attends to
-[running stream, block i's Llama state] and only the running stream's part is kept after the block (the Llama
-part's update is dropped). After the dual blocks diffusers concatenates [image, running stream] into one
-sequence; we keep them apart (image = the routable x, running stream = `context`), and each single block's
-callable runs diffusers' block on [kept image, running stream, block i's Llama state] and splits the output the
-same way diffusers truncates it. The per-block Llama projections are constant per sample (Embedded.extra).
-
-Per token: the image RoPE rows. Per sample: temb = t_embedder(timestep) + p_embedder(pooled), modulating every
-block (adaLN) and the final layer.
-
-Feed-forward: a mixture of experts (MOEFeedForwardSwiGLU: MoEGate softmax top-k of `num_routed_experts`, plus a
-shared SwiGLU expert) on the image tokens in dual blocks and on the whole [image, text] sequence in single blocks.
-Under a route only the kept image tokens (with the text in single blocks) reach the gate and the experts: the
-dropped tokens never enter the blocks. The gate is per token (no capacity limit), so each kept token's output is
-what the dense model computes for it. In training mode (`self.training and not force_inference_output`) the gate
-also computes DeepSeek's load-balancing aux loss (alpha 0.01, over the tokens it sees), and diffusers DISCARDS it
-(`# y = AddAuxiliaryLoss.apply(y, aux_loss)` is commented out; it is neither returned nor added by a hook): we do
-the same, so training matches diffusers' own training forward. `force_inference_output=true` is refused: its
-expert path (`moe_infer`) runs under torch.no_grad, so the experts and the gate would never train.
-
-Timesteps: HiDreamImagePipeline feeds the scheduler's timestep (sigma * 1000, FlowMatchEulerDiscreteScheduler)
-directly, so noise_level = t * 1000 is used unchanged. Output: the pipeline negates the transformer's output
-(`noise_pred = -noise_pred`): HiDream predicts x0 - noise; our forward returns the negated output (the velocity
-noise - x0 our rectified-flow loss and sampler use), and so does `diffusers_forward`. No guidance embedding.
-
-Conditioning from class labels (no real text): a class table (HiDreamClassText) gives per class a T5 sequence
-(text_len x caption_channels[0]), ONE Llama sequence (text_len x caption_channels[1]) used as the hidden state of
-every Llama layer (each block still sees it through its own caption_projection[i]) and a pooled vector. Text data:
-cond["text"] = T5 (B, L5, caption_channels[0]), cond["pooled"] (B, text_emb_dim) and cond["llama"]: either
-(B, Ll, caption_channels[1]) (one state for every layer) or (B, n, Ll, caption_channels[1]) with n > max(llama_layers)
-(the pipeline's stacked Llama hidden_states[1:], batch first). Without cond["llama"] the Llama states are zeros of
-the T5 length (as if the Llama encoder returned zeros). The null label (CFG) zeroes T5, Llama and pooled.
-cond["text_mask"] is ignored: HiDream's transformer takes no text mask (the pipeline pads to max_length and
-attends to the padding).
+Routes count over the dual blocks, then the single blocks. T5, the per-block Llama states and the non-square
+pad tokens are never-routed context; under a route only the kept tokens reach the MoE (docs/families.md).
 """
 from __future__ import annotations
 
@@ -124,7 +64,7 @@ class HiDreamFamily(RoutedFamily):
     takes_llama = True
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, diffusers_config: Mapping[str, Any]) -> dict[str, Any]:
         return {"in_channels": in_channels, "out_channels": in_channels}   # no sample_size key in HiDream
 
     def __init__(self, transformer: nn.Module, **kwargs: Any):
@@ -185,10 +125,8 @@ class HiDreamFamily(RoutedFamily):
 
     @contextlib.contextmanager
     def shape_only(self) -> Iterator[None]:
-        """Each MoE feed-forward, for a count on the meta device: diffusers' training path sends every token to its
-        top-k experts through boolean masks (torch.nonzero, which has no shape-only form). The experts all have one
-        shape, so the count runs the gate, expert 0 on all tokens x top-k (the rows the experts see in total),
-        the weighted sum and the shared expert: the same matmuls."""
+        """For a count on the meta device: each MoE feed-forward runs the gate, expert 0 on all tokens x top-k, the
+        weighted sum and the shared expert (the same matmuls; diffusers' masked dispatch has no shape-only form)."""
         moes = [m for m in self.transformer.modules() if hasattr(m, "experts") and hasattr(m, "shared_experts")]
         for moe in moes:
             moe.forward = functools.partial(_moe_shapes, moe)

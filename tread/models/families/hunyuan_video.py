@@ -1,57 +1,7 @@
 """HunyuanVideo 1.5 (diffusers HunyuanVideo15Transformer3DModel) with TREAD routing.
 
-What diffusers 0.42.1 builds (transformer_hunyuan_video15.py, pipeline_hunyuan_video1_5*.py):
-
-Blocks: one kind only, `transformer_blocks` (54 in the released model): the dual-stream MMDiT block
-HunyuanVideo15TransformerBlock (separate video / context AdaLayerNormZero modulation, norms and MLPs, one joint
-attention over [video, context]). Route indices count over them. Modulation is per sample: temb (B, D) from
-time_embed(timestep); no per-token or per-frame timestep exists in this model (a (B, N) timestep is refused).
-
-Input channels: the pipelines feed the transformer hidden_states = cat([latents, cond_latents, mask], dim=1)
-(B, 2C + 1, T, H, W): text-to-video (HunyuanVideo15Pipeline.prepare_cond_latents_and_mask) zeros for both;
-image-to-video (HunyuanVideo15ImageToVideoPipeline) the conditioning image's latents at frame 0 (zeros after it)
-and a mask of ones at frame 0. So config in_channels = 2C + 1 (65 for the 32-channel VAE), out_channels = C
-(data_config). We build the same channels: zeros, or with cond["first_frame"] (B, C, 1, H, W) the I2V layout.
-
-Tokens: the Conv3d x_embedder patches (patch_size_t, patch_size, patch_size) (released: 1, 1, 1) flattened in
-(t, h, w) order; proj_out's features are ordered (C, pt, ph, pw) (diffusers' unpatchify). The routed sequence is
-all T*H*W video tokens together.
-
-RoPE: HunyuanVideo15RotaryPosEmbed gives real (cos, sin) tables (N, head_dim), concatenated per axis over
-rope_axes_dim (16, 56, 56), for integer positions 0..t-1, 0..h-1, 0..w-1 of the token grid (no centring, no frame
-rate or interpolation scale; T = 1 is position 0 only). diffusers' apply_rotary_emb cannot take a per-sample
-(B, S, Dh) table, so `BatchedRopeHunyuanVideo15AttnProcessor` (same maths as HunyuanVideo15AttnProcessor2_0,
-diffusers' dispatch_attention_fn) takes (B, K, Dh) rows: per-token tensors gathered with the kept tokens.
-
-Never routed (context): diffusers concatenates three streams, each tagged by cond_type_embed (0, 1, 2):
-- Qwen2.5-VL hidden states cond["text"] (B, L, text_embed_dim) + cond["text_mask"], through the token refiner
-  (context_embedder: its own timestep-conditioned self-attention blocks over the text alone) once per step;
-- ByT5 glyph embeddings cond["glyph"] (B, Lg, text_embed_2_dim) + cond["glyph_mask"] (B, Lg) (quoted text in the
-  prompt; the pipeline gives zeros of length 256 with mask 0 when a prompt has none) through context_embedder_2;
-- SigLIP image embeddings cond["image_embeds"] (B, 729, image_embed_dim) (I2V) through image_embedder; T2V passes
-  zeros, which diffusers detects (all zero over the batch) and masks out.
-The rows are reordered per sample as diffusers does: [valid image, valid glyph, valid text, invalid image,
-invalid glyph (zeroed), invalid text (zeroed)] (a stable sort on validity: no host sync). A stream the data does
-not bring (T2V: no image_embeds; no glyph data) is masked for every sample in the pipeline, so we leave its rows
-out: a masked key gets zero attention weight and a masked query row is read by no valid token, so the video
-tokens come out the same (the dense == diffusers test feeds diffusers the pipeline's full zero streams).
-
-Attention mask: diffusers' processor builds a (B, 1, S, S) mask valid_i & valid_j over [video, context] (video
-always valid). We pass the equal-in-effect key mask (B, 1, 1, S) and zero the attention output of invalid query
-rows, which is what SDPA gives diffusers' all-False rows (0): same values, O(S) memory.
-
-Why SimpleTuner refuses TREAD here, and what routing does: the token refiner, two text streams and the image
-embeddings all live in the context, computed once before the blocks and never gathered; channel-concatenated
-condition latents + mask enter through x_embedder before routing, so each video token carries its own condition
-channels and a routed subset keeps them; the text mask is per context row, so it is the same for any number of
-kept video tokens (the processor pads it with True for however many video tokens the block sees).
-
-Timesteps: the pipelines feed the FlowMatchEulerDiscreteScheduler's timesteps, sigma * 1000, to time_embed and to
-the token refiner: our noise_level unchanged. Shift: the scheduler's static shift (diffusers'
-scripts/convert_hunyuan_video1_5_to_diffusers.py SCHEDULER_CONFIGS: 480p 5.0, 720p t2v 9.0, 720p i2v 7.0; no
-dynamic shifting).
-
-Not supported (FamilyConfigError): use_meanflow=true (the step-distilled I2V model's second timestep_r).
+The video tokens are routed; the refined text, glyph and image-embedding streams are never-routed context and
+the condition channels enter before routing (docs/families.md, "HunyuanVideo 1.5").
 """
 from __future__ import annotations
 
@@ -98,9 +48,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class BatchedRopeHunyuanVideo15AttnProcessor:
-    """HunyuanVideo15AttnProcessor2_0's joint attention (same maths) whose RoPE rows may be per sample:
-    image_rotary_emb = (cos, sin), each (S_video, Dh) or (B, S_video, Dh); attention_mask (B, L) over the context
-    rows. Uses diffusers' attention dispatcher (set_attention_backend applies)."""
+    """HunyuanVideo15AttnProcessor2_0's joint attention whose RoPE rows (cos, sin) may be per sample, each
+    (S_video, Dh) or (B, S_video, Dh); attention_mask (B, L) over the context rows."""
 
     _attention_backend = None
     _parallel_config = None
@@ -145,7 +94,7 @@ class HunyuanVideo15Family(RoutedFamily):
     i2v_mode = "channels"           # model.i2v: cond["first_frame"] fills the pipeline's condition channels (embed)
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, diffusers_config: Mapping[str, Any]) -> dict[str, Any]:
         """[latents, condition latents, mask] channel-wise (the pipelines' latent_model_input): 2C + 1 in, C out."""
         return {"in_channels": 2 * in_channels + 1, "out_channels": in_channels}
 
@@ -202,8 +151,7 @@ class HunyuanVideo15Family(RoutedFamily):
 
     def condition_latents(self, x: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """[condition latents, mask] (B, C + 1, T, H, W): zeros (text-to-video), or with cond["first_frame"] the
-        image-to-video pipeline's: its latents at frame 0 and zeros after, a mask of ones at frame 0 (only for the
-        samples cond["i2v"] (B,) selects, when given; the others text-to-video)."""
+        image-to-video layout (latents and mask 1 at frame 0, for the samples cond["i2v"] selects)."""
         B, C, T, H, W = x.shape
         first = cond.get(FIRST_FRAME)
         if first is None:

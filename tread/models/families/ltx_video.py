@@ -1,44 +1,7 @@
-"""LTX-Video 0.9.x (diffusers LTXVideoTransformer3DModel) with TREAD routing.
+"""LTX-Video 0.9.x (diffusers LTXVideoTransformer3DModel) with TREAD routing; not LTX-2.
 
-Which LTX: LTX-Video (0.9.0 .. 0.9.8; pipelines LTXPipeline, LTXImageToVideoPipeline, LTXConditionPipeline), not
-LTX-2 (LTX2VideoTransformer3DModel): LTX-2 adds an audio token stream with its own blocks and audio-video
-cross-attention, and a Gemma text encoder; this trainer has neither audio latents nor a second routable stream,
-while LTX-Video is a plain video DiT with a T5 text stream, like Wan.
-
-Blocks (transformer_ltx.py): `transformer_blocks`, one kind, all routable: RMSNorm + adaLN-single modulation
-(shift, scale, gate) x 2 from the block's scale_shift_table + `temb`, self-attention with RoPE (attn1), cross-
-attention to the text (attn2, unmodulated, with the text mask), modulated GELU feed-forward.
-
-Packing (LTXPipeline._pack_latents / _unpack_latents): latents (B, C, F, H, W) -> tokens (B, F/pt * H/p * W/p,
-C*pt*p*p) in (f, h, w) order with features ordered (C, pt, p, p); the transformer's `proj_in` is a Linear on them
-and `proj_out` gives the same layout back. config.in_channels is therefore C*pt*p*p (data_config derives it; the
-released models have p = pt = 1 on 128-channel latents). Images (B, C, H, W) run as F = 1.
-
-RoPE (LTXVideoRotaryPosEmbed): per token the fractional coordinates (f * rs[0] * pt / 20, h * rs[1] * p / 2048,
-w * rs[2] * p / 2048) on the token grid, rope_interpolation_scale rs = (vae temporal ratio / frame_rate, vae spatial
-ratio, vae spatial ratio) = (8 / frame_rate, 32, 32) as LTXPipeline.__call__ passes it (model.frame_rate, default
-25 as the pipeline's); cos/sin come out per sample (B, N, inner_dim) and are applied to q/k before the head split,
-so they are per-token tensors gathered with the kept tokens and diffusers' own LTXVideoAttnProcessor applies them
-unchanged (no custom processor). LTXPipeline passes num_frames/height/width = the latent sizes, which are the token
-grid for its patch 1; we pass the token grid (the only count that matches the sequence) for any patch size.
-A single frame (F = 1) has the one temporal coordinate 0.
-
-Timesteps: LTXPipeline feeds the scheduler's timestep sigma * 1000 (our noise_level unchanged), per sample (B,);
-LTXImageToVideoPipeline feeds per token (B, N) t * (1 - conditioning_mask), the first latent frame (the image) at 0.
-Both are taken; `expand_timesteps=True` turns a (B,) timestep into (B, N), the I2V pipeline's shape (numerically
-the same as (B,), at the cost of per-token memory). `time_embed` (AdaLayerNormSingle) gives temb (B, 1 or N, 6D)
-and embedded_timestep (B, 1 or N, D): per token, temb is a per-token tensor gathered with the tokens;
-embedded_timestep is the head's only, after every route has scattered back, so it stays full length.
-
-Never routed: the T5 text stream (caption_projection once, cross-attended in every block with the text mask,
-`cond["text_mask"]` (B, L) -> the transformer's encoder_attention_mask, turned into the same -10000 bias its
-forward makes). Image / I2V conditioning is not a separate stream in LTX-Video: the image is the first latent
-frame's tokens at timestep 0 (routable like the others).
-
-Presets: tiny / mid (fresh weights) and the released geometries on the LTX VAE's 128 channels: ltxv-2b (1.92B
-parameters: LTXVideoTransformer3DModel's defaults, what diffusers' scripts/convert_ltx_to_diffusers.py converts the
-0.9.0 / 0.9.1 checkpoints into) and ltxv-13b (13.0B: the original 13B config, 48 blocks, 32 heads x 128, text
-width 4096; LTX-Video 0.9.7 / 0.9.8 13B). LTXConditionPipeline's video_coords (conditioning frames) are not used.
+Video tokens are routed with their RoPE rows and per-token modulation; the T5 text is never-routed context
+(docs/families.md, "LTX-Video").
 """
 from __future__ import annotations
 
@@ -82,13 +45,13 @@ class LTXVideoFamily(RoutedFamily):
     i2v_mode = "frames"             # model.i2v: the given frames at per-token timestep 0 (first_frame.py)
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, diffusers_config: Mapping[str, Any]) -> dict[str, Any]:
         """The packed token width C * pt * p * p (diffusers' defaults p = pt = 1); refuses a qk_norm LTXAttention
         does not build (it would raise NotImplementedError)."""
-        if config.get("qk_norm", "rms_norm_across_heads") != "rms_norm_across_heads":
-            raise FamilyConfigError(f"model.config.qk_norm={config['qk_norm']!r} is not allowed; allowed: "
+        if diffusers_config.get("qk_norm", "rms_norm_across_heads") != "rms_norm_across_heads":
+            raise FamilyConfigError(f"model.diffusers_config.qk_norm={diffusers_config['qk_norm']!r} is not allowed; allowed: "
                                     f"'rms_norm_across_heads' (the only one LTXAttention implements).")
-        cells = int(config.get("patch_size", 1)) ** 2 * int(config.get("patch_size_t", 1))
+        cells = int(diffusers_config.get("patch_size", 1)) ** 2 * int(diffusers_config.get("patch_size_t", 1))
         return {"in_channels": in_channels * cells, "out_channels": in_channels * cells}
 
     def __init__(self, transformer: nn.Module, *, frame_rate: float = DEFAULT_FRAME_RATE,

@@ -1,48 +1,11 @@
 """Lumina-Image 2.0 (diffusers Lumina2Transformer2DModel) with TREAD routing.
 
-Block structure (diffusers transformer_lumina2.py, 0.42.1): one block class, `Lumina2TransformerBlock`, used three
-ways. `context_refiner` (num_refiner_layers blocks, modulation=False) runs on the caption alone with the caption
-mask; `noise_refiner` (num_refiner_layers blocks, modulation=True) runs on the image tokens alone (no mask); then
-`layers` (num_layers blocks, the released model 26) run ONE stream over the joint sequence [caption, image], with
-self-attention over all of it (GQA: num_kv_heads key/value heads), RMS-norm adaLN modulation from temb and tanh
-gates. Route indices count over `transformer.layers` only: both refiners run before them, in `embed`, on all
-tokens, and are never routed. The caption stream is context: each joint layer updates it, it is never routed.
-
-Caption and image tokens: diffusers packs each sample as [its caption's first cap_len tokens, its image tokens,
-zero padding], cap_len = encoder_attention_mask.sum() being the sample's EFFECTIVE caption length, with a key mask
-only when the samples' lengths differ. We build [the full padded caption (L), the (kept) image tokens] with the key
-mask [arange(L) < cap_len, True...]: the caption padding is hidden from every query. Attention is equivariant to
-permuting the sequence when RoPE is explicit per token and the mask travels with the keys, so this equals
-diffusers' packing up to float rounding (tests/test_family_lumina2.py proves it with different caption lengths per
-sample, equal ones and no padding at all, where diffusers passes mask None). Padded caption rows never influence a
-real token; after the context refiner we zero them so that they carry no NaN into the joint layers (a prompt
-of length 0 has no key to attend to in the refiner: some SDPA backends give NaN rows, which diffusers drops).
-Without a text mask (class-conditional data) all L caption tokens are real and the joint layers get no mask, as
-in diffusers. A mask that is not a prefix (Gemma's tokenizer pads on the right, so it always is) is taken as
-diffusers takes it: the context refiner attends with it as given, the joint layers see the first cap_len tokens.
-
-RoPE (Lumina2RotaryPosEmbed, theta 10000, complex frequency rows, axes_dim_rope (32, 32, 32) summing to the head
-dim, tables of axes_lens (300, 512, 512) positions): caption token i gets ids (i, 0, 0) for i < cap_len (padding
-rows: zero, i.e. no rotation, as diffusers); image token (row, col) gets (cap_len, row, col). The first image id
-thus depends on the sample's effective caption length, so the image rows are per sample: they are per-token
-tensors (B, N, Dh/2) complex, gathered with the kept tokens, built on the device from diffusers' own
-`rope_embedder._get_freqs_cis` (no host sync; diffusers' forward calls .tolist() on the mask sums). diffusers'
-block takes per-sample (B, S, Dh/2) tables as they are: no attention processor is replaced.
-
-Timesteps: Lumina uses t = 0 for noise and t = 1 for the image; Lumina2Pipeline feeds
-timestep = 1 - t / num_train_timesteps (= 1 - sigma, in [0, 1]; Timesteps scale 1, no x1000) and steps the
-scheduler with -noise_pred: the transformer predicts x0 - noise, the reverse of our n - x velocity. So
-`timestep()` gives sigma = noise_level / 1000 (the shared convention), `embed` feeds 1 - sigma, and `head`
-negates the output (as does `diffusers_forward`): released weights predict our velocity unchanged.
-Modulation (temb (B, min(hidden, 1024))) is per sample. No guidance embedding, no pooled text embedding.
-
-Text: Gemma-2 (Gemma2Model of Lumina-Image-2.0, width 2304 = cap_feat_dim), the penultimate hidden state
-(hidden_states[-2]) of the system prompt + " <Prompt Start> " + prompt, right-padded to max_sequence_length 256,
-with its attention mask; `caption_embedder` (RMSNorm + Linear) projects it to the model width once.
+Routes count over `transformer.layers`; both refiners run before them on all tokens. The joint sequence is
+[padded caption, kept image tokens] with a key mask (docs/families.md, "Implementation notes").
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -129,9 +92,8 @@ class Lumina2Family(RoutedFamily):
 
     def rope(self, cap_len: torch.Tensor, L: int, grid: tuple[int, int], device: torch.device
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """cap_len (B,) effective caption lengths, L the padded caption length, grid (h, w) the token grid ->
-        (caption rows (B, L, Dh/2), image rows (B, h*w, Dh/2), the caption keep-mask (B, L) = arange(L) < cap_len):
-        ids (i, 0, 0) / (cap_len, row, col) looked up in diffusers' tables."""
+        """cap_len (B,), padded caption length L, token grid (h, w) -> (caption rows (B, L, Dh/2), image rows
+        (B, h*w, Dh/2), caption keep-mask (B, L)), looked up in diffusers' tables."""
         tr = self.transformer
         if L >= tr.config.axes_lens[0]:
             raise FamilyConfigError(f"text of {L} tokens needs model.config.axes_lens[0] > {L} (it is "

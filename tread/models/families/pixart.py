@@ -1,25 +1,7 @@
 """PixArt-alpha / PixArt-sigma (diffusers PixArtTransformer2DModel) with TREAD routing.
 
-Latents (B, C, H, W) are patchified by diffusers' PatchEmbed, which also adds the absolute 2-D sincos
-position embedding (recomputed by PatchEmbed for a grid other than sample_size's, square or not: any size
-of whole patches), so every image token carries its position in its features before the first block:
-routing needs no position bookkeeping. Conditioning is adaLN-single: one (B, 6D) modulation per sample,
-shared by all of its tokens, so it is bound per sample (not a per-token tensor). The T5 text stream is
-context: projected once by diffusers' caption projection, never routed, cross-attended in every block
-with the text attention mask (`cond["text_mask"]` (B, L) bool -> PixArt's `encoder_attention_mask`,
-turned into the same -10000 bias diffusers' forward makes).
-
-Output: PixArt checkpoints learn sigma (config.out_channels = 2C: the prediction and the variance
-interpolation). Like the PixArt pipelines ("learned sigma": `noise_pred.chunk(2, dim=1)[0]`), we return
-only the first C channels, in our forward and in `diffusers_forward`; the variance channels receive no
-gradient. A config with out_channels = C is accepted too.
-
-Timesteps: the PixArt pipelines feed the scheduler's timestep (0..999) directly, so noise_level = t * 1000
-is used unchanged. Originally PixArt is trained with epsilon (alpha) / v (sigma) prediction on a discrete
-DDPM schedule; here it is trained with rectified flow like the other families, so released weights need
-fine-tuning to that objective. The 1024px PixArt-alpha model also conditions on the image resolution and
-aspect ratio (use_additional_conditions); we pass them as its pipeline does, in pixels (latent side x
-`vae_scale_factor`).
+Positions are in the patch embedding, so routing gathers hidden states only; the learned-sigma channels are
+dropped from the output, as the pipelines do (docs/families.md, "Implementation notes").
 """
 from __future__ import annotations
 
@@ -59,9 +41,9 @@ class PixArtFamily(RoutedFamily):
     diffusers_class = "PixArtTransformer2DModel"
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, diffusers_config: Mapping[str, Any]) -> dict[str, Any]:
         # learned sigma (2C outputs) as the released models; the sincos position table fits the data size
-        return {**super().data_config(in_channels, input_size, config), "out_channels": 2 * in_channels}
+        return {**super().data_config(in_channels, input_size, diffusers_config), "out_channels": 2 * in_channels}
 
     def __init__(self, transformer: nn.Module, *, vae_scale_factor: int = 8, **kwargs: Any):
         self.vae_scale_factor = int(vae_scale_factor)

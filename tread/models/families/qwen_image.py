@@ -1,45 +1,7 @@
-"""Qwen-Image (diffusers QwenImageTransformer2DModel) with TREAD routing.
+"""Qwen-Image and Qwen-Image-Edit (diffusers QwenImageTransformer2DModel) with TREAD routing.
 
-Block structure (diffusers transformer_qwenimage.py): one kind of block only, the dual-stream MMDiT block
-`QwenImageTransformerBlock` (separate image / text modulation, norms and MLPs, one joint attention over
-[text, image]); no single-stream blocks. Qwen-Image has 60 of them; route indices count over
-`transformer.transformer_blocks`.
-
-Latents (B, C, H, W) are packed 2x2 into tokens (B, H/2 * W/2, 4C) with features ordered (C, 2, 2), exactly as
-QwenImagePipeline._pack_latents does (the transformer's own patch_size=2 only sizes proj_out: 2 * 2 * out_channels
-features, unpacked the same way): config in_channels = 4C (64 for the released model, 16 latent channels), out_channels
-= C.
-
-RoPE (QwenEmbedRope, scale_rope=True): complex frequency rows on three axes (frame, height, width; head dims
-axes_dims_rope = (16, 56, 56)). diffusers builds them from `img_shapes`, one (frame, h, w) per image of a sample in
-token units: image number idx gets frame position idx (0 for the target), and CENTRED height / width positions
--(h - h//2) .. h//2 - 1 and -(w - w//2) .. w//2 - 1. The text tokens get the same position p on all three axes,
-p = m .. m + L - 1 with m = max over the images of max(h//2, w//2) and L the padded text length
-(encoder_hidden_states.shape[1]; diffusers 0.42.1 has no txt_seq_lens argument any more, the text mask does not
-change the positions). We take diffusers' own table and split it: the text rows are shared by the batch, the
-target image rows become per-token tensors (B, N, Dh/2, 2) (real view of the complex rows) that run_blocks gathers
-with the kept tokens, so each kept token keeps its true position. `BatchedRopeQwenAttnProcessor` is diffusers'
-QwenDoubleStreamAttnProcessor2_0 with the same maths that also accepts such per-sample (B, S, Dh/2) tables.
-
-Text: the Qwen2.5-VL hidden states go through txt_norm (RMSNorm) and txt_in once (never routed); the text keep-mask
-`cond["text_mask"]` (B, L) is diffusers' `encoder_hidden_states_mask`: the processor attends with the joint boolean
-mask [text_mask, all image tokens], whatever the number of (kept) image tokens.
-
-Timesteps: the Qwen-Image pipelines feed timestep / 1000 = sigma in [0, 1]; the transformer's Timesteps(scale=1000)
-scales it back, so timestep() = noise_level / 1000. Modulation is per sample (temb (B, D)), except with
-`zero_cond_t` (Qwen-Image-Edit-2511): diffusers runs the timestep embedding on [t, 0 * t] (2B rows) and
-`modulate_index` (B, S_img) picks per image token the t row (0: the target's tokens) or the t = 0 row (1: the
-appended conditioning-image tokens); the text stream and the output layer use the t rows. `modulate_index` is a
-per-token tensor here (gathered with the kept target tokens: all 0).
-
-Editing (`kontext=True`, Qwen-Image-Edit / Edit-2509 / Edit-2511): the conditioning image's latents cond["reference"]
-(B, C, H, W), the target's shape, are packed into as many extra image tokens appended after the target's, with
-img_shapes [(1, h, w), (1, h, w)] (frame position 1), as QwenImageEditPipeline / QwenImageEditPlusPipeline build
-them; the output keeps the target's part. Only the target tokens are routable; the reference tokens (and their RoPE
-rows and modulate_index 1) are never-routed context that each block's callable appends to the kept target tokens.
-
-Not supported (FamilyConfigError): guidance_embeds=true (diffusers 0.42.1 builds no guidance embedder and its
-forward cannot take a guidance value), use_additional_t_cond / use_layer3d_rope (Qwen-Image-Layered), ControlNet.
+Routes count over the dual-stream blocks; the image RoPE rows (and `zero_cond_t`'s modulation index) are
+per-token tensors, the text and edit image never-routed context (docs/families.md).
 """
 from __future__ import annotations
 
@@ -79,9 +41,8 @@ def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class BatchedRopeQwenAttnProcessor:
-    """Qwen-Image joint attention (same maths as diffusers' QwenDoubleStreamAttnProcessor2_0) whose image RoPE table
-    may be per sample: image_rotary_emb = (img_freqs, txt_freqs), complex, img_freqs (S_img, Dh/2) or
-    (B, S_img, Dh/2), txt_freqs (L, Dh/2). Uses diffusers' attention dispatcher (set_attention_backend applies)."""
+    """Qwen-Image joint attention (diffusers' QwenDoubleStreamAttnProcessor2_0 maths) whose image RoPE table may be
+    per sample: image_rotary_emb = (img_freqs (S_img or B x S_img, Dh/2), txt_freqs (L, Dh/2)), complex."""
 
     _attention_backend = None
     _parallel_config = None
@@ -136,7 +97,7 @@ class QwenImageFamily(RoutedFamily):
     takes_references = True
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, diffusers_config: Mapping[str, Any]) -> dict[str, Any]:
         return {"in_channels": in_channels * cls.PACK ** 2, "out_channels": in_channels}
 
     def __init__(self, transformer: nn.Module, *, kontext: bool = False, **kwargs: Any):

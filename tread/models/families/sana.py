@@ -1,53 +1,7 @@
 """Sana / Sana 1.5 / Sana-Sprint (diffusers SanaTransformer2DModel) with TREAD routing.
 
-Structure (diffusers 0.42.1, models/transformers/sana_transformer.py): one stream of `num_layers`
-SanaTransformerBlocks, every one routable. A block (SanaTransformerBlock.forward) does, in this order:
-  1. adaLN-single modulation: its scale_shift_table (6, D) + the per-sample timestep embedding (B, 6D) ->
-     shift/scale/gate for attention and for the feed-forward (one set per sample, shared by its tokens);
-  2. linear self-attention (attn1, SanaLinearAttnProcessor2_0: ReLU kernels, no softmax, no mask) on
-     norm1(x) * (1 + scale) + shift, gated residual;
-  3. cross-attention to the projected text (attn2, SanaAttnProcessor2_0: softmax SDPA with the text mask as
-     a -10000 bias), ungated residual, queries are the raw (un-normalised) tokens;
-  4. Mix-FFN (GLUMBConv, residual_connection=False, norm_type None): norm2(x) * (1 + scale) + shift is
-     reshaped to the token grid (`unflatten(1, (height, width))`), then 1x1 conv_inverted (D -> 2 * 2.5D),
-     SiLU, 3x3 DEPTHWISE conv_depth (zero padding 1), GLU (half * SiLU(other half)), 1x1 conv_point
-     (2.5D -> D); gated residual.
-Sana 1.5 and Sana-Sprint add qk_norm="rms_norm_across_heads" (RMSNorm of q and k in both attentions).
-
-Positions: no RoPE. Released 512 / 1024 px models have interpolation_scale=None, so PatchEmbed is built with
-pos_embed_type=None: NO position embedding at all; the 2K / 4K models (interpolation_scale 1.0 / 2.0) add
-PixArt's absolute 2-D sincos table inside PatchEmbed (re-computed for a latent size other than sample_size),
-so it is already in every token's features before the first block. Either way the only place a block uses
-the grid is the depthwise 3x3 conv of the Mix-FFN.
-
-Routing and the depthwise conv (the design decision). Under a route the kept tokens no longer fill the grid,
-so diffusers' `unflatten(1, (height, width))` cannot run on them. We run the block's own sub-modules in
-diffusers' order on the kept tokens (norm1, modulation, attn1, attn2, norm2, ff.conv_inverted,
-ff.nonlinearity, ff.conv_depth, ff.conv_point): everything except conv_depth is per token (1x1 convs run on
-the kept tokens laid out as a 1 x K image). For conv_depth the activations of the kept tokens are scattered
-onto a zero grid (B, C', H, W) at their TRUE grid positions, the depthwise conv runs on that grid and the
-kept positions are read back: a kept token sees its true neighbours where they are kept and ZERO where they
-were dropped, exactly as it sees zero padding beyond the image border (dropping a whole border column is the
-same as cropping the image; tests/test_family_sana.py proves it). The alternative, reshaping the K kept
-tokens into a smaller made-up grid, would mix tokens that are not neighbours in the image. Each token's flat
-grid position travels as a per-token tensor `grid_pos` (B, N, 1) long, gathered with the tokens by
-run_blocks. With every token kept (in any order) this is diffusers' block exactly. Cost: the depthwise conv
-(9 multiply-adds per channel and cell) runs over the full grid of the 5D-channel activations; the 1x1 convs
-and attentions, the matmul FLOPs, scale with the kept tokens only.
-
-Per token: `grid_pos`. Never routed: the text stream (Gemma-2 hidden states -> caption_projection ->
-caption_norm, once), its mask (`cond["text_mask"]` (B, L) -> the -10000 bias diffusers' forward makes), the
-per-sample modulation. Output: norm_out (SanaModulatedNorm with the model's scale_shift_table and the
-embedded timestep) -> proj_out -> unpatchify, as diffusers' forward.
-
-Timesteps: SanaPipeline feeds the flow-matching scheduler's timestep (sigma * 1000) times
-config.timestep_scale (1.0 for Sana; diffusers PR 11150 added it for Sana-Sprint's teacher, which takes
-[0, 1]), so noise_level = t * 1000 is used times timestep_scale. Guidance-distilled Sana-Sprint
-(guidance_embeds=True: SanaCombinedTimestepGuidanceEmbeddings) is fed by SanaSprintPipeline with the sCM
-time in [0, 1] (sin / (sin + cos) of the TrigFlow angle, without timestep_scale) and guidance =
-guidance_scale * config.guidance_embeds_scale; we feed t = noise_level / 1000 and model.guidance (the
-pipeline's guidance_scale, default 4.5) times guidance_embeds_scale. Sprint's TrigFlow input/output
-preconditioning (sigma_data) is not reproduced: training it here is rectified flow on its weights.
+Every block is routable. The Mix-FFN's depthwise conv sees the kept tokens at their true grid positions and
+zeros where tokens were dropped (`mix_ffn_kept`; docs/families.md explains why).
 """
 from __future__ import annotations
 
@@ -92,15 +46,9 @@ SANA_PRESETS: dict[str, dict[str, Any]] = {
 def mix_ffn_kept(ff: nn.Module, hidden: torch.Tensor, grid_pos: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     """diffusers' GLUMBConv (Sana's Mix-FFN) on kept tokens at their true grid positions.
 
-    hidden (B, K, C): the modulated norm2 output of the kept tokens; grid_pos (B, K, 1) long: each token's flat
-    position h * W + w in the (H, W) = `grid` token grid; returns (B, K, C_out).
-
-    The 1x1 convs, SiLU and GLU act per token, so they run on the K kept tokens alone, laid out as a 1 x K image
-    (diffusers' `unflatten(1, (height, width)).permute(0, 3, 1, 2)` with (height, width) = (1, K)). Only the 3x3
-    depthwise conv needs neighbours: the kept tokens' activations are scattered onto a zero (B, C', H, W) grid at
-    their true positions, the conv runs there and the kept positions are read back. Dropped tokens are zero at
-    the conv's input, like the zero padding beyond the image border; kept tokens are never placed next to
-    tokens that are not their neighbours in the image. With all tokens kept this is GLUMBConv.forward.
+    hidden (B, K, C), grid_pos (B, K, 1) long flat positions in the (H, W) = `grid` token grid -> (B, K, C_out).
+    Only the 3x3 depthwise conv runs on a zero (B, C', H, W) grid holding the kept tokens; the rest is per token.
+    With all tokens kept this is GLUMBConv.forward.
     """
     B, K, _ = hidden.shape
     H, W = grid

@@ -1,27 +1,7 @@
 """Stable Diffusion 3 / 3.5 (diffusers SD3Transformer2DModel) with TREAD routing.
 
-Route indices count over `transformer.transformer_blocks` (the joint MMDiT blocks). The last block is
-built with context_pre_only=True: it reads the text stream but returns none, so a route may end in it
-(the context after it is None, and nothing follows but the output layer).
-
-Latents (B, C, H, W) go through diffusers' own `pos_embed` (PatchEmbed: conv patchify + the centre
-h x w crop of the fixed pos_embed_max_size^2 2-D sin-cos table, `cropped_pos_embed`: any grid up to
-pos_embed_max_size a side, square or not, gets diffusers' positions; larger ones are refused, check_grid),
-so every image token already carries its absolute position before the first block: routing gathers
-hidden states only, no per-token position tables are needed and `per_token` is empty. The conditioning
-is per sample (temb = timestep + pooled text), so kept tokens need nothing else to be gathered with them.
-
-SD3.5 blocks with dual attention (`dual_attention_layers`) run a second, image-only self-attention
-(attn2) after the joint one; under a route it simply attends over the kept image tokens. QK-norm
-(`qk_norm: rms_norm`, SD3.5) acts per head and token, so it is unaffected by routing.
-
-Without T5 (`use_t5=False`): StableDiffusion3Pipeline with text_encoder_3=None feeds zeros in place of the T5
-output, i.e. the text embeddings' sequence positions after the 77 CLIP tokens (tread/encoders/text.py documents the
-layout). The family zeroes them in its conditioning, for training and sampling alike, so data encoded with T5
-trains (and samples) exactly as data encoded without it.
-
-Timesteps: the SD3 pipeline hands the transformer the scheduler's timesteps, sigma * 1000, and the
-transformer's timestep embedding does not rescale them, so noise_level (t * 1000) passes unchanged.
+Routes count over the joint MMDiT blocks (a route may end in the context_pre_only last block); positions are
+in the patch embedding. `use_t5=False` zeroes the T5 part of the text, as the pipeline without T5.
 """
 from __future__ import annotations
 

@@ -1,31 +1,7 @@
 """Wan 2.1 / 2.2 (diffusers WanTransformer3DModel) with TREAD routing.
 
-Inputs are video latents (B, C, T, H, W); image latents (B, C, H, W) run as T = 1 (the base class adds
-and removes the frame axis). Tokens are the (pt, ph, pw) = config.patch_size patches of the latent, in
-(t, h, w) order, exactly as diffusers' Conv3d patch embedding flattens them; the routed sequence is all
-T*H*W video tokens together (a route may set aside tokens of any frame). The umT5 text stream is
-context: projected once by diffusers' condition embedder, never routed, cross-attended in every block.
-
-RoPE: `transformer.rope(x)` gives (1, N, 1, head_dim) cos/sin tables, one row per video token's true
-(t, h, w) position. We expand them to the batch as per-token tensors (B, N, 1, head_dim) that
-run_blocks gathers with the kept tokens. diffusers' own WanAttnProcessor applies them unchanged: its
-`x1 * cos - x2 * sin` broadcasts a (B, S, 1, Dh/2) table against the (B, S, heads, Dh/2) query/key as it
-does the (1, S, 1, Dh/2) one, so no custom processor is needed (the tests prove it).
-
-Timesteps: the Wan pipelines feed the flow-matching scheduler's timesteps, sigma * 1000, which is our
-noise_level (t * 1000) unchanged. A timestep may be per sample (B,) or per token (B, N) (Wan 2.2 TI2V:
-the pipeline's `expand_timesteps`, where first-frame tokens carry timestep 0). Per token, the block
-modulation `timestep_proj` is (B, N, 6, D): it is a per-token tensor gathered with the tokens. The
-output-layer embedding `temb` (B, N, D) is used by the head only, after every route has scattered its
-tokens back, so it stays full length (never gathered). `expand_timesteps=True` turns a (B,) timestep into
-(B, N) as the Wan 2.2 TI2V pipeline does (numerically the same as (B,), at the cost of per-token memory).
-
-Text mask: Wan's transformer takes no text attention mask; the Wan pipeline zero-pads the umT5
-embeddings past each prompt's length. A `text_mask` from the data is applied the same way (masked
-positions zeroed, still attended), in our forward and in `diffusers_forward` alike.
-
-Not supported: the image-conditioned variants (config.image_dim / added_kv_proj_dim, Wan 2.1 I2V),
-whose extra CLIP image tokens this trainer has no data for.
+All T*H*W video tokens form the routed sequence; their RoPE rows and per-token modulation are gathered with
+them, and diffusers' own attention processor applies the per-sample tables (docs/families.md).
 """
 from __future__ import annotations
 
@@ -64,7 +40,7 @@ class WanFamily(RoutedFamily):
     i2v_mode = "frames"             # model.i2v: the given frames at per-token timestep 0 (first_frame.py)
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, diffusers_config: Mapping[str, Any]) -> dict[str, Any]:
         return {"in_channels": in_channels, "out_channels": in_channels}
 
     def __init__(self, transformer: nn.Module, *, expand_timesteps: bool = False, **kwargs: Any):

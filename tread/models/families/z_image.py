@@ -1,45 +1,7 @@
-"""Z-Image (diffusers ZImageTransformer2DModel) with TREAD routing: the text-to-image path.
+"""Z-Image (diffusers ZImageTransformer2DModel) with TREAD routing: the text-to-image path (omni mode refused).
 
-Source: diffusers 0.42.1 models/transformers/transformer_z_image.py (and pipelines/z_image/pipeline_z_image.py).
-
-Block structure. Every block is one `ZImageTransformerBlock` (single-stream: self-attention over the whole sequence,
-SwiGLU FFN, sandwich RMSNorms, tanh-gated adaLN modulation from a 256-wide timestep embedding). The forward runs
-  1. `noise_refiner` (n_refiner_layers blocks, modulated): the image tokens ALONE (+ their pad tokens),
-  2. `context_refiner` (n_refiner_layers blocks, modulation=False): the caption tokens ALONE (+ their pad tokens),
-  3. `layers` (n_layers blocks, modulated): the joint sequence, per sample [image, image pad, caption, caption pad]
-     (basic mode `_build_unified_sequence`: "[x, cap]"; omni mode would be [cap, x, siglip]),
-  4. `all_final_layer["{p}-1"]` on the joint sequence; `unpatchify` keeps the first H/p * W/p rows (the image).
-Route indices count over `transformer.layers` only. The two refiners are never routed: they run in `embed`, before
-the routable blocks, on the full image / caption sequences, so their outputs are identical with and without routing.
-
-Sequence layout and padding (`patchify_and_embed`, `_pad_with_ids`, `_prepare_sequence`). Latents (B, C, H, W) are the
-pipeline's (B, C, 1, H, W) list items; tokens are p x p patches with features ordered (pF=1, pH, pW, C), embedded by
-`all_x_embedder["{p}-1"]`. Each sequence is padded to a multiple of SEQ_MULTI_OF = 32 tokens with a learned pad token
-(`x_pad_token` for the image, `cap_pad_token` for the caption). The image pad tokens (none for an 8x8 token grid:
-64 tokens; 16 for a 4x4 grid) are not content: they are never routed. They join the never-routed context (they pass
-through the refiner and every main block, as in diffusers, where they are attended to like any token), so the
-routable tokens are exactly the H/p * W/p image tokens. The caption is the prompt's REAL tokens only (the pipeline
-passes `prompt_embeds[i][prompt_masks[i]]`, a variable-length list): here `cond["text_mask"]` selects them; each
-sample's caption is padded to c_i = a multiple of 32, and samples with different c_i are padded to the longest with
-zeros and an attention mask over the batch padding (diffusers' `attn_mask`, None when all lengths agree).
-
-RoPE (`RopeEmbedder`): 3 axes (axes_dims, e.g. 32/48/48 of head dim 128; theta 256), complex rows looked up by integer
-position ids. Caption token k (pads included) has id (1 + k, 0, 0); image token (row, col) has id (c_i + 1, row, col)
-(c_i: the sample's PADDED caption length, so the image ids are per sample); pad image tokens have id (0, 0, 0).
-The blocks take per-sample tables (B, S, head_dim/2) natively, so no attention processor is needed: the image rows
-are a per-token tensor (gathered with the kept tokens), the pad and caption rows are context tables.
-
-Modulation: in the text-to-image (basic) mode one timestep embedding `adaln_input` (B, 256) modulates every token of
-every modulated block and the final layer. Per-token modulation (`noise_mask`, `t_noisy` / `t_clean` = t_embedder(1):
-`select_per_token`) is used only in omni mode (x a nested list: ZImageOmniPipeline's clean reference images + SigLIP
-features); that mode is not supported here (FamilyConfigError: a config with siglip_feat_dim, or reference latents).
-
-Timesteps (pipeline_z_image.py): the scheduler's timestep is sigma * 1000 (sigma = 1: noise); the pipeline feeds the
-transformer (1000 - timestep) / 1000 = 1 - sigma (REVERSED: 1 = clean) and the transformer multiplies by t_scale
-(1000); the pipeline negates the output before the Euler step (`noise_pred = -noise_pred`), i.e. the transformer
-predicts x0 - noise. Here timestep() = noise_level / 1000 = sigma (the RF t), embed feeds t_embedder (1 - sigma) *
-t_scale, and the head returns minus the final layer's output: the RF velocity noise - x0. No guidance embedding.
-Shift: FlowMatchEulerDiscreteScheduler (configs/model/z_image.yaml).
+Routes count over `transformer.layers`; the refiners, the caption and the image pad tokens are never-routed
+context. The transformer is fed 1 - sigma and its output negated (docs/families.md).
 """
 from __future__ import annotations
 
@@ -78,14 +40,14 @@ class ZImageFamily(RoutedFamily):
     text_dim_key = "cap_feat_dim"
 
     @classmethod
-    def data_config(cls, in_channels: int, input_size: int, config: Mapping[str, Any]) -> dict[str, Any]:
+    def data_config(cls, in_channels: int, input_size: int, diffusers_config: Mapping[str, Any]) -> dict[str, Any]:
         """in_channels from the data (the transformer has no out_channels / sample_size keys). Also checks here, with
         a FamilyConfigError, what diffusers' constructor would only assert: head_dim = sum(axes_dims)."""
-        dim, heads = config.get("dim", 3840), config.get("n_heads", 30)
-        axes = list(config.get("axes_dims", [32, 48, 48]))
+        dim, heads = diffusers_config.get("dim", 3840), diffusers_config.get("n_heads", 30)
+        axes = list(diffusers_config.get("axes_dims", [32, 48, 48]))
         if dim % heads or sum(axes) != dim // heads or any(a % 2 for a in axes):
             raise FamilyConfigError(
-                f"model.config.axes_dims={axes} must be even numbers summing to the head dim dim / n_heads = "
+                f"model.diffusers_config.axes_dims={axes} must be even numbers summing to the head dim dim / n_heads = "
                 f"{dim} / {heads}{'' if dim % heads else ' = ' + str(dim // heads)} (dim must be a multiple of "
                 f"n_heads): RoPE rotates pairs of each head's channels, axis by axis.")
         return {"in_channels": in_channels}
