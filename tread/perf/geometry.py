@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from tread.models import build_model, parse_arch
 from tread.perf.overrides import data_geometry
-from tread.schema.data import LatentsData, WdsData
-from tread.schema.model import DiTModel, FamilyModel
+from tread.schema.model import DiTModel
+from tread.schema.train import DataSection, ModelSection
 from tread.utils.errors import UserError
-
-ModelSection = Union[DiTModel, FamilyModel]    # a checked config's model and data sections (tread.schema)
-DataSection = Union[LatentsData, WdsData]
 
 NAMED = "as named by --resolution/--channels"
 USUAL_DATA = {"T": "toy", "S": "imagenet256", "B": "imagenet256", "L": "imagenet256", "XL": "imagenet256"}
@@ -48,7 +45,7 @@ class Geometry:
 
 
 def is_dit(model: ModelSection) -> bool:
-    return model.target in ("tread.models.build_dit", "tread.models.build_sprint")
+    return isinstance(model, DiTModel)     # model=dit|tread|sprint
 
 
 def usual_data_name(model: ModelSection) -> Optional[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from tread.data import build_dataset
-from tread.perf.geometry import DataSection
+from tread.schema.train import DataSection
 from tread.perf.plan import PlanError
 from tread.perf.routes import routing_overrides
 from tread.schema import compose

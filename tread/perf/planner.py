@@ -17,7 +17,8 @@ import torch
 from tread.models import DIT_ARCHS, build_model
 from tread.models.families import family_module
 from tread.perf.benchmark import PairedTimer, split_steps
-from tread.perf.geometry import DataSection, Geometry, ModelSection, choose_geometry, is_dit, token_patch
+from tread.perf.geometry import Geometry, choose_geometry, is_dit, token_patch
+from tread.schema.train import DataSection, ModelSection
 from tread.perf.overrides import (check_device, check_sets, compose_or_raise, fused_adamw, precision_name,
                                   run_overrides)
 from tread.perf.peaks import device_name

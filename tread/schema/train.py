@@ -151,6 +151,14 @@ class Eval(SamplingSettings, DecodeSettings, MetricSettings):
                            "code's FID-5K: 100000)", ge=0, default=0)
     negative_prompt: str = key(NEGATIVE_PROMPT)
 
+    @property
+    def runs(self) -> bool:
+        """Whether the run evaluates (periodically or at its end)."""
+        return bool(self.every_steps or self.at_end)
+
+
+ModelSection = Union[DiTModel, FamilyModel]    # a checked config's model and data sections
+DataSection = Union[LatentsData, WdsData]
 
 SECTIONS = {"train": Train, "ema": EMA, "checkpoint": Checkpoint, "wandb": Wandb, "paths": Paths, "eval": Eval,
             "routing": Routing, "model": MODELS, "data": DATA, "diffusion": DIFFUSIONS, "optimizer": OPTIMIZERS}
@@ -169,8 +177,8 @@ class TrainConfig:
     paths: Paths
     eval: Eval
     routing: Routing
-    model: Union[DiTModel, FamilyModel]
-    data: Union[LatentsData, WdsData]
+    model: ModelSection
+    data: DataSection
     diffusion: Union[EDMConfig, RFConfig]
     optimizer: Union[AdamW, AdamW8bit]
     resume: Optional[str]
@@ -178,7 +186,7 @@ class TrainConfig:
 
     @property
     def eval_on(self) -> bool:
-        return bool(self.eval.every_steps or self.eval.at_end)
+        return self.eval.runs
 
     @cached_property
     def phases(self) -> TrainPhases:
@@ -187,16 +195,16 @@ class TrainConfig:
 
     @property
     def sharded_checkpoints(self) -> bool:
-        layout = self.checkpoint.layout
-        return layout == "sharded" or (layout == "auto" and self.train.parallel == "fsdp")
-
-    @property
-    def text_model(self) -> bool:
-        return isinstance(self.model, FamilyModel)
+        return sharded_layout(self.checkpoint.layout, self.train.parallel)
 
     def micro_batch(self, world_size: int) -> int:
         """The per-process micro-batch: train.batch_size is global, over processes and accumulation steps."""
         return micro_batch(self.train.batch_size, world_size, self.train.grad_accum_steps, "train.batch_size")
+
+
+def sharded_layout(layout: str, parallel: str) -> bool:
+    """checkpoint.layout resolved: sharded, or auto under train.parallel=fsdp."""
+    return layout == "sharded" or (layout == "auto" and parallel == "fsdp")
 
 
 def micro_batch(batch: int, world_size: int, accum: int, name: str) -> int:
@@ -284,7 +292,7 @@ def _check_memory_options(s: dict[str, Any]) -> None:
     if fsdp and base != "fp32":
         raise ConfigError(f"model.base_dtype={base} cannot be combined with train.parallel=fsdp (FSDP all-gathers one "
                           f"dtype per block); allowed: model.base_dtype=fp32 with fsdp, or train.parallel=ddp.")
-    sharded = s["checkpoint"].layout == "sharded" or (s["checkpoint"].layout == "auto" and fsdp)
+    sharded = sharded_layout(s["checkpoint"].layout, s["train"].parallel)
     if s["optimizer"].target == "torchao.optim.AdamW8bit" and sharded:
         which = "train.parallel=fsdp" if fsdp else "checkpoint.layout=sharded"
         raise ConfigError(f"optimizer=adamw8bit cannot be combined with {which} (sharded checkpoints do not take its "

@@ -25,8 +25,7 @@ def check_parallel(t: Any, eval_settings: Any, world_size: int, cuda: bool) -> N
     if t.mixed_precision == "fp16":
         raise ConfigError("train.mixed_precision=fp16 is not supported with train.parallel=fsdp (its grad scaler "
                           "is not wired for sharded gradients); allowed: no or bf16.")
-    evaluating = eval_settings.every_steps or eval_settings.at_end
-    if evaluating and eval_settings.num_samples % world_size:
+    if eval_settings.runs and eval_settings.num_samples % world_size:
         raise ConfigError(f"eval.num_samples={eval_settings.num_samples} must be a multiple of the number of processes "
                           f"({world_size}) with train.parallel=fsdp: every process samples the sharded EMA in "
                           f"lockstep, so each needs the same number of samples.")
