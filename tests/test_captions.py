@@ -19,7 +19,7 @@ from PIL import Image
 
 import tread.cli.precompute as pl
 import tread.data.precompute.run as work
-import tread.training.step as step_module
+import tread.training.caption_dropout as caption_dropout_module
 from tread.data import BucketedDataset, LatentDataset, LatentDatasetError, LatentLoader, write_latent_dataset
 from tread.data.bucketed import BucketedWriter, make_sampler
 from tread.data.buckets import Bucket
@@ -446,7 +446,7 @@ def test_training_swaps_dropped_captions_for_the_empty_prompt(tiny_cfg, tmp_path
         seen.append((cond, out, mode))
         return out
 
-    monkeypatch.setattr(step_module, "drop_captions", spy)
+    monkeypatch.setattr(caption_dropout_module, "drop_captions", spy)
     cfg = tiny_cfg("model=flux", f"data.path={root}", "data.builtin=null", "data.resolution=8", "data.channels=4",
                    "data.num_classes=2", "eval.every_steps=0", "eval.at_end=false", "checkpoint.every_steps=0",
                    "train.caption_dropout=0.5", "train.label_dropout=0")

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import shutil
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +14,6 @@ import pytest
 import torch
 
 from tread.data.loader import ShardedBatchSampler
-from tread.diffusion.build import OBJECTIVES
-from tread.models.build import BUILDERS
 from tread.sampling import load_for_inference
 from tread.checkpoint.legacy import convert
 from tread.checkpoint.files import clean_run_dir
@@ -24,10 +23,11 @@ from tread.checkpoint.save import CheckpointWriteError, finalize
 from tread.training.guard import NonFiniteError
 from tread.training.loop import train
 from tread.training.run_log import read_metrics
-from tread.training.setup import OPTIMIZERS
 from tread.checkpoint.files import (CheckpointError, find_checkpoint, list_checkpoints, load_model_file, step_of,
                                      tmp_dir)
-from tread.utils.targets import PROJECT_TARGETS, TargetError
+from tread.schema.builders import CHOICES, TARGETS
+from tread.schema.model import DiTModel, FamilyModel
+from tread.utils.targets import TargetError
 from tread.checkpoint.tensorfile import StateFileError, load_state, save_state
 
 QUIET = ["eval.every_steps=0", "eval.at_end=false"]
@@ -58,10 +58,13 @@ def test_state_file_round_trip_without_pickle(tmp_path):
         load_state(tmp_path / "cut.safetensors")
 
 
-def test_project_targets_are_the_builders():
-    assert set(PROJECT_TARGETS["model"]) == set(BUILDERS)
-    assert set(PROJECT_TARGETS["diffusion"]) == set(OBJECTIVES)
-    assert set(PROJECT_TARGETS["optimizer"]) == set(OPTIMIZERS)
+def test_each_target_builds_and_checks_as_its_table_says():
+    """The one table per section is what the schema checks by and what a checkpoint may name."""
+    for section, table in CHOICES.items():
+        assert TARGETS[section] == tuple(table)
+        for name, choice in table.items():
+            assert name in typing.get_args(choice.section.model_fields["target"].annotation)
+    assert {c.section for c in CHOICES["model"].values()} == {DiTModel, FamilyModel}
 
 
 @pytest.fixture(scope="module")

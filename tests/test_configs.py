@@ -6,12 +6,9 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import compose_cfg
-from tread.diffusion.build import build_diffusion
-from tread.models import build_model
+from tread.schema.builders import build, build_diffusion, build_model
 from tread.routing import RouteConfigError
 from tread.schema import CONFIG_DIR, check_train
-from tread.training.setup import OPTIMIZERS
-from tread.utils.targets import build_target
 
 # Selectable options per group; files starting with "_" are bases other options build on.
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml") if not p.stem.startswith("_"))
@@ -69,7 +66,7 @@ def test_diffusion_configs_build(name):
 def test_optimizer_configs_build(name):
     cfg = compose_cfg(overrides=[f"optimizer={name}"])
     model = build_model(cfg.model)
-    opt = build_target(cfg.optimizer, OPTIMIZERS, "optimizer")(params=model.parameters())
+    opt = build("optimizer", cfg.optimizer)(params=model.parameters())
     assert opt.param_groups[0]["lr"] == cfg.optimizer.lr
 
 

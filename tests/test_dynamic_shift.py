@@ -11,9 +11,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from conftest import TINY, compose_cfg
-from tread.diffusion.build import build_diffusion
+from tread.schema.builders import build_diffusion, build_model
 from tread.diffusion.rf import DynamicShift, RectifiedFlow, ShiftConfigError, shift_t
-from tread.models import build_model
 from tread.schema import ConfigError, check_train
 
 FLUX1 = dict(base_shift=0.5, max_shift=1.15, base_seq_len=256, max_seq_len=4096, patch_size=2)

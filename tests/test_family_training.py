@@ -36,7 +36,7 @@ def test_lora_trains_adapters_only_and_saves_them_alone(tiny_cfg, tmp_path):
     run = tmp_path / "lora"
     cfg = tiny_cfg("model=flux", LORA, "checkpoint.adapter_only=true", "train.max_steps=30",
                    "train.log_every_steps=10", *FAMILY_TINY)
-    from tread.models import build_model
+    from tread.schema.builders import build_model
     torch.manual_seed(cfg.train.seed)
     model0 = build_model(cfg.model)
     base0 = {k: v.clone() for k, v in model0.state_dict().items() if "lora_" not in k and "conditioner" not in k}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from family_checks import make
-from tread.models import build_model
+from tread.schema.builders import build_model
 from tread.models.lora import LoraConfigError, apply_lora, is_adapter_param
 from tread.sampling import load_for_inference
 from tread.schema import ConfigError

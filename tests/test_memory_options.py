@@ -28,7 +28,8 @@ from tread.checkpoint.save import DIFFUSERS_LORA_FILE
 from tread.training.ema import EMA_NOTES, HostEma, ModelAsEma
 from tread.training.loop import train
 from tread.checkpoint.resume import check_optimizer
-from tread.training.setup import adamw8bit, build_parts, make_accelerator
+from tread.training.setup import build_parts, make_accelerator
+from tread.utils.optim import adamw8bit
 from tread.checkpoint.state import live_optimizer_state, plain_optimizer_state
 from tread.checkpoint.files import TRAIN_FILE, load_model_file
 from tread.checkpoint.values import ResumeValueError

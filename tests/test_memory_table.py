@@ -11,7 +11,7 @@ from tread.models.dit import build_dit
 from tread.models.families import FAMILIES, build_family, family_module
 from tread.perf.memory import (LinearShape, ParamCounts, adam_bytes, build_on_meta, count_params, data_channels,
                                markdown_table, memory_per_gpu, memory_rows, unique_bytes)
-from tread.training.setup import adamw8bit
+from tread.utils.optim import adamw8bit
 
 
 def test_counts_match_a_real_model_and_its_meta_build():

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from conftest import compose_cfg
-from tread.diffusion.build import build_diffusion
+from tread.schema.builders import build_diffusion
 from tread.models.dit import build_dit
 from tread.routing import Route, RoutingController
 from tread.sampling.generate import generate

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tread.cli.plan_routes import main, parse_args
-from tread.models import build_model
+from tread.schema.builders import build_model
 from tread.models.flops import model_forward_flops
 from tread.perf.plan import RULE, PlanError, evaluate_candidates, generate_candidates, ratio_grid, rule_key
 from tread.perf.planner import PlanRequest

@@ -15,9 +15,8 @@ from tread.cli.sample import run as sample_run
 from conftest import TINY, compose_cfg, shared_cache
 from tread.encoders.text import encode_prompts, load_text_encoders
 from tread.encoders.tiny_text import save_tiny_text_encoders
-from tread.diffusion.build import build_diffusion
+from tread.schema.builders import build_diffusion, build_model
 from tread.evaluation.images import make_captioned_grid
-from tread.models import build_model
 from tread.models.families.base import RoutedFamily
 from tread.sampling.generate import generate
 from tread.sampling.guidance import UNCOND, Guidance

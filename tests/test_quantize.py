@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from family_checks import fixed_selection, inputs, make
 from tread.schema import check_train
-from tread.models import build_model
+from tread.schema.builders import build_model
 from tread.models.families import build_family
 from tread.models.lora import is_adapter_param
 from tread.models.quantize import (QUANTIZE_MODES, QuantizeConfigError, frozen_base, quantize_mode, stored_bytes,

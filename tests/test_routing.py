@@ -144,11 +144,16 @@ def test_importance_mode_prefers_large_tokens():
     assert (ids < 4).float().mean() < 0.5
 
 
-def test_router_rejects_bad_selection_settings():
-    with pytest.raises(ValueError, match="routing.selection.mode='topk'"):
-        TokenRouter(mode="topk")
-    with pytest.raises(ValueError, match="importance_weight=1.5"):
-        TokenRouter(mode="importance", importance_weight=1.5)
+@pytest.mark.parametrize("override, needle", [
+    ("routing.selection.mode=topk", "routing.selection.mode='topk'"),
+    ("routing.selection.importance_weight=1.5", "routing.selection.importance_weight=1.5"),
+    ("routing.fp32_after_route=yes", "routing.fp32_after_route="),
+])
+def test_bad_selection_settings_are_one_line_from_the_schema(tiny_cfg, override, needle):
+    from tread.schema import ConfigError, check_train
+    with pytest.raises(ConfigError) as err:
+        check_train(tiny_cfg(override))
+    assert needle in str(err.value) and "\n" not in str(err.value)
 
 
 # ---- routing in the DiT forward ------------------------------------------------------
@@ -281,9 +286,3 @@ def test_fp32_block_after_route_runs_outside_autocast(family):
     assert dtypes[False][3] == torch.bfloat16 and dtypes[False][2] == torch.bfloat16
     assert dtypes[True][3] == torch.float32                      # block 3 follows the route 1..2
     assert dtypes[True][2] == torch.bfloat16 and dtypes[True][4] == torch.bfloat16
-
-
-def test_fp32_after_route_must_be_a_bool():
-    from tread.routing import RouteConfigError, RoutingController
-    with pytest.raises(RouteConfigError, match="routing.fp32_after_route='yes'"):
-        RoutingController.from_config({**_fp32_routing(True), "fp32_after_route": "yes"}, 12)

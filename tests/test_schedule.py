@@ -57,8 +57,6 @@ def test_explicit_routes_in_a_phase_are_resolved_against_the_depth():
     ([{"start_step": 0, "selection_ratio": 1.0}], r"schedule\[0\]\.selection_ratio=1\.0 must be a selection ratio"),
     ([{"start_step": 0, "selection_ratio": [0.5]}], r"a ramp is a list of two"),
     ([{"start_step": 0, "routes": [], "selection_ratio": 0.5}], r"gives both routes and selection_ratio"),
-    ([{"start_step": 0, "steps": 3}], r"unknown field\(s\) \['steps'\]"),
-    ([{"start_step": -1}], r"start_step=-1 must be an integer >= 0"),
     ([{"start_step": 0, "routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": 40}]}],
      r"schedule\[0\]\.routes: .*end_layer_idx=40 is out of range"),
 ])

@@ -55,6 +55,8 @@ def test_cosine_restarts_over_the_remaining_steps(tiny_cfg):
     ("[{start_step:0,train:{warmup_steps:-2}}]", "routing.schedule[0].train.warmup_steps=-2"),
     ("[{start_step:0,train:{grad_clip:0}}]", "routing.schedule[0].train.grad_clip=0"),
     ("[{start_step:0,train:{batch:4}}]", "routing.schedule[0].train.batch"),
+    ("[{start_step:0,steps:3}]", "routing.schedule[0].steps"),
+    ("[{start_step:-1}]", "routing.schedule[0].start_step=-1"),
     ("[{start_step:0,path_drop_prob:1.5}]", "routing.schedule[0].path_drop_prob=1.5"),
     ("[{start_step:0},{start_step:2,path_drop_prob:0.0}]", "routing.schedule[1].path_drop_prob=0.0 is a key of "
                                                            "model=sprint"),

@@ -16,7 +16,7 @@ from tread.data import LatentDataset
 from tread.encoders.text import TextEncoderError, encode_prompts, load_text_encoders
 from tread.encoders.text_families import SD3_T5_WIDTH
 from tread.encoders.tiny_text import save_tiny_text_encoders
-from tread.models import build_model
+from tread.schema.builders import build_model
 from tread.models.families import FamilyConfigError
 from tread.schema import ConfigError, check_train
 from test_precompute import vae_dir  # noqa: F401 (fixture)

@@ -19,14 +19,13 @@ from conftest import TINY, compose_cfg
 from test_trackers import board, wandb_history, wandb_records
 from tread.cli.sample import run as sample_run
 from tread.data import write_latent_dataset
-from tread.diffusion.build import build_diffusion
+from tread.schema.builders import build_diffusion, build_model
 from tread.encoders.text import encode_prompts, load_text_encoders
 from tread.encoders.tiny_text import save_tiny_text_encoders
 from tread.evaluation.images import make_captioned_grid, make_grid
 from tread.evaluation.validation import ValidationPrompts
 from tread.evaluation.videos import (DEFAULT_FPS, gif_bytes, slug, still_captions, still_indices, stills,
                                      video_fps)
-from tread.models import build_model
 from tread.sampling import Guidance
 from tread.training.loop import train
 from tread.training.trainer import Trainer

@@ -14,7 +14,8 @@ from tread.utils.errors import UserError
 from tread.utils.readers import read_json
 from tread.utils.renamed_keys import upgrade_keys
 from tread.checkpoint.sharded import SHARDED_DIR, ShardedFileError, full_tensors, tensor_index
-from tread.utils.targets import PROJECT_TARGETS, check_targets, upgrade_targets
+from tread.schema.builders import TARGETS
+from tread.utils.targets import check_targets, upgrade_targets
 from tread.checkpoint.tensorfile import StateFileError, load_state, load_tensors
 
 PathLike = Union[str, Path]
@@ -120,7 +121,7 @@ def read_meta(ckpt: PathLike) -> dict[str, Any]:
     if meta.get("format", FORMAT) != FORMAT:
         raise CheckpointError(f"'{path}': format={meta.get('format')!r} is not one this version reads (format "
                               f"{FORMAT}); it was written by another version of this project, or is corrupt.")
-    check_targets(upgrade_targets(upgrade_keys(meta["config"])), PROJECT_TARGETS, f"checkpoint '{ckpt}'")
+    check_targets(upgrade_targets(upgrade_keys(meta["config"]), TARGETS), TARGETS, f"checkpoint '{ckpt}'")
     return meta
 
 

@@ -14,7 +14,8 @@ import torch
 from tread.checkpoint.files import (FORMAT, LEGACY_FILE, META_FILE, TRAIN_FILE, WEIGHT_FILES, CheckpointError,
                                      rng_file, step_of)
 from tread.utils.io import atomic_write_json
-from tread.utils.targets import PROJECT_TARGETS, check_targets, upgrade_targets
+from tread.schema.builders import TARGETS
+from tread.utils.targets import check_targets, upgrade_targets
 from tread.checkpoint.tensorfile import save_state, save_tensors
 
 LEGACY_TRAIN, LEGACY_RNG = "train_state.pt", "rng_rank{}.pt"
@@ -64,7 +65,7 @@ def _check_model(file: Path, model: Any) -> None:
     """An old model.pt: a config naming only our builders, an integer step and both weight mappings."""
     if not isinstance(model, dict) or not isinstance(model.get("config"), dict):
         raise CheckpointError(f"'{file}' is not a checkpoint of this project (no config).")
-    check_targets(upgrade_targets(model["config"]), PROJECT_TARGETS, f"checkpoint '{file.parent}'")
+    check_targets(upgrade_targets(model["config"], TARGETS), TARGETS, f"checkpoint '{file.parent}'")
     missing = [k for k in ("step", *WEIGHT_FILES) if k not in model]
     if missing:
         raise CheckpointError(f"'{file}' has no {missing}: expected 'step' and the weights {list(WEIGHT_FILES)} "

@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any, Union
 
 from tread.schema.base import SEED_LIMIT, ConfigError, check, show
-from tread.schema.model import DIFFUSIONS, MODELS, DiTModel, EDMConfig, FamilyModel, RFConfig
+from tread.schema.builders import section_types
+from tread.schema.model import DiTModel, EDMConfig, FamilyModel, RFConfig
 from tread.schema.tree import pick
 from tread.checkpoint.files import META_FILE, CheckpointError, find_checkpoint, read_meta
 
-BUILT = {"model": MODELS, "diffusion": DIFFUSIONS}
+BUILT = ("model", "diffusion")
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,10 @@ def check_saved_config(saved: Any, ckpt: Path) -> SavedConfig:
     where = Path(ckpt) / META_FILE
     try:
         built = {}
-        for name, kind in BUILT.items():
+        for name in BUILT:
             if name not in saved:
                 raise ConfigError(f"{name} is missing")
-            built[name] = check(pick(kind, saved[name], name), saved[name], name)
+            built[name] = check(pick(section_types(name), saved[name], name), saved[name], name)
         seed = (saved.get("train") or {}).get("seed")
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
             raise ConfigError(f"train.seed={show(seed)} is not allowed; allowed: an integer in [0, 2**32)")

@@ -18,7 +18,7 @@ from tread.encoders.text import load_text_encoders
 from tread.encoders.vae import load_vae
 from tread.diffusion import StackedRandomGenerator
 from tread.evaluation.images import save_captioned_grid
-from tread.models import build_model
+from tread.schema.builders import build_model
 from tread.models.lora import load_weights
 from tread.sampling import load_for_inference
 from tread.sampling.prompts import PromptError, encode_for_model, generate_for_prompts

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from tread.cli.errors import user_errors
-from tread.models import build_model
+from tread.schema.builders import build_model
 from tread.models.families import family_module
 from tread.perf.benchmark import StepBench
 from tread.perf.memory import (ParamCounts, count_params, data_channels, markdown_table, memory_per_gpu, memory_rows,

@@ -238,7 +238,7 @@ class WebDatasetLatents(LatentMeta, torch.utils.data.Dataset):
             "paper's 4-channel shards; sample or mean: 2C-channel moments), or change the data/model config.")
 
     def _shape_source(self) -> str:
-        stored, shape = self._meta["shape"], list(model_shape(self._meta))
+        shape = list(model_shape(self._meta))
         held = "moments" if self.latent_draw != "stored" and self._kind == "moments" else "latents"
         return f"shards hold {self._stored_shape} {held} -> model shape {shape}"
 

@@ -8,7 +8,7 @@ import itertools
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch._dynamo.config as dynamo_config
@@ -20,7 +20,8 @@ from tread.perf.peaks import fraction_of_bound, mfu, speedup_bound
 from tread.perf.routes import route_dicts
 from tread.schema.train import TrainConfig
 from tread.training.setup import build_parts, make_accelerator, seed_streams
-from tread.training.step import StepSettings, StepStats, TrainStep
+from tread.training.step import StepStats
+from tread.training.trainer import Trainer
 
 GRAPH_KEYS = ("unique_graphs", "graph_breaks")
 
@@ -52,19 +53,18 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 class StepBench:
-    """THE training step of one checked training config (kept as `cfg`): `parts` are the run's model, objective, EMA
-    and optimizer, `batch` the synthetic micro-batch on the device; its Accelerator is made as train() makes it."""
+    """THE training step of one checked training config (kept as `cfg`), as the Trainer builds it: `parts` are the
+    run's model, objective, EMA and optimizer, `batch` the synthetic micro-batch on the device; its Accelerator is
+    made as train() makes it."""
 
-    def __init__(self, config: TrainConfig, data_meta: Optional[Mapping[str, Any]] = None):
+    def __init__(self, config: TrainConfig):
         self.cfg = config
         self.accelerator = make_accelerator(self.cfg.train)
         self.parts = build_parts(self.cfg, self.accelerator)
         seed_streams(self.cfg.train.seed, self.cfg.routing.seed, self.parts.model, self.accelerator.process_index)
         self.parts.prepare()
         self.parts.net.train()
-        settings = StepSettings.from_config(self.cfg, use_mask=False, data_meta=data_meta,
-                                            routed=self.parts.model.routing.enabled)
-        self.train_step = TrainStep(self.parts, settings)
+        self.train_step = Trainer.make_step(self.cfg, self.parts, dataset=None)
         self.step_index = 0
         micro = self.cfg.micro_batch(self.accelerator.num_processes)
         self.batch = synthetic_batch(self.parts.model, micro, self.device)

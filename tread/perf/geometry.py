@@ -9,7 +9,8 @@ from typing import Optional
 
 import torch
 
-from tread.models import build_model, parse_arch
+from tread.models import parse_arch
+from tread.schema.builders import build_model
 from tread.perf.overrides import data_geometry
 from tread.schema.model import DiTModel
 from tread.schema.train import DataSection, ModelSection

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 import torch
 
-from tread.models import DIT_ARCHS, build_model
+from tread.models import DIT_ARCHS
+from tread.schema.builders import build_model
 from tread.models.families import family_module
 from tread.perf.benchmark import PairedTimer, split_steps
 from tread.perf.geometry import Geometry, choose_geometry, is_dit, token_patch

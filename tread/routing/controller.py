@@ -58,9 +58,7 @@ class RoutingController:
         """The controller a `routing` config group describes ({enabled, routes, seed, selection,
         fp32_after_route}), validated against `depth`; every backbone builds its routing here."""
         routing = dict(routing or {})
-        flag = routing.get("fp32_after_route", False)
-        if not isinstance(flag, bool):
-            raise RouteConfigError(f"routing.fp32_after_route={flag!r} must be true or false.")
+        flag = bool(routing.get("fp32_after_route", False))
         router = TokenRouter(seed=int(routing.get("seed") or 0), **dict(routing.get("selection") or {}))
         routes = routing_from_config(routing, depth)
         if routing.get("schedule") and not routing.get("enabled", False):

@@ -20,13 +20,7 @@ class TokenRouter:
     and rank), so routing never shifts the training RNG stream; its state is checkpointed."""
 
     def __init__(self, seed: int = 0, mode: str = "random", importance_weight: float = 0.5):
-        if mode not in SELECTION_MODES:
-            raise ValueError(f"routing.selection.mode={mode!r} is not supported; allowed: {list(SELECTION_MODES)}.")
-        if not 0.0 <= float(importance_weight) <= 1.0:
-            raise ValueError(
-                f"routing.selection.importance_weight={importance_weight} must lie in [0, 1] "
-                f"(0 = uniform random, 1 = pure L1-norm importance)."
-            )
+        # mode is one of SELECTION_MODES and importance_weight in [0, 1]: the config's schema checks both (Selection)
         self.mode = mode                                # "random" (paper), "importance" (L1 score + noise) or
                                                         # "structured" (SPRINT's groups, tread/routing/structured.py)
         self.importance_weight = float(importance_weight)  # weight of the L1 score against the noise

@@ -7,12 +7,9 @@ The routes of a step are a pure function of the step, so resume is exact; infere
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from tread.routing.spec import Route, RouteConfigError, resolve_routes
-
-PHASE_FIELDS = ("start_step", "selection_ratio", "routes", "train", "path_drop_prob")
-TRAIN_FIELDS = ("lr", "batch_size", "warmup_steps", "grad_clip")   # a phase's `train` keys
 
 
 @dataclass(frozen=True)
@@ -104,57 +101,15 @@ def _phase(i: int, spec: Any, end: Optional[int], base: Sequence[Route], depth: 
     return Phase(start, end, tuple(Route(r, x.start_layer_idx, x.end_layer_idx) for x in base))
 
 
-def _check_fields(i: int, spec: Any) -> int:
-    if not isinstance(spec, Mapping):
-        raise RouteConfigError(f"{_where(i)}={spec!r} must be a mapping with start_step and optionally "
-                               f"selection_ratio or routes.")
-    unknown = sorted(set(spec) - set(PHASE_FIELDS))
-    if unknown:
-        raise RouteConfigError(f"{_where(i)} has unknown field(s) {unknown}; allowed: {list(PHASE_FIELDS)}.")
-    _check_train(i, spec.get("train"), spec.get("path_drop_prob"))
-    start = spec.get("start_step")
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise RouteConfigError(f"{_where(i, 'start_step')}={start!r} must be an integer >= 0 (the first training "
-                               f"step of the phase).")
-    return start
-
-
-# a phase's `train` keys: (check, what is allowed)
-TRAIN_CHECKS = {
-    "lr": (lambda v: v > 0, "a number > 0 (the phase's optimizer lr)"),
-    "batch_size": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1 (the phase's global batch)"),
-    "warmup_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (lr warm-up steps from the phase's "
-                                                              "start; 0: none)"),
-    "grad_clip": (lambda v: v > 0, "a max gradient norm > 0"),
-}
-
-
-def _check_train(i: int, train: Any, drop: Any) -> None:
-    """The phase's `train` mapping and path_drop_prob: known keys, numbers in range (one error line each)."""
-    if drop is not None and (isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0 <= drop < 1):
-        raise RouteConfigError(f"{_where(i, 'path_drop_prob')}={drop!r} is not allowed; allowed: a number in [0, 1) "
-                               f"(model=sprint's per-sample deep-path drop probability from this phase on).")
-    if train is None:
-        return
-    if not isinstance(train, Mapping):
-        raise RouteConfigError(f"{_where(i, 'train')}={train!r} is not allowed; allowed: a mapping with any of "
-                               f"{list(TRAIN_FIELDS)}.")
-    for name, value in train.items():
-        if name not in TRAIN_CHECKS:
-            raise RouteConfigError(f"{_where(i, 'train')}.{name} is not a phase key; allowed: {list(TRAIN_FIELDS)}.")
-        ok, allowed = TRAIN_CHECKS[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-            raise RouteConfigError(f"{_where(i, 'train')}.{name}={value!r} is not allowed; allowed: {allowed}.")
-
-
 def schedule_from_config(schedule: Optional[Sequence[Any]], base: Sequence[Route], depth: int
                          ) -> Optional[RouteSchedule]:
-    """The RouteSchedule of routing.schedule (None when unset), validated now: phases start at step 0 and in
-    increasing order, ratios in [0, 1), explicit routes valid for `depth`; `base` are the configured routes."""
+    """The RouteSchedule of routing.schedule (None when unset), validated now as a whole: phases start at step 0
+    and in increasing order, ratios in [0, 1), explicit routes valid for `depth`; `base` are the configured routes.
+    Each phase's keys and their types were checked with the config (tread/schema/model.py: Phase)."""
     if not schedule:
         return None
     specs = list(schedule)
-    starts = [_check_fields(i, s) for i, s in enumerate(specs)]
+    starts = [s["start_step"] for s in specs]
     if starts[0] != 0:
         raise RouteConfigError(f"routing.schedule[0].start_step={starts[0]} must be 0: the schedule covers "
                                f"training from its first step.")

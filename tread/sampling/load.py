@@ -8,9 +8,8 @@ from typing import Optional
 import torch
 
 from tread.data import LatentDatasetError, build_dataset
-from tread.diffusion.build import build_diffusion
+from tread.schema.builders import build_diffusion, build_model
 from tread.checkpoint.saved_config import SavedConfig, check_saved_config
-from tread.models import build_model
 from tread.models.lora import load_weights, weights_mismatch
 from tread.sampling.generate import CondFn, text_conditioning_for_seeds
 from tread.sampling.guidance import backbone

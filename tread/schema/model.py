@@ -200,10 +200,10 @@ def check_geometry(m: DiTModel) -> int:
     are refused naming the key."""
     depth, *named = parse_arch(m.arch)
     values, shown = {}, {}
-    for key, arch_value in zip(("hidden_size", "num_heads", "patch_size"), named):
-        given = getattr(m, key)
-        values[key] = arch_value if given is None else given
-        shown[key] = f"model.{key}={values[key]}" + ("" if given is not None else f" ({m.arch}'s)")
+    for name, arch_value in zip(("hidden_size", "num_heads", "patch_size"), named):
+        given = getattr(m, name)
+        values[name] = arch_value if given is None else given
+        shown[name] = f"model.{name}={values[name]}" + ("" if given is not None else f" ({m.arch}'s)")
     hidden, heads, patch = values.values()
     if hidden % heads:
         raise ValueError(f"{shown['num_heads']} does not divide {shown['hidden_size']}; allowed: a number of heads "
@@ -340,8 +340,6 @@ def _check_range(name: str, value: Any, low: Any, high: Any) -> None:
                          f"{' (or a list of them, one per axis)' if name.endswith('patch_size') else ''}.")
 
 
-MODELS = {"tread.models.build_dit": DiTModel, "tread.models.build_sprint": DiTModel,
-          "tread.models.families.build_family": FamilyModel}
 
 
 class EDMConfig(Section):
@@ -411,7 +409,6 @@ class RFConfig(Section):
         return self
 
 
-DIFFUSIONS = {"tread.diffusion.EDM": EDMConfig, "tread.diffusion.RectifiedFlow": RFConfig}
 
 
 class AdamCommon(Section):
@@ -441,6 +438,3 @@ class AdamW8bit(AdamCommon):
 
     target: Literal["torchao.optim.AdamW8bit"] = key("torchao.optim.AdamW8bit", alias="_target_")
     block_size: int = key("a positive integer (values per 8-bit scale; torchao's default 256)", ge=1, default=256)
-
-
-OPTIMIZERS = {"torch.optim.AdamW": AdamW, "torchao.optim.AdamW8bit": AdamW8bit}

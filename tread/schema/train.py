@@ -11,8 +11,9 @@ from omegaconf import DictConfig
 
 from tread.schema.base import (SEED_LIMIT, ConfigError, Flag, Number, PositiveNumber, Section, check, check_dirs, key,
                                one_of, show)
+from tread.schema.builders import section_types
 from tread.schema.data import DATA, LatentsData, WdsData
-from tread.schema.model import (DIFFUSIONS, MODELS, OPTIMIZERS, SPRINT_TARGET, AdamW, AdamW8bit, DiTModel, EDMConfig,
+from tread.schema.model import (SPRINT_TARGET, AdamW, AdamW8bit, DiTModel, EDMConfig,
                                 FamilyModel, RFConfig, Routing)
 from tread.schema.phases import TrainPhases
 from tread.schema.sampling import (NEGATIVE_PROMPT, PROMPTS, DecodeSettings, MetricSettings, Prompt, SamplingSettings,
@@ -161,7 +162,8 @@ ModelSection = Union[DiTModel, FamilyModel]    # a checked config's model and da
 DataSection = Union[LatentsData, WdsData]
 
 SECTIONS = {"train": Train, "ema": EMA, "checkpoint": Checkpoint, "wandb": Wandb, "paths": Paths, "eval": Eval,
-            "routing": Routing, "model": MODELS, "data": DATA, "diffusion": DIFFUSIONS, "optimizer": OPTIMIZERS}
+            "routing": Routing, "model": section_types("model"), "data": DATA,
+            "diffusion": section_types("diffusion"), "optimizer": section_types("optimizer")}
 TOP_KEYS = ("resume", *SECTIONS)
 
 

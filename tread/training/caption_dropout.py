@@ -13,6 +13,31 @@ from tread.data import build_dataset
 from tread.models.families.base import null_text
 from tread.sampling.prompts import PromptError, resolve_mode
 from tread.schema.base import ConfigError
+from tread.data.info import DatasetInfo
+from tread.schema.train import TrainConfig
+from tread.training.feature import Feature
+from tread.training.setup import TrainingParts
+
+
+class CaptionDropout(Feature):
+    """train.caption_dropout > 0: each text sample's caption dropped with probability p (one draw per micro-batch,
+    after label dropout) for its family's unconditional input."""
+
+    def __init__(self, p: float, mode: str, empty: Optional[Mapping[str, torch.Tensor]], device: torch.device):
+        self.p, self.mode = p, mode
+        self.empty = {k: v.to(device) for k, v in (empty or {}).items()}   # mode empty: the data's encoded ""
+
+    @classmethod
+    def build(cls, config: TrainConfig, parts: TrainingParts, dataset: Optional[DatasetInfo]
+              ) -> Optional["CaptionDropout"]:
+        meta = dataset.meta if dataset is not None else {}
+        p, mode, empty = caption_dropout_settings(config.train, config.model.family, config.data, meta, dataset)
+        return cls(p, mode, empty, parts.accelerator.device) if p > 0 else None
+
+    def condition(self, cond: dict[str, torch.Tensor], extras: Mapping[str, torch.Tensor],
+                  batch: int) -> dict[str, torch.Tensor]:
+        return drop_captions(cond, self.p, self.mode, self.empty) if "text" in cond else cond
+
 
 def caption_dropout_settings(train: Any, family: Optional[str], data: Any, data_meta: Mapping[str, Any],
                              dataset: Any = None) -> tuple[float, str, Optional[dict[str, torch.Tensor]]]:

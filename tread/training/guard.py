@@ -4,8 +4,14 @@ counts and logs it, =stop ends the run at the next log record). The device-side 
 """
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 
+from tread.data.info import DatasetInfo
+from tread.schema.train import TrainConfig
+from tread.training.feature import Feature
+from tread.training.setup import TrainingParts
 from tread.utils.distributed import all_reduce_max
 from tread.utils.errors import UserError
 
@@ -16,8 +22,9 @@ class NonFiniteError(UserError):
     """The run stopped because its loss or gradients were not finite."""
 
 
-class NonFiniteGuard:
-    """Device-side counters of skipped steps, checked on the host when the loop syncs anyway."""
+class NonFiniteGuard(Feature):
+    """Device-side counters of skipped steps, checked on the host when the loop syncs anyway (at a training record
+    and before a checkpoint: never one past a stop condition)."""
 
     def __init__(self, mode: str, max_consecutive: int, device: torch.device):
         self.mode, self.max_consecutive = mode, max_consecutive
@@ -25,6 +32,29 @@ class NonFiniteGuard:
         self.streak = torch.zeros((), device=device)     # skipped steps in a row, now
         self.longest = torch.zeros((), device=device)    # the longest streak since the last check
         self.reported = 0
+        self.skips = 0                                   # skipped steps counted on the host (summary.json)
+
+    @classmethod
+    def build(cls, config: TrainConfig, parts: TrainingParts, dataset: Optional[DatasetInfo]) -> "NonFiniteGuard":
+        return cls(config.train.nonfinite, config.train.max_nonfinite_skips, parts.accelerator.device)
+
+    def after_update(self, nonfinite: torch.Tensor) -> None:
+        self.update(nonfinite)
+
+    def log(self, record: dict[str, Any], step: int) -> Optional[str]:
+        skipped = self.check(step)
+        self.skips += skipped
+        record["nonfinite_skips"] = skipped
+        if not skipped:
+            return None
+        return (f"warning: {skipped} step(s) before step {step} had a non-finite loss or gradient norm; their "
+                f"updates were skipped (train.nonfinite={self.mode})")
+
+    def before_checkpoint(self, step: int) -> None:
+        self.skips += self.check(step)
+
+    def totals(self) -> dict[str, Any]:
+        return {"nonfinite_skips": self.skips}
 
     def update(self, bad: torch.Tensor) -> None:
         """Count this step's flag (0/1 float tensor) without leaving the device."""

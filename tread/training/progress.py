@@ -3,7 +3,7 @@ data meta a checkpoint keeps."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import torch
 from accelerate import Accelerator
@@ -19,12 +19,12 @@ def due(every: int, step: int, anyway: bool) -> bool:
 
 
 class LogWindow:
-    """Training records average over the steps since the previous record: loss, throughput, token share."""
+    """Training records average over the steps since the previous record: loss, throughput, token share, and the
+    features' loss terms (`weights`: each term's name and weight; loss = diffusion loss + sum of weight x term)."""
 
-    def __init__(self, device: torch.device, repa_weight: float = 0.0):
-        self.repa_weight = repa_weight               # model.repa.weight: loss = diffusion loss + weight x REPA term
-        self.sums = torch.zeros(3, device=device)    # (loss, count, REPA term) summed over steps with a finite loss
-        self.repa = False                            # whether the steps report a REPA term (model.repa)
+    def __init__(self, device: torch.device, weights: Optional[Mapping[str, float]] = None):
+        self.weights = dict(weights or {})
+        self.sums = torch.zeros(2 + len(self.weights), device=device)   # (loss, count, terms...) over finite steps
         self.run_start = time.time()
         self.restart()
 
@@ -38,10 +38,8 @@ class LogWindow:
 
     def add(self, stats: StepStats) -> None:
         finite = 1.0 - stats.nonfinite
-        repa = stats.repa_loss if stats.repa_loss is not None else torch.zeros_like(stats.loss)
-        self.repa = stats.repa_loss is not None
-        self.sums += torch.stack([torch.where(finite > 0, stats.loss, 0.0), finite,      # on the device: no sync
-                                  torch.where(finite > 0, repa, 0.0)])
+        terms = [torch.where(finite > 0, stats.terms[name], 0.0) for name in self.weights]
+        self.sums += torch.stack([torch.where(finite > 0, stats.loss, 0.0), finite, *terms])   # on the device: no sync
         self.steps += 1
         self.tokens += stats.tokens_fraction
         self.data_sec += stats.data_sec
@@ -50,15 +48,17 @@ class LogWindow:
         """The record of this window (one host sync: the loss mean over processes and finite steps; None when
         every step was skipped); starts the next window."""
         elapsed = time.time() - self.start
-        loss_sum, count, repa_sum = accelerator.reduce(self.sums, reduction="sum").tolist()
+        loss_sum, count, *term_sums = accelerator.reduce(self.sums, reduction="sum").tolist()
         mean_loss = loss_sum / count if count else None
         record = {"type": "train", "step": state.step, "loss": mean_loss, "lr": lr,
                   "steps_per_sec": self.steps / elapsed, "images_per_sec": self.steps * batch_size / elapsed,
                   "tokens_fraction": self.tokens / self.steps, "data_wait_frac": self.data_sec / elapsed,
                   "elapsed_sec": time.time() - self.run_start, "train_sec": state.train_sec}
-        if self.repa:   # the alignment term inside `loss` (loss = diffusion loss + model.repa.weight x repa_loss)
-            record["repa_loss"] = repa_sum / count if count else None
-            record["diffusion_loss"] = mean_loss - self.repa_weight * record["repa_loss"] if count else None
+        for name, total in zip(self.weights, term_sums):   # the terms inside `loss` (model.repa: repa_loss)
+            record[f"{name}_loss"] = total / count if count else None
+        if self.weights:
+            record["diffusion_loss"] = mean_loss - sum(w * record[f"{n}_loss"] for n, w in self.weights.items()) \
+                if count else None
         self.restart()
         return record
 

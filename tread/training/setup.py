@@ -3,8 +3,6 @@ EMA copy, torch.compile, the optimizer, the data and its loader, and the random 
 benchmark both build here, so the benchmark times the run's own step."""
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
 import shutil
 import warnings
@@ -19,8 +17,7 @@ from accelerate.state import AcceleratorState
 from tread.data import (BucketedDataset, LatentLoader, PhasedSampler, ShardedBatchSampler, build_dataset,
                         check_dataset, make_sampler)
 from tread.data.loader import PHASE_STRIDE
-from tread.diffusion.build import build_diffusion
-from tread.models import build_model
+from tread.schema.builders import build, build_diffusion, build_model
 from tread.models.backbone import Backbone
 from tread.schema import ConfigError
 from tread.schema.train import TrainConfig, micro_batch
@@ -31,38 +28,9 @@ from tread.training.repa import Repa, build_repa, with_resolved
 from tread.evaluation.evaluator import decode_options
 from tread.utils.distributed import rank
 from tread.utils.errors import UserError
-from tread.utils.targets import build_target
 
 
 
-def adamw8bit(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
-    """optimizer=adamw8bit: torchao's AdamW8bit (block-wise 8-bit moments, bitsandbytes' scheme: each moment of a
-    parameter with >= 4096 values, a multiple of block_size, is stored as uint8 codes plus one fp32 scale per
-    block_size values; smaller parameters keep fp32 moments), as the training loop drives it (_adamw8bit_class)."""
-    return _adamw8bit_class()(params, **kwargs)
-
-
-@functools.cache
-def _adamw8bit_class() -> type:
-    # deferred: torchao takes seconds to import, and only optimizer=adamw8bit needs its optimizer
-    from torchao.optim import AdamW8bit
-
-    class LoopAdamW8bit(AdamW8bit):
-        """torchao's AdamW8bit taking the plain-float lr the loop sets every step (tread.training.step.set_lr), with
-        the per-parameter update run eagerly when every parameter is on the CPU (compiling it there is slow)."""
-
-        def step(self, closure: Any = None) -> Any:
-            for group in self.param_groups:
-                if not torch.is_tensor(group["lr"]):
-                    group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
-            cpu = all(p.device.type == "cpu" for group in self.param_groups for p in group["params"])
-            with torch.compiler.set_stance("force_eager") if cpu else contextlib.nullcontext():
-                return super().step(closure)
-
-    return LoopAdamW8bit
-
-
-OPTIMIZERS = {"torch.optim.AdamW": torch.optim.AdamW, "torchao.optim.AdamW8bit": adamw8bit}
 
 
 @dataclass
@@ -154,7 +122,7 @@ def build_parts(config: TrainConfig, accelerator: Accelerator) -> TrainingParts:
     sharded = maybe_shard(train, model, ema.model)          # before the optimizer: parameters become shards
     compiled = maybe_compile(train, model, accelerator.device)
     # LoRA (model.lora) freezes the base weights: only parameters that require grad are optimised.
-    optimizer = build_target(config.optimizer.plain(), OPTIMIZERS, "optimizer")(
+    optimizer = build("optimizer", config.optimizer.plain())(
         params=[p for p in net.parameters() if p.requires_grad])
     return TrainingParts(accelerator, model, diffusion, net, ema, optimizer, compiled, sharded, repa)
 

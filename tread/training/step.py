@@ -1,25 +1,27 @@
 """One training step (one optimizer update over grad_accum_steps micro-batches): what train.py runs every
 step, and what the benchmark and the route planner time. Random draws on the training stream, in order:
-moments, label dropout, caption dropout (only when enabled), then the objective's sigma/t and noise.
+moments, label dropout, the features' (caption dropout, first frames; only when enabled), then the objective's
+sigma/t and noise.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import operator
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from tread.data import COND_KEYS, draw_latents
 from tread.diffusion.common import call_with_aux
-from tread.models.families.first_frame import FIRST_FRAME, I2V_MASK, frame_loss_weight
-from tread.models.repa import REPA_AUX
-from tread.training.caption_dropout import caption_dropout_settings, drop_captions
+from tread.models.families.first_frame import FIRST_FRAME
 from tread.routing import resize_loss_mask
 from tread.training.ema import ema_decay_at, ema_update
 from tread.utils.dtensor import full
+from tread.training.feature import Feature
 from tread.training.guard import nonfinite_flag
 from tread.schema.phases import TrainPhases
 from tread.schema.train import TrainConfig
@@ -42,27 +44,19 @@ class StepSettings:
     use_mask: bool                  # weight the loss by the data's loss masks
     force_keep: bool                # routes never drop tokens more than half under the loss mask
     data_meta: Mapping[str, Any]    # the dataset's meta (moments data: draw_latents)
-    caption_dropout: float          # text data: probability of training a sample on the unconditional input
-    caption_dropout_mode: str       # empty | zeros (resolved; as configured when caption_dropout is 0)
-    empty_prompt: Optional[Mapping[str, torch.Tensor]]   # mode empty: the data's encoded "" (one sample's parts)
-    i2v_probability: Optional[float] = None   # model.i2v: share of samples conditioned on their first frame; None: off
     phases: Optional[TrainPhases] = None      # routing.schedule's per-phase lr, warm-up, clipping, path drop; None: off
 
     @classmethod
     def from_config(cls, config: TrainConfig, use_mask: bool = False, data_meta: Optional[Mapping[str, Any]] = None,
-                    routed: bool = True, dataset: Any = None) -> "StepSettings":
+                    routed: bool = True) -> "StepSettings":
         """From a checked training config; `use_mask` whether this run weights its loss by loss masks (the data's
-        and train.masked_loss), `routed` whether the model has routes (force-keep needs them), `dataset` the run's
-        data (its stored empty prompt, for caption dropout)."""
+        and train.masked_loss), `routed` whether the model has routes (force-keep needs them)."""
         t = config.train
-        p, mode, empty = caption_dropout_settings(t, config.model.family, config.data, data_meta or {}, dataset)
         return cls(grad_accum_steps=t.grad_accum_steps, grad_clip=t.grad_clip, label_dropout=t.label_dropout,
                    lr=config.optimizer.lr, lr_warmup_steps=t.lr_warmup_steps, lr_schedule=t.lr_schedule,
                    max_steps=t.max_steps, ema_decay=config.ema.decay,
                    ema_warmup=config.ema.warmup, use_mask=use_mask,
                    force_keep=bool(use_mask and t.mask_force_keep and routed), data_meta=dict(data_meta or {}),
-                   caption_dropout=p, caption_dropout_mode=mode, empty_prompt=empty,
-                   i2v_probability=float(t.i2v_probability) if config.model.i2v else None,
                    phases=config.phases)
 
 
@@ -75,19 +69,19 @@ class StepStats:
     data_sec: float               # time spent waiting for batches
     lr: float
     nonfinite: torch.Tensor       # 1.0 when the loss or gradient norm was NaN/inf and the update was skipped
-    repa_loss: Optional[torch.Tensor] = None   # model.repa: the alignment term (mean negative cosine), detached
     grid: Optional[tuple[int, ...]] = None     # the batches' latent (H, W) or video (T, H, W): their bucket's
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)   # the features' loss terms (model.repa: "repa")
 
 
 class TrainStep:
     """step(batches, step) -> StepStats: one optimizer update from the next grad_accum_steps batches."""
 
-    def __init__(self, parts: TrainingParts, settings: StepSettings):
-        self.parts, self.s = parts, settings
+    def __init__(self, parts: TrainingParts, settings: StepSettings, features: Sequence[Feature] = ()):
+        self.parts, self.s, self.features = parts, settings, list(features)
         self.null_label = parts.model.num_classes
         self.takes_text = parts.model.text_conditioned   # DiT is class-conditional: text is ignored
-        self.empty_prompt = {k: v.to(parts.accelerator.device) for k, v in (settings.empty_prompt or {}).items()}
-        self.i2v_frames = parts.model.i2v_frames   # given frames are left out of the loss
+        self.aux = any(f.aux for f in self.features)
+        self.termed = [f for f in self.features if f.term is not None]
 
     def __call__(self, batches: Iterator, step: int) -> StepStats:
         p, s = self.parts, self.s
@@ -95,22 +89,22 @@ class TrainStep:
         p.model.routing.set_step(step)                     # routing.schedule: this step's phase
         clip = self.set_phase(step)
         loss_sum = torch.zeros((), device=p.accelerator.device)
-        repa_sum = torch.zeros((), device=p.accelerator.device) if p.repa is not None else None
+        term_sums = {f.term: torch.zeros((), device=p.accelerator.device) for f in self.termed}
         tokens, data_sec = 0.0, 0.0
         for micro in range(s.grad_accum_steps):
             start = time.perf_counter()
             batch = next(batches)
             data_sec += time.perf_counter() - start   # the time the step waited for data (0 when prefetch keeps up)
-            loss, repa_loss = self.micro_step(batch, sync=micro == s.grad_accum_steps - 1)
+            loss, terms = self.micro_step(batch, sync=micro == s.grad_accum_steps - 1)
             grid = tuple(batch[0].shape[2:])        # latent (H, W), video (T, H, W)
             loss_sum += loss.detach() / s.grad_accum_steps
-            if repa_sum is not None:
-                repa_sum += repa_loss.detach() / s.grad_accum_steps
+            for name, term in terms.items():
+                term_sums[name] += term.detach() / s.grad_accum_steps
             tokens += p.model.processed_fraction() / s.grad_accum_steps
         bad = nonfinite_flag(loss_sum, self.grad_norm(clip))
         self.optimizer_step(bad)
         ema_update(p.ema, p.accelerator.unwrap_model(p.net), ema_decay_at(step, s.ema_decay, s.ema_warmup), skip=bad)
-        return StepStats(loss_sum, tokens, data_sec, lr, bad, repa_sum, grid)
+        return StepStats(loss_sum, tokens, data_sec, lr, bad, grid, term_sums)
 
     def set_phase(self, step: int) -> Optional[float]:
         """A routing.schedule phase's path_drop_prob on a SPRINT model; returns the step's max gradient norm."""
@@ -143,42 +137,36 @@ class TrainStep:
             p.optimizer.step()
         p.optimizer.zero_grad(set_to_none=True)
 
-    def micro_step(self, batch: tuple, sync: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Forward and backward of one micro-batch; returns its (undivided) loss and its REPA term (None without
-        model.repa)."""
+    def micro_step(self, batch: tuple, sync: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and backward of one micro-batch; returns its (undivided) loss and the features' loss terms."""
         p, s = self.parts, self.s
         x, y, extras = split_batch(batch, p.accelerator.device)
         x = draw_latents(x, s.data_meta)                   # moments data: one latent drawn per read (training RNG)
         y = drop_labels(y, s.label_dropout, self.null_label)
-        cond = {k: extras[k] for k in COND_KEYS if k in extras}   # text; Kontext references: never dropped
-        if s.caption_dropout > 0 and "text" in cond:            # train.caption_dropout: after label dropout
-            cond = drop_captions(cond, s.caption_dropout, s.caption_dropout_mode, self.empty_prompt)
-        cond = self.first_frames(cond, x.shape[0])
+        # text; Kontext references: never dropped; first frames only through model.i2v (FirstFrames)
+        cond = {k: extras[k] for k in COND_KEYS if k in extras and k != FIRST_FRAME}
+        for feature in self.features:
+            cond = feature.condition(cond, extras, x.shape[0])
         mask = extras.get("loss_mask") if s.use_mask else None
         kwargs: dict[str, Any] = {"cond": cond} if cond and self.takes_text else {}
         if mask is not None and s.force_keep:
             kwargs["force_keep"] = p.model.tokens_from_mask(mask, x.shape[2:])   # tokens > half under the mask
-        repa_loss = None
+        terms = {}
         with p.accelerator.no_sync(p.net) if not sync else contextlib.nullcontext():
             with p.accelerator.autocast():
                 # REPA: the backbone also returns its projected tokens and their ids (tread/models/repa.py)
-                loss, aux = call_with_aux(p.diffusion.loss, p.net, x, y, return_aux=p.repa is not None, **kwargs)
-                loss = reduce_loss(loss, mask, frame_loss_weight(loss, cond) if self.i2v_frames else None)
-                if aux is not None:                     # align the model's tokens with the encoder's
-                    repa_loss = p.repa.loss(*aux[REPA_AUX], x, s.data_meta, features=extras.get("repa_features"))
-                    loss = loss + p.repa.weight * repa_loss
+                loss, aux = call_with_aux(p.diffusion.loss, p.net, x, y, return_aux=self.aux, **kwargs)
+                loss = reduce_loss(loss, mask, self.loss_weight(loss, cond))
+                for feature in self.termed:
+                    terms[feature.term] = feature.loss_term(aux, x, extras)
+                    loss = loss + feature.weight * terms[feature.term]
             p.accelerator.backward(loss / s.grad_accum_steps)
-        return loss, repa_loss
+        return loss, terms
 
-    def first_frames(self, cond: dict, batch: int) -> dict:
-        """model.i2v: which samples train image-to-video (train.i2v_probability < 1: one draw per sample on the
-        training stream, after caption dropout); without model.i2v the data's first frames are not passed on."""
-        p = self.s.i2v_probability
-        if FIRST_FRAME not in cond or p is None:
-            return {k: v for k, v in cond.items() if k != FIRST_FRAME}
-        if p < 1:
-            cond = {**cond, I2V_MASK: torch.rand(batch, device=cond[FIRST_FRAME].device) < p}
-        return cond
+    def loss_weight(self, loss: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """The features' weights of the unreduced loss, multiplied (None when none weights it)."""
+        weights = [w for w in (f.loss_weight(loss, cond) for f in self.features) if w is not None]
+        return functools.reduce(operator.mul, weights) if weights else None
 
 
 def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int) -> float:
@@ -227,8 +215,8 @@ def split_batch(batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch
 def reduce_loss(loss: torch.Tensor, mask: Optional[torch.Tensor], frames: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
     """Mean of the unreduced loss (B, C, ...); with a loss mask (B, 1, h, w) in [0, 1], the mask-weighted mean
-    over the covered latent cells (the mask is area-resized to the latent grid); video frame weights `frames`
-    (B, 1, T, 1, 1) (model.i2v: 0 on given frames) weight it per frame."""
+    over the covered latent cells (the mask is area-resized to the latent grid); the features' weights `frames`
+    (video: (B, 1, T, 1, 1); model.i2v: 0 on given frames) weight it too."""
     if mask is None and frames is None:
         return loss.mean()
     weight = torch.ones_like(loss[:, :1])

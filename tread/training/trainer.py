@@ -21,11 +21,13 @@ from tread.schema.train import TrainConfig
 from tread.schema.tree import to_yaml
 from tread.training.announce import announce
 from tread.checkpoint.save import save_checkpoint
-from tread.training.guard import NonFiniteGuard
+from tread.training.feature import Feature
+from tread.training.features import build_features
 from tread.training.progress import LogWindow, checkpoint_data_meta, due, time_budget_reached
 from tread.training.repa import use_stored_targets, with_resolved
 from tread.checkpoint.resume import check_resume, config_changes, read_resume, resume_plan
 from tread.training.run_log import RunLog
+from tread.data.info import DatasetInfo
 from tread.training.setup import TrainingParts, build_parts, make_loader, open_dataset, seed_streams, uses_loss_mask
 from tread.checkpoint.state import TrainingState
 from tread.training.step import StepSettings, StepStats, TrainStep
@@ -37,20 +39,18 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, run_dir: Path, parts: TrainingParts, dataset: Any,
                  state: TrainingState, step_fn: TrainStep, evaluator: Optional[Evaluator], summary: RunSummary,
-                 saved: dict[str, Any]):
+                 saved: dict[str, Any], resumed_from: Optional[Path], use_mask: bool, changes: dict[str, Any]):
         self.config, self.run_dir, self.parts, self.dataset = config, run_dir, parts, dataset
         self.state, self.step_fn, self.evaluator, self.summary = state, step_fn, evaluator, summary
+        self.features: list[Feature] = step_fn.features
         self.saved = saved        # the config as checkpoints, config.yaml and the trackers keep it (REPA resolved)
+        self.resumed_from, self.use_mask, self.changes = resumed_from, use_mask, changes   # for the start-up lines
         acc, train = parts.accelerator, config.train
         self.log = RunLog(run_dir, acc.is_main_process, list(train.log_with), saved["wandb"], saved,
                           step=state.step)
         self.train_sec_start = state.train_sec    # training time before this launch (resume continues the count)
         self.budget_sec = 60.0 * train.time_budget_min if train.time_budget_min else None
         self.out_of_time = self.budget_sec is not None and state.train_sec >= self.budget_sec
-        self.guard = NonFiniteGuard(train.nonfinite, train.max_nonfinite_skips, acc.device)
-        self.nonfinite_skips = 0
-        self.resumed_from: Optional[Path] = None
-        self.use_mask, self.changes = False, {}
 
     @classmethod
     def build(cls, config: TrainConfig, run_dir: Path, accelerator: Accelerator,
@@ -67,7 +67,7 @@ class Trainer:
         if note and accelerator.is_main_process:
             print(note, flush=True)
         use_mask = uses_loss_mask(config.train, dataset)
-        settings = StepSettings.from_config(config, use_mask, dataset.meta, parts.model.routing.enabled, dataset)
+        step_fn = cls.make_step(config, parts, dataset, use_mask)
         state = TrainingState(parts.model, parts.ema.model, parts.optimizer, make_loader(config, dataset, accelerator),
                               accelerator.num_processes)
         saved = with_resolved(config.resolved, parts.repa)
@@ -88,9 +88,17 @@ class Trainer:
         summary.data["config_changes"] = changes
         summary.data["mixed_precision"] = accelerator.mixed_precision   # train.mixed_precision=auto resolved
         summary.data["compiled"] = parts.compiled                       # train.compile=auto resolved
-        trainer = cls(config, run_dir, parts, dataset, state, TrainStep(parts, settings), evaluator, summary, saved)
-        trainer.resumed_from, trainer.use_mask, trainer.changes = resume_from, use_mask, changes
-        return trainer
+        return cls(config, run_dir, parts, dataset, state, step_fn, evaluator, summary, saved, resume_from, use_mask,
+                   changes)
+
+    @staticmethod
+    def make_step(config: TrainConfig, parts: TrainingParts, dataset: Optional[DatasetInfo], use_mask: bool = False
+                  ) -> TrainStep:
+        """THE training step of a run's parts, with the features its config turns on: what fit() runs and what the
+        benchmark and the route planner time (`dataset` None: their synthetic batches)."""
+        settings = StepSettings.from_config(config, use_mask, dataset.meta if dataset is not None else None,
+                                            parts.model.routing.enabled)
+        return TrainStep(parts, settings, build_features(config, parts, dataset))
 
     def fit(self) -> dict[str, Any]:
         """Train to the end (max_steps, the time budget, or a stop signal: then a checkpoint right away); returns
@@ -105,8 +113,8 @@ class Trainer:
             raise
         result = self.summary.finish(state.step, state.train_sec, state.train_sec - self.train_sec_start,
                                      self.out_of_time, acc.is_main_process, preempted=stop.name,
-                                     nonfinite_skips=self.nonfinite_skips,
-                                     measured=(state.tokens_sum, state.tokens_steps))
+                                     measured=(state.tokens_sum, state.tokens_steps),
+                                     **{k: v for f in self.features for k, v in f.totals().items()})
         if stop.name is not None and acc.is_main_process:
             note = requeue_after(stop.signum, self.config.train.slurm_requeue)
             if note:
@@ -127,7 +135,7 @@ class Trainer:
         """A step, then whatever is due (log record, evaluation, checkpoint), until max_steps, the time budget or
         a stop signal (then a checkpoint right away)."""
         train, state, acc = self.config.train, self.state, self.parts.accelerator
-        window = LogWindow(acc.device, self.parts.repa.weight if self.parts.repa is not None else 0.0)
+        window = LogWindow(acc.device, {f.term: f.weight for f in self.features if f.term is not None})
         batches = iter(state.loader)
         self.parts.net.train()
         while state.step < train.max_steps and not self.out_of_time:
@@ -151,7 +159,8 @@ class Trainer:
         """One optimizer update, counted: its seconds and stats."""
         state, start = self.state, time.time()
         stats = self.step_fn(batches, state.step)
-        self.guard.update(stats.nonfinite)
+        for feature in self.features:
+            feature.after_update(stats.nonfinite)
         state.step += 1
         seconds = time.time() - start
         state.train_sec += seconds
@@ -172,22 +181,20 @@ class Trainer:
             else:
                 self.evaluate()
         if due(cfg.checkpoint.every_steps, step, ends or stopping):
-            self.nonfinite_skips += self.guard.check(state.step)    # never checkpoint past a stop condition
+            for feature in self.features:
+                feature.before_checkpoint(state.step)
             self.checkpoint()
 
     def log_record(self, window: LogWindow, stats: StepStats, bar: tqdm) -> None:
-        """A training record (the guard's counts are read here, where the loop syncs anyway)."""
-        skipped = self.guard.check(self.state.step)
-        self.nonfinite_skips += skipped
+        """A training record, with the features' keys (the guard's counts are read here, where the loop syncs
+        anyway)."""
         record = window.record(self.state, stats.lr, self.summary.batch_at(self.state.step - 1),
                                self.parts.accelerator)
-        record["nonfinite_skips"] = skipped
-        if self.parts.repa is not None:    # this process's seconds on REPA targets in the window (decode + encoder)
-            record["repa_target_sec"] = self.parts.repa.timer.take()
+        warnings = [w for w in (f.log(record, self.state.step) for f in self.features) if w]
         self.log.log(record)
-        if skipped and self.parts.accelerator.is_main_process:
-            bar.write(f"warning: {skipped} step(s) before step {self.state.step} had a non-finite loss or gradient "
-                      f"norm; their updates were skipped (train.nonfinite={self.config.train.nonfinite})")
+        if self.parts.accelerator.is_main_process:
+            for line in warnings:
+                bar.write(line)
         loss = record["loss"]
         bar.set_postfix(loss="n/a" if loss is None else f"{loss:.4f}", it_s=f"{record['steps_per_sec']:.2f}")
 

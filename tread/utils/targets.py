@@ -36,31 +36,25 @@ def build_target(node: Mapping[str, Any], allowed: Mapping[str, Callable[..., An
     return functools.partial(fn, **kwargs) if partial else fn(**kwargs)
 
 
-# The project's own builders, by config section: the only `_target_`s a checkpoint's config may name.
-# (tread/models/build.py, tread/diffusion/build.py and tread/training/setup.py hold the callables;
-# tests/test_checkpoints.py checks that the names agree.)
-PROJECT_TARGETS = {
-    "model": ("tread.models.build_dit", "tread.models.build_sprint", "tread.models.families.build_family"),
-    "diffusion": ("tread.diffusion.EDM", "tread.diffusion.RectifiedFlow"),
-    "optimizer": ("torch.optim.AdamW", "torchao.optim.AdamW8bit"),
-}
-# The same builders under the names checkpoints written before the project became one package (`tread`) give them.
-LEGACY_TARGETS = {name.removeprefix("tread."): name for names in PROJECT_TARGETS.values() for name in names
-                  if name.startswith("tread.")}
+def upgrade_targets(tree: Any, allowed: Mapping[str, Sequence[str]]) -> Any:
+    """A plain config (dicts and lists, as read from a checkpoint) with the `_target_` names that checkpoints
+    written before the project became one package give `allowed`'s builders ("models.build_dit" for
+    "tread.models.build_dit") replaced by today's, in place; other values are left for check_targets to judge."""
+    legacy = {name.removeprefix("tread."): name for names in allowed.values() for name in names
+              if name.startswith("tread.")}
+    return _rename_targets(tree, legacy)
 
 
-def upgrade_targets(tree: Any) -> Any:
-    """A plain config (dicts and lists, as read from a checkpoint) with its pre-package `_target_` names replaced
-    by today's (LEGACY_TARGETS), in place; other values are left for check_targets to judge."""
+def _rename_targets(tree: Any, names: Mapping[str, str]) -> Any:
     if isinstance(tree, dict):
         for k, v in tree.items():
-            if k == "_target_" and isinstance(v, str) and v in LEGACY_TARGETS:
-                tree[k] = LEGACY_TARGETS[v]
+            if k == "_target_" and isinstance(v, str) and v in names:
+                tree[k] = names[v]
             else:
-                upgrade_targets(v)
+                _rename_targets(v, names)
     elif isinstance(tree, list):
         for v in tree:
-            upgrade_targets(v)
+            _rename_targets(v, names)
     return tree
 
 
