@@ -119,7 +119,9 @@ class FileGroupScheduling(LoadGroupScheduling):
     ran on both workers, and each worker built the file's module fixtures and the session's `world` (which
     queues every bad-input case) again. Groups go out as xdist orders them (most tests first), except LONG_FIRST:
     few tests that keep one worker busy for minutes, which at the end would leave the other worker idle."""
-    LONG_FIRST = ("test_slurm",)      # 4 tests, ~2.5 min of one worker where SLURM is installed (CI)
+    # test_slurm: 4 tests, ~2.5 min of one worker where SLURM is installed (make test-all); test_faults and test_fsdp:
+    # 7 tests each (by count among the last 20 of ~100 groups), about 2 and 1.5 min of real faults and 2-process runs.
+    LONG_FIRST = ("test_slurm", "test_faults", "test_fsdp")
 
     def schedule(self) -> None:
         initial = self.collection is None

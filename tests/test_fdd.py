@@ -112,7 +112,7 @@ def test_missing_weights_and_references_are_clear_errors(tiny_cfg, tmp_path):
 
 
 def test_fid_py_builds_an_fdd_reference_from_images_and_scores_fdd(dino_dir, tmp_path, cache_dir):
-    real, fake = blob_images(24, 32, seed=0), blob_images(24, 32, seed=1)
+    real, fake = blob_images(24, 16, seed=0), blob_images(24, 16, seed=1)
     np.savez(tmp_path / "real.npz", arr_0=real)
     np.savez(tmp_path / "fake.npz", arr_0=fake)
     common = [f"dinov2_weights={dino_dir}", f"cache_dir={cache_dir}", "device=cpu", "batch_size=10"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from tread.cli.convert_checkpoint import main as convert_main
 from tread.checkpoint.layouts import convert_layout
 from tread.training.loop import train
 from tread.checkpoint.files import CheckpointError, load_model_file, read_checkpoint
-from tread.checkpoint.sharded import INDEX, SHARDED_DIR, ShardedFileError, save_sharded, tensor_index
+from tread.checkpoint.sharded import INDEX, SHARDED_DIR, ShardedFileError, ShardedWriteError, save_sharded, tensor_index
 from tread.checkpoint.tensorfile import load_state
 
 QUIET = ["eval.every_steps=0", "eval.at_end=false", "train.lr_warmup_steps=3", "ema.decay=0.5"]
@@ -106,3 +108,20 @@ def test_only_tensors_are_read_from_a_sharded_folder(tmp_path):
     save_sharded({"model": {"w": torch.ones(2)}, "extra": {"obj": [1, 2]}}, tmp_path / "f")
     with pytest.raises(ShardedFileError, match="entry 'extra.obj' is not a tensor; sharded checkpoints hold tensors"):
         tensor_index(tmp_path / "f")
+
+
+def test_a_failed_sharded_write_names_the_rank_and_the_cause(tmp_path):
+    """DCP gathers each process's failure into one exception; the write error says which rank failed and why (the
+    checkpoint's error line quotes it)."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ShardedWriteError, match=r"^rank 0: (NotADirectoryError|FileExistsError): .*file"):
+        save_sharded({"model": {"w": torch.zeros(3)}}, tmp_path / "file" / SHARDED_DIR)
+
+
+def test_a_launch_that_never_shards_loads_no_dtensor_code():
+    """torch.distributed.checkpoint, .tensor and .fsdp take most of a second to import: train.py's imports leave them
+    to the first sharded read or write (tread/checkpoint/sharded.py, tread/training/fsdp.py)."""
+    code = ("import sys, tread.cli.train; print(sorted(m for m in ('torch.distributed.checkpoint', "
+            "'torch.distributed.tensor', 'torch.distributed.fsdp') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

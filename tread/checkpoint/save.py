@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
-from torch.distributed.checkpoint.api import CheckpointException
 
 from tread.models.lora import adapter_state_dict, has_lora, is_adapter_param
 from tread.models.lora_export import diffusers_lora
@@ -25,7 +24,7 @@ from tread.utils.distributed import any_rank
 from tread.utils.errors import UserError
 from tread.utils.finite import first_nonfinite
 from tread.utils.io import atomic_write_json
-from tread.checkpoint.sharded import SHARDED_DIR, save_sharded
+from tread.checkpoint.sharded import SHARDED_DIR, ShardedWriteError, save_sharded
 from tread.checkpoint.tensorfile import save_state, save_tensors
 
 
@@ -83,8 +82,8 @@ def _try(write, tmp: Path) -> Optional[str]:
     try:
         write()
         return None
-    except CheckpointException as err:      # a sharded write: DCP gathers every process's failure
-        return f"could not write the sharded checkpoint '{tmp / SHARDED_DIR}': {str(err).splitlines()[0][:300]}"
+    except ShardedWriteError as err:        # a sharded write: DCP gathers every process's failure
+        return f"could not write the sharded checkpoint '{tmp / SHARDED_DIR}': {err}"
     except OSError as err:
         cause = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EACCES: "permission denied",
                  errno.EROFS: "read-only file system"}.get(err.errno, err.strerror or str(err))

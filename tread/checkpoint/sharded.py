@@ -1,158 +1,46 @@
-"""Sharded checkpoint files: a torch.distributed.checkpoint folder written and read by every process (or read by
-one into full tensors). Its pickled index is read by MetadataUnpickler, which builds only DCP's own records,
-and only tensors the index declares are loaded (docs/design.md).
-"""
+"""Sharded checkpoint files (checkpoint.layout=sharded): a torch.distributed.checkpoint folder in a step dir. The
+folder's format and checks are tread/checkpoint/dcp_io.py, imported on first use: torch.distributed.checkpoint
+pulls in DTensor and FSDP, most of a second of every launch that never reads or writes shards."""
 from __future__ import annotations
 
-import collections
-import contextlib
-import pathlib
-import pickle
-import warnings
+import functools
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from types import ModuleType
+from typing import Any, Mapping, Optional
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from tread.utils.errors import UserError
+from tread.checkpoint.shard_names import INDEX, SHARDED_DIR, ShardedFileError, ShardedWriteError
 
-SHARDED_DIR = "sharded"     # the DCP folder inside a step dir
-INDEX = ".metadata"
+__all__ = ["INDEX", "SHARDED_DIR", "ShardedFileError", "ShardedWriteError", "full_tensors", "load_sharded", "save_sharded",
+           "tensor_index"]
 
 
-class ShardedFileError(UserError):
-    """A sharded checkpoint folder that is missing, corrupt, or not what it should hold."""
+@functools.cache
+def _io() -> ModuleType:
+    import tread.checkpoint.dcp_io as dcp_io   # deferred: see the module docstring
 
-
-def _allowed(module: str, name: str) -> Any:
-    """The object a pickled DCP index may name, or None."""
-    if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
-        return getattr(dcp_metadata, name)
-    if (module, name) == (_StorageInfo.__module__, "_StorageInfo"):
-        return _StorageInfo
-    if (module, name) == ("torch.serialization", "_get_layout"):
-        return torch.serialization._get_layout          # maps a name such as "torch.strided" to the layout
-    if module == "torch":
-        value = getattr(torch, name, None)
-        return value if value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) \
-            else None
-    if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
-        return getattr(pathlib, name)
-    if (module, name) == ("collections", "OrderedDict"):
-        return collections.OrderedDict
-    return None
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """pickle.Unpickler that builds only what a DCP index holds (see _allowed)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _allowed(module, name)
-        if found is None:
-            raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint index may not")
-        return found
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader with the index read by MetadataUnpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = Path(self.path) / INDEX
-        try:
-            with open(path, "rb") as f:
-                metadata = MetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise ShardedFileError(f"'{path}' is missing: the sharded checkpoint is incomplete") from None
-        except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-                RecursionError) as err:
-            raise ShardedFileError(f"'{path}' cannot be read: {err}") from None
-        if not isinstance(metadata, dcp_metadata.Metadata):
-            raise ShardedFileError(f"'{path}' is not a checkpoint index")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return dcp_io
 
 
 def tensor_index(folder: Path) -> dict[tuple, tuple[torch.Size, torch.dtype]]:
     """{path in the nested state dict: (full shape, dtype)} of every entry of a sharded folder; ShardedFileError
     when an entry is not a tensor."""
-    metadata = SafeReader(folder).read_metadata()
-    out = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, dcp_metadata.TensorStorageMetadata):
-            raise ShardedFileError(f"'{Path(folder) / INDEX}': entry '{fqn}' is not a tensor; sharded checkpoints "
-                                   f"hold tensors only")
-        out[tuple(metadata.planner_data.get(fqn, (fqn,)))] = (md.size, md.properties.dtype)
-    return out
-
-
-def leaves(tree: Mapping, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            yield from leaves(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Without DCP's warning that a process group is missing: one process is a case we mean."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+    return _io().tensor_index(folder)
 
 
 def save_sharded(state: Mapping[str, Any], folder: Path) -> None:
     """Write a nested dict of tensors (DTensors: each process its shards) into `folder`; a collective when a
-    process group is up (every process calls it)."""
-    with _quiet():
-        dcp.save(dict(state), storage_writer=FileSystemWriter(folder), no_dist=not _distributed())
+    process group is up (every process calls it). ShardedWriteError when a process failed."""
+    _io().save_sharded(state, folder)
 
 
 def load_sharded(template: Mapping[str, Any], folder: Path, index: Optional[dict] = None) -> None:
     """Fill `template` (a nested dict of tensors or DTensors) in place from `folder`, after checking the folder declares
     each as a tensor of the same full shape; dtypes are converted. Every process calls it."""
-    index = tensor_index(folder) if index is None else index
-    for path, tensor in leaves(template):
-        name = ".".join(map(str, path))
-        if path not in index:
-            raise ShardedFileError(f"'{folder}' holds no tensor '{name}' (has {len(index)} tensors); it is not a "
-                                   f"checkpoint of this model")
-        if tuple(index[path][0]) != tuple(tensor.shape):      # a DTensor's shape is its full shape
-            raise ShardedFileError(f"'{folder}': tensor '{name}' has shape {tuple(index[path][0])}, the model's is "
-                                   f"{tuple(tensor.shape)}")
-    try:
-        with _quiet():
-            dcp.load(dict(template), storage_reader=SafeReader(folder), no_dist=not _distributed())
-    except ShardedFileError:
-        raise
-    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as err:
-        raise ShardedFileError(f"'{folder}' cannot be read: {str(err).splitlines()[0][:300]}") from None
+    _io().load_sharded(template, folder, index)
 
 
 def full_tensors(folder: Path, top: tuple[str, ...]) -> dict[str, Any]:
     """The entries under the top-level keys `top` as full tensors on the CPU (one process reads every shard)."""
-    index = tensor_index(folder)
-    template: dict[str, Any] = {}
-    for path, (shape, dtype) in index.items():
-        if path[0] in top:
-            node = template
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = torch.empty(shape, dtype=dtype)
-    for key in top:
-        template.setdefault(key, {})
-    if any(True for _ in leaves(template)):
-        with _quiet():
-            dcp.load(template, storage_reader=SafeReader(folder), no_dist=True)
-    return template
+    return _io().full_tensors(folder, top)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from tread.schema import ConfigError
 
@@ -41,6 +40,9 @@ def shard_backbone(model: nn.Module, reshard_after_forward: bool, cpu_offload: b
     """fully_shard each routable block, then the backbone as the root group (in place; returns `model`); build
     the optimizer after this. The root stays gathered from forward to backward, except with `forward_only` (the
     EMA), where every group reshards after forward."""
+    # deferred: torch.distributed.fsdp (and .tensor) take most of a second to import; only sharding needs them
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for block in routable_blocks(model):
         fully_shard(block, reshard_after_forward=reshard_after_forward or forward_only, offload_policy=offload)

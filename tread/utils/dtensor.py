@@ -1,30 +1,37 @@
 """DTensor helpers for sharded (FSDP2) modules and their state: local shards, full values, gathering a state
-dict to rank 0 and cutting a full one into this process's shards."""
+dict to rank 0 and cutting a full one into this process's shards. torch.distributed.tensor and .fsdp are looked up,
+not imported: they take most of a second to import, and a process that never loaded them holds no DTensor and no
+sharded module (tread/training/fsdp.py imports them when it shards)."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tread.utils.distributed import comm_device, rank
 
 
+def is_dtensor(value: Any) -> bool:
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and isinstance(value, tensor.DTensor)
+
+
 def is_sharded(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's shard of a DTensor (a view: in-place updates change the parameter); other tensors as is."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole value of a DTensor (a collective for a sharded one); other tensors as is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def gather_full(value: Any, keep: Optional[bool] = None) -> Any:
@@ -34,10 +41,10 @@ def gather_full(value: Any, keep: Optional[bool] = None) -> Any:
     keep = rank() == 0 if keep is None else keep
     if isinstance(value, Mapping):
         out = {k: gather_full(v, keep) for k, v in value.items()}
-        return out if keep else {k: v for k, v in out.items() if not (v is None and isinstance(value[k], DTensor))}
+        return out if keep else {k: v for k, v in out.items() if not (v is None and is_dtensor(value[k]))}
     if isinstance(value, list):
         return [gather_full(v, keep) for v in value]
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         whole = value.to(comm_device()).full_tensor()     # offloaded shards go to the collective's device first
         return whole.cpu() if keep else None
     return value
@@ -63,9 +70,10 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, 
 
 
 def _shard_like(value: torch.Tensor, like: Any) -> Any:
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return value
-    return distribute_tensor(value.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+    distribute = sys.modules["torch.distributed.tensor"].distribute_tensor    # loaded: `like` is a DTensor
+    return distribute(value.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
 
 
 @contextlib.contextmanager
@@ -78,7 +86,7 @@ def gathered_params(module: nn.Module, names: Iterable[str]) -> Iterator[None]:
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name)
         param = owner._parameters[attr]
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
             owner._parameters[attr] = nn.Parameter(param.full_tensor().detach(), requires_grad=False)
             swapped.append((owner, attr, param))
     try:
