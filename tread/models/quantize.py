@@ -87,10 +87,20 @@ def quantize_blocks(blocks: list[nn.Module], mode: str, key: str = "model.quanti
 def _quanto(block: nn.Module, mode: str) -> None:
     """qint8 / qint4 weights through optimum-quanto: its Linear layers become frozen QLinear modules."""
     # deferred: quanto (and the extension loader it imports) is needed by quantized runs only
-    from optimum.quanto import freeze, qint4, qint8, quantize
+    from optimum.quanto import QModuleMixin, freeze, qint4, qint8, quantize
 
     quantize(block, weights=qint8 if mode == "int8" else qint4)
     freeze(block)
+    for module in block.modules():
+        if isinstance(module, QModuleMixin):
+            module.register_forward_pre_hook(_input_in_stored_dtype)
+
+
+def _input_in_stored_dtype(module: nn.Module, args: tuple) -> tuple:
+    """A quanto layer's input in the dtype its scales are stored in: under bf16 autocast a bf16 activation met fp32
+    scales, which torch._weight_int8pack_mm refuses ("expected scalar type BFloat16 but found Float")."""
+    x, *rest = args
+    return (x.to(module.weight.dtype), *rest) if torch.is_tensor(x) and x.is_floating_point() else args
 
 
 def _to_nf4(block: nn.Module, key: str) -> None:

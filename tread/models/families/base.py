@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from tread.models.errors import ModelConfigError
 from tread.models.families.first_frame import FIRST_FRAME, condition_inputs, conditioned
+from tread.models.families.norms import norms_follow_input
 from tread.models.backbone import Backbone
 from tread.routing import RoutePlan, RoutingController, run_blocks
 from tread.routing.masks import token_keep_mask
@@ -100,7 +101,7 @@ class RoutedFamily(Backbone):
                  routing: Optional[Mapping[str, Any]] = None, text_len: int = 8, arch: str = "",
                  gradient_checkpointing: bool = False, frames: int = 1, i2v: bool = False):
         super().__init__()
-        self.transformer = transformer
+        self.transformer = norms_follow_input(transformer)   # fused RMS norms under autocast (norms.py)
         self.arch = arch or self.family
         self.input_size, self.in_channels, self.out_channels = int(input_size), int(in_channels), int(in_channels)
         self.num_classes, self.frames = int(num_classes), int(frames)
