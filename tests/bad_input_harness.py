@@ -1,5 +1,6 @@
-"""A fork server that runs the entry points (train.py, sample.py, fid.py, scripts/precompute_latents.py) on
-many inputs without paying their imports (about 3.4 s of a 4.5 s bad-input run) each time.
+"""A fork server that runs the entry points (train.py, sample.py, fid.py, scripts/precompute_latents.py,
+scripts/convert_checkpoint.py) on many inputs without paying their imports (about 3.4 s of a 4.5 s bad-input run)
+each time.
 
 The server imports the entry modules once and composes each program's config once, does no torch compute (so
 forking is safe with OpenMP's thread pools, which start only with the first parallel op), then reads one JSON
@@ -50,7 +51,8 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parents[1]
 # program -> the module it imports its work from (imported once by the server; the script itself is run anew)
 PROGRAMS = {"train.py": "tread.cli.train", "sample.py": "tread.cli.sample", "fid.py": "tread.cli.fid",
-            "scripts/precompute_latents.py": "tread.cli.precompute"}
+            "scripts/precompute_latents.py": "tread.cli.precompute",
+            "scripts/convert_checkpoint.py": "tread.cli.convert_checkpoint"}
 # A program still running after this long is hung, and is killed so that the session ends. Only a hang guard: a
 # refusal takes about 1 s in the harness and 5 s as a real program (14 s of CPU: the imports), but on 2 cores
 # shared with other test sessions and CPU hogs (load average 12) we saw 200 s and over 300 s.

@@ -17,6 +17,7 @@ does not exist, {out} the case's own folder.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -36,7 +37,8 @@ import torch
 from bad_input_harness import HANG_SECS, REPO, Harness, digest, fingerprint, leftover_work, run_dir_lock
 
 PRECOMPUTE = "scripts/precompute_latents.py"
-PREFIX = {"train.py": "", "sample.py": "sample/", "fid.py": "fid/", PRECOMPUTE: "precompute/"}
+CONVERT = "scripts/convert_checkpoint.py"
+PREFIX = {"train.py": "", "sample.py": "sample/", "fid.py": "fid/", PRECOMPUTE: "precompute/", CONVERT: "convert/"}
 # A tqdm bar ("train:   0%|", "sampling: 25%|"): the program got to its loop (train.py: the training steps).
 PROGRESS = re.compile(r"\d+%\|")
 # How a case breaks files first: setup(its folder, the world's places) (e.g. a broken copy of {run} in {out}/run).
@@ -47,7 +49,7 @@ REGISTRY: dict[str, "Case"] = {}         # every case of every module, by test i
 @dataclass(frozen=True)
 class Case:
     id: str
-    program: str                      # train.py | sample.py | fid.py | scripts/precompute_latents.py
+    program: str                      # train.py | sample.py | fid.py | scripts/precompute_latents.py | CONVERT
     args: tuple[str, ...]
     needles: tuple[str, ...]          # each in the error line: the key or file, and the value
     xfail: Optional[str] = None       # known not to be refused cleanly yet: where the fix lies
@@ -88,6 +90,11 @@ def precompute(id: str, *args: str, needles: tuple[str, ...], xfail: Optional[st
     return Case(id, PRECOMPUTE, args, needles, xfail, setup)
 
 
+def convert(id: str, *args: str, needles: tuple[str, ...], xfail: Optional[str] = None,
+            setup: Optional[Setup] = None) -> Case:
+    return Case(id, CONVERT, args, needles, xfail, setup)
+
+
 # Broken copies of the pristine dataset: name -> how it is broken (given the copy's folder).
 BAD_DATA: dict[str, Callable[[Path], Any]] = {}
 
@@ -103,6 +110,17 @@ def copy_run(out: Path, places: dict) -> Path:
     """A copy of the finished run {run} as {out}/run (without its lock); returns its checkpoint's step dir."""
     shutil.copytree(places["run"], out / "run", ignore=shutil.ignore_patterns(".lock"))
     return next((out / "run" / "checkpoints").iterdir())
+
+
+def checkpoint_json(make_run: Callable[[Path, dict], Path], edit: Callable[[dict], Any]) -> Callable[[Path, dict], None]:
+    """A setup: the run `make_run` makes in {out} (it returns the checkpoint's step dir), its checkpoint.json
+    edited."""
+    def setup(out: Path, places: dict) -> None:
+        path = make_run(out, places) / "checkpoint.json"
+        tree = json.loads(path.read_text())
+        edit(tree)
+        path.write_text(json.dumps(tree))
+    return setup
 
 
 class _Payload:

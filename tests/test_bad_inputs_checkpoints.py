@@ -6,14 +6,13 @@ good checkpoint it falls back: tests/test_checkpoint_fuzz.py). The rules: tests/
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 
-from bad_input_table import copy_run, fid, refused, sample, train
+from bad_input_table import checkpoint_json, copy_run, fid, refused, sample, train
 from tread.checkpoint.tensorfile import load_state, load_tensors, save_state, save_tensors
 
 pytestmark = pytest.mark.slow   # ~60 program runs in the harness beside the other tables
@@ -54,13 +53,8 @@ def setting(dotted: str, value: Any) -> Callable[[Path, dict], None]:
 
 
 def meta(edit: Callable[[dict], Any]) -> Callable[[Path, dict], None]:
-    """A setup: {out}/run with checkpoint.json edited."""
-    def setup(out: Path, places: dict) -> None:
-        path = copy_run(out, places) / "checkpoint.json"
-        tree = json.loads(path.read_text())
-        edit(tree)
-        path.write_text(json.dumps(tree))
-    return setup
+    """A setup: {out}/run with its checkpoint.json edited."""
+    return checkpoint_json(copy_run, edit)
 
 
 def weights(file: str, edit: Callable[[dict], Any]) -> Callable[[Path, dict], None]:

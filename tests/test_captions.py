@@ -76,7 +76,8 @@ def manifest(tmp_path, form="csv"):
 
 
 def run(images, out, vae, pixart, *extra):
-    return pl.main(["--images", str(images), "--out", str(out), "--vae", str(vae), "--resolution", str(RES),
+    size = [] if "--buckets" in extra else ["--resolution", str(RES)]     # buckets give the sizes themselves
+    return pl.main(["--images", str(images), "--out", str(out), "--vae", str(vae), *size,
                     "--device", "cpu", "--batch-size", "3", "--shard-size", "3", "--workers", "0",
                     "--text-family", "pixart", "--text-encoders", str(pixart), "--max-text-length", str(LEN),
                     *map(str, extra)])
@@ -241,15 +242,16 @@ def test_malformed_jsonl_line_fails_before_encoding(tmp_path, folder, vae_dir, t
 
 # ----------------------------------------------------------------------------- the draw
 
-def table_dataset(path, counts, empty=True, text_dim=2, seed=0):
-    """A caption table whose text rows hold their row number (text[r] = r) and the empty prompt -1."""
+def table_dataset(path, counts, empty=True, text_dim=2, seed=0, size=(4, 4)):
+    """A caption table whose text rows hold their row number (text[r] = r) and the empty prompt -1; latents of
+    `size` (h, w)."""
     counts = np.asarray(counts)
     rows, n = int(counts.sum()), len(counts)
     text = np.broadcast_to(np.arange(rows, dtype=np.float32)[:, None, None], (rows, 3, text_dim)).copy()
     mask = np.ones((rows, 3), bool)
     extra = {"empty_prompt": {"text": np.full((1, 3, text_dim), -1, np.float32), "text_mask": np.ones((1, 3), bool)}} \
         if empty else {}
-    x = np.random.default_rng(seed).standard_normal((n, 2, 4, 4)).astype(np.float32)
+    x = np.random.default_rng(seed).standard_normal((n, 2, *size)).astype(np.float32)
     return write_latent_dataset(path, x, np.arange(n) % 2, num_classes=2, dtype="float32",
                                 extras={"text": text, "text_mask": mask}, caption_counts=counts, **extra)
 
@@ -336,7 +338,7 @@ def test_bucketed_loader_batches_carry_epoch_and_seed(tmp_path):
     counts = {Bucket(8, 8): [2, 1, 3, 2], Bucket(8, 16): [3, 3, 1, 2]}
     with BucketedWriter(tmp_path / "b", 2, 8) as writer:
         for bucket, c in counts.items():
-            table_dataset(writer.bucket_dir(bucket), c)
+            table_dataset(writer.bucket_dir(bucket), c, size=(bucket.height // 2, bucket.width // 2))
             writer.add(bucket, np.zeros((len(c), 6), np.int32))
     ds = BucketedDataset(tmp_path / "b")
     sampler = make_sampler(ds, batch_size=2, seed=5, rank=0, world_size=1)

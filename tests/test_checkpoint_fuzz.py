@@ -3,13 +3,15 @@ nesting depth, deleted keys, NaNs, shapes, truncated and garbage files), is read
 (read_resume with check_resume against the run built from its config). Each mutation must end one of three
 ways: refused with one line naming a file or key (a UserError), the previous checkpoint used instead (a
 warning naming the newest), or accepted; an accepted one loads into the run without an exception. Nothing of
-the run but the mutated copy changes. The outcome counts are recorded as a figure (record_property)."""
+the run but the mutated copy changes. The outcome counts are recorded as a figure (record_property). The same for a
+sharded run's shards and index (truncated, garbage, deleted, bytes flipped, a file of another checkpoint)."""
 from __future__ import annotations
 
 import json
 import math
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +27,7 @@ from tread.checkpoint.resume import check_resume, read_resume
 from tread.training.setup import build_parts, make_accelerator, make_loader, open_dataset
 from tread.checkpoint.state import TrainingState
 from tread.checkpoint.files import list_checkpoints
+from tread.checkpoint.sharded import SHARDED_DIR, save_sharded
 from tread.utils.errors import UserError
 from tread.checkpoint.tensorfile import load_state, load_tensors, save_state, save_tensors
 
@@ -158,33 +161,122 @@ def outcome(state: TrainingState, candidates: list[Path], config: dict, capsys) 
     return "fell back"
 
 
+def fuzz(count: int, mutated: Callable[[int], Path], mutate: Callable[[Path, Path], str], state, config,
+         capsys) -> tuple[dict[str, int], list[str]]:
+    """`count` times: a fresh copy of the run (`mutated(i)` makes it, returns its dir), its newest checkpoint
+    mutated (`mutate(newest, older)` says how), what reading it came to; the outcome counts and one line per
+    mutation (printed with TREAD_FUZZ_LIST=1). Each copy is removed after its reading."""
+    counts, seen = {"refused": 0, "fell back": 0, "accepted": 0}, []
+    for i in range(count):
+        copy = mutated(i)
+        older, newest = list_checkpoints(copy)[-2:]
+        what = mutate(newest, older)
+        result = outcome(state, [newest, older], config, capsys)
+        counts[result] += 1
+        seen.append(f"{result}: {what}")
+        shutil.rmtree(copy)
+    if os.environ.get("TREAD_FUZZ_LIST"):
+        print("\n".join(seen))
+    return counts, seen
+
+
 def test_mutated_checkpoints_are_refused_fall_back_or_load(run, tmp_path, capsys, record_property):
+    path, cfg = run
+    state, config = training_state(cfg)
+    before = digest(path)
+    rng = random.Random(0)
+
+    def mutated(i: int) -> Path:
+        shutil.copytree(path, tmp_path / f"m{i}")
+        return tmp_path / f"m{i}"
+    counts, seen = fuzz(MUTATIONS, mutated, lambda newest, older: mutate_file(rng, newest), state, config, capsys)
+    record_property("fuzz_outcomes", json.dumps(counts))
+    print(f"checkpoint fuzz: {MUTATIONS} mutations: {counts}")
+    assert digest(path) == before
+    assert counts["fell back"] > MUTATIONS // 3 and counts["accepted"] > 0, (counts, seen[:20])
+
+
+def training_state(cfg) -> tuple[TrainingState, dict]:
+    """The state a launch of `cfg` builds (what a resume loads into), and the config it compares with."""
     from omegaconf import OmegaConf
 
-    path, cfg = run
     checked = check_train(cfg)
     accelerator = make_accelerator(checked.train)
     parts = build_parts(checked, accelerator)
     dataset = open_dataset(checked.data, parts.model, checked.model.arch)
     state = TrainingState(parts.model, parts.ema.model, parts.optimizer, make_loader(checked, dataset, accelerator))
-    config = OmegaConf.to_container(cfg, resolve=True)
+    return state, OmegaConf.to_container(cfg, resolve=True)
+
+
+# ----------------------------------------------------------------------------- sharded checkpoints
+
+SHARDED_MUTATIONS = int(os.environ.get("TREAD_FUZZ_SHARDED_MUTATIONS", 40))
+ZIP_HEADERS = re.compile(rb"PK[\x01-\x06]")      # where a shard's archives keep their structure (the rest is data)
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """The tiny run with sharded checkpoints at steps 2 and 4, its config, and a sharded folder of another model."""
+    from conftest import TINY, compose_cfg, shared_cache
+
+    cfg = compose_cfg("train", TINY + [f"paths.cache_dir={shared_cache(tmp_path_factory)}", *QUIET,
+                                       "checkpoint.layout=sharded"])
+    root = tmp_path_factory.mktemp("fuzz_sharded")
+    train(cfg, root / "run")
+    save_sharded({"model": {"w": torch.ones(3, 5)}, "optimizer": {"0": {"step": torch.zeros(())}}}, root / "other")
+    return root / "run", cfg, root / "other"
+
+
+def flip(rng: random.Random, data: bytes, name: str) -> tuple[bytes, str]:
+    """1 to 3 bytes changed: anywhere, or (half the time in a shard) next to a zip header of one of its archives."""
+    out, where = bytearray(data), []
+    heads = [m.start() for m in ZIP_HEADERS.finditer(data)] if name.endswith(".distcp") and rng.random() < 0.5 else []
+    for _ in range(rng.randint(1, 3)):
+        pos = (rng.choice(heads) + rng.randrange(-8, 64)) % len(data) if heads else rng.randrange(len(data))
+        out[pos] = rng.randrange(256)
+        where.append(pos)
+    return bytes(out), f"at {where}"
+
+
+def mutate_sharded(rng: random.Random, step: Path, older: Path, other: Path) -> str:
+    """One mutation of one file of the sharded folder of `step` (its files are links into the original run: each is
+    unlinked before it is written). Returns what was done."""
+    path = rng.choice(sorted((step / SHARDED_DIR).iterdir()))
+    data = path.read_bytes()
+    path.unlink()
+    kind = rng.choice(["truncate", "garbage", "delete", "flip", "flip", "flip", "foreign"])
+    if kind == "truncate":
+        path.write_bytes(data[:rng.randrange(len(data))])
+    elif kind == "garbage":
+        path.write_bytes(rng.randbytes(rng.randrange(1, 300)))
+    elif kind == "flip":
+        data, where = flip(rng, data, path.name)
+        path.write_bytes(data)
+        kind = f"flip {where}"
+    elif kind == "foreign":
+        source = rng.choice([older / SHARDED_DIR / path.name, other / path.name])
+        shutil.copyfile(source, path)
+        kind = f"foreign ({source.parent.parent.name if source.parent.name == SHARDED_DIR else 'another model'})"
+    return f"{kind} {path.name}"
+
+
+def test_mutated_sharded_checkpoints_are_refused_fall_back_or_load(sharded_run, tmp_path, capsys, record_property):
+    """Every accepted mutation loads (each process's slices: here one process, all of them) without an exception: what
+    the index and the archives' headers claim was checked before the checkpoint was chosen (dcp_check.py)."""
+    path, cfg, other = sharded_run
+    state, config = training_state(cfg)
     before = digest(path)
-    rng, counts, seen = random.Random(0), {"refused": 0, "fell back": 0, "accepted": 0}, []
-    for i in range(MUTATIONS):
-        copy = tmp_path / f"m{i}"
-        shutil.copytree(path, copy)
-        older, newest = list_checkpoints(copy)[-2:]
-        what = mutate_file(rng, newest)
-        result = outcome(state, [newest, older], config, capsys)
-        counts[result] += 1
-        seen.append(f"{result}: {what}")
-        shutil.rmtree(copy)
-    record_property("fuzz_outcomes", json.dumps(counts))
-    print(f"checkpoint fuzz: {MUTATIONS} mutations: {counts}")
-    if os.environ.get("TREAD_FUZZ_LIST"):
-        print("\n".join(seen))
+    rng = random.Random(2)
+
+    def mutated(i: int) -> Path:
+        shutil.copytree(path / "checkpoints", tmp_path / f"s{i}" / "checkpoints", copy_function=os.link)
+        return tmp_path / f"s{i}"
+    counts, seen = fuzz(SHARDED_MUTATIONS, mutated, lambda newest, older: mutate_sharded(rng, newest, older, other),
+                        state, config, capsys)
+    record_property("sharded_fuzz_outcomes", json.dumps(counts))
+    print(f"sharded checkpoint fuzz: {SHARDED_MUTATIONS} mutations: {counts}")
     assert digest(path) == before
-    assert counts["fell back"] > MUTATIONS // 3 and counts["accepted"] > 0, (counts, seen[:20])
+    assert counts["fell back"] > SHARDED_MUTATIONS // 3 and counts["accepted"] > 0, (counts, seen[:20])
 
 
 # ----------------------------------------------------------------------------- the dataset

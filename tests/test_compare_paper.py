@@ -132,9 +132,11 @@ def test_a_folder_that_is_not_the_paper_code_is_one_error(tmp_path, paper_dir):
 
 @pytest.mark.parametrize("flags, needle", [
     (["--sizes", "DiT-S/2:16"], "--sizes 'DiT-S/2:16' is not ARCH:RESOLUTION:BATCH"),
-    (["--steps", "0"], "--steps 0 is not allowed; allowed: an integer >= 1"),
-    (["--warmup", "-1"], "--warmup -1 is not allowed; allowed: an integer >= 0"),
-    (["--rounds", "0"], "--rounds 0 is not allowed; allowed: an integer >= 1"),
+    (["--sizes", "DiT-S/2:16:10000000"], "--sizes 'DiT-S/2:16:10000000' is not ARCH:RESOLUTION:BATCH"),
+    (["--steps", "0"], "argument --steps: '0' is not allowed: an integer in [1, 10000000]"),
+    (["--warmup", "-1"], "argument --warmup: '-1' is not allowed: an integer in [0, 10000000]"),
+    (["--rounds", "0"], "argument --rounds: '0' is not allowed: an integer in [1, 10000]"),
+    (["--threads", "²"], "argument --threads: '²' is not allowed: an integer in [1, 4096]"),
 ])
 def test_bad_flags_are_one_error_before_the_paper_code_is_imported(flags, needle, tmp_path):
     with pytest.raises(SystemExit) as exit_info:                     # a missing PAPER_DIR would be reported later

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -40,6 +41,8 @@ def test_an_unknown_step_is_one_error_line(tmp_path, capsys):
 
 
 def test_bad_batches_and_budget_are_one_error_line(tmp_path):
-    for flags in (["--xl-batches", "128", "0"], ["--budget", "0"]):
-        with pytest.raises(SystemExit, match=r"^error: --xl-batches .* allowed: batches >= 1 and a budget > 0"):
+    for flags, needle in ((["--xl-batches", "128", "0"], "--xl-batches: '0' is not allowed: an integer in [1, "),
+                          (["--budget", "0"], "--budget: '0' is not allowed: a number in (0, 86400]"),
+                          (["--budget", "nan"], "--budget: 'nan' is not allowed: a number in (0, 86400]")):
+        with pytest.raises(SystemExit, match=r"^error: argument " + re.escape(needle)):
             gpu_check.main(["--out", str(tmp_path), *flags])

@@ -77,9 +77,9 @@ def test_latent_draw_schema_and_our_directory_format(tiny_cfg, tmp_path):
                                 "data.latent_draw=mean", "eval.reference=/r"])
     with pytest.raises(ConfigError, match=r"^data\.latent_draw=mean needs moments data .*got sample"):
         check_train(bad)
-    assert len(build_dataset(tiny_cfg("+data.latent_draw=stored").data)) > 0     # plain latents: as stored
+    assert len(build_dataset(tiny_cfg("data.latent_draw=stored").data)) > 0     # plain latents: as stored
     with pytest.raises(LatentDatasetError, match=r"latent_draw=mean is not allowed .*plain latents.*sample or stored"):
-        build_dataset(tiny_cfg("+data.latent_draw=mean").data)
+        build_dataset(tiny_cfg("data.latent_draw=mean").data)
 
 
 def test_paper_decode_is_bf16_and_truncates(tmp_path, monkeypatch):

@@ -48,7 +48,8 @@ def frame_folder(folder: Path, frames: np.ndarray) -> Path:
 
 
 def base(videos, out, vae, *extra) -> list[str]:
-    return ["--videos", str(videos), "--out", str(out), "--vae", str(vae), "--device", "cpu", "--resolution", "16",
+    size = [] if "--buckets" in extra else ["--resolution", "16"]     # buckets give the sizes themselves
+    return ["--videos", str(videos), "--out", str(out), "--vae", str(vae), "--device", "cpu", *size,
             "--workers", "0", "--dtype", "float32", *extra]
 
 

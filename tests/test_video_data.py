@@ -193,7 +193,7 @@ def test_bucketed_video_dataset_round_trip_and_sampler(tmp_path):
 def test_bucketed_video_parts_must_share_stride(tmp_path):
     parts = _video_parts()
     parts[1]["video"] = {**parts[1]["video"], "frame_stride": 2}
-    write_bucketed_dataset(tmp_path / "b", parts, num_classes=2, dtype="float32")
+    write_bucketed_dataset(tmp_path / "b", parts, vae_factor=8, stride=16, num_classes=2, dtype="float32")
     with pytest.raises(BucketError, match=r"differ in video \(frame_stride"):
         BucketedDataset(tmp_path / "b")
 
@@ -236,7 +236,7 @@ def test_data_frames_must_match_single_shape_data(tmp_path):
 
 
 def test_frame_buckets_need_whole_temporal_patches(tmp_path):
-    write_bucketed_dataset(tmp_path / "b", _video_parts(), num_classes=2, dtype="float32")
+    write_bucketed_dataset(tmp_path / "b", _video_parts(), vae_factor=8, stride=16, num_classes=2, dtype="float32")
     ds = BucketedDataset(tmp_path / "b")                               # T = 5 and 9
     check_frames(_cfg(ds.root, 1), ds, _model(True, 1, (1, 2, 2)), 'wan-tiny')
     with pytest.raises(ConfigError, match=r"48x32x5 \(T=5\), 48x32x9 \(T=9\) .* not whole 2-frame temporal patches"):

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 from tread.utils.errors import UserError
 from tread.utils.readers import read_json
 from tread.utils.renamed_keys import upgrade_keys
-from tread.checkpoint.sharded import SHARDED_DIR, ShardedFileError, full_tensors, tensor_index
+from tread.checkpoint.sharded import SHARDED_DIR, ShardedFileError, check_sharded, full_tensors
 from tread.schema.builders import TARGETS
 from tread.utils.targets import check_targets, upgrade_targets
 from tread.checkpoint.tensorfile import StateFileError, load_state, load_tensors
@@ -131,7 +131,7 @@ def load_model_file(ckpt: PathLike) -> dict[str, Any]:
     path = find_checkpoint(ckpt)
     meta = read_meta(path)
     try:
-        if is_sharded_checkpoint(path):
+        if is_sharded_checkpoint(path, meta):
             weights = full_tensors(path / SHARDED_DIR, tuple(WEIGHT_FILES))
         else:
             weights = {k: load_tensors(path / name) for k, name in WEIGHT_FILES.items()}
@@ -140,20 +140,31 @@ def load_model_file(ckpt: PathLike) -> dict[str, Any]:
     return {**meta, **weights}
 
 
-def is_sharded_checkpoint(ckpt: Path) -> bool:
-    """A step dir whose weights, EMA and optimizer are a torch.distributed.checkpoint folder (checkpoint.layout)."""
-    return (Path(ckpt) / SHARDED_DIR).is_dir()
+def is_sharded_checkpoint(ckpt: Path, meta: dict[str, Any]) -> bool:
+    """A step dir whose weights, EMA and optimizer are a torch.distributed.checkpoint folder (checkpoint.layout): as
+    its checkpoint.json (`meta`) says, or, in one written before it said, as its files show. CheckpointError when the
+    layout is not one, or a sharded checkpoint's folder is missing."""
+    folder = Path(ckpt) / SHARDED_DIR
+    layout = meta.get("layout", "sharded" if folder.is_dir() else "single")
+    if layout not in ("single", "sharded"):
+        raise CheckpointError(f"'{Path(ckpt) / META_FILE}': layout={layout!r} is not allowed; allowed: 'single' or "
+                              f"'sharded'; the checkpoint is corrupt.")
+    if layout == "sharded" and not folder.is_dir():
+        raise CheckpointError(f"'{folder}' is missing: '{ckpt}' is a sharded checkpoint ({META_FILE} says "
+                              f"layout='sharded') without its shards; it is incomplete.")
+    return layout == "sharded"
 
 
 def read_checkpoint(ckpt: Path, rank: int) -> dict[str, Any]:
     """Everything a resume needs from a checkpoint dir, read and checked before any of it is applied (a sharded
-    checkpoint's index here, its tensors as each process loads them). CheckpointError when a file is missing,
+    checkpoint's index, its files' sizes and each stored chunk's archive header here, so that a broken one falls
+    back before anything is loaded; its tensors as each process loads them). CheckpointError when a file is missing,
     truncated or corrupt, or the config names foreign code."""
     meta = read_meta(ckpt)
-    sharded = is_sharded_checkpoint(Path(ckpt))
+    sharded = is_sharded_checkpoint(Path(ckpt), meta)
     try:
-        if sharded:
-            tensor_index(Path(ckpt) / SHARDED_DIR)            # its index is readable and lists tensors only
+        if sharded:      # its index and every stored chunk's archive (not their data: each process reads its own)
+            check_sharded(Path(ckpt) / SHARDED_DIR)
             weights: dict[str, Any] = {"sharded": Path(ckpt) / SHARDED_DIR}
         else:
             weights = {k: v for k, v in load_model_file(ckpt).items() if k in WEIGHT_FILES}

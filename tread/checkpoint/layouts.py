@@ -13,7 +13,7 @@ import torch
 
 from tread.checkpoint.files import (META_FILE, TRAIN_FILE, WEIGHT_FILES, CheckpointError, find_checkpoint,
                                      is_sharded_checkpoint, load_model_file, read_meta, tmp_dir)
-from tread.utils.io import atomic_write_json
+from tread.utils.io import atomic_write_json, file_in_the_way, unwritable_dir
 from tread.utils.readers import read_json
 from tread.checkpoint.sharded import SHARDED_DIR, ShardedFileError, full_tensors, save_sharded
 from tread.checkpoint.tensorfile import StateFileError, load_state, save_state, save_tensors
@@ -25,14 +25,13 @@ KEPT_AS_IS = ("rng_rank*.safetensors", "adapter_model.safetensors", "pytorch_lor
 def convert_layout(source: Path, out: Path, layout: str) -> Path:
     """Write the checkpoint `source` (a step dir, or a run dir's latest) in `layout` as the step dir `out`."""
     src = find_checkpoint(source, "checkpoint")
-    read_meta(src)                                        # a checkpoint of ours, naming only our builders
-    current = "sharded" if is_sharded_checkpoint(src) else "single"
+    meta = read_meta(src)                                 # a checkpoint of ours, naming only our builders
+    current = "sharded" if is_sharded_checkpoint(src, meta) else "single"
     if layout not in LAYOUTS or layout == current:
         raise CheckpointError(f"--layout {layout}: '{src}' is {current}; allowed: "
                               f"{' or '.join(x for x in LAYOUTS if x != current)}")
     out = Path(out)
-    if out.exists():
-        raise CheckpointError(f"--out '{out}' exists; give a new directory (nothing was overwritten)")
+    check_out(src, out)
     tmp = tmp_dir(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -51,6 +50,22 @@ def convert_layout(source: Path, out: Path, layout: str) -> Path:
         raise
     os.replace(tmp, out)
     return out
+
+
+def check_out(src: Path, out: Path) -> None:
+    """--out is a new directory that can be made, outside the checkpoint it converts."""
+    if out.exists():
+        raise CheckpointError(f"--out '{out}' exists; give a new directory (nothing was overwritten)")
+    blocker = file_in_the_way(out)
+    if blocker is not None:
+        raise CheckpointError(f"--out '{out}' cannot be made: '{blocker}' is a file, not a directory; give a new "
+                              f"directory")
+    if out.resolve().is_relative_to(src.resolve()):
+        raise CheckpointError(f"--out '{out}' lies inside the checkpoint '{src}' it converts; give a new directory "
+                              f"outside it (the source is never changed)")
+    unwritable = unwritable_dir(out.parent)
+    if unwritable is not None:
+        raise CheckpointError(f"--out '{out}' cannot be written: '{unwritable[0]}': {unwritable[1].strerror}")
 
 
 def to_sharded(src: Path, dst: Path) -> None:

@@ -205,10 +205,27 @@ def check_index(state: TrainingState, folder: Path, adapter_only: bool, groups: 
                                   f"model's is {wanted.get(wrong[0])} (None: absent); it is not a checkpoint of the "
                                   f"model its config builds")
     inner = getattr(state.optimizer, "optimizer", state.optimizer)
+    check_moments(index, optimizer_params(state.model, inner), folder)
     try:
         check_groups(groups, inner.param_groups, "optimizer_groups")
     except ResumeValueError as err:
         raise CheckpointError(f"'{Path(folder).parent / TRAIN_FILE}': {err}") from None
+
+
+def check_moments(index: dict, named: list, folder: Path) -> None:
+    """Each optimizer entry of a sharded folder (optimizer.<parameter number>.<moment>) belongs to a parameter this run
+    trains and has its shape, or is a scalar (a step count): nothing of another size is allocated for it."""
+    for path, (size, _) in index.items():
+        if path[0] != "optimizer":
+            continue
+        number = int(path[1]) if len(path) == 3 and path[1].isdecimal() else -1
+        if not 0 <= number < len(named):
+            raise CheckpointError(f"'{folder}': tensor '{'.'.join(path)}' is the optimizer state of no parameter (this "
+                                  f"run trains {len(named)}); it is not a checkpoint of this run's model")
+        name, param = named[number]
+        if tuple(size) != tuple(param.shape) and math.prod(size) > 1:
+            raise CheckpointError(f"'{folder}': tensor '{'.'.join(path)}' has shape {list(size)}, its parameter "
+                                  f"'{name}' {list(param.shape)}; it is not a checkpoint of this run's model")
 
 
 def check_groups(saved: Any, groups: list[dict], name: str) -> None:

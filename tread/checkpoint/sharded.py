@@ -12,8 +12,8 @@ import torch
 
 from tread.checkpoint.shard_names import INDEX, SHARDED_DIR, ShardedFileError, ShardedWriteError
 
-__all__ = ["INDEX", "SHARDED_DIR", "ShardedFileError", "ShardedWriteError", "full_tensors", "load_sharded", "save_sharded",
-           "tensor_index"]
+__all__ = ["INDEX", "SHARDED_DIR", "ShardedFileError", "ShardedWriteError", "check_sharded", "full_tensors",
+           "load_sharded", "save_sharded", "tensor_index"]
 
 
 @functools.cache
@@ -25,8 +25,15 @@ def _io() -> ModuleType:
 
 def tensor_index(folder: Path) -> dict[tuple, tuple[torch.Size, torch.dtype]]:
     """{path in the nested state dict: (full shape, dtype)} of every entry of a sharded folder; ShardedFileError
-    when an entry is not a tensor."""
+    when an entry is not a tensor, or the index claims bytes its files do not hold (dcp_check.py)."""
     return _io().tensor_index(folder)
+
+
+def check_sharded(folder: Path) -> dict[tuple, tuple[torch.Size, torch.dtype]]:
+    """tensor_index, after checking that every stored chunk is a tensor archive of the shape and dtype the index
+    gives it (its header and layout, not its data: what decides whether a checkpoint can be loaded before any of it
+    is); ShardedFileError naming the file and the tensor."""
+    return _io().check_sharded(folder)
 
 
 def save_sharded(state: Mapping[str, Any], folder: Path) -> None:
@@ -42,5 +49,6 @@ def load_sharded(template: Mapping[str, Any], folder: Path, index: Optional[dict
 
 
 def full_tensors(folder: Path, top: tuple[str, ...]) -> dict[str, Any]:
-    """The entries under the top-level keys `top` as full tensors on the CPU (one process reads every shard)."""
+    """The entries under the top-level keys `top` as full tensors on the CPU (one process reads every shard), after
+    check_sharded."""
     return _io().full_tensors(folder, top)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from tread.cli.args import MAX_STEPS, Parser, int_in
 from tread.analysis.sweep_report import (README_END, README_START, Budgets, ReportError, add_fid_at, budget_keys,
                                            group_section, load_runs, row, update_readme, write_group_plot, write_plots,
                                            write_tables)
@@ -20,7 +21,7 @@ from tread.analysis.sweep_report import (README_END, README_START, Budgets, Repo
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line: SWEEP_DIR, --out, --no-plots, --readme, --marker and --at-step."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="ablation_report.py", description=__doc__, error_type=ReportError)
     p.add_argument("sweep_dir", help="a multirun sweep folder (or a single run directory)")
     p.add_argument("--out", default=None, help="output folder (default: SWEEP_DIR/report)")
     p.add_argument("--no-plots", action="store_true", help="tables only")
@@ -29,7 +30,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--marker", default=None, metavar="NAME", help="with --readme: fill the block between "
                    "<!-- ablation-report:NAME:start --> and <!-- ablation-report:NAME:end --> instead (several "
                    "report blocks in one file)")
-    p.add_argument("--at-step", type=int, action="append", default=[], metavar="S",
+    p.add_argument("--at-step", type=int_in(0, MAX_STEPS), action="append", default=[], metavar="S",
                    help="also report each run's FID at evaluation step S and, over seeds, its statistics "
                         "(repeatable; e.g. the equal-steps point of runs trained for equal time)")
     p.add_argument("--at-time", default=None, metavar="SECONDS|auto", help="over seeds: every metric at equal "

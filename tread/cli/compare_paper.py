@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from tread.cli.args import MAX_BATCH, MAX_ROUNDS, MAX_SIDE, MAX_STEPS, Parser, int_in, parse_int
 from tread.cli.errors import user_errors
 from tread.perf.benchmark import StepBench, allow_compiled_configs, time_interleaved
 from tread.perf.memory import MemoryMeter
@@ -24,7 +25,7 @@ from tread.perf.overrides import compose_or_raise
 from tread.perf.paper import PaperBench, import_paper
 from tread.perf.peaks import device_name
 from tread.training.setup import mixed_precision
-from tread.utils.device import cpu_threads
+from tread.utils.threads import MAX_CPU_THREADS, cpu_threads
 from tread.utils.errors import UserError
 
 PAPER_ROUTE = {"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": 8}   # its configs/model/tread.yaml
@@ -36,7 +37,7 @@ class CompareError(UserError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="compare_paper.py", description=__doc__, error_type=CompareError)
     add = p.add_argument
     add("paper_dir", help="a checkout of https://github.com/CompVis/tread")
     add("--sizes", nargs="+", default=["DiT-S/2:16:32", "DiT-B/2:32:8"], help="ARCH:RESOLUTION:BATCH per size")
@@ -44,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--compile", nargs="+", default=["default"], choices=["default", "true", "false"],
         help="our train.compile, one row each: default (train.yaml's auto: on with CUDA, and on CPU with a C++ "
              "compiler), true, false")
-    add("--steps", type=int, default=6, help="timed steps per config")
-    add("--warmup", type=int, default=2, help="untimed steps per config (compilation happens here)")
-    add("--rounds", type=int, default=3, help="interleaved rounds the steps are split into")
-    add("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add("--steps", type=int_in(1, MAX_STEPS), default=6, help="timed steps per config")
+    add("--warmup", type=int_in(0, MAX_STEPS), default=2, help="untimed steps per config (compilation happens here)")
+    add("--rounds", type=int_in(1, MAX_ROUNDS), default=3, help="interleaved rounds the steps are split into")
+    add("--threads", type=int_in(1, MAX_CPU_THREADS), default=None, help="torch CPU threads (default: torch's)")
     add("--json", default=None, help="also write the results here")
     return p
 
@@ -55,19 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_size(text: str) -> tuple[str, int, int]:
     try:
         arch, resolution, batch = text.split(":")
-        return arch, int(resolution), int(batch)
+        return arch, parse_int(resolution, 1, MAX_SIDE), parse_int(batch, 1, MAX_BATCH)
     except ValueError:
-        raise CompareError(f"--sizes {text!r} is not ARCH:RESOLUTION:BATCH; allowed e.g. DiT-S/2:16:32") from None
+        raise CompareError(f"--sizes {text!r} is not ARCH:RESOLUTION:BATCH (a latent side in [1, {MAX_SIDE}], a "
+                           f"batch in [1, {MAX_BATCH}]); allowed e.g. DiT-S/2:16:32") from None
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Every flag checked before the paper code is imported or a model built."""
     for size in args.sizes:
         parse_size(size)
-    for flag, low in (("steps", 1), ("warmup", 0), ("rounds", 1), ("threads", 1)):
-        value = getattr(args, flag)
-        if value is not None and value < low:
-            raise CompareError(f"--{flag} {value} is not allowed; allowed: an integer >= {low}")
 
 
 def our_overrides(arch: str, resolution: int, batch: int, dense: bool, bf16: bool, compile: str) -> list[str]:

@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tread.cli.args import Parser
 from tread.cli.errors import user_errors
 from tread.checkpoint.layouts import LAYOUTS, convert_layout
 from tread.checkpoint.legacy import convert, legacy_dirs, rank_files
@@ -20,11 +21,11 @@ from tread.utils.errors import UserError
 
 
 class ConvertError(UserError):
-    """A converter call without the flag that says the files are trusted."""
+    """A converter call with flags that do not fit (a bad flag, --layout without --out, pickles without --trust)."""
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="scripts/convert_checkpoint.py", description=__doc__, error_type=ConvertError)
     p.add_argument("path", help="a run directory (all its old checkpoints) or a checkpoints/step_XXXXXXX directory")
     p.add_argument("--trust", action="store_true", help="you know where these files come from (see above)")
     p.add_argument("--remove-pickles", action="store_true", help="delete the old .pt files after converting")
@@ -35,7 +36,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[Path]:
-    args = parse_args(argv)
+    with user_errors():
+        args = parse_args(argv)
+        if args.out is not None and args.layout is None:
+            raise ConvertError(f"--out '{args.out}' is for --layout single|sharded, which is missing (without it the "
+                               f"converter rewrites old pickle checkpoints in place)")
     if args.layout is not None:
         with user_errors():
             if args.out is None:

@@ -4,13 +4,13 @@ pipeline and by our sampler, written as captioned grids with their difference.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
+from tread.cli.args import MAX_ROUNDS, MAX_SEED, Parser, int_in
 from tread.checkpoint.saved_config import SavedConfig
 from tread.cli.errors import user_errors
 from tread.data import decode_to_uint8, model_shape
@@ -191,14 +191,15 @@ def middle_frames(samples: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="diffusers_pipeline.py", description=__doc__)
     parser.add_argument("checkpoint", help="an adapter run dir or checkpoint dir (its newest checkpoint)")
     parser.add_argument("--prompts", nargs="+", required=True, help="prompts to generate")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="seeds per prompt (0 1 2 3)")
-    parser.add_argument("--num-steps", type=int, default=12, help="sampling steps (12)")
+    parser.add_argument("--seeds", type=int_in(0, MAX_SEED - 1), nargs="+", default=[0, 1, 2, 3],
+                        help="seeds per prompt (0 1 2 3)")
+    parser.add_argument("--num-steps", type=int_in(1, MAX_ROUNDS), default=12, help="sampling steps (12)")
     parser.add_argument("--out", default=None, help="output folder (default: <checkpoint dir>/diffusers)")
-    args = parser.parse_args(argv)
     with user_errors(PromptError, PipelineError):
+        args = parser.parse_args(argv)
         out = Path(args.out) if args.out else find_checkpoint(args.checkpoint) / "diffusers"
         report = run(args.checkpoint, args.prompts, args.seeds, args.num_steps, out)
         print(json.dumps(report, indent=2))

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tread.cli.args import MAX_BATCH, Parser, UsageError, int_in, number_in
+
 REPO = Path(__file__).resolve().parents[2]
 # The project's dependencies a GPU machine's own Python may lack: import name -> distribution. torch, numpy and the
 # standard scientific stack are the machine's; these are what the steps import.
@@ -49,16 +51,17 @@ class Step:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="gpu_check.py", description=__doc__)
     add = p.add_argument
     add("--out", default="outputs/gpu_check", help="folder for the logs, JSON and report.md")
     add("--paper-dir", default=None, help="a checkout of CompVis/tread for compare_paper (skipped without it)")
     add("--wheels", default=None, help="a folder of wheels for the missing dependencies (see --download-wheels)")
-    add("--xl-batches", type=int, nargs="+", default=[256, 192, 128, 96, 64],
+    add("--xl-batches", type=int_in(1, MAX_BATCH), nargs="+", default=[256, 192, 128, 96, 64],
         help="DiT-XL/2 batch candidates: the largest whose step fits is benchmarked")
     add("--quick", action="store_true", help="tiny sizes everywhere: tries every step in seconds (CPU included)")
     add("--only", nargs="+", default=None, help="run only these steps (names as in the report)")
-    add("--budget", type=float, default=450, help="seconds for all the steps together (each also has its own limit)")
+    add("--budget", type=number_in(0, 86400, low_open=True), default=450,
+        help="seconds for all the steps together (each also has its own limit)")
     add("--download-wheels", default=None, metavar="DIR",
         help="instead of checking: download the wheels of NEEDED at this environment's versions into DIR")
     return p
@@ -87,9 +90,6 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
                                "--rounds", "1" if q else "2", "--json", str(out / "compare_paper.json")],
              420, cuda=not q),
     ]
-    if any(b < 1 for b in args.xl_batches) or args.budget <= 0:
-        raise SystemExit(f"error: --xl-batches {' '.join(map(str, args.xl_batches))} / --budget {args.budget:g}: "
-                         f"allowed: batches >= 1 and a budget > 0 seconds")
     unknown = sorted(set(args.only or ()) - {s.name for s in out_steps})
     if unknown:
         raise SystemExit(f"error: --only {', '.join(unknown)} is not a step; allowed: "
@@ -201,7 +201,10 @@ def report(results: list[dict], todo: Sequence[Step], out: Path, where: str, mis
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as err:
+        sys.exit(f"error: {err}")
     if args.download_wheels:
         return download_wheels(Path(args.download_wheels))
     todo = steps(args, Path(args.out).resolve())      # flags checked before anything runs

@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from tread.cli.args import MAX_CHANNELS, MAX_FRAMES, MAX_ROUNDS, MAX_WORLD, Parser, int_in
 from tread.cli.errors import user_errors
 from tread.schema.builders import build_model
 from tread.models.families import family_module
@@ -106,22 +107,21 @@ def measure_line(name: str, sets: Sequence[str], m: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, nargs="+", default=[2, 8], help="FSDP world sizes (GPUs)")
-    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank on the attention projections")
+    parser = Parser(prog="memory_table.py", description=__doc__, error_type=MemoryTableError)
+    parser.add_argument("--world", type=int_in(2, MAX_WORLD), nargs="+", default=[2, 8], help="FSDP world sizes (GPUs)")
+    parser.add_argument("--lora-rank", type=int_in(1, MAX_CHANNELS), default=16,
+                        help="LoRA rank on the attention projections")
     parser.add_argument("--preset", action="append", help="FAMILY:PRESET (flux:dev) or a DiT (DiT-XL/2); repeatable")
     parser.add_argument("--measure", metavar="FAMILY:PRESET", help="build and step this preset's LoRA run here")
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         help="with --measure: a training-config override, e.g. model.base_dtype=bf16; repeatable")
-    parser.add_argument("--steps", type=int, default=3, help="with --measure: training steps (batch 2)")
+    parser.add_argument("--steps", type=int_in(1, MAX_ROUNDS), default=3,
+                        help="with --measure: training steps (batch 2)")
     add_video_args(parser)
-    args = parser.parse_args(argv)
     with user_errors():
+        args = parser.parse_args(argv)
         if args.video:
             return video_main(args)
-        if any(w < 2 for w in args.world) or args.lora_rank < 1 or args.steps < 1:
-            raise MemoryTableError(f"--world {args.world} must all be >= 2 (FSDP shards over several GPUs), "
-                                   f"--lora-rank={args.lora_rank} and --steps={args.steps} >= 1.")
         if args.measure:
             family, preset = (parse_presets([args.measure]) or [("", "")])[0]
             if family == "dit":
@@ -141,9 +141,11 @@ def add_video_args(parser: argparse.ArgumentParser) -> None:
     add("--video", metavar="FAMILY:PRESET", help="measure the saved activations of this video preset's step here "
         "(gradient checkpointing, --routes), then carry them to --to-latents x --to-frames")
     add("--routes", nargs="+", default=["none", "paper"], help="with --video: routing configs, the dense one first")
-    add("--frames", type=int, nargs="+", default=list(CPU_FRAMES), help="with --video: latent frames measured")
+    add("--frames", type=int_in(1, MAX_FRAMES), nargs="+", default=list(CPU_FRAMES),
+        help="with --video: latent frames measured")
     add("--latents", default="x".join(map(str, CPU_LATENTS)), help="with --video: latent HxW measured")
-    add("--to-frames", type=int, nargs="+", default=list(GPU_FRAMES), help="with --video: frames of the table")
+    add("--to-frames", type=int_in(1, MAX_FRAMES), nargs="+", default=list(GPU_FRAMES),
+        help="with --video: frames of the table")
     add("--to-latents", default="x".join(map(str, GPU_LATENTS)), help="with --video: latent HxW of the table")
 
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tread.cli.args import Parser
 from tread.cli.errors import user_errors
 from tread.perf.plan import PAPER_END_FROM_END, RULE, PlanError, TimeFn
 from tread.perf.planner import PRECISIONS, PlanRequest, plan
@@ -23,14 +24,9 @@ EPILOG = ("Target: at least one of --target-speedup, --flops-fraction, --gflops-
 __all__ = ["PlanError", "PlanRequest", "RULE", "main", "parse_args", "plan", "request_of"]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not usage + error
-        raise PlanError(message)
-
-
 # ----------------------------------------------------------------------------- arguments
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    p = Parser(prog="plan_routes.py", description=__doc__, epilog=EPILOG, error_type=PlanError)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="tread", help="a configs/model config: tread (default), dit, flux, sd3, ...")
     g.add_argument("--arch", default=None, help="DiT size for model=tread|dit, e.g. DiT-B/2 (default: the data's)")

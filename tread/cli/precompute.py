@@ -12,6 +12,7 @@ An interrupted run resumes from <out>.parts/ with the same settings; docs/data.m
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -21,12 +22,15 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from tread.data.meta import LatentDatasetError
+from tread.data.buckets import MAX_ASPECT, MAX_BUCKETS, MAX_BUDGETS, MAX_PIXELS, MAX_SIDE
+from tread.cli.args import Parser
 from tread.data.precompute.encode import iter_images
 from tread.data.precompute.plan import Plan
-from tread.data.precompute.request import DEFAULT_VAE, PrecomputeError, PrecomputeRequest
-from tread.data.precompute.run import collective, encode_dataset, prepare
-from tread.encoders.errors import EncoderError
+from tread.data.precompute.request import DEFAULT_VAE, DEFAULTS, PrecomputeError, PrecomputeRequest
+from tread.data.precompute.run import Interrupted, collective, encode_dataset, prepare
+from tread.runtime.preempt import EXIT_INTERRUPTED
+from tread.utils.errors import UserError
+from tread.utils.io import WriteError
 from tread.encoders.text_families import TEXT_FAMILIES
 from tread.evaluation.extractors import feature_extractor
 from tread.evaluation.reference import ReferenceBuilder
@@ -34,18 +38,10 @@ from tread.evaluation.reference import ReferenceBuilder
 
 # ----------------------------------------------------------------------------- arguments
 
-class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors (an unknown flag, --batch-size abc) are PrecomputeErrors: one `error:` line."""
-
-    def error(self, message: str):
-        raise PrecomputeError(f"{message} (python {self.prog} --help lists the flags)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The flags, in groups; the module doc is the description (first paragraph) and the epilog (the rest)."""
-    p = Parser(
-        prog="precompute_latents.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = Parser(prog="precompute_latents.py", description=__doc__.split("\n\n")[0],
+               epilog="\n\n".join(__doc__.split("\n\n")[1:]), error_type=PrecomputeError)
     for add_group in (_io_args, _encoding_args, _execution_args, _conditioning_args, _repa_args, _reference_args):
         add_group(p)
     return p
@@ -58,8 +54,8 @@ def _io_args(p: argparse.ArgumentParser) -> None:
                                                     "in class sub-folders or directly in it")
     io.add_argument("--frames", type=int, metavar="F", help="--videos: pixel frames per clip (1 + k * the VAE's "
                                                             "temporal factor, e.g. 17 for Wan)")
-    io.add_argument("--frame-stride", type=int, default=1, metavar="S", help="--videos: read every S-th source "
-                                                                             "frame (default 1)")
+    io.add_argument("--frame-stride", type=int, metavar="S", help=f"--videos: read every S-th source frame "
+                                                                  f"(default {DEFAULTS['frame_stride']})")
     io.add_argument("--frame-buckets", metavar="F1,F2,...", help="--videos: frame counts instead of --frames; each "
                                                                  "clip gets the most frames it has among them")
     io.add_argument("--first-frame", action="store_true", help="--videos: also store each clip's first frame "
@@ -79,20 +75,24 @@ def _io_args(p: argparse.ArgumentParser) -> None:
 def _encoding_args(p: argparse.ArgumentParser) -> None:
     """The VAE, the crop, the stored kind and dtypes."""
     enc = p.add_argument_group("encoding")
-    enc.add_argument("--resolution", type=int, default=256, help="image side after the center crop; a multiple "
-                                                                 "of the VAE's downsampling factor (default 256)")
+    enc.add_argument("--resolution", type=int, help=f"image side after the center crop; a multiple of the VAE's "
+                                                    f"downsampling factor, at most {MAX_SIDE} (default "
+                                                    f"{DEFAULTS['resolution']}; not with buckets)")
     enc.add_argument("--buckets", metavar="WxH,...", help="aspect-ratio / size buckets instead of one square "
                      "--resolution: each image goes to the bucket it fills without upscaling that is closest in "
                      "aspect ratio (then the largest), is resized minimally and center-cropped to it; e.g. "
-                     "'768x512,640x640,512x768' (width x height, multiples of --bucket-stride)")
+                     f"'768x512,640x640,512x768' (width x height, multiples of --bucket-stride, sides at most "
+                     f"{MAX_SIDE})")
     enc.add_argument("--bucket-pixels", metavar="A[,A...]", help="derive the buckets from pixel budgets: every "
                      "width (a multiple of --bucket-stride) with the tallest height inside the budget, aspect ratios "
-                     "up to --max-aspect; several budgets give mixed-area (multi-resolution) buckets, e.g. "
-                     "'65536,262144' (256^2 and 512^2)")
-    enc.add_argument("--bucket-stride", type=int, default=16, help="bucket sides are multiples of this: the VAE's "
-                     "downsampling factor times the model's patch side (default 16 = 8 x 2)")
-    enc.add_argument("--max-aspect", type=float, default=2.0, help="--bucket-pixels: the widest width/height (and "
-                     "height/width) derived (default 2)")
+                     f"up to --max-aspect; several budgets give mixed-area (multi-resolution) buckets, e.g. "
+                     f"'65536,262144' (256^2 and 512^2); at most {MAX_BUDGETS} budgets of at most {MAX_PIXELS} "
+                     f"({MAX_SIDE}^2), {MAX_BUCKETS} buckets")
+    enc.add_argument("--bucket-stride", type=int, help=f"--buckets/--bucket-pixels: bucket sides are multiples of "
+                     f"this: the VAE's downsampling factor times the model's patch side (default "
+                     f"{DEFAULTS['bucket_stride']} = 8 x 2)")
+    enc.add_argument("--max-aspect", type=float, help=f"--bucket-pixels: the widest width/height (and "
+                     f"height/width) derived, in [1, {MAX_ASPECT}] (default {DEFAULTS['max_aspect']:g})")
     enc.add_argument("--vae", default=DEFAULT_VAE, help=f"VAE hub id or local diffusers AutoencoderKL directory "
                                                         f"(default {DEFAULT_VAE})")
     enc.add_argument("--vae-subfolder", metavar="NAME", help="folder of the VAE inside the model (e.g. 'vae' for a "
@@ -235,18 +235,47 @@ def run_reference(plan: Plan, state, device) -> Optional[Path]:
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Run the CLI; returns a summary. Bad arguments or inputs raise PrecomputeError / data.LatentDatasetError /
-    encoders.EncoderError (a VAE or text encoder that cannot be loaded)."""
-    run = prepare(request_of(build_parser().parse_args(argv)))    # checks every flag before any work
-    summary = encode_dataset(run)
-    ref = run_reference(run.plan, run.state, run.device) if run.request.ref_out else None
+    encoders.EncoderError (a VAE or text encoder that cannot be loaded); a stop signal raises run.Interrupted, a
+    failed write (a full disk) WriteError."""
+    with prepare(request_of(build_parser().parse_args(argv))) as run:   # checks every flag before any work
+        summary = encode_dataset(run)
+        ref = run_reference(run.plan, run.state, run.device) if run.request.ref_out else None
     return {**summary, "ref_out": ref}
 
 
+# A failed write's cause, for its error line (the writes keep what was finished, so a rerun resumes).
+DISK_ERRORS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+               errno.EROFS: "the file system is read-only"}
+
+
+def write_error_line(err: OSError) -> str:
+    """The `error:` line of a write that failed (a WriteError names its file; a bare OSError its filename)."""
+    head = str(err) if isinstance(err, WriteError) else f"cannot write '{err.filename}': {err.strerror or err}"
+    cause = DISK_ERRORS.get(err.errno)
+    return (f"error: {head}" + (f"; {cause}: free space (or choose another --out) and rerun the same command, "
+                                f"which resumes from the finished shards" if cause else ""))
+
+
 def cli(argv: Optional[Sequence[str]] = None) -> int:
-    """The command line: main(argv) with bad arguments or inputs printed as one `error: ...` line (exit status 2)."""
+    """The command line: main(argv) with bad arguments or inputs and failed writes printed as one `error: ...` line
+    (exit status 2); a stop signal (SIGINT, SIGTERM) ends it before the next shard with one line (130, 75)."""
     try:
         main(argv)
-    except (PrecomputeError, LatentDatasetError, EncoderError) as err:
+    except WriteError as err:       # a UserError too: said with the disk's state
+        print(write_error_line(err), file=sys.stderr)
+        return 2
+    except UserError as err:        # PrecomputeError, LatentDatasetError, EncoderError, VideoError, ...
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Interrupted as stop:
+        print(stop, file=sys.stderr)
+        return stop.exit_status
+    except KeyboardInterrupt:   # Ctrl-C outside the shards (listing the images, the reference statistics)
+        print("stopped by SIGINT; rerun the same command to resume (finished shards are kept)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as err:
+        if err.errno not in DISK_ERRORS:
+            raise
+        print(write_error_line(err), file=sys.stderr)
         return 2
     return 0

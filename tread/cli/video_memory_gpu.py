@@ -14,17 +14,18 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tread.cli.args import MAX_FRAMES, Parser, UsageError, int_in
 from tread.cli.gpu_check import install_wheels, missing_modules
 
 TINY = {"preset": "tiny", "frames": [1, 3], "latents": "8x12"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="video_memory_gpu.py", description=__doc__)
     add = p.add_argument
     add("--family", default="wan", help="a video family (inputs B, C, T, H, W)")
     add("--preset", default="mid", help="its preset")
-    add("--frames", type=int, nargs="+", default=[1, 5, 9, 21], help="latent frames, smallest first")
+    add("--frames", type=int_in(1, MAX_FRAMES), nargs="+", default=[1, 5, 9, 21], help="latent frames, smallest first")
     add("--latents", default="60x104", help="latent HxW (60x104: 480x832 pixels)")
     add("--routes", nargs="+", default=["none", "paper"], help="routing configs")
     add("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: saved bytes only (no CUDA peak)")
@@ -47,7 +48,10 @@ def bootstrap(wheels: Optional[str]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as err:
+        sys.exit(f"error: {err}")
     if args.tiny:
         args.preset, args.frames, args.latents = TINY["preset"], TINY["frames"], TINY["latents"]
     bootstrap(args.wheels)

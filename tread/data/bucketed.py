@@ -15,7 +15,7 @@ from tread.utils.io import atomic_write, atomic_write_json
 from tread.utils.readers import read_json, read_npy
 
 from .buckets import CROP_COLUMNS, Bucket, BucketError
-from .loader import PHASE_STRIDE, BucketBatchSampler, EpochBatch, PhasedSampler
+from .loader import PHASE_STRIDE, BatchSizeError, BucketBatchSampler, EpochBatch, PhasedSampler
 from .meta import FIX_META, LatentDatasetExistsError, PathLike
 from .reader import LatentDataset
 from .writer import write_latent_dataset
@@ -37,14 +37,49 @@ def _entry_problem(entry: Any) -> Optional[str]:
         if not isinstance(entry.get(key), str) or not entry[key] or "/" in entry[key] or entry[key].startswith("."):
             return f"an object whose '{key}' is a plain folder name"
     size = entry.get("image_size")
-    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size)):
+    if not (isinstance(size, list) and len(size) == 2 and all(map(_pos_int, size))):
         return "an object with 'image_size': [height, width] in pixels"
-    if not isinstance(entry.get("num_samples"), int) or entry["num_samples"] < 1:
+    if not _pos_int(entry.get("num_samples")):
         return "an object with 'num_samples' >= 1"
     frames = entry.get("frames", 0)
     if not isinstance(frames, int) or isinstance(frames, bool) or frames < 0:
         return "an object whose optional 'frames' is a positive integer (pixel frames of a video bucket)"
+    crops = entry.get("crops")
+    if crops is not None and not (isinstance(crops, str) and crops and _inside(crops)):
+        return "an object whose optional 'crops' is a file path inside the dataset folder (e.g. '<name>/crops.npy')"
+    if entry.get("crop_columns", list(CROP_COLUMNS)) != list(CROP_COLUMNS):
+        return f"an object whose optional 'crop_columns' is {list(CROP_COLUMNS)}"
     return None
+
+
+def _inside(relative: str) -> bool:
+    """Whether a path a meta.json gives stays inside the dataset folder (relative, no '..')."""
+    path = Path(relative)
+    return not path.is_absolute() and ".." not in path.parts
+
+
+def _pos_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_entries(where: Path, buckets: list) -> None:
+    """Each entry's name is the bucket its image_size (and frames) make, and no name or folder is listed twice."""
+    seen: dict[tuple[str, str], int] = {}
+    for i, entry in enumerate(buckets):
+        size = Bucket(*entry["image_size"], entry.get("frames", 0))
+        if entry["name"] != size.name:
+            raise BucketError(f"{where}: buckets[{i}] has name '{entry['name']}' but image_size {entry['image_size']}"
+                              f"{_frames_said(entry)}, which is bucket '{size.name}' (WIDTHxHEIGHT[xFRAMES]). "
+                              f"{FIX_META}")
+        for key in ("name", "path"):
+            first = seen.setdefault((key, entry[key]), i)
+            if first != i:
+                raise BucketError(f"{where}: buckets[{first}] and buckets[{i}] both have {key} '{entry[key]}': each "
+                                  f"bucket is listed once. {FIX_META}")
+
+
+def _frames_said(entry: Mapping[str, Any]) -> str:
+    return f" and frames {entry['frames']}" if entry.get("frames") else ""
 
 
 def read_buckets_meta(root: Path) -> dict:
@@ -60,6 +95,10 @@ def read_buckets_meta(root: Path) -> dict:
         problem = _entry_problem(entry)
         if problem:
             raise BucketError(f"{where}: buckets[{i}] is {entry!r} but must be {problem}. {FIX_META}")
+    if not _pos_int(meta.get("vae_factor")):
+        raise BucketError(f"{where}: key 'vae_factor' is {meta.get('vae_factor')!r} but must be a positive integer "
+                          f"(image pixels per latent cell). {FIX_META}")
+    _check_entries(where, buckets)
     return meta
 
 
@@ -81,10 +120,12 @@ class BucketedDataset(torch.utils.data.Dataset):
 
     def _check_parts(self) -> None:
         first = self.parts[0]
-        for entry, part in zip(self.entries, self.parts):
+        for i, (entry, part) in enumerate(zip(self.entries, self.parts)):
             if len(part) != entry["num_samples"]:
                 raise BucketError(f"bucket '{entry['name']}' at '{part.root}' holds {len(part)} samples but "
                                   f"'{self.root / 'meta.json'}' says {entry['num_samples']}. {FIX_META}")
+            self._check_size(i, part)
+            self._open_crops(i, mmap=True)
             differ = [k for k in SHARED_META if part.meta.get(k) != first.meta.get(k)]
             if part.channels != first.channels or part.latent_kind != first.latent_kind:
                 differ.append("shape[0] / latent_kind")
@@ -101,6 +142,29 @@ class BucketedDataset(torch.utils.data.Dataset):
                 raise BucketError(f"buckets '{self.entries[0]['name']}' and '{entry['name']}' of '{self.root}' differ "
                                   f"in {', '.join(differ)}: the buckets of one dataset share all but their shape. "
                                   f"Rebuild it with scripts/precompute_latents.py --buckets/--bucket-pixels.")
+
+    def _check_size(self, bucket: int, part: LatentDataset) -> None:
+        """The bucket's latent grid times the dataset's vae_factor is its entry's image_size."""
+        entry, factor = self.entries[bucket], self._buckets_meta["vae_factor"]
+        shape = part.meta["shape"]
+        pixels = [side * factor for side in shape[-2:]]
+        if pixels != entry["image_size"]:
+            raise BucketError(f"'{part.root / 'meta.json'}' says latents of shape {shape}, which at vae_factor "
+                              f"{factor} is image_size {pixels}, but buckets[{bucket}] '{entry['name']}' of "
+                              f"'{self.root / 'meta.json'}' says image_size {entry['image_size']}. {FIX_META}")
+
+    def _open_crops(self, bucket: int, mmap: bool) -> np.ndarray:
+        """A bucket's crops file, checked against its sample count (mmap: the header and size only)."""
+        entry = self.entries[bucket]
+        file = self.root / str(entry.get("crops") or f"{entry['path']}/crops.npy")
+        if not file.is_file():
+            raise BucketError(f"missing crops file '{file}' of buckets[{bucket}] '{entry['name']}' in "
+                              f"'{self.root / 'meta.json'}': the dataset is incomplete. {FIX_META}")
+        arr = read_npy(file, "cannot read crops file", mmap=mmap, error=BucketError, hint=FIX_META)
+        if arr.shape != (entry["num_samples"], len(CROP_COLUMNS)) or not np.issubdtype(arr.dtype, np.integer):
+            raise BucketError(f"'{file}' holds a {arr.dtype} array of shape {list(arr.shape)} but must be integer of "
+                              f"shape [{entry['num_samples']}, {len(CROP_COLUMNS)}] ({', '.join(CROP_COLUMNS)})")
+        return arr
 
     # -- what the training code reads of a dataset (LatentMeta's interface, shape aside) ----------------------
     @property
@@ -172,13 +236,7 @@ class BucketedDataset(torch.utils.data.Dataset):
 
     def crops(self, bucket: int) -> np.ndarray:
         """(n, 6) int32 crop records of a bucket's samples (CROP_COLUMNS), checked against its sample count."""
-        entry = self.entries[bucket]
-        file = self.root / str(entry.get("crops") or f"{entry['path']}/crops.npy")
-        arr = read_npy(file, "cannot read crops file", mmap=False, error=BucketError, hint=FIX_META)
-        if arr.shape != (entry["num_samples"], len(CROP_COLUMNS)) or not np.issubdtype(arr.dtype, np.integer):
-            raise BucketError(f"'{file}' holds a {arr.dtype} array of shape {list(arr.shape)} but must be integer of "
-                              f"shape [{entry['num_samples']}, {len(CROP_COLUMNS)}] ({', '.join(CROP_COLUMNS)})")
-        return arr
+        return self._open_crops(bucket, mmap=False)
 
     def __getitem__(self, index: int):
         b = self.bucket_of(int(index))
@@ -236,9 +294,16 @@ def make_sampler(dataset: BucketedDataset, batch_size: int, seed: int, rank: int
     sizes = dataset.bucket_sizes
     if not schedule:
         return BucketBatchSampler(sizes, batch_size, seed, rank, world_size)
-    return PhasedSampler([(step * batches_per_step,
-                           BucketBatchSampler(sizes, batch_size, seed + PHASE_STRIDE * p, rank, world_size, chosen))
-                          for p, (step, chosen) in enumerate(phase_buckets(dataset, schedule))])
+    phases = []
+    for p, (step, chosen) in enumerate(phase_buckets(dataset, schedule)):
+        try:
+            sampler = BucketBatchSampler(sizes, batch_size, seed + PHASE_STRIDE * p, rank, world_size, chosen)
+        except BatchSizeError as err:
+            drawn = ", ".join(f"{dataset.buckets[b].name} ({sizes[b]} samples)" for b in chosen)
+            raise BatchSizeError(f"data.resolution_schedule[{p}] ({dict(schedule[p])}) draws from bucket(s) {drawn} "
+                                 f"of '{dataset.root}': {err}") from None
+        phases.append((step * batches_per_step, sampler))
+    return PhasedSampler(phases)
 
 
 class BucketedWriter:

@@ -11,10 +11,17 @@ from typing import Optional, Sequence
 import numpy as np
 from PIL import Image
 
+from tread.utils.numbers import MAX_FRAMES, MAX_SIDE, in_range, span
+
 from .meta import LatentDatasetError
 
 CROP_COLUMNS = ("original_height", "original_width", "resized_height", "resized_width", "crop_top", "crop_left")
-_SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+# The ranges of the hand-parsed size flags (checked before anything is allocated or looped over).
+MAX_PIXELS = MAX_SIDE * MAX_SIDE  # a --bucket-pixels budget
+MAX_BUDGETS = 16                  # pixel budgets of one --bucket-pixels
+MAX_BUCKETS = 1024                # buckets listed or derived (clips: sizes x frame counts)
+MAX_ASPECT = 16                   # --max-aspect
+_SIZE = re.compile(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*")
 
 
 class BucketError(LatentDatasetError):
@@ -51,14 +58,20 @@ class Bucket:
 
 
 def parse_buckets(text: str, flag: str = "--buckets") -> list[Bucket]:
-    """'768x512,512x512,...' (WIDTHxHEIGHT, comma-separated) -> distinct buckets in that order."""
+    """'768x512,512x512,...' (WIDTHxHEIGHT, comma-separated; sides in [1, MAX_SIDE], at most MAX_BUCKETS) ->
+    distinct buckets in that order."""
+    items = str(text).split(",")
+    if len(items) > MAX_BUCKETS:
+        raise BucketError(f"{flag} lists {len(items)} sizes; at most {MAX_BUCKETS} are allowed")
     out: list[Bucket] = []
-    for item in str(text).split(","):
-        match = _SIZE.match(item)
-        if not match or min(int(match[1]), int(match[2])) < 1:
-            raise BucketError(f"{flag}={text!r} is not valid: {item.strip()!r} is not WIDTHxHEIGHT in pixels; "
-                              f"expected a comma-separated list such as '768x512,512x512,512x768'")
-        bucket = Bucket(height=int(match[2]), width=int(match[1]))
+    for item in items:
+        match = _SIZE.fullmatch(item)
+        width, height = (in_range(match[k], 1, MAX_SIDE) for k in (1, 2)) if match else (None, None)
+        if width is None or height is None:
+            raise BucketError(f"{flag}={text!r} is not valid: {item.strip()!r} is not WIDTHxHEIGHT in pixels with "
+                              f"each side {span(1, MAX_SIDE)}; expected a comma-separated list such as "
+                              f"'768x512,512x512,512x768'")
+        bucket = Bucket(height=height, width=width)
         if bucket in out:
             raise BucketError(f"{flag}={text!r} lists {bucket.name} twice; list each size once")
         out.append(bucket)
@@ -79,19 +92,31 @@ def _round_to(value: int, stride: int) -> int:
 
 
 def derive_buckets(pixel_budgets: Sequence[int], stride: int, max_aspect: float = 2.0) -> list[Bucket]:
-    """The buckets of each pixel budget (docs/buckets.md), sorted; one error if a budget gives none."""
-    if max_aspect < 1:
-        raise BucketError(f"--max-aspect={max_aspect} is not valid: a number >= 1 (the widest width/height allowed)")
+    """The buckets of each pixel budget (docs/buckets.md), sorted; one error if a budget gives none, or the
+    budgets, stride or aspect limit are out of range (MAX_PIXELS, MAX_SIDE, MAX_ASPECT, MAX_BUCKETS)."""
+    if in_range(max_aspect, 1, MAX_ASPECT, whole=False) is None:
+        raise BucketError(f"--max-aspect={max_aspect} is not valid: {span(1, MAX_ASPECT, False)} (the widest "
+                          f"width/height allowed)")
+    if in_range(stride, 1, MAX_SIDE) is None:
+        raise BucketError(f"--bucket-stride={stride} is not valid: {span(1, MAX_SIDE)}")
     found: set[Bucket] = set()
     for budget in pixel_budgets:
+        if in_range(budget, 1, MAX_PIXELS) is None:
+            raise BucketError(f"--bucket-pixels={budget} is not valid: a pixel count (area) {span(1, MAX_PIXELS)} "
+                              f"({MAX_SIDE}x{MAX_SIDE})")
         side = math.isqrt(budget) // stride * stride
         if side < stride:
             raise BucketError(f"--bucket-pixels={budget} is not valid: it must hold at least one {stride}x{stride} "
                               f"bucket (the bucket stride), e.g. {stride * stride * 64} ({stride * 8}x{stride * 8})")
-        for width in range(stride, budget // stride + 1, stride):
+        widest = min(MAX_SIDE, math.isqrt(int(budget * max_aspect)) + stride)   # wider is beyond the aspect limit
+        for width in range(stride, widest + 1, stride):
             height = budget // width // stride * stride
-            if height >= stride and 1 / max_aspect <= width / height <= max_aspect:
+            if stride <= height <= MAX_SIDE and 1 / max_aspect <= width / height <= max_aspect:
                 found.add(Bucket(height, width))
+    if len(found) > MAX_BUCKETS:
+        raise BucketError(f"--bucket-pixels={','.join(map(str, pixel_budgets))} derives {len(found)} buckets at "
+                          f"--bucket-stride {stride}, more than {MAX_BUCKETS}: raise --bucket-stride or lower "
+                          f"--max-aspect")
     return sorted(found)
 
 
@@ -107,11 +132,12 @@ def assign_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> int:
 
 
 def parse_frame_buckets(text: str, flag: str = "--frame-buckets") -> list[int]:
-    """'1,9,17' -> distinct positive frame counts, ascending; one error naming the flag otherwise."""
-    items = [item.strip() for item in str(text).split(",")]
-    if not all(item.isdigit() and int(item) >= 1 for item in items):
-        raise BucketError(f"{flag}={text!r} is not valid: expected comma-separated frame counts >= 1, e.g. '1,9,17'")
-    counts = [int(item) for item in items]
+    """'1,9,17' -> distinct frame counts in [1, MAX_FRAMES], ascending; one error naming the flag otherwise."""
+    items = str(text).split(",")
+    counts = [in_range(item, 1, MAX_FRAMES) for item in items[:MAX_BUCKETS + 1]]
+    if len(items) > MAX_BUCKETS or None in counts:
+        raise BucketError(f"{flag}={text!r} is not valid: expected comma-separated frame counts, each "
+                          f"{span(1, MAX_FRAMES)}, e.g. '1,9,17'")
     if len(set(counts)) != len(counts):
         raise BucketError(f"{flag}={text!r} lists a frame count twice; list each once")
     return sorted(counts)

@@ -8,7 +8,7 @@ import os
 import re
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 from PIL import Image
@@ -34,16 +34,70 @@ def _visible(p: Path) -> bool:
     return not p.name.startswith(".")
 
 
-def images_under(folder: Path, skipped: Optional[list[Path]] = None) -> list[Path]:
-    """Image files anywhere below `folder` (hidden folders skipped), sorted by relative path; the other files
-    (hidden ones included) are appended to `skipped` when given."""
+def _claim(folder: Path, seen: dict[str, Path], error: type[Exception]) -> None:
+    """Note `folder` as walked; one already walked under another path (a symbolic link to it, or to a folder above
+    it: a loop) is `error` naming both, since its files would be listed again (each time round a loop)."""
+    real = os.path.realpath(folder)
+    first = seen.setdefault(real, folder)
+    if first is folder:
+        return
+    how = "a symbolic link loop: it leads back to a folder above it" if folder.is_relative_to(first) else \
+        "a symbolic link leads to a folder listed already"
+    raise error(f"folder '{folder}' is '{first}' again ({how}; both are '{real}'), so its files would be listed "
+                f"twice; remove the link (links to files are fine; a folder may be reached by one path only)")
+
+
+def _entries(folder: Path, error: type[Exception]) -> list[os.DirEntry]:
+    try:
+        with os.scandir(folder) as it:
+            return sorted(it, key=lambda e: e.name)
+    except OSError as err:
+        raise error(f"cannot list folder '{folder}' ({err.strerror or err}); make it readable or remove it") from None
+
+
+def walk_folders(top: Path, error: type[Exception] = ImageFolderError, seen: Optional[dict[str, Path]] = None
+                 ) -> Iterator[tuple[Path, list[Path], list[os.DirEntry]]]:
+    """(folder, its visible sub-folders, its other entries: files, hidden ones too) for `top` and every visible
+    folder below it, top-down, each folder's sub-folders in name order (prune them in place to skip some).
+    Links to folders are followed, but every folder is walked once: one reached again (a link loop, or two links
+    to one folder; `seen`, {real path: path}, may carry on from other walks) or one that cannot be listed is one
+    `error` naming it."""
+    seen = {} if seen is None else seen
+    _claim(top, seen, error)
+    pending = [top]
+    while pending:
+        here = pending.pop()
+        entries = _entries(here, error)
+        dirs = [Path(e.path) for e in entries if e.is_dir() and not e.name.startswith(".")]
+        yield here, dirs, [e for e in entries if not e.is_dir()]
+        for d in dirs:
+            _claim(d, seen, error)
+        pending.extend(reversed(dirs))
+
+
+def dangling(entry: os.DirEntry) -> bool:
+    """Whether a directory entry is a symbolic link to nothing (a stat only for links)."""
+    return entry.is_symlink() and not os.path.exists(entry.path)
+
+
+def broken_link_error(path: PathLike, error: type[Exception]) -> Exception:
+    return error(f"'{path}' is a broken symbolic link (to '{os.readlink(path)}', which does not exist); fix or "
+                 f"remove it")
+
+
+def images_under(folder: Path, skipped: Optional[list[Path]] = None, seen: Optional[dict[str, Path]] = None
+                 ) -> list[Path]:
+    """Image files anywhere below `folder` (hidden folders skipped; walk_folders: links followed, a folder reached
+    twice is an error), sorted by relative path; the other files (hidden ones included) are appended to
+    `skipped` when given. A broken link named as an image is an error."""
     found, others = [], []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        # os.walk's filenames are not folders: the name alone decides (no stat per file on huge folders)
-        for f in filenames:
-            image = not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTS
-            (found if image else others).append(Path(dirpath) / f)
+    for _, _, files in walk_folders(folder, ImageFolderError, seen):
+        # the name alone decides (no stat per file on huge folders; links only are looked at)
+        for entry in files:
+            image = not entry.name.startswith(".") and os.path.splitext(entry.name)[1].lower() in IMAGE_EXTS
+            if image and dangling(entry):
+                raise broken_link_error(entry.path, ImageFolderError)
+            (found if image else others).append(Path(entry.path))
     if skipped is not None:
         skipped.extend(sorted(others))
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
@@ -101,7 +155,8 @@ def read_name_value_file(path: PathLike, *, what: str, error_cls: type[Exception
     text = path.read_text(encoding="utf-8-sig")
     entries: list[tuple[str, str, str]] = []  # (name, value, where)
     if path.suffix.lower() == ".json":
-        obj = parse_json(text, f"{what}s file '{path}'", f"a JSON object {json_example}", error_cls)
+        obj = parse_json(text, f"{what}s file '{path}'", f"a JSON object {json_example}", error_cls,
+                         unique_keys=True)
         if not isinstance(obj, dict):
             raise error_cls(f"{what}s file '{path}': expected a JSON object {json_example}, got {type(obj).__name__}")
         for name, value in obj.items():
@@ -143,11 +198,14 @@ def list_image_folder(root: PathLike, labels_file: Optional[PathLike] = None,
     if not root.is_dir():
         raise ImageFolderError(f"image folder '{root}' " + ("is a file, not a folder" if root.exists()
                                                             else "not found"))
-    top_images = sorted((p for p in root.iterdir() if _is_image(p)), key=lambda p: p.name)
-    class_dirs = sorted((p for p in root.iterdir() if p.is_dir() and _visible(p)), key=lambda p: p.name)
+    inside = [Path(e.path) for e in _entries(root, ImageFolderError)]     # sorted by name
+    top_images = [p for p in inside if _is_image(p)]
+    class_dirs = [p for p in inside if p.is_dir() and _visible(p)]
     if skipped is not None:
-        skipped.extend(sorted(p for p in root.iterdir() if not p.is_dir() and not _is_image(p)))
-    per_class = {d.name: images_under(d, skipped) for d in class_dirs}
+        skipped.extend(p for p in inside if not p.is_dir() and not _is_image(p))
+    seen: dict[str, Path] = {}          # every folder walked once (a link loop or a second link is an error)
+    _claim(root, seen, ImageFolderError)
+    per_class = {d.name: images_under(d, skipped, seen) for d in class_dirs}
     if labels_file is None:
         return _list_class_folders(root, top_images, class_dirs, per_class)
     image_dirs = [d for d in class_dirs if per_class[d.name]]

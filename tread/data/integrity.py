@@ -116,7 +116,7 @@ def _checked_record(meta: Mapping[str, Any], where: str) -> Optional[dict]:
         return None
     files = record.get("files") if isinstance(record, dict) else None
     good = isinstance(files, dict) and isinstance(record.get("digest"), str) and record["digest"] in DIGESTS and all(
-        isinstance(r, dict) and all(isinstance(r.get(k), t) and not isinstance(r.get(k), bool)
+        isinstance(r, dict) and all(k in r and isinstance(r[k], t) and not isinstance(r[k], bool)
                                     for k, t in RECORD_KEYS.items()) for r in files.values())
     if not good:
         shown = json.dumps(record)[:200]

@@ -8,10 +8,15 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .meta import LatentDatasetError
 from .reader import LatentDataset
 
 EPOCH_STRIDE = 1_000_003  # epoch e shuffles with seed + EPOCH_STRIDE * e: distinct streams for nearby seeds
 PHASE_STRIDE = 7_919      # resolution schedule phase p draws with seed + PHASE_STRIDE * p
+
+
+class BatchSizeError(LatentDatasetError):
+    """A batch size the data cannot fill (every batch has batch_size samples): named by its config key."""
 
 
 class EpochBatch(list):
@@ -98,7 +103,7 @@ class ShardedBatchSampler(EpochSampler):
         self.rank, self.world_size = rank, world_size
         self.shard_size = num_samples // world_size
         if not 1 <= batch_size <= self.shard_size:
-            raise ValueError(
+            raise BatchSizeError(
                 f"the per-process batch size (from train.batch_size) is {batch_size}, but each of the {world_size} "
                 f"process(es) gets only {self.shard_size} of the dataset's {num_samples} samples per epoch; it must "
                 f"lie in [1, {self.shard_size}]: lower train.batch_size, use fewer processes, or use more data.")
@@ -134,7 +139,7 @@ class BucketBatchSampler(EpochSampler):
         self.dropped = [b for b in self.active if self.per_bucket[b] == 0]
         self.batches_per_epoch = sum(self.per_bucket.values())
         if not self.batches_per_epoch:
-            raise ValueError(
+            raise BatchSizeError(
                 f"no bucket has a batch: the per-process batch size (from train.batch_size) is {batch_size} on "
                 f"{world_size} process(es), so a bucket needs at least {batch_size * world_size} samples, but the "
                 f"buckets drawn from have {[self.bucket_sizes[b] for b in self.active]}: lower train.batch_size, "

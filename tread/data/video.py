@@ -7,7 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 import av
 import numpy as np
@@ -17,7 +17,7 @@ from tread.utils.errors import UserError
 from tread.utils.io import atomic_write
 from tread.utils.readers import image_size, read_image
 
-from .images import IMAGE_EXTS
+from .images import IMAGE_EXTS, broken_link_error, dangling, short_list, walk_folders
 
 av.logging.set_level(None)  # FFmpeg's log lines off: a bad file is reported as one VideoError line
 
@@ -62,35 +62,96 @@ def frame_files(folder: PathLike) -> list[Path]:
     return sorted(files, key=lambda p: _natural_key(p.name))
 
 
+@dataclass
+class _Folder:
+    """What find_clips needs of a folder: its first image file (None: none), its video files, its sub-folders."""
+    image: Optional[Path]
+    videos: list[Path]
+    dirs: list[Path]
+
+
+def _scan(root: Path) -> dict[Path, _Folder]:
+    """Every visible folder at or below `root` (walk_folders: links followed, each folder once; a loop, or a
+    broken link named as a frame or a video, is a VideoError naming it)."""
+    tree = {}
+    for here, dirs, files in walk_folders(root, VideoError):
+        used = [e for e in files if not e.name.startswith(".") and
+                (_is_video_file(Path(e.name)) or Path(e.name).suffix.lower() in IMAGE_EXTS)]
+        broken = next((e for e in used if dangling(e)), None)
+        if broken is not None:
+            raise broken_link_error(broken.path, VideoError)
+        images = [Path(e.path) for e in used if Path(e.name).suffix.lower() in IMAGE_EXTS]
+        tree[here] = _Folder(images[0] if images else None, [Path(e.path) for e in used if _is_video_file(
+            Path(e.name))], dirs)
+    return tree
+
+
+def _kinds(tree: dict[Path, _Folder]) -> tuple[dict[Path, bool], dict[Path, bool]]:
+    """Per folder (deepest first): whether it is a frame folder (images, no video files, no images in any folder
+    below it), and whether it holds a clip at or below it."""
+    images_below: dict[Path, bool] = {}
+    frame: dict[Path, bool] = {}
+    has_clip: dict[Path, bool] = {}
+    for f in sorted(tree, key=lambda p: len(p.parts), reverse=True):
+        node = tree[f]
+        inner = any(images_below[d] for d in node.dirs)
+        images_below[f] = node.image is not None or inner
+        frame[f] = node.image is not None and not node.videos and not inner
+        has_clip[f] = frame[f] or bool(node.videos) or any(has_clip[d] for d in node.dirs)
+    return frame, has_clip
+
+
 def _is_frame_folder(folder: Path) -> bool:
-    files = _visible_files(folder)
-    return any(p.suffix.lower() in IMAGE_EXTS for p in files) and not any(_is_video_file(p) for p in files)
+    return _kinds(_scan(folder))[0][folder]
 
 
 def is_clip(path: PathLike) -> bool:
-    """True for a video file (by suffix) and a frame folder (a directory of >= 1 images and no video files)."""
+    """True for a video file (by suffix) and a frame folder (a directory of >= 1 images, no video files, and no
+    images in any folder below it)."""
     path = Path(path)
     if path.is_dir():
         return _is_frame_folder(path)
     return path.is_file() and _is_video_file(path)
 
 
-def find_clips(root: PathLike) -> list[Path]:
-    """The clips at or under `root`, sorted by path: video files, and frame folders (each one clip; nothing below
-    one is looked at). Hidden files and folders are skipped. A missing root is FileNotFoundError."""
+def _stray_images(folder: Path, node: _Folder, has_clip: dict[Path, bool]) -> VideoError:
+    beside = [d.name for d in node.dirs if has_clip[d]]
+    return VideoError(f"'{node.image}' lies beside clip folders in '{folder}' ({short_list(beside)}): a folder of "
+                      f"images is one clip (a frame folder) only when no folder below it holds images too, so this "
+                      f"one is neither a clip nor a class folder. Move its images (a cover or thumbnail) out of the "
+                      f"clip folders, or into a clip folder of their own")
+
+
+def clip_tree(root: PathLike) -> tuple[list[Path], list[Path]]:
+    """(the clips at or under `root`, sorted by path: video files, and frame folders, each one clip, nothing below
+    one looked at; the visible folders that hold no clip at or below them, the highest of each such branch).
+    Hidden files and folders are skipped; images beside clip folders are one VideoError naming one. A missing root
+    is FileNotFoundError."""
     root = Path(root).expanduser()
     if not root.exists():
         raise FileNotFoundError(f"clip folder '{root}' does not exist")
-    if is_clip(root):
-        return [root]
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        here = Path(dirpath)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found.extend(here / d for d in dirnames if _is_frame_folder(here / d))
-        dirnames[:] = [d for d in dirnames if not _is_frame_folder(here / d)]
-        found.extend(here / f for f in filenames if _is_video_file(Path(f)))
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+    if not root.is_dir():
+        return ([root] if _is_video_file(root) else []), []
+    tree = _scan(root)
+    frame, has_clip = _kinds(tree)
+    clips, empty, pending = [], [], [root]
+    while pending:
+        folder = pending.pop()
+        node = tree[folder]
+        if frame[folder]:
+            clips.append(folder)
+            continue
+        if node.image is not None and not node.videos:
+            raise _stray_images(folder, node, has_clip)
+        clips.extend(node.videos)
+        empty.extend(d for d in node.dirs if not has_clip[d])
+        pending.extend(d for d in node.dirs if has_clip[d])
+    return sorted(clips, key=lambda p: p.relative_to(root).as_posix()), sorted(empty)
+
+
+def find_clips(root: PathLike) -> list[Path]:
+    """The clips at or under `root` (clip_tree), sorted by path."""
+    return clip_tree(root)[0]
 
 
 def _corrupt(path: Path, err: Exception) -> VideoError:
@@ -100,8 +161,9 @@ def _corrupt(path: Path, err: Exception) -> VideoError:
                       f"frame images")
 
 
-def _no_frames(path: Path) -> VideoError:
-    return VideoError(f"clip '{path}' has no video frames (an empty or truncated file, or no video stream); "
+def _no_frames(path: Path, header: int = 0) -> VideoError:
+    said = f" (its header says {header}, none decodes)" if header else ""
+    return VideoError(f"clip '{path}' has no video frames{said} (an empty or truncated file, or no video stream); "
                       f"a clip needs at least 1 frame")
 
 
@@ -159,9 +221,21 @@ def probe_clip(path: PathLike) -> ClipInfo:
             count += 1
         if frame is not None:
             height, width = frame.height, frame.width
+    elif not _first_frame_decodes(path):
+        raise _no_frames(path, count)
     if count <= 0:
         raise _no_frames(path)
     return ClipInfo(path, int(count), int(height), int(width), fps)
+
+
+def _first_frame_decodes(path: Path) -> bool:
+    """Whether a video's first frame decodes (a header's frame count is not proof that any does); VideoError for
+    data that does not decode."""
+    frames = _decoded(path)
+    try:
+        return next(frames, None) is not None
+    finally:
+        frames.close()
 
 
 def frames_needed(frames: int, stride: int = 1, start: int = 0) -> int:

@@ -3,6 +3,7 @@ by piece into memory-mapped files (LatentDatasetWriter), built in a temporary si
 into place when complete."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
+
+from tread.utils.io import WriteError, writing
 
 from .integrity import integrity_record
 from .layout import DECLARE, EXTRA_NDIM, EXTRA_WHAT, conditioning_layout
@@ -27,6 +30,24 @@ def _exists_error(root: Path) -> LatentDatasetExistsError:
 def _check_target(root: Path) -> None:
     if root.exists() and not (root.is_dir() and not any(root.iterdir())):
         raise _exists_error(root)
+
+
+def _check_space(root: Path, folder: Path, need: int) -> None:
+    """A WriteError (ENOSPC) naming `root` unless the disk of `folder` (its staging folder) has `need` bytes free:
+    a write into a memory map on a full disk does not raise, it kills the process (SIGBUS)."""
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise WriteError(errno.ENOSPC, f"No space left on device: the dataset needs {_bytes(need)}, {_bytes(free)} "
+                                       f"free", str(root))
+
+
+def _bytes(n: float) -> str:
+    """A byte count as people read it: '612 bytes', '6.0 KiB', '1.2 GiB'."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _cast_finite(a: np.ndarray, dtype: str, what: str, start: int, stop: int, fix: str) -> np.ndarray:
@@ -114,23 +135,30 @@ class LatentDatasetWriter:
         self._open_files(captions, dtype)
 
     def _open_files(self, captions: Optional[dict], dtype: str) -> None:
-        """The temporary sibling directory and a memory-mapped .npy per stored array (the caption offsets saved)."""
+        """The temporary sibling directory (the staging folder .<name>.tmp-*) and a memory-mapped .npy per stored
+        array (the caption offsets saved), once the disk has room for them all. Failed writes: WriteError."""
         root = self.root
         _check_target(root)
-        root.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp: Optional[Path] = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+        self._tmp: Optional[Path] = None
         self._maps: dict[str, np.ndarray] = {}
+        with writing(root):
+            root.parent.mkdir(parents=True, exist_ok=True)
+            self._tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
         try:
             n, files = self.meta["num_samples"], self.meta["files"]
             layout = {"latents": (tuple(self.meta["shape"]), dtype), "labels": ((), np.int64), **self._specs}
-            for key, (tail, dt) in layout.items():
-                name, rows = files[EXTRA_FILE_OF.get(key, key)], self._rows(key)
-                self._maps[key] = np.lib.format.open_memmap(self._tmp / name, mode="w+", dtype=dt,
-                                                            shape=(rows, *tail))
+            shapes = {key: ((self._rows(key), *tail), dt) for key, (tail, dt) in layout.items()}
+            _check_space(root, self._tmp, sum(int(np.prod(shape)) * np.dtype(dt).itemsize
+                                              for shape, dt in shapes.values()))
+            for key, (shape, dt) in shapes.items():
+                path = self._tmp / files[EXTRA_FILE_OF.get(key, key)]
+                with writing(path):
+                    self._maps[key] = np.lib.format.open_memmap(path, mode="w+", dtype=dt, shape=shape)
             self._written = np.zeros(n, dtype=bool)
             self._rows_written = np.zeros(0 if captions is None else captions["rows"], dtype=bool)
             if captions is not None:
-                np.save(self._tmp / CAPTION_FILES["caption_offsets"], self._offsets)
+                with writing(self._tmp / CAPTION_FILES["caption_offsets"]):
+                    np.save(self._tmp / CAPTION_FILES["caption_offsets"], self._offsets)
         except BaseException:
             self.abort()
             raise
@@ -271,14 +299,15 @@ class LatentDatasetWriter:
                                          f"{len(self._rows_written)} caption rows were never written (first: "
                                          f"{missing[:5].tolist()})")
             tmp = self._tmp
-            for array in self._maps.values():
-                array.flush()
-            self._maps.clear()
-            self.meta[INTEGRITY_KEY] = integrity_record(tmp, self.meta["files"])   # digests and finiteness, read back
-            (tmp / "meta.json").write_text(json.dumps(self.meta, indent=2) + "\n")
-            for f in tmp.iterdir():  # data on disk before the rename publishes it
-                with open(f, "rb+") as fh:
-                    os.fsync(fh.fileno())
+            with writing(tmp):
+                for array in self._maps.values():
+                    array.flush()
+                self._maps.clear()
+                self.meta[INTEGRITY_KEY] = integrity_record(tmp, self.meta["files"])   # digests, finiteness
+                (tmp / "meta.json").write_text(json.dumps(self.meta, indent=2) + "\n")
+                for f in tmp.iterdir():  # data on disk before the rename publishes it
+                    with open(f, "rb+") as fh:
+                        os.fsync(fh.fileno())
             try:
                 os.replace(tmp, self.root)  # atomic; also replaces an empty directory, fails on a non-empty one
             except OSError:

@@ -9,6 +9,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 
 from tread.encoders.errors import EncoderError
 
@@ -36,15 +37,38 @@ def load_dinov2(weights: Optional[Union[str, Path]], key: str, model_id: str = R
     """A local Dinov2Model (no download); one EncoderError naming `key` (and how to save `model_id`) when it is
     missing or does not load."""
     how = how_to_provide(key, model_id)
+    check_dinov2_folder(weights, key, model_id)
+    from transformers import Dinov2Model    # optional heavy import, only for DINOv2 runs
+    try:
+        return Dinov2Model.from_pretrained(str(Path(weights).expanduser()), local_files_only=True)
+    except (OSError, ValueError, SafetensorError) as err:
+        raise EncoderError(f"{key}={str(weights)!r} does not load as a Dinov2Model ({err}): {how}.") from None
+
+
+def check_dinov2_folder(weights: Optional[Union[str, Path]], key: str, model_id: str = REPA_DINOV2) -> None:
+    """One EncoderError naming `key` unless `weights` is a saved Dinov2Model folder whose config.json is there and
+    whose safetensors files open (their headers read, not the weights): cheap, so callers check before any work."""
+    how = how_to_provide(key, model_id)
     if not weights:
         raise EncoderError(f"{key} is not set; DINOv2 weights are read from a local folder only: {how}.")
     if not (Path(weights).expanduser() / "config.json").is_file():
         raise EncoderError(f"{key}={str(weights)!r} is not a saved Dinov2Model folder (no config.json there): {how}.")
-    from transformers import Dinov2Model    # optional heavy import, only for DINOv2 runs
-    try:
-        return Dinov2Model.from_pretrained(str(Path(weights).expanduser()), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise EncoderError(f"{key}={str(weights)!r} does not load as a Dinov2Model ({err}): {how}.") from None
+    broken = broken_safetensors(Path(weights).expanduser())
+    if broken is not None:
+        raise EncoderError(f"{key}={str(weights)!r}: '{broken[0]}' is not a whole safetensors file ({broken[1]}; "
+                           f"truncated or corrupt copy?): {how}.")
+
+
+def broken_safetensors(folder: Path) -> Optional[tuple[Path, str]]:
+    """(file, why) for the first .safetensors file in `folder` whose header does not open (a truncated or corrupt
+    copy: its header, tensor table and size are checked, the weights not read); None when all open."""
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            return file, str(err)
+    return None
 
 
 def fdd_pixels(images: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from tread.perf.peaks import device_name, device_peak_flops
 from tread.perf.routes import routing_overrides
 from tread.perf.throughput import eval_feature_throughput, loader_throughput, sampling_throughput
 from tread.schema import CONFIG_DIR
-from tread.utils.device import cpu_threads
+from tread.utils.threads import cpu_threads
 from tread.utils.errors import UserError
 from tread.utils.readers import parse_json
 

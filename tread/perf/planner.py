@@ -30,7 +30,8 @@ from tread.perf.plan import (PAPER_END_FROM_END, PAPER_START, RULE, PlanError, S
 from tread.perf.plan_report import markdown
 from tread.schema import CONFIG_DIR
 from tread.schema.train import TrainConfig
-from tread.utils.device import cpu_threads, resolve_device
+from tread.utils.device import resolve_device
+from tread.utils.threads import cpu_threads
 from tread.utils.errors import USER_ERRORS
 
 ROOT = CONFIG_DIR.parent

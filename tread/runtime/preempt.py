@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import threading
-from typing import Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,18 +68,26 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[StopRequest]:
-    """Install the handlers for the block (only the main thread can; elsewhere signals keep their handlers)."""
-    request = StopRequest()
+def handling(signals: tuple[int, ...], handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """`handler` for `signals` inside the block, the previous handlers after it (only the main thread can install
+    handlers; elsewhere the signals keep theirs)."""
     if threading.current_thread() is not threading.main_thread():
-        yield request
+        yield
         return
-    previous = {s: signal.signal(s, request.handle) for s in SIGNALS}
+    previous = {s: signal.signal(s, handler) for s in signals}
     try:
-        yield request
+        yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """A StopRequest recording SIGNALS for the block."""
+    request = StopRequest()
+    with handling(SIGNALS, request.handle):
+        yield request
 
 
 def slurm_job_id(env: Mapping[str, str] = os.environ) -> Optional[str]:

@@ -101,6 +101,10 @@ class LatentsData(DataCommon):
     builtin_args: Optional[dict[str, Any]] = key("null or the built-in generator's arguments", default=None)
 
     def check(self) -> None:
+        if self.latent_draw == "mean":
+            raise ConfigError("data.latent_draw=mean is not allowed with data.format=latents (our directory format "
+                              "draws moments per read); allowed: sample (moments: a posterior draw; plain latents: as "
+                              "stored) or stored (plain latents as stored); mean: data.format=wds shards of moments.")
         if self.builtin is None:
             return
         if self.builtin_args is None:

@@ -387,8 +387,8 @@ class RFConfig(Section):
     """diffusion=rf"""
 
     target: Literal["tread.diffusion.RectifiedFlow"] = key("tread.diffusion.RectifiedFlow", alias="_target_")
-    P_mean: Number = key("a number (mean of logit t)")
-    P_std: PositiveNumber
+    P_mean: Number = key("a number (mean of logit t; weighting_scheme=logit_normal)")
+    P_std: PositiveNumber = key("a number > 0 (std of logit t; weighting_scheme=logit_normal)")
     shift: Number = key("a number > 0 (static timestep shift; 1 when dynamic_shift is set)", gt=0)
     t_scale: Number = key("a number > 0 (noise level = t * t_scale)", gt=0)
     num_steps: int = key("an integer >= 1 (Euler steps)", ge=1)
@@ -407,6 +407,22 @@ class RFConfig(Section):
             RectifiedFlow(shift=self.shift, dynamic_shift=self.dynamic_shift.model_dump())   # says why, once
         RectifiedFlow(weighting_scheme=self.weighting_scheme, mode_scale=self.mode_scale)   # mode_scale's range
         return self
+
+    def check(self) -> None:
+        """A key only some weighting schemes read, set away from its default under another: refused."""
+        for name, (schemes, default) in SCHEME_KEYS.items():
+            value = getattr(self, name)
+            if self.weighting_scheme not in schemes and value != default:
+                raise ConfigError(f"diffusion.{name}={value} is read with diffusion.weighting_scheme="
+                                  f"{' or '.join(schemes)} only; diffusion.weighting_scheme={self.weighting_scheme} "
+                                  f"ignores it. Allowed: diffusion.weighting_scheme={schemes[0]}, or diffusion.{name} "
+                                  f"left at {default}.")
+
+
+# RFConfig's keys that only some weighting schemes read (diffusers' compute_density_for_timestep_sampling:
+# logit_mean and logit_std for logit_normal, mode_scale for mode), with diffusers' defaults (its train scripts'
+# --logit_mean 0, --logit_std 1, --mode_scale 1.29): another scheme accepts a key only at that value.
+SCHEME_KEYS = {"P_mean": (("logit_normal",), 0.0), "P_std": (("logit_normal",), 1.0), "mode_scale": (("mode",), 1.29)}
 
 
 

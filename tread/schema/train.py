@@ -5,10 +5,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from omegaconf import DictConfig
+from pydantic import Field
 
+from tread.encoders.dinov2 import FDD_DINOV2, check_dinov2_folder
 from tread.schema.base import (SEED_LIMIT, ConfigError, Flag, Number, PositiveNumber, Section, check, check_dirs, key,
                                one_of, show)
 from tread.schema.builders import section_types
@@ -19,6 +21,7 @@ from tread.schema.phases import TrainPhases
 from tread.schema.sampling import (NEGATIVE_PROMPT, PROMPTS, DecodeSettings, MetricSettings, Prompt, SamplingSettings,
                              check_guidance)
 from tread.schema.tree import container, pick
+from tread.utils.threads import MAX_CPU_THREADS
 
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -73,6 +76,10 @@ class Train(Section):
                                             "[wandb, tensorboard] ([]: metrics.jsonl only)")
     num_workers: int = key("an integer >= 0 (DataLoader workers per process)", ge=0)
     cpu: Flag
+    cpu_threads: Union[Literal["auto"], Annotated[int, Field(ge=1, le=MAX_CPU_THREADS)]] = key(
+        f"auto (the usable cores other processes leave free, capped by the step's size, re-checked as it runs; "
+        f"OMP_NUM_THREADS when set) or an integer in "
+        f"[1, {MAX_CPU_THREADS}] (torch's intra-op threads on the CPU)")
     compile: Union[Literal["auto"], bool] = key("auto (on with CUDA, or on CPU with a C++ compiler), true or false")
     compile_backend: str = key("a torch.compile backend, e.g. inductor or aot_eager")
     compile_mode: Optional[Literal[COMPILE_MODES]] = key(f"null or {one_of(COMPILE_MODES)}")
@@ -161,8 +168,10 @@ class Eval(SamplingSettings, DecodeSettings, MetricSettings):
 ModelSection = Union[DiTModel, FamilyModel]    # a checked config's model and data sections
 DataSection = Union[LatentsData, WdsData]
 
+# Checked in this order: data before model, whose keys take data's by interpolation (model.frames: ${data.frames}),
+# so a bad value is named by the key the user set.
 SECTIONS = {"train": Train, "ema": EMA, "checkpoint": Checkpoint, "wandb": Wandb, "paths": Paths, "eval": Eval,
-            "routing": Routing, "model": section_types("model"), "data": DATA,
+            "routing": Routing, "data": DATA, "model": section_types("model"),
             "diffusion": section_types("diffusion"), "optimizer": section_types("optimizer")}
 TOP_KEYS = ("resume", *SECTIONS)
 
@@ -239,11 +248,13 @@ def check_train(cfg: Union[DictConfig, dict], unset_ok: tuple[str, ...] = ()) ->
 
 def check_train_files(config: TrainConfig) -> None:
     """The files a checked training config names that must exist before any work (the data's own files are
-    checked when it opens, right after): the evaluation reference."""
+    checked when it opens, right after): the evaluation reference, and FDD's DINOv2 weights (eval.dinov2_weights)."""
     reference = config.eval.reference if config.eval_on else None
     if reference is not None and not Path(reference).expanduser().is_file():
         raise ConfigError(f"eval.reference={reference!r} does not exist; allowed: null (built from the dataset and "
                           f"cached) or a reference .npz (`python fid.py mode=ref ...` builds one).")
+    if config.eval_on and "fdd" in config.eval.metrics:    # FDD's DINOv2 folder: its files' headers
+        check_dinov2_folder(config.eval.dinov2_weights, "eval.dinov2_weights", FDD_DINOV2)
 
 
 def _eval_on(cfg: Any) -> bool:
@@ -256,6 +267,7 @@ def _cross_checks(s: dict[str, Any]) -> None:
         s[name].check()
     check_guidance(s["eval"], "eval.")
     _check_trackers(s["train"].log_with, s["wandb"].mode)
+    _check_i2v(s["train"], s["model"])
     if s["train"].caption_dropout > 0 and not isinstance(s["model"], FamilyModel):
         raise ConfigError(f"train.caption_dropout={s['train'].caption_dropout} needs a text-conditioned model "
                           f"(model=flux|sd3|pixart|...); this model is class-conditional: allowed: 0 (use "
@@ -267,6 +279,18 @@ def _cross_checks(s: dict[str, Any]) -> None:
     _check_phases(s)
     if s["train"].compile is not False:
         _check_backend(s["train"].compile_backend)
+
+
+def _check_i2v(train: Train, model: Any) -> None:
+    """train.i2v_probability is model.i2v's: set away from its default without it, it can only be a mistake."""
+    default = Train.model_fields["i2v_probability"].default
+    if train.i2v_probability != default and not model.i2v:
+        said = (f"model.i2v={show(model.i2v)}" if model.i2v is not None
+                else f"model._target_={model.target} (no model.i2v)")
+        raise ConfigError(f"train.i2v_probability={train.i2v_probability} is read with model.i2v=true only (the share "
+                          f"of clips trained image-to-video); {said} trains none. Allowed: "
+                          f"model.i2v=true (a video family: model=wan|ltx_video|hunyuan_video, data with first "
+                          f"frames), or train.i2v_probability left at {default}.")
 
 
 def _check_phases(s: dict[str, Any]) -> None:

@@ -36,6 +36,8 @@ def announce(run: Any) -> None:
                f"{cfg.train.batch_size} ({cfg.micro_batch(acc.num_processes)} per micro-batch) | "
                f"{acc.device}, mixed precision {acc.mixed_precision} ({precision_why}){compiled}\n"
                f"run dir: {run.run_dir}")
+    if run.threads is not None:
+        tqdm.write(f"cpu threads: {run.threads.threads} ({run.threads.why})")
     if dataset.buckets is not None:
         tqdm.write("buckets (image width x height: samples): " + ", ".join(
             f"{b.name}: {n}" for b, n in zip(dataset.buckets, dataset.bucket_sizes)))

@@ -32,6 +32,7 @@ from tread.training.setup import TrainingParts, build_parts, make_loader, open_d
 from tread.checkpoint.state import TrainingState
 from tread.training.step import StepSettings, StepStats, TrainStep
 from tread.training.summary import RunSummary
+from tread.utils.threads import ThreadChoice, ThreadGovernor, cpu_threads
 
 
 class Trainer:
@@ -51,6 +52,8 @@ class Trainer:
         self.train_sec_start = state.train_sec    # training time before this launch (resume continues the count)
         self.budget_sec = 60.0 * train.time_budget_min if train.time_budget_min else None
         self.out_of_time = self.budget_sec is not None and state.train_sec >= self.budget_sec
+        self.governor = thread_governor(config, parts, summary.data["tokens_fraction"])   # None on a GPU
+        self.threads: Optional[ThreadChoice] = None                                      # set when fit() starts
 
     @classmethod
     def build(cls, config: TrainConfig, run_dir: Path, accelerator: Accelerator,
@@ -104,13 +107,15 @@ class Trainer:
         """Train to the end (max_steps, the time budget, or a stop signal: then a checkpoint right away); returns
         summary.json's content. An error is recorded in summary.json and raised."""
         acc, state = self.parts.accelerator, self.state
-        announce(self)
-        try:
-            with stop_on_signals() as stop:
-                self.run_steps(stop)
-        except Exception as err:  # noqa: BLE001 - summary.json says the run failed, and why; the error goes on up
-            self.summary.fail(err, state.step, acc.is_main_process)
-            raise
+        with cpu_threads(None):                     # torch's thread count comes back after the run (tests)
+            self.start_threads()
+            announce(self)
+            try:
+                with stop_on_signals() as stop:
+                    self.run_steps(stop)
+            except Exception as err:  # noqa: BLE001 - summary.json says the run failed, and why; the error goes on up
+                self.summary.fail(err, state.step, acc.is_main_process)
+                raise
         result = self.summary.finish(state.step, state.train_sec, state.train_sec - self.train_sec_start,
                                      self.out_of_time, acc.is_main_process, preempted=stop.name,
                                      measured=(state.tokens_sum, state.tokens_steps),
@@ -141,6 +146,7 @@ class Trainer:
         while state.step < train.max_steps and not self.out_of_time:
             seconds, stats = self.one_step(batches, window)
             bar.update(1)
+            self.recheck_threads(bar)
             if self.budget_sec is not None:
                 self.out_of_time = time_budget_reached(state, self.budget_sec, train.log_every_steps, acc)
             stopping = stop.agreed()
@@ -154,6 +160,21 @@ class Trainer:
                 bar.write(f"{stop.name or 'a stop signal on another process'}: checkpoint written at step "
                           f"{state.step}; stopping (resume=auto continues)")
                 break
+
+    def start_threads(self) -> None:
+        """A CPU run's thread count for its first steps (summary.json keeps it and each later move: the last bits
+        of a run depend on it)."""
+        if self.governor is not None:
+            self.threads = self.governor.start()
+            self.summary.data.update(cpu_threads=self.threads.threads, cpu_thread_moves=[])
+
+    def recheck_threads(self, bar: tqdm) -> None:
+        """auto: the thread count follows the other processes' load (at most every RECHECK_SEC), said in one line."""
+        moved = self.governor.recheck() if self.governor is not None else None
+        if moved is not None:
+            self.summary.data["cpu_thread_moves"].append([self.state.step, moved.threads])
+            if self.parts.accelerator.is_main_process:
+                bar.write(f"cpu threads: {moved.threads} from step {self.state.step} ({moved.why})")
 
     def one_step(self, batches: Any, window: LogWindow) -> tuple[float, StepStats]:
         """One optimizer update, counted: its seconds and stats."""
@@ -235,3 +256,15 @@ class Trainer:
         return save_checkpoint(self.parts.accelerator, self.run_dir, self.state, self.saved,
                                checkpoint_data_meta(self.dataset, model), cfg.keep_last, trainable,
                                self.config.sharded_checkpoints)
+
+
+def thread_governor(config: TrainConfig, parts: TrainingParts, tokens_fraction: float) -> Optional[ThreadGovernor]:
+    """torch's CPU threads for a run on the CPU (train.cpu_threads; auto caps them by the step's work: about 6
+    FLOPs per parameter and processed token of a micro-batch); None on a GPU, where torch's default stays."""
+    acc = parts.accelerator
+    if acc.device.type != "cpu":
+        return None
+    params = sum(p.numel() for p in parts.model.parameters())
+    step_flops = 6 * params * parts.model.num_tokens * tokens_fraction * config.micro_batch(acc.num_processes)
+    return ThreadGovernor(config.train.cpu_threads, step_flops)
+

@@ -1,9 +1,8 @@
-"""Device choice: "auto" means CUDA when there is one, else the CPU; whether a named CUDA device exists here;
-the torch CPU thread count for a block of work."""
+"""Device choice: "auto" means CUDA when there is one, else the CPU; whether a named CUDA device exists here
+(torch's CPU threads: tread/utils/threads.py)."""
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -32,16 +31,3 @@ def why_unavailable(device: DeviceLike) -> Optional[str]:
     if index < count:
         return None
     return f"CUDA devices 0..{count - 1}" if count else "no CUDA device"
-
-
-@contextlib.contextmanager
-def cpu_threads(threads: Optional[int]) -> Iterator[None]:
-    """torch runs on `threads` CPU threads inside the block (None or 0: unchanged); the caller's count comes back
-    after it (in-process callers, e.g. tests, keep theirs)."""
-    before = torch.get_num_threads()
-    try:
-        if threads:
-            torch.set_num_threads(threads)
-        yield
-    finally:
-        torch.set_num_threads(before)

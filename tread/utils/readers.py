@@ -1,4 +1,4 @@
-"""One guarded way to read every file format the programs accept (JSON, YAML, .npy, .npz, images): a bad
+"""One guarded way to read every file format the programs accept (JSON, YAML, UTF-8 text, .npy, .npz, images): a bad
 file is ONE error (FileFormatError or the caller's `error=`), `<place>: <what is wrong>; expected <what>.
 <hint>`, never a library traceback; nothing is unpickled.
 """
@@ -72,6 +72,13 @@ def json_depth(text: Union[str, bytes]) -> int:
     return int(np.cumsum(steps).max(initial=0))
 
 
+def _depth_problem(text: str) -> Optional[str]:
+    """What is wrong with text nesting deeper than MAX_JSON_DEPTH (None when it does not)."""
+    opened = text.count("[") + text.count("{")      # fewer brackets than the limit: no need to scan
+    depth = json_depth(text) if opened > MAX_JSON_DEPTH else opened
+    return f"nested {depth} levels deep (the limit is {MAX_JSON_DEPTH})" if depth > MAX_JSON_DEPTH else None
+
+
 def _text(data: Union[str, bytes], place: str, expect: str, error: Error, hint: str) -> str:
     """UTF-8 text whose nesting is within MAX_JSON_DEPTH (checked before any parser recurses)."""
     if isinstance(data, bytes):
@@ -79,29 +86,74 @@ def _text(data: Union[str, bytes], place: str, expect: str, error: Error, hint: 
             data = data.decode("utf-8")
         except UnicodeDecodeError as err:
             raise fail(error, place, f"not UTF-8 text ({err.reason} at byte {err.start})", expect, hint) from None
-    opened = data.count("[") + data.count("{")      # fewer brackets than the limit: no need to scan
-    depth = json_depth(data) if opened > MAX_JSON_DEPTH else opened
-    if depth > MAX_JSON_DEPTH:
-        raise fail(error, place, f"nested {depth} levels deep (the limit is {MAX_JSON_DEPTH})", expect, hint)
+    problem = _depth_problem(data)
+    if problem:
+        raise fail(error, place, problem, expect, hint)
     return data
 
 
+class DuplicateKeyError(ValueError):
+    """A key given twice in one JSON object (json.loads would keep the last value and drop the first)."""
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"key {key!r} is given twice in one object (the first value would be lost)")
+        out[key] = value
+    return out
+
+
+def _loads(text: str, unique_keys: bool) -> Any:
+    """json.loads of text already checked for depth; ValueError saying what is wrong in a few words."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_object if unique_keys else None)
+    except DuplicateKeyError:
+        raise
+    except (ValueError, RecursionError) as err:   # JSONDecodeError, and ints of more than 4300 digits
+        raise ValueError(f"invalid JSON ({' '.join(str(err).split())})") from None
+
+
+def loads_json(text: str, unique_keys: bool = False) -> Any:
+    """json.loads of `text` within MAX_JSON_DEPTH (never a RecursionError); ValueError saying what is wrong in a
+    few words (invalid JSON, nested too deep, and with unique_keys a key given twice in one object), for readers
+    that name the place themselves (a line of a JSONL file)."""
+    problem = _depth_problem(text)
+    if problem:
+        raise ValueError(problem)
+    return _loads(text, unique_keys)
+
+
 def parse_json(data: Union[str, bytes], place: str, expect: str = "a JSON document", error: Error = FileFormatError,
-               hint: str = "") -> Any:
+               hint: str = "", unique_keys: bool = False) -> Any:
     """json.loads of text (or UTF-8 bytes) that `place` names (e.g. "lock file '/run/.lock'"); `error` if it is
-    not UTF-8, nests deeper than MAX_JSON_DEPTH, or is not JSON."""
+    not UTF-8, nests deeper than MAX_JSON_DEPTH, or is not JSON (with unique_keys: or gives a key twice in one
+    object, which json.loads would take silently, keeping the last)."""
     text = _text(data, place, expect, error, hint)
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as err:   # JSONDecodeError, and ints of more than 4300 digits
-        raise fail(error, place, f"invalid JSON ({' '.join(str(err).split())})", expect, hint) from None
+        return _loads(text, unique_keys)
+    except ValueError as err:
+        raise fail(error, place, str(err), expect, hint) from None
+
+
+def read_text(path: PathLike, what: str = "text file", expect: str = "UTF-8 text", error: Error = FileFormatError,
+              hint: str = "") -> str:
+    """A UTF-8 text file's text (a leading byte order mark dropped); `error` if it is unreadable or not UTF-8
+    (naming the byte), FileNotFoundError if it is missing."""
+    place = where(what, path)
+    data = _read_bytes(path, place, expect, error, hint)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise fail(error, place, f"not UTF-8 text ({err.reason} at byte {err.start})", expect, hint) from None
 
 
 def read_json(path: PathLike, what: str = "JSON file", expect: str = "a JSON document",
-              error: Error = FileFormatError, hint: str = "") -> Any:
+              error: Error = FileFormatError, hint: str = "", unique_keys: bool = False) -> Any:
     """The JSON document in `path` (see parse_json); FileNotFoundError if it is missing."""
     place = where(what, path)
-    return parse_json(_read_bytes(path, place, expect, error, hint), place, expect, error, hint)
+    return parse_json(_read_bytes(path, place, expect, error, hint), place, expect, error, hint, unique_keys)
 
 
 def read_yaml(path: PathLike, what: str = "YAML file", expect: str = "a YAML document",

@@ -29,7 +29,7 @@ from tread.data.meta import CAPTION_KEYS, EXTRA_KEYS
 from tread.data.repa_features import image_features
 from tread.data.writer import LatentDatasetWriter
 
-from .plan import Plan, read_shard, settings_text
+from .plan import DIGESTS, Plan, digest_inputs, read_shard, settings_text
 from .request import PrecomputeError
 from .video import load_clip, video_dataset_meta, video_meta
 
@@ -131,6 +131,7 @@ def iter_images(plan: Plan, start: int, stop: int, batch_size: int, pool: Option
 def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[ThreadPoolExecutor], progress=None) -> None:
     """Encode one shard's images and write <parts>/shard_XXXXX.npz atomically."""
     start, stop = plan.shard_range(shard)
+    digests = digest_inputs(plan, range(start, stop), pool)     # of the bytes about to be encoded
     lat, flipped, masks, text, refs, crops = _encode_images(plan, start, stop, encoder, pool, progress)
     store = np.dtype(plan.settings["dtype"])
     f16 = " (float16 overflows above 65504: try --dtype float32)" if store == np.float16 else ""
@@ -155,7 +156,7 @@ def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[Thread
     if encoder.repa_meta is not None:
         arrays["repa_meta"] = np.array(json.dumps(encoder.repa_meta, sort_keys=True))
     arrays.update(labels=plan.labels[start:stop].astype(np.int64), indices=np.arange(start, stop, dtype=np.int64),
-                  settings=np.array(settings_text(plan.settings)))
+                  settings=np.array(settings_text(plan.settings)), **{DIGESTS: digests})
     atomic_write(plan.shard_file(shard), lambda f: np.savez(f, **arrays), fsync=True)
 
 
@@ -208,7 +209,7 @@ def read_empty_prompt(plan: Plan) -> Optional[dict[str, np.ndarray]]:
     """The encoded empty prompt shard 0 holds ({text part: (1, ...)}), None unless --empty-prompt."""
     if not (plan.caption_table and plan.settings["text"]["empty_prompt"]):
         return None
-    read_shard(plan, 0, arrays=False)                # its settings checked
+    read_shard(plan, 0, arrays=False, inputs=False)  # its settings checked
     names = [f"empty_{key}" for key in CAPTION_KEYS]
     z = read_npz(plan.shard_file(0), "shard file", names, PrecomputeError, "Delete it to encode that shard again.")
     return {key[len("empty_"):]: value for key, value in z.items()}

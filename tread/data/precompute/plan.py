@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -18,6 +21,7 @@ from tread.utils.readers import image_size, parse_json, read_json, read_npz
 
 from tread.data.buckets import Bucket, assign_bucket
 from tread.data.images import IMAGE_EXTS, ImageFolderError, images_under, list_image_folder, short_list
+from tread.data.video import frame_files
 
 from .captions import read_caption_manifest, read_sidecar, sidecar_of, with_trigger
 from .request import PrecomputeError, PrecomputeRequest, request_buckets
@@ -25,6 +29,8 @@ from .video import plan_clips
 
 SETTINGS_FILE = "settings.json"
 PARTS_VERSION = 1
+DIGESTS = "input_digests"     # a shard's array: each sample's input_digest, (n, 32) uint8
+DIGEST_CHUNK = 1 << 20        # bytes read at a time when hashing an input
 
 
 def parts_dir_of(out: Path) -> Path:
@@ -391,14 +397,17 @@ def write_parts_settings(plan: Plan) -> None:
     atomic_write_json(plan.parts / SETTINGS_FILE, plan.settings, fsync=True)
 
 
-def read_shard(plan: Plan, shard: int, arrays: bool = True) -> Optional[dict]:
-    """A finished shard's contents (None if not written yet); one from other settings or damaged raises."""
+def read_shard(plan: Plan, shard: int, arrays: bool = True, inputs: Optional[bool] = None) -> Optional[dict]:
+    """A finished shard's contents (None if not written yet); one from other settings or damaged raises. With
+    `inputs` (default: not arrays, the question resuming asks) its inputs are hashed again (digest_inputs): a shard
+    whose inputs changed since it was written (same names and settings, other bytes) is one note line and None,
+    so it is encoded again."""
     file = plan.shard_file(shard)
     if not file.is_file():
         return None
     start, stop = plan.shard_range(shard)
     hint = "Delete it to encode that shard again."
-    z = read_npz(file, "shard file", None if arrays else ("settings", "indices"), PrecomputeError, hint)
+    z = read_npz(file, "shard file", None if arrays else ("settings", "indices", DIGESTS), PrecomputeError, hint)
     lacking = [k for k in ("settings", "indices") if k not in z]
     if lacking:
         raise PrecomputeError(f"shard file '{file}' has no {lacking} array(s): it was not written by this program. "
@@ -412,4 +421,61 @@ def read_shard(plan: Plan, shard: int, arrays: bool = True) -> Optional[dict]:
     if not np.array_equal(indices, np.arange(start, stop)):
         raise PrecomputeError(f"shard file '{file}' holds images {indices[:1].tolist()}..{indices[-1:].tolist()} but "
                               f"shard {shard} is images [{start}, {stop}). {_delete_parts_advice(plan)}.")
+    if (not arrays if inputs is None else inputs) and _inputs_changed(plan, shard, z.get(DIGESTS)):
+        return None
     return content
+
+
+# ----------------------------------------------------------------------------- input digests
+
+def input_files(plan: Plan, index: int) -> list[Path]:
+    """The files sample `index` is made of: its image (a clip: its video file, or its frame folder's frames), and
+    its loss mask and reference image when used."""
+    path = plan.paths[index]
+    files = frame_files(path) if plan.video and path.is_dir() else [path]
+    files += [extra[index] for extra in (plan.mask_paths, plan.reference_paths) if extra is not None]
+    return files
+
+
+def input_digest(plan: Plan, index: int) -> bytes:
+    """SHA-256 over the size and bytes of each of input_files(plan, index), in order; an unreadable file is a
+    PrecomputeError naming it."""
+    digest, buffer = hashlib.sha256(), bytearray(DIGEST_CHUNK)
+    for file in input_files(plan, index):
+        try:
+            with open(file, "rb", buffering=0) as f:
+                digest.update(os.fstat(f.fileno()).st_size.to_bytes(8, "little"))
+                while n := f.readinto(buffer):
+                    digest.update(memoryview(buffer)[:n])
+        except OSError as err:
+            raise PrecomputeError(f"cannot read '{file}' ({err.strerror or err}); make it readable or remove it") \
+                from None
+    return digest.digest()
+
+
+def digest_inputs(plan: Plan, indices: Sequence[int], pool: Optional[Executor] = None) -> np.ndarray:
+    """uint8 (len(indices), 32): each sample's input_digest, read by `pool` (default: --workers threads of its
+    own; 0: this thread). A shard stores its samples' (DIGESTS) when written; resuming compares them."""
+    own = ThreadPoolExecutor(plan.request.workers) if pool is None and plan.request.workers else None
+    with own or nullcontext():
+        threads = pool or own
+        rows = list(threads.map(lambda i: input_digest(plan, int(i)), indices)) if threads else \
+            [input_digest(plan, int(i)) for i in indices]
+    return np.frombuffer(b"".join(rows), np.uint8).reshape(len(rows), -1)
+
+
+def _inputs_changed(plan: Plan, shard: int, stored: Optional[np.ndarray]) -> bool:
+    """Whether a finished shard's inputs differ from those it was encoded from (or it records none: written by an
+    older version); if so, one note line naming how many and the first few."""
+    start, stop = plan.shard_range(shard)
+    now = digest_inputs(plan, range(start, stop))
+    if stored is not None and stored.shape == now.shape and np.array_equal(stored, now):
+        return False
+    if stored is None or stored.shape != now.shape:
+        why = "it records no digests of its inputs (written by an older version)"
+    else:
+        changed = start + np.flatnonzero((stored != now).any(axis=1))
+        names = [plan.paths[i].relative_to(plan.root).as_posix() for i in changed]
+        why = f"{len(changed)} of {stop - start} input(s) changed since it was encoded ({short_list(names, 3)})"
+    print(f"note: shard {shard} in '{plan.parts}': {why}; encoding it again", flush=True)
+    return True

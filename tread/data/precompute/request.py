@@ -2,18 +2,22 @@
 checks of it that run before any work: no VAE loaded, no image read. tread/data/precompute/run.py does the work."""
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from tread.encoders.text import TextEncoderError, resolve_text_encoder_paths
 from tread.encoders.text_families import FAMILIES, TEXT_FAMILIES, encoder_keys
 from tread.encoders.patch import ENCODERS as REPA_ENCODERS
 from tread.encoders.vae import VIDEO_VAE_CLASSES
 from tread.utils.errors import UserError
+from tread.utils.numbers import in_range, span
+from tread.utils.io import file_in_the_way, unwritable_dir
 
-from tread.data.buckets import Bucket, BucketError, check_stride, derive_buckets, parse_buckets, parse_frame_buckets
+from tread.data.buckets import (MAX_BUCKETS, MAX_BUDGETS, MAX_FRAMES, MAX_PIXELS, MAX_SIDE, Bucket, BucketError,
+                                check_stride, derive_buckets, parse_buckets, parse_frame_buckets)
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 KINDS = ("moments", "sample")
@@ -22,6 +26,10 @@ VAE_DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 REF_FEATURES = ("inception", "toy_classifier")
 TEXT_ENCODER_DTYPES = ("float32", "bfloat16", "float16")
+MAX_COUNT = 10 ** 12              # --max-images: a subset of at most this many
+# The defaults of the flags whose absence matters (--max-aspect with --buckets does nothing, ...): their fields
+# are None unless given, and take these values when the request is made (PrecomputeRequest.given tells them apart).
+DEFAULTS = {"resolution": 256, "bucket_stride": 16, "max_aspect": 2.0, "frame_stride": 1}
 
 
 class PrecomputeError(UserError):
@@ -32,23 +40,24 @@ class PrecomputeError(UserError):
 class PrecomputeRequest:
     """One field per flag of scripts/precompute_latents.py (--vae-dtype is vae_dtype), the same defaults;
     `python scripts/precompute_latents.py --help` says what each means. Checked by check_request, which
-    precompute runs first (it looks at the file system, so it runs when the work starts, not when this is built)."""
+    precompute runs first (it looks at the file system, so it runs when the work starts, not when this is built).
+    The fields of DEFAULTS left None take their default here; `given(name)` says whether one was set."""
 
     images: Optional[str] = None                  # image folder (required, or videos)
     videos: Optional[str] = None                  # clip folder instead of images (tread/data/precompute/video.py)
     frames: Optional[int] = None                  # pixel frames per clip (or frame_buckets)
-    frame_stride: int = 1                         # read every s-th source frame
+    frame_stride: Optional[int] = None            # read every s-th source frame (None: 1)
     frame_buckets: Optional[str] = None           # frame counts 'F1,F2,...': each clip the most it fills
     first_frame: bool = False                     # also store each clip's first frame encoded alone
     vae_class: Optional[str] = None               # the video VAE's diffusers class (default: its config.json's)
     labels: Optional[str] = None                  # labels file of a flat folder
     out: Optional[str] = None                     # latent dataset to write (required; must not exist)
     max_images: Optional[int] = None              # a fixed random subset of N images
-    resolution: int = 256                         # image side after the center crop
+    resolution: Optional[int] = None              # image side after the center crop (None: 256)
     buckets: Optional[str] = None                 # aspect/size buckets 'WxH,WxH,...' (instead of --resolution)
     bucket_pixels: Optional[str] = None           # buckets derived from pixel budgets 'A[,A...]'
-    bucket_stride: int = 16                       # bucket sides are multiples of this (VAE factor x patch)
-    max_aspect: float = 2.0                       # derived buckets' widest width/height (and height/width)
+    bucket_stride: Optional[int] = None           # bucket sides are multiples of this (VAE factor x patch; 16)
+    max_aspect: Optional[float] = None            # derived buckets' widest width/height (and height/width; 2)
     vae: str = DEFAULT_VAE                        # VAE hub id or local AutoencoderKL folder
     vae_subfolder: Optional[str] = None           # folder of the VAE inside the model
     kind: Optional[str] = None                    # moments | sample (None: moments; clips: mean, the only choice)
@@ -80,9 +89,23 @@ class PrecomputeRequest:
     inception_weights: Optional[str] = None       # local Inception weights file
     ref_store_images: int = 10000                 # images kept in the reference as arr_0
     cache_dir: str = field(default_factory=lambda: os.environ.get("TREAD_CACHE_DIR", ".cache"))   # toy classifier
+    explicit: frozenset = field(init=False, repr=False, compare=False)      # the DEFAULTS fields that were set
 
     def __post_init__(self):
         object.__setattr__(self, "text_encoder_path", tuple(self.text_encoder_path))
+        object.__setattr__(self, "explicit", frozenset(k for k in DEFAULTS if getattr(self, k) is not None))
+        for name, value in DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+
+    def given(self, name: str) -> bool:
+        """Whether the field `name` of DEFAULTS was set (its flag given), not left to its default."""
+        return name in self.explicit
+
+    @property
+    def bucketed(self) -> bool:
+        """Whether images go to buckets (--buckets / --bucket-pixels) instead of the --resolution square."""
+        return self.buckets is not None or self.bucket_pixels is not None
 
     def text_encoder_paths(self) -> dict[str, str]:
         """{"pipeline": text_encoders, KEY: PATH for each text_encoder_path KEY=PATH} (after the checks)."""
@@ -91,6 +114,14 @@ class PrecomputeRequest:
             key, _, path = item.partition("=")
             paths[key.strip()] = path.strip()
         return paths
+
+
+def plain_counts(req: PrecomputeRequest) -> tuple[tuple[str, int, int, int], ...]:
+    """(flag, value, low, high) of the plain counts: bounded so that a batch or shard held in memory, a thread
+    pool or the stored reference images cannot be asked for more than a machine has."""
+    return (("--batch-size", req.batch_size, 1, 1 << 16), ("--shard-size", req.shard_size, 1, 1 << 24),
+            ("--workers", req.workers, 0, 1024), ("--seed", req.seed, 0, 2 ** 31 - 1),
+            ("--ref-store-images", req.ref_store_images, 0, 10 ** 7))
 
 
 def bad_value(flag: str, value: Any, allowed: str) -> PrecomputeError:
@@ -123,15 +154,24 @@ def check_images_flag(req: PrecomputeRequest) -> None:
 
 def check_common(req: PrecomputeRequest) -> None:
     """The flags images and clips share."""
-    if not req.out:
-        raise PrecomputeError("--out DIR is required: the latent dataset directory to write (must not exist)")
-    out = Path(req.out).expanduser().absolute()
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise PrecomputeError(f"--out '{out}' already exists; refusing to overwrite it. Delete it or choose "
-                              f"another path.")
-    if req.resolution is None or req.resolution < 8:
-        raise bad_value("--resolution", req.resolution, "an integer >= 8 that is a multiple of the VAE's downsampling "
-                                                        "factor (8 for SD-VAE), e.g. 256")
+    check_outputs(req)
+    check_encoding(req)
+    check_conditioning(req)
+    check_repa_encoder(req)
+    check_buckets(req)
+    if req.ref_out is not None:
+        if req.ref_features not in REF_FEATURES:
+            raise bad_value("--ref-features", req.ref_features, f"one of {', '.join(REF_FEATURES)}")
+        if req.inception_weights is not None and not Path(req.inception_weights).expanduser().is_file():
+            raise bad_value("--inception-weights", req.inception_weights, "no such file (a torch-fidelity Inception "
+                                                                          "weights file)")
+
+
+def check_encoding(req: PrecomputeRequest) -> None:
+    """--resolution, the dtypes, the device, the VAE and the sizes of the work."""
+    if in_range(req.resolution, 8, MAX_SIDE) is None:
+        raise bad_value("--resolution", req.resolution, f"{span(8, MAX_SIDE)} that is a multiple of the VAE's "
+                                                        f"downsampling factor (8 for SD-VAE), e.g. 256")
     if req.dtype not in STORE_DTYPES:
         raise bad_value("--dtype", req.dtype, f"one of {', '.join(STORE_DTYPES)}")
     if req.vae_dtype not in VAE_DTYPES:
@@ -143,28 +183,11 @@ def check_common(req: PrecomputeRequest) -> None:
         raise bad_value("--vae", req.vae, f"a hub id (e.g. {DEFAULT_VAE}) or a local AutoencoderKL directory")
     if req.vae_subfolder is not None and not req.vae_subfolder:
         raise bad_value("--vae-subfolder", req.vae_subfolder, "a folder name such as 'vae', or leave it out")
-    for flag, value, low in (("--batch-size", req.batch_size, 1), ("--shard-size", req.shard_size, 1),
-                             ("--workers", req.workers, 0), ("--seed", req.seed, 0),
-                             ("--ref-store-images", req.ref_store_images, 0)):
-        if value < low:
-            raise bad_value(flag, value, f"an integer >= {low}")
-    if req.seed >= 2 ** 31:
-        raise bad_value("--seed", req.seed, "an integer in [0, 2**31)")
-    if req.max_images is not None and req.max_images < 1:
-        raise bad_value("--max-images", req.max_images, "an integer >= 1 (or leave it out for all images)")
-    check_conditioning(req)
-    check_repa_encoder(req)
-    check_buckets(req)
-    if req.ref_out is not None:
-        ref = Path(req.ref_out).expanduser()
-        if ref.exists():
-            raise PrecomputeError(f"--ref-out '{ref.absolute()}' already exists; refusing to overwrite it. Delete "
-                                  f"it or choose another path.")
-        if req.ref_features not in REF_FEATURES:
-            raise bad_value("--ref-features", req.ref_features, f"one of {', '.join(REF_FEATURES)}")
-        if req.inception_weights is not None and not Path(req.inception_weights).expanduser().is_file():
-            raise bad_value("--inception-weights", req.inception_weights, "no such file (a torch-fidelity Inception "
-                                                                          "weights file)")
+    for flag, value, low, high in plain_counts(req):
+        if in_range(value, low, high) is None:
+            raise bad_value(flag, value, span(low, high))
+    if req.max_images is not None and in_range(req.max_images, 1, MAX_COUNT) is None:
+        raise bad_value("--max-images", req.max_images, f"{span(1, MAX_COUNT)} (or leave it out for all images)")
 
 
 def request_buckets(req: PrecomputeRequest) -> Optional[list[Bucket]]:
@@ -173,23 +196,39 @@ def request_buckets(req: PrecomputeRequest) -> Optional[list[Bucket]]:
         return parse_buckets(req.buckets)
     if req.bucket_pixels is None:
         return None
-    budgets = []
-    for item in str(req.bucket_pixels).split(","):
-        if not item.strip().isdigit() or int(item) < 1:
-            raise bad_value("--bucket-pixels", req.bucket_pixels, "comma-separated pixel counts (areas), e.g. "
-                                                                  "'262144' (512x512) or '65536,262144' (two sizes)")
-        budgets.append(int(item))
+    items = str(req.bucket_pixels).split(",")
+    budgets = [in_range(item, 1, MAX_PIXELS) for item in items[:MAX_BUDGETS + 1]]
+    if len(items) > MAX_BUDGETS or None in budgets:
+        raise bad_value("--bucket-pixels", req.bucket_pixels,
+                        f"at most {MAX_BUDGETS} comma-separated pixel counts (areas), each {span(1, MAX_PIXELS)} "
+                        f"({MAX_SIDE}x{MAX_SIDE}), e.g. '262144' (512x512) or '65536,262144' (two sizes)")
     return derive_buckets(budgets, req.bucket_stride, req.max_aspect)
+
+
+def check_bucket_flags(req: PrecomputeRequest) -> None:
+    """The bucket flags that would do nothing (refused, so a typo'd command never silently runs another one)."""
+    if req.buckets is not None and req.bucket_pixels is not None:
+        raise PrecomputeError("--buckets and --bucket-pixels both given: list the buckets, or derive them from "
+                              "pixel budgets, not both")
+    if req.given("max_aspect") and req.bucket_pixels is None:
+        raise PrecomputeError(f"--max-aspect={req.max_aspect} only applies with --bucket-pixels (it bounds the "
+                              f"aspect ratios of the derived buckets)" + ("; --buckets lists the sizes itself: "
+                                                                          "leave --max-aspect out" * req.bucketed))
+    if req.given("bucket_stride") and not req.bucketed:
+        raise PrecomputeError(f"--bucket-stride={req.bucket_stride} only applies with --buckets or --bucket-pixels "
+                              f"(bucket sides are multiples of it); without them every image is the --resolution "
+                              f"square")
+    if req.given("resolution") and req.bucketed and req.repa_encoder is None:
+        raise PrecomputeError(f"--resolution={req.resolution} does nothing with --buckets/--bucket-pixels: each "
+                              f"image (clip) is cropped to its bucket's size; leave --resolution out")
+    if in_range(req.bucket_stride, 1, MAX_SIDE) is None:
+        raise bad_value("--bucket-stride", req.bucket_stride, f"{span(1, MAX_SIDE)} (the VAE's downsampling factor "
+                                                              f"times the model's patch side, e.g. 16)")
 
 
 def check_buckets(req: PrecomputeRequest) -> None:
     """--buckets / --bucket-pixels / --bucket-stride / --max-aspect (cheap: no image read)."""
-    if req.buckets is not None and req.bucket_pixels is not None:
-        raise PrecomputeError("--buckets and --bucket-pixels both given: list the buckets, or derive them from "
-                              "pixel budgets, not both")
-    if req.bucket_stride < 1:
-        raise bad_value("--bucket-stride", req.bucket_stride, "an integer >= 1 (the VAE's downsampling factor times "
-                                                              "the model's patch side, e.g. 16)")
+    check_bucket_flags(req)
     try:
         buckets = request_buckets(req)
         if buckets is not None:
@@ -200,6 +239,60 @@ def check_buckets(req: PrecomputeRequest) -> None:
     if buckets is not None and req.ref_out is not None:
         raise PrecomputeError("--ref-out needs one image size: reference statistics are computed from square "
                               "center crops; build them in a run without --buckets/--bucket-pixels")
+    if buckets is not None and req.videos is not None and len(buckets) * len(frame_counts(req)) > MAX_BUCKETS:
+        raise PrecomputeError(f"{len(buckets)} bucket sizes x {len(frame_counts(req))} frame counts "
+                              f"(--frame-buckets) make more than {MAX_BUCKETS} clip buckets; use fewer of either")
+
+
+def check_outputs(req: PrecomputeRequest) -> None:
+    """--out and --ref-out (cheap): given, not there yet, below folders only, in a folder this process can write,
+    and neither an input folder nor inside one (nor one inside the other)."""
+    if not req.out:
+        raise PrecomputeError("--out DIR is required: the latent dataset directory to write (must not exist)")
+    out = Path(req.out).expanduser().absolute()
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise PrecomputeError(f"--out '{out}' already exists; refusing to overwrite it. Delete it or choose "
+                              f"another path.")
+    _check_writable("--out", out)
+    inputs = [(flag, Path(v).expanduser().absolute()) for flag, v in (("--images", req.images),
+                                                                       ("--videos", req.videos)) if v]
+    _check_apart("--out", out, inputs)
+    if req.ref_out is not None:
+        ref = Path(req.ref_out).expanduser().absolute()
+        if ref.exists():
+            raise PrecomputeError(f"--ref-out '{ref}' already exists; refusing to overwrite it. Delete it or choose "
+                                  f"another path.")
+        _check_writable("--ref-out", ref)
+        _check_apart("--ref-out", ref, [*inputs, ("--out", out)])
+
+
+def _check_writable(flag: str, path: Path) -> None:
+    """`path`'s folder can be made and written: no file where a folder must be, and a probe file can be made in
+    the nearest existing folder above it (tread.utils.io.unwritable_dir)."""
+    blocker = file_in_the_way(path.parent)
+    if blocker is not None:
+        raise PrecomputeError(f"{flag} '{path}' cannot be made: '{blocker}' is a file, not a folder; choose a path "
+                              f"in a folder")
+    found = unwritable_dir(path.parent)
+    if found is not None:
+        where, err = found
+        code = errno.errorcode.get(err.errno or 0)
+        raise PrecomputeError(f"{flag} '{path}' cannot be written: no file can be made in '{where}' "
+                              f"({err.strerror or err}{f', {code}' if code else ''}); make it writable or choose "
+                              f"another path")
+
+
+def _check_apart(flag: str, path: Path, others: Sequence[tuple[str, Path]]) -> None:
+    """`path` (of `flag`) is none of `others` ((flag, path)), not inside one, and holds none (symlinks resolved)."""
+    real = path.resolve()
+    for other_flag, other in others:
+        if real == other.resolve() or other.resolve() in real.parents:
+            where = "is" if real == other.resolve() else "is inside"
+            raise PrecomputeError(f"{flag} '{path}' {where} {other_flag} '{other}': {flag} must lie outside it; "
+                                  f"choose another {flag}")
+        if real in other.resolve().parents:
+            raise PrecomputeError(f"{other_flag} '{other}' is inside {flag} '{path}': {flag} must lie outside it; "
+                                  f"choose another {flag}")
 
 
 def check_conditioning(req: PrecomputeRequest) -> None:
@@ -276,9 +369,9 @@ def _check_text_family(req: PrecomputeRequest, captioned: bool) -> None:
         resolve_text_encoder_paths(family, req.text_encoder_paths(), t5=not req.no_t5)
     except TextEncoderError as err:
         raise PrecomputeError(str(err)) from None
-    if req.max_text_length is not None and req.max_text_length < 1:
-        raise bad_value("--max-text-length", req.max_text_length, "an integer >= 1 (tokens), or leave it out for the "
-                                                                  "family's default")
+    if req.max_text_length is not None and in_range(req.max_text_length, 1, 1 << 16) is None:
+        raise bad_value("--max-text-length", req.max_text_length, f"{span(1, 1 << 16)} (tokens), or leave it out for "
+                                                                  f"the family's default")
     if req.text_encoder_dtype not in TEXT_ENCODER_DTYPES:
         raise bad_value("--text-encoder-dtype", req.text_encoder_dtype, f"one of {', '.join(TEXT_ENCODER_DTYPES)}")
 
@@ -326,11 +419,11 @@ def check_video_request(req: PrecomputeRequest) -> None:
     if (req.frames is None) == (req.frame_buckets is None):
         raise PrecomputeError("--videos needs --frames F (every clip F frames) or --frame-buckets F1,F2,... (each "
                               "clip the most frames it has), exactly one of them")
-    if req.frames is not None and req.frames < 1:
-        raise bad_value("--frames", req.frames, "an integer >= 1 (pixel frames per clip, 1 + k * the VAE's temporal "
-                                                "factor, e.g. 17 for Wan's 4)")
-    if req.frame_stride < 1:
-        raise bad_value("--frame-stride", req.frame_stride, "an integer >= 1 (read every s-th source frame)")
+    if req.frames is not None and in_range(req.frames, 1, MAX_FRAMES) is None:
+        raise bad_value("--frames", req.frames, f"{span(1, MAX_FRAMES)} (pixel frames per clip, 1 + k * the VAE's "
+                                                f"temporal factor, e.g. 17 for Wan's 4)")
+    if in_range(req.frame_stride, 1, MAX_FRAMES) is None:
+        raise bad_value("--frame-stride", req.frame_stride, f"{span(1, MAX_FRAMES)} (read every s-th source frame)")
     if req.vae_class is not None and req.vae_class not in VIDEO_VAE_CLASSES:
         raise bad_value("--vae-class", req.vae_class, f"one of {', '.join(VIDEO_VAE_CLASSES)}")
     try:
@@ -343,6 +436,6 @@ def check_image_only_flags(req: PrecomputeRequest) -> None:
     """The video flags without --videos: one error naming them."""
     used = [f for f, v in (("--frames", req.frames), ("--frame-buckets", req.frame_buckets),
                            ("--first-frame", req.first_frame), ("--vae-class", req.vae_class),
-                           ("--frame-stride", req.frame_stride != 1)) if v]
+                           ("--frame-stride", req.given("frame_stride"))) if v]
     if used:
         raise PrecomputeError(f"{'/'.join(used)} only apply with --videos DIR (a folder of clips)")

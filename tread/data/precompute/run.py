@@ -1,14 +1,20 @@
 """Precomputing latents, the work (docs/data.md "Precomputing latents"): `prepare(request)` (the checks, the plan
 every process agrees on, this process's device), then `encode_dataset(run)` (check the images decode, load the
 encoders once, encode this process's shards into the parts folder, merge), returning {"out", "num_images",
-"shards", "encoded_here"}. Every failing step is agreed on by all processes, so no one waits at a barrier."""
+"shards", "encoded_here"}. Every failing step is agreed on by all processes, so no one waits at a barrier. The main
+process locks --out for the run (lock_out); SIGINT and SIGTERM stop it before its next shard (stop_at_shards)."""
 from __future__ import annotations
 
+import contextlib
+import glob
+import os
 import shutil
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -18,17 +24,19 @@ from tqdm import tqdm
 
 from tread.encoders.text import load_text_encoders
 from tread.encoders.vae import downsample_factor, load_vae
+from tread.runtime.lock import RunDirLock, RunDirLocked, read_lock
+from tread.runtime.preempt import handling, stop_exit_status, stop_status
 from tread.utils.device import why_unavailable
 from tread.utils.distributed import any_rank
 
 from tread.data.buckets import histogram
 from tread.data.builtin.toy import load_repa_encoder
-from tread.data.images import unreadable_images
+from tread.data.images import short_list, unreadable_images
 from tread.data.repa_features import encoder_meta
 
 from .encode import Encoder, TextEncoder, dataset_meta, encode_shard, merge_shards
-from .plan import (Plan, check_parts_settings, make_plan, read_shard, skipped_note, unfinished_images,
-                   unreadable_images_error, write_parts_settings)
+from .plan import (Plan, check_parts_settings, make_plan, parts_dir_of, read_shard, skipped_note,
+                   unfinished_images, unreadable_images_error, write_parts_settings)
 from .request import PrecomputeError, PrecomputeRequest, bad_value, check_request
 from .video import load_video_encoder
 
@@ -47,6 +55,120 @@ def collective(work: Callable[[], Any]) -> Any:
         raise PrecomputeError("another process failed (see its error above); nothing was merged")
     return result
 
+
+# ----------------------------------------------------------------------------- stopping at a shard
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM stopped the run before its next shard; the finished shards are kept, a rerun resumes."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        """train.py's: 130 after Ctrl-C, 75 (try again later) after SIGTERM."""
+        return stop_exit_status(stop_status(signal.Signals(self.signum).name))
+
+
+class ShardStop:
+    """The first stop signal this process got (None: none yet); the run checks it before each shard. The same
+    signal again takes its default action: it ends the process at once (finished shards are kept)."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+
+    def handle(self, signum: int, _frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping before the next shard; send it again to stop at "
+                        f"once\n".encode())   # not print(): the handler may run inside a print
+        signal.signal(signum, signal.SIG_DFL)
+
+    def check(self, plan: Plan) -> None:
+        """Interrupted if a stop signal came."""
+        if self.signum is None:
+            return
+        done = sum(plan.shard_file(s).is_file() for s in range(plan.num_shards))
+        raise Interrupted(self.signum, f"stopped by {signal.Signals(self.signum).name}: {done} of {plan.num_shards} "
+                                       f"shards are finished in '{plan.parts}'; rerun the same command to resume")
+
+
+@contextlib.contextmanager
+def stop_at_shards() -> Iterator[ShardStop]:
+    """SIGINT and SIGTERM recorded in a ShardStop for the block (only the main thread can install handlers;
+    elsewhere the signals keep theirs and the ShardStop stays empty)."""
+    stop = ShardStop()
+    with handling(STOP_SIGNALS, stop.handle):
+        yield stop
+
+
+# ----------------------------------------------------------------------------- one writer per --out
+
+def lock_out(out: Path) -> RunDirLock:
+    """Lock --out against a second precompute (the file <out>.parts/.lock, tread/runtime/lock.py: a lock whose
+    process is gone is taken over), then remove what an interrupted run left (remove_stale). A live holder, or an
+    --out another run finished meanwhile, is one PrecomputeError."""
+    lock = RunDirLock(parts_dir_of(out))
+    try:
+        lock.acquire()
+    except RunDirLocked:
+        raise PrecomputeError(f"--out '{out}' is being written by another precompute: {_holder(lock.path)}; wait for "
+                              f"it to finish or choose another --out (if that process is gone, delete "
+                              f"'{lock.path}')") from None
+    try:
+        if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+            raise PrecomputeError(f"--out '{out}' was written by another precompute meanwhile; refusing to overwrite "
+                                  f"it. Delete it or choose another path.")
+        remove_stale(out)
+    except BaseException:
+        release_out(lock)
+        raise
+    return lock
+
+
+def _holder(path: Path) -> str:
+    """Who holds the lock file `path`, for an error."""
+    try:
+        record = read_lock(path)
+    except ValueError as err:
+        return f"its lock '{path}' cannot be read ({err})"
+    if record is None:
+        return f"it held the lock '{path}' a moment ago"
+    since = f" (since {record['started']})" if record.get("started") else ""
+    return f"pid {record['pid']} on host {record['host']} holds the lock '{path}'{since}"
+
+
+def remove_stale(out: Path) -> None:
+    """Remove the staging folders of `out` (.<name>.tmp-*: LatentDatasetWriter, BucketedWriter) and the half-written
+    files of its parts folder that a killed run left; the caller holds the lock, so no live run owns them. One note
+    line names them."""
+    parts = parts_dir_of(out)
+    stale = sorted(out.parent.glob(f".{glob.escape(out.name)}.tmp-*")) + \
+        [p for p in sorted(parts.glob(".*.tmp")) if not p.name.startswith(".lock")]
+    for path in stale:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if stale:
+        print(f"note: removed what an interrupted precompute into '{out}' left: {short_list([str(p) for p in stale])}",
+              flush=True)
+
+
+def release_out(lock: Optional[RunDirLock]) -> None:
+    """Release lock_out's lock (None: this process holds none) and its parts folder if nothing else is in it."""
+    if lock is None:
+        return
+    lock.release()
+    with contextlib.suppress(OSError):
+        lock.run_dir.rmdir()
+
+
+# ----------------------------------------------------------------------------- the work
 
 def process_device(state: PartialState, name: str) -> torch.device:
     """This process's device: its own GPU under accelerate (auto, cuda), else the CPU."""
@@ -111,9 +233,11 @@ def _text_encoder(plan: Plan, device) -> Optional[TextEncoder]:
     return TextEncoder(req.text_family, encoders, req.max_text_length, device, dtype)
 
 
-def run_encoding(plan: Plan, state, device, encoder: Optional[Encoder] = None) -> tuple[Any, int]:
-    """Encode this process's unfinished shards with `encoder` (default: load_encoder(plan, device)); returns
-    (vae, shards encoded here)."""
+def run_encoding(plan: Plan, state, device, encoder: Optional[Encoder] = None,
+                 stop: Optional[ShardStop] = None) -> tuple[Any, int]:
+    """Encode this process's unfinished shards with `encoder` (default: load_encoder(plan, device)), checking `stop`
+    before each shard and after the last (Interrupted); returns (vae, shards encoded here)."""
+    stop = stop or ShardStop()
     req = plan.request
     encoder = load_encoder(plan, device) if encoder is None else encoder
     if state.is_main_process:  # only once the VAE and resolution are known to work
@@ -129,59 +253,93 @@ def run_encoding(plan: Plan, state, device, encoder: Optional[Encoder] = None) -
             (ThreadPoolExecutor(req.workers) if req.workers else nullcontext()) as pool:
         bar.set_postfix(shards=f"{len(todo)} to do", copies=per_image)
         for shard in todo:
+            stop.check(plan)
             encode_shard(plan, shard, encoder, pool, bar)
             done += 1
+    stop.check(plan)
     return encoder.vae, done
 
 
 @dataclass
 class Run:
-    """A precompute under way in this process: the plan every process agreed on, accelerate's process state and
-    this process's device."""
+    """A precompute under way in this process: the plan every process agreed on, accelerate's process state, this
+    process's device and (main process) the lock on --out, released by close() (or the `with` block's end)."""
 
     plan: Plan
     state: PartialState
     device: torch.device
+    lock: Optional[RunDirLock] = None
 
     @property
     def request(self) -> PrecomputeRequest:
         return self.plan.request
 
+    def close(self) -> None:
+        release_out(self.lock)
+        self.lock = None
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
 
 def prepare(request: PrecomputeRequest) -> Run:
-    """Check the request, list the images and fix the plan; refuse a parts folder of other settings; note the
-    files that are not images. Nothing is loaded or written yet."""
+    """Check the request, lock --out (the main process; lock_out), list the images and fix the plan; refuse a parts
+    folder of other settings; note the files that are not images. Nothing is loaded or encoded yet; close the run
+    (`with prepare(request) as run:`) to release the lock."""
     check_request(request)
-    plan = make_plan(request)
     state = PartialState()
     device = process_device(state, request.device)
-    check_parts_settings(plan)                                    # every process, before any collective
+    out = Path(request.out).expanduser().absolute()
+    lock = collective(lambda: lock_out(out) if state.is_main_process else None)
+    try:
+        plan = make_plan(request)
+        check_parts_settings(plan)                                # every process, before any collective
+    except BaseException:
+        release_out(lock)
+        raise
     note = skipped_note(plan)
     if note and state.is_main_process:
         print(note, flush=True)
-    return Run(plan, state, device)
+    return Run(plan, state, device, lock)
 
 
 def encode_dataset(run: Run) -> dict:
     """Load the encoders, check every image, encode this process's shards, merge (main process) and delete the
-    parts folder; {"out", "num_images", "shards", "encoded_here"}."""
+    parts folder; {"out", "num_images", "shards", "encoded_here"}. SIGINT / SIGTERM stop it before the next shard
+    (Interrupted; a rerun resumes)."""
+    with stop_at_shards() as stop:
+        vae, encoded, encoder = _encode(run, stop)
     plan, state = run.plan, run.state
-    encoder = collective(lambda: load_encoder(plan, run.device))  # a bad VAE fails before the long image check
-    if not plan.video:                                            # clips were probed by the plan
-        check_images(plan, state)                                 # nothing is written before this
-    vae, encoded = collective(lambda: run_encoding(plan, state, run.device, encoder))
     factor = encoder.info["spatial_factor"] if plan.video else downsample_factor(vae)
     out = collective(lambda: merge_shards(plan, dataset_meta(plan, vae), factor, vae)
                      if state.is_main_process else None)
     if state.is_main_process:
         shutil.rmtree(plan.parts, ignore_errors=True)
-        what = "clips" if plan.video else "images"
-        print(f"Wrote {plan.num_images * (2 if plan.settings['flip'] else 1)} latents "
-              f"({plan.num_images} {what}{' + flips' if plan.settings['flip'] else ''}) to {out}", flush=True)
-        if plan.buckets is not None:
-            counts = np.bincount(plan.image_bucket, minlength=len(plan.buckets)).tolist()
-            used = [(n, b) for n, b in zip(counts, plan.buckets) if n]
-            print(f"{what} per bucket ({'width x height x frames' if plan.video else 'width x height'}; {len(used)} "
-                  f"of {len(plan.buckets)} buckets used):\n"
-                  + histogram([n for n, _ in used], [b for _, b in used]), flush=True)
+        _report(plan, out)
     return {"out": plan.out, "num_images": plan.num_images, "shards": plan.num_shards, "encoded_here": encoded}
+
+
+def _encode(run: Run, stop: ShardStop) -> tuple[Any, int, Encoder]:
+    """encode_dataset's shards: (vae, shards encoded here, encoder)."""
+    plan, state = run.plan, run.state
+    encoder = collective(lambda: load_encoder(plan, run.device))  # a bad VAE fails before the long image check
+    if not plan.video:                                            # clips were probed by the plan
+        check_images(plan, state)                                 # nothing is written before this
+    vae, encoded = collective(lambda: run_encoding(plan, state, run.device, encoder, stop))
+    return vae, encoded, encoder
+
+
+def _report(plan: Plan, out: Path) -> None:
+    """The lines a finished run prints: what it wrote, and with buckets how the images spread over them."""
+    what = "clips" if plan.video else "images"
+    print(f"Wrote {plan.num_images * (2 if plan.settings['flip'] else 1)} latents "
+          f"({plan.num_images} {what}{' + flips' if plan.settings['flip'] else ''}) to {out}", flush=True)
+    if plan.buckets is not None:
+        counts = np.bincount(plan.image_bucket, minlength=len(plan.buckets)).tolist()
+        used = [(n, b) for n, b in zip(counts, plan.buckets) if n]
+        print(f"{what} per bucket ({'width x height x frames' if plan.video else 'width x height'}; {len(used)} "
+              f"of {len(plan.buckets)} buckets used):\n"
+              + histogram([n for n, _ in used], [b for _, b in used]), flush=True)

@@ -16,8 +16,8 @@ from PIL import Image
 from tread.encoders.vae import VIDEO_VAE_CLASSES, encode_video, load_vae, to_model_space, video_vae_info
 
 from tread.data.buckets import Bucket, BucketError, assign_bucket, check_frame_counts, fit_crop, frames_for, video_buckets
-from tread.data.images import short_list
-from tread.data.video import VideoError, find_clips, frames_needed, probe_clip, read_clip
+from tread.data.images import IMAGE_EXTS, short_list
+from tread.data.video import VIDEO_SUFFIXES, VideoError, clip_tree, frames_needed, probe_clip, read_clip
 
 from .request import PrecomputeError, PrecomputeRequest, bad_value, frame_counts, request_buckets
 
@@ -25,8 +25,17 @@ from .request import PrecomputeError, PrecomputeRequest, bad_value, frame_counts
 
 def list_clips(root: Path) -> tuple[list[Path], np.ndarray, Optional[list[str]]]:
     """(clips, int64 labels, class names or None): class sub-folders of clips, or clips directly under `root` (one
-    class, no names); a mix, or no clip at all, is one error."""
-    clips = find_clips(root)
+    class, no names); a mix, no clip at all, or a folder that holds no clip (an empty frame or class folder) is
+    one error."""
+    try:
+        clips, empty = clip_tree(root)
+    except VideoError as err:                # a link loop, images beside clip folders, an unreadable folder
+        raise PrecomputeError(str(err)) from None
+    if clips and empty:
+        raise PrecomputeError(f"{len(empty)} folder(s) under --videos '{root}' hold no clip (no video file: "
+                              f"{', '.join(VIDEO_SUFFIXES)}; no frame images: {', '.join(IMAGE_EXTS)}): "
+                              f"{short_list([e.relative_to(root).as_posix() for e in empty])} (an empty frame "
+                              f"folder or class folder?); fill or remove them")
     if not clips:
         raise PrecomputeError(f"no clips under --videos '{root}': expected video files (.mp4, .webm, .gif, .mov, "
                               f".mkv, .avi) or frame folders (folders of images), in class sub-folders or directly "
