@@ -53,7 +53,8 @@ benchmark: $(STAMP)
 
 # The GPU figures (docs/benchmarks.md) on a bare GPU machine with its own torch: no venv (the registry may be out of
 # reach there), the repo on PYTHONPATH, missing dependencies from WHEELS (made here by `make gpu-wheels`), the paper
-# code from PAPER_DIR when set. Within 8 minutes on one H100; the report lands in outputs/gpu_check/report.md.
+# code from PAPER_DIR when set. Within its 480 s budget (ARGS="--budget S"); the report lands in
+# outputs/gpu_check/report.md.
 GPU_PYTHON ?= python3
 WHEELS ?= .whl
 gpu-check:

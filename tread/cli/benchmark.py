@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--routes", nargs="+", default=["paper"],
         help="route configs: none/dense, a configs/routing preset, or a JSON list of routes; a dense baseline "
              "is added first when none is given")
+    add("--grids", nargs="+", default=[], metavar="HxW",
+        help="bucket latent grids: after timing, each config steps on each grid in turn and then the first again "
+             "(graphs compiled per bucket, step time)")
     add("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
         help="a Hydra override of the training config, as for train.py (repeatable)")
     add("--steps", type=int_in(1, MAX_STEPS), default=10, help="timed steps per config")

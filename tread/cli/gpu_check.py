@@ -20,11 +20,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from tread.cli.args import MAX_BATCH, Parser, UsageError, int_in, number_in
+from tread.cli.gpu_steps import Step, steps
 
 REPO = Path(__file__).resolve().parents[2]
 # The project's dependencies a GPU machine's own Python may lack: import name -> distribution. torch, numpy and the
@@ -34,20 +34,11 @@ NEEDED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "antlr4": "antlr4-pyt
           "typing_inspection": "typing-inspection", "diffusers": "diffusers",
           "importlib_metadata": "importlib-metadata",
           "accelerate": "accelerate", "transformers": "transformers", "peft": "peft", "safetensors": "safetensors",
-          "psutil": "psutil", "tqdm": "tqdm", "PIL": "pillow", "scipy": "scipy", "pytest": "pytest", "av": "av"}
+          "torchao": "torchao", "psutil": "psutil", "tqdm": "tqdm", "PIL": "pillow", "scipy": "scipy", "pytest": "pytest", "av": "av"}
 
 
 # torch's and libraries' log lines (W1126 12:00:00.000 ...: warnings), kept in the step's log, left out of the report
 LOG_NOISE = re.compile(r"^([WIE]\d{4} |Unable to import|\s*warnings\.warn|.*Warning: )")
-
-
-@dataclass(frozen=True)
-class Step:
-    name: str
-    argv: list[str]            # after the python executable, from the repo root
-    timeout: int               # seconds
-    cuda: bool = True          # skipped without CUDA (said so in the report)
-    markdown: Optional[str] = None   # a file the step writes its table to, under --out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,43 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="DiT-XL/2 batch candidates: the largest whose step fits is benchmarked")
     add("--quick", action="store_true", help="tiny sizes everywhere: tries every step in seconds (CPU included)")
     add("--only", nargs="+", default=None, help="run only these steps (names as in the report)")
-    add("--budget", type=number_in(0, 86400, low_open=True), default=450,
+    add("--budget", type=number_in(0, 86400, low_open=True), default=480,
         help="seconds for all the steps together (each also has its own limit)")
     add("--download-wheels", default=None, metavar="DIR",
         help="instead of checking: download the wheels of NEEDED at this environment's versions into DIR")
     return p
-
-
-def steps(args: argparse.Namespace, out: Path) -> list[Step]:
-    """The checks in order; --quick shrinks every size so that the whole sequence runs on a CPU in a minute."""
-    q = args.quick
-    xl = ["--arch", "DiT-S/2", "--tokens", "16", "--batch", "4"] if q else \
-        ["--arch", "DiT-XL/2", "--tokens", "256", "--fit-batch", *map(str, args.xl_batches)]
-    sizes = ["DiT-S/2:8:4"] if q else ["DiT-B/2:32:128", "DiT-XL/2:32:64"]
-    flux = ["--preset", "tiny"] if q else ["--preset", "mid", "--fit-batch", "32", "16", "8", "4"]
-    bench = ["scripts/benchmark.py", "--precision", "bf16", "--routes", "none", "paper"]
-    out_steps = [
-        Step("gpu tests", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"], 300),
-        Step("DiT-XL/2 benchmark", [*bench, *xl, *([] if q else ["--compile"]), "--steps", "2" if q else "8",
-                                    "--warmup", "1" if q else "3",
-                                    "--sampling", "--sampling-steps", "2" if q else "18",
-                                    "--json", str(out / "dit_xl2.json"), "--markdown", str(out / "dit_xl2.md")],
-             420, cuda=not q, markdown="dit_xl2.md"),
-        Step("FLUX mid routed step", [*bench, "--family", "flux", *flux, "--steps", "2" if q else "6", "--warmup",
-                                      "1" if q else "2", "--json", str(out / "flux_mid.json"),
-                                      "--markdown", str(out / "flux_mid.md")], 300, cuda=not q, markdown="flux_mid.md"),
-        Step("compare_paper", ["scripts/compare_paper.py", str(args.paper_dir), "--sizes", *sizes, "--precisions",
-                               "fp32" if q else "bf16", "--steps", "2" if q else "6", "--warmup", "1" if q else "3",
-                               "--rounds", "1" if q else "2", "--json", str(out / "compare_paper.json")],
-             420, cuda=not q),
-    ]
-    unknown = sorted(set(args.only or ()) - {s.name for s in out_steps})
-    if unknown:
-        raise SystemExit(f"error: --only {', '.join(unknown)} is not a step; allowed: "
-                         f"{', '.join(repr(s.name) for s in out_steps)}")
-    if args.paper_dir is None:
-        out_steps = [s for s in out_steps if s.name != "compare_paper"]
-    return [s for s in out_steps if args.only is None or s.name in args.only]
 
 
 # ----------------------------------------------------------------------------- dependencies
@@ -141,9 +100,10 @@ def cuda_available(env: dict[str, str]) -> tuple[bool, str]:
     return ok == "True", where or proc.stderr.strip()[-300:]
 
 
-def run_step(step: Step, env: dict[str, str], out: Path, seconds: float) -> dict:
-    """Run one step with its output in out/<name>.log; {name, command, rc, secs, status}."""
-    log = out / (step.name.replace(" ", "_").replace("/", "") + ".log")
+def run_step(step: Step, env: dict[str, str], out: Path, seconds: float, suffix: str = "") -> dict:
+    """Run one step with its output in out/<name><suffix>.log, then judge its JSON (step.check);
+    {name, command, rc, secs, status, log}."""
+    log = out / (step.name.replace(" ", "_").replace("/", "") + suffix + ".log")
     command = " ".join(shlex.quote(a) for a in ["python3", *step.argv])
     start = time.monotonic()
     with open(log, "w") as f:
@@ -153,8 +113,32 @@ def run_step(step: Step, env: dict[str, str], out: Path, seconds: float) -> dict
             status = "passed" if rc == 0 else f"failed (exit status {rc})"
         except subprocess.TimeoutExpired:
             rc, status = 124, f"stopped after its {seconds:.0f} s"
+    if rc == 0 and step.check is not None:
+        problems = judged(step, out)
+        if problems:
+            rc, status = 1, "failed: " + "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more"
+                                                                      if len(problems) > 8 else "")
     return {"name": step.name, "command": command, "rc": rc, "secs": round(time.monotonic() - start, 1),
             "status": status, "log": log.name}
+
+
+def judged(step: Step, out: Path) -> list[str]:
+    """step.check on the JSON the step wrote; a missing or unreadable file is itself the problem."""
+    try:
+        return step.check(out / step.output)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [f"its output {step.output} could not be judged ({type(err).__name__}: {err})"]
+
+
+def run_one(step: Step, env: dict[str, str], out: Path, cuda: bool, left: float) -> dict:
+    """run_step, and for a step that asks for it, a failure on CUDA run again with CUDA_LAUNCH_BLOCKING=1 (the
+    failing kernel named where it fails, not at the next sync), its log kept beside the first."""
+    result = run_step(step, env, out, min(step.timeout, left))
+    if result["rc"] and step.blocking_rerun and cuda and left - result["secs"] > 20:
+        again = run_step(step, {**env, "CUDA_LAUNCH_BLOCKING": "1"}, out, min(step.timeout, left - result["secs"]),
+                         "_blocking")
+        result["blocking_rerun"] = {k: again[k] for k in ("status", "secs", "log")}
+    return result
 
 
 def run_all(todo: Sequence[Step], env: dict[str, str], out: Path, cuda: bool, budget: float) -> list[dict]:
@@ -169,12 +153,18 @@ def run_all(todo: Sequence[Step], env: dict[str, str], out: Path, cuda: bool, bu
                             "secs": 0.0})
         else:
             print(f"gpu-check: {step.name} (up to {min(step.timeout, left):.0f} s)", flush=True)
-            results.append(run_step(step, env, out, min(step.timeout, left)))
+            results.append(run_one(step, env, out, cuda, left))
             print(f"gpu-check: {step.name}: {results[-1]['status']} in {results[-1]['secs']} s", flush=True)
     return results
 
 
 # ----------------------------------------------------------------------------- report
+def log_tail(log: Path, lines: int = 25) -> list[str]:
+    """The last lines of a step's log, less torch's and the libraries' log noise, fenced."""
+    text = log.read_text(errors="replace").strip().splitlines()
+    return ["```", *[line for line in text if not LOG_NOISE.match(line)][-lines:], "```", ""]
+
+
 def step_section(result: dict, step: Optional[Step], out: Path) -> list[str]:
     lines = [f"### {result['name']}: {result['status']} ({result['secs']} s)", ""]
     if "command" in result:
@@ -184,9 +174,11 @@ def step_section(result: dict, step: Optional[Step], out: Path) -> list[str]:
     if table and table.is_file():
         lines += [table.read_text().strip(), ""]
     elif log and log.is_file():     # pytest's summary, compare_paper's tables, or why it failed
-        text = log.read_text(errors="replace").strip().splitlines()
-        tail = [line for line in text if not LOG_NOISE.match(line)][-25:]
-        lines += ["```", *tail, "```", ""]
+        lines += log_tail(log)
+    again = result.get("blocking_rerun")
+    if again:
+        lines += [f"Again with CUDA_LAUNCH_BLOCKING=1: {again['status']} ({again['secs']} s)", ""]
+        lines += log_tail(out / again["log"], 40) if (out / again["log"]).is_file() else []
     return lines
 
 

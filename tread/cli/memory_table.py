@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
-from tread.cli.args import MAX_CHANNELS, MAX_FRAMES, MAX_ROUNDS, MAX_WORLD, Parser, int_in
+from tread.cli.args import MAX_BATCH, MAX_CHANNELS, MAX_FRAMES, MAX_ROUNDS, MAX_SIDE, MAX_WORLD, Parser, int_in
 from tread.cli.errors import user_errors
 from tread.schema.builders import build_model
-from tread.models.families import family_module
+from tread.models.families import FAMILIES, family_module
 from tread.perf.benchmark import StepBench
 from tread.perf.memory import (ParamCounts, count_params, data_channels, markdown_table, memory_per_gpu, memory_rows,
                                map_large_allocations, proc_status_kb, release_free_memory, reset_hwm, static_bytes,
@@ -76,8 +78,9 @@ def run_counts(model: FamilyModel, lora_rank: int) -> ParamCounts:
 def measure(family: str, preset: str, sets: Sequence[str] = (), *, lora_rank: int = 16, steps: int = 3,
             batch: int = 2, resolution: int = 32) -> dict[str, Any]:
     """Build the LoRA run of measure_overrides as train.py would and run `steps` steps on a synthetic batch.
-    Returns bytes ("static", "estimate": the DDP figure less gradients, "rss_built", "peak_rss") plus the
-    settings read from the composed config."""
+    Returns bytes ("static", "estimate": the DDP figure less gradients, "built": what the process holds once built,
+    "peak": its peak over the steps; on CUDA the allocator's figures, else the RSS) plus the settings read from the
+    composed config and the steps' losses."""
     config = compose_or_raise(measure_overrides(family, preset, lora_rank, batch, resolution, sets), MemoryTableError)
     model, optimizer = config.model, config.optimizer
     if not model.family:
@@ -88,22 +91,49 @@ def measure(family: str, preset: str, sets: Sequence[str] = (), *, lora_rank: in
     estimate = memory_per_gpu(run_counts(model, lora_rank), "ddp", 1, True, model.quantize, **settings)
     map_large_allocations()
     bench = StepBench(config)
-    release_free_memory()
-    built = proc_status_kb("VmRSS") * 1024
-    if not reset_hwm():
-        raise MemoryTableError("--measure reads the peak RSS from /proc/self (Linux); it is not readable here.")
+    meter = PeakMeter(bench.device)
+    built = meter.built()
     for _ in range(steps):
         bench.step()
     return {**settings, "quantize": model.quantize, "precision": bench.accelerator.mixed_precision,
-            "static": static_bytes(bench.parts), "estimate": estimate["total"] - estimate["grads"],
-            "rss_built": built, "peak_rss": proc_status_kb("VmHWM") * 1024}
+            "device": str(bench.device), "method": meter.method, "resolution": resolution, "batch": batch,
+            "tokens": int(bench.model.num_tokens), "static": static_bytes(bench.parts),
+            "estimate": estimate["total"] - estimate["grads"], "built": built, "peak": meter.peak(),
+            **bench.loss_record()}
+
+
+class PeakMeter:
+    """What the process holds once a run is built and its peak after: CUDA's allocator (memory_allocated, then
+    max_memory_allocated) on a CUDA device, else the RSS and peak RSS from /proc/self (Linux)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.method = "cuda_max_memory_allocated" if device.type == "cuda" else "cpu_vmhwm_clear_refs"
+
+    def built(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        release_free_memory()
+        built = proc_status_kb("VmRSS") * 1024
+        if not reset_hwm():
+            raise MemoryTableError("--measure reads the peak RSS from /proc/self (Linux); it is not readable here.")
+        return built
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return proc_status_kb("VmHWM") * 1024
 
 
 def measure_line(name: str, sets: Sequence[str], m: dict[str, Any]) -> str:
     """One markdown row of a --measure result (GiB)."""
     shown = " ".join(sets) or "the defaults"
-    cells = [f"{m[k] / GiB:.2f}" for k in ("static", "estimate", "rss_built", "peak_rss")]
-    return f"| {name} | {shown} | {m['precision']} | " + " | ".join(cells) + " |"
+    cells = [f"{m[k] / GiB:.2f}" for k in ("static", "estimate", "built", "peak")]
+    return (f"| {name} | {shown} | {m['precision']} | {m['resolution']}x{m['resolution']} ({m['tokens']} tokens) | "
+            + " | ".join(cells) + f" | {m['method']} |")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -115,25 +145,44 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--measure", metavar="FAMILY:PRESET", help="build and step this preset's LoRA run here")
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         help="with --measure: a training-config override, e.g. model.base_dtype=bf16; repeatable")
-    parser.add_argument("--steps", type=int_in(1, MAX_ROUNDS), default=3,
-                        help="with --measure: training steps (batch 2)")
+    parser.add_argument("--steps", type=int_in(1, MAX_ROUNDS), default=3, help="with --measure: training steps")
+    parser.add_argument("--batch", type=int_in(1, MAX_BATCH), default=2, help="with --measure: the batch")
+    parser.add_argument("--resolution", type=int_in(1, MAX_SIDE), default=32,
+                        help="with --measure: the latent side (FLUX: 128 for 1024 px)")
+    parser.add_argument("--json", default=None, help="with --measure: also write the result here")
     add_video_args(parser)
     with user_errors():
         args = parser.parse_args(argv)
         if args.video:
             return video_main(args)
         if args.measure:
-            family, preset = (parse_presets([args.measure]) or [("", "")])[0]
-            if family == "dit":
-                raise MemoryTableError(f"--measure {args.measure}: LoRA runs are the families' (FAMILY:PRESET, e.g. "
-                                       f"flux:mid).")
-            check_sets(args.sets, {"model.lora": "--lora-rank", "model.preset": "--measure"}, MemoryTableError)
-            result = measure(family, preset, args.sets, lora_rank=args.lora_rank, steps=args.steps)
-            print(MEASURE_HEAD + "\n" + measure_line(args.measure, args.sets, result))
-            return
+            return measure_main(args)
         rows = memory_rows(args.world, args.lora_rank, parse_presets(args.preset))
     print(markdown_table(rows))
     print(NOTE)
+
+
+def measure_preset(name: str) -> tuple[str, str]:
+    """--measure FAMILY:PRESET: any preset of a family (tiny included), or MemoryTableError naming the allowed."""
+    family, _, preset = name.partition(":")
+    if family not in FAMILIES or preset not in family_module(family).PRESETS:
+        allowed = "; ".join(f"{f}:{'|'.join(family_module(f).PRESETS)}" for f in FAMILIES)
+        raise MemoryTableError(f"--measure {name!r} is not a family preset (LoRA runs are the families'); allowed: "
+                               f"{allowed}.")
+    return family, preset
+
+
+def measure_main(args: argparse.Namespace) -> None:
+    """--measure: one LoRA run built and stepped here, its figures beside the table's (and as JSON with --json)."""
+    family, preset = measure_preset(args.measure)
+    check_sets(args.sets, {"model.lora": "--lora-rank", "model.preset": "--measure",
+                           "data.builtin_args.resolution": "--resolution", "train.batch_size": "--batch"},
+               MemoryTableError)
+    result = measure(family, preset, args.sets, lora_rank=args.lora_rank, steps=args.steps, batch=args.batch,
+                     resolution=args.resolution)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"run": args.measure, "settings": list(args.sets), **result}, indent=1))
+    print(MEASURE_HEAD + "\n" + measure_line(args.measure, args.sets, result))
 
 
 def add_video_args(parser: argparse.ArgumentParser) -> None:
@@ -168,8 +217,8 @@ def video_main(args: argparse.Namespace) -> None:
     print(activation_table(rows) + "\n\n" + video_table(rows, args.to_frames, to_latents))
 
 
-MEASURE_HEAD = ("| run | settings | autocast | static counted (GiB) | table (GiB) | RSS built (GiB) "
-                "| peak RSS (GiB) |\n|---|---|---|---|---|---|---|")
+MEASURE_HEAD = ("| run | settings | autocast | latents | static counted (GiB) | table (GiB) | built (GiB) | peak (GiB) "
+                "| memory read by |\n|---|---|---|---|---|---|---|---|---|")
 NOTE = """
 Static bytes per GPU: fp32 weights, fp32 gradients of the trained parameters, AdamW's two fp32 moments and the EMA copy;
 FSDP divides them by the world size and adds the all-gathered root group and two blocks. Activations are not counted.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,10 +27,12 @@ from tread.training.trainer import Trainer
 GRAPH_KEYS = ("unique_graphs", "graph_breaks")
 
 
-def synthetic_batch(model: torch.nn.Module, batch: int, device: torch.device, seed: int = 0) -> tuple:
-    """(x, labels) of the model's input shape: x (B, C, R, R), or (B, C, T, R, R) for video models with
-    frames > 1, and labels below the model's class count; the same for every config of one geometry."""
-    shape = [batch, model.in_channels, model.input_size, model.input_size]
+def synthetic_batch(model: torch.nn.Module, batch: int, device: torch.device, seed: int = 0,
+                    grid: Optional[tuple[int, int]] = None) -> tuple:
+    """(x, labels) of the model's input shape: x (B, C, R, R) (or B, C, H, W for a bucket's `grid`), or
+    (B, C, T, ., .) for video models with frames > 1, and labels below the model's class count; the same for every
+    config of one geometry."""
+    shape = [batch, model.in_channels, *(grid or (model.input_size, model.input_size))]
     if model.frames_axis and model.frames > 1:
         shape.insert(2, model.frames)
     gen = torch.Generator("cpu").manual_seed(seed)
@@ -66,8 +69,11 @@ class StepBench:
         self.parts.net.train()
         self.train_step = Trainer.make_step(self.cfg, self.parts, dataset=None)
         self.step_index = 0
-        micro = self.cfg.micro_batch(self.accelerator.num_processes)
-        self.batch = synthetic_batch(self.parts.model, micro, self.device)
+        self.micro = self.cfg.micro_batch(self.accelerator.num_processes)
+        self.batch = synthetic_batch(self.parts.model, self.micro, self.device)
+        self.losses: list[torch.Tensor] = []      # every step's loss, on the device (read after timing)
+        self.built_fingerprint = self.trained_fingerprint()
+        self.released_fingerprint: Optional[float] = None      # taken by release()
 
     @property
     def device(self) -> torch.device:
@@ -82,7 +88,22 @@ class StepBench:
         is `batch` (default: the synthetic batch)."""
         stats = self.train_step(itertools.repeat(self.batch if batch is None else batch), self.step_index)
         self.step_index += 1
+        self.losses.append(stats.loss)
         return stats
+
+    def trained_fingerprint(self) -> float:
+        """The sum of squares of the trained parameters (float64): an update that changes any of them moves it."""
+        with torch.no_grad():
+            return float(sum(p.detach().double().square().sum() for p in self.parts.model.parameters()
+                             if p.requires_grad))
+
+    def loss_record(self) -> dict:
+        """Every step's loss so far, whether all are finite, and whether the trained parameters moved since the
+        build (a step that updates nothing, e.g. skipped as non-finite every time, leaves them where they were)."""
+        losses = [float(v) for v in self.losses]
+        now = self.trained_fingerprint() if self.released_fingerprint is None else self.released_fingerprint
+        return {"losses": losses, "loss_finite": all(map(math.isfinite, losses)),
+                "params_moved": now != self.built_fingerprint}
 
     def timed(self, steps: int) -> list[float]:
         """Seconds of each of `steps` steps on the synthetic batch."""
@@ -100,7 +121,8 @@ class StepBench:
 
     def release(self) -> None:
         """Free this config's memory (weights, gradients, optimizer state, EMA, batch): the model and its EMA move
-        to the meta device, so what a record reads (config, routes, FLOPs counted shape-only) stays."""
+        to the meta device, so what a record reads (config, routes, FLOPs counted shape-only, losses) stays."""
+        self.released_fingerprint = self.trained_fingerprint()
         self.parts.optimizer.zero_grad(set_to_none=True)
         self.parts.optimizer.state.clear()
         self.parts.model.to("meta")
@@ -193,6 +215,26 @@ def time_one_at_a_time(builders: Sequence[Callable[[], StepBench]], steps: int, 
     return benches, out
 
 
+def bucket_records(bench: StepBench, grids: Sequence[tuple[int, int]], steps: int, warmup: int) -> list[dict]:
+    """The same StepBench on each bucket's latent grid (H, W) in turn, as bucketed training feeds them, then the
+    first grid again: per grid the graphs compiled by its first `warmup` steps (a new shape: one graph per bucket
+    under train.compile), those compiled while its `steps` were timed (0 for a clean bucket), and its step time."""
+    out = []
+    for grid in [*grids, grids[0]]:
+        bench.model.check_size(*grid, bench.model.frames)
+        batch = synthetic_batch(bench.model, bench.micro, bench.device, grid=grid)
+        before = dynamo_counts()
+        for _ in range(max(1, warmup)):
+            bench.step(batch)
+        sync(bench.device)
+        warm, before = _delta(dynamo_counts(), before), dynamo_counts()
+        times = [timed(lambda: bench.step(batch), bench.device) for _ in range(steps)]
+        out.append({"grid": list(grid), "tokens": int(bench.model.tokens_in(batch[0])), "warmup": warm,
+                    "timed": _delta(dynamo_counts(), before), "step_ms": 1e3 * statistics.median(times)})
+    out[-1]["revisit"] = True
+    return out
+
+
 # ----------------------------------------------------------------------------- records
 @dataclass
 class Timed:
@@ -236,6 +278,9 @@ def step_records(timed_configs: Sequence[Timed], base: int, peak: Optional[float
                "speedup_bound": speedup_bound(flops[base], flops[i]),
                "fraction_of_bound": fraction_of_bound(speedup, flops[base], flops[i]),
                "achieved_flops_per_s": achieved, "mfu": mfu(achieved, peak) if t.bench.device.type == "cuda" else None}
+        rec.update(t.bench.loss_record())
+        if "buckets" in t.meas:
+            rec["buckets"] = t.meas["buckets"]
         if t.bench.parts.compiled:
             rec["compile"] = compile_record(t)
         out.append(rec)

@@ -37,6 +37,19 @@ def extra_lines(out: dict) -> list[str]:
         lines.append(f"{'' if i else chr(10)}Compiled ({c['backend']}) {r['model']} {r['config']}: "
                      f"{c['warmup']['unique_graphs']} graphs in the warm-up, {c['graph_breaks']} graph breaks, "
                      f"{c['recompiles_timed']} recompiles while timed")
+    lines += bucket_lines(out["results"])
+    return lines
+
+
+def bucket_lines(results: list[dict]) -> list[str]:
+    """Per config stepped on --grids: each bucket's tokens, step time and the graphs its first steps compiled."""
+    lines = []
+    for r in results:
+        if r.get("buckets"):
+            cells = [f"{'x'.join(map(str, b['grid']))}{' again' if b.get('revisit') else ''} ({b['tokens']} tokens): "
+                     f"{b['step_ms']:.1f} ms, {b['warmup']['unique_graphs']} graphs on arrival, "
+                     f"{b['timed']['unique_graphs']} while timed" for b in r["buckets"]]
+            lines.append(f"{'' if lines else chr(10)}Buckets {r['model']} {r['config']}: " + "; ".join(cells))
     return lines
 
 

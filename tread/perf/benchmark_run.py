@@ -4,6 +4,8 @@ scripts/benchmark.py is its command line (a BenchRequest field per flag); docs/b
 """
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Optional, Sequence
@@ -11,7 +13,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from tread.models.families import FAMILIES
-from tread.perf.benchmark import (StepBench, Timed, allow_compiled_configs, split_steps, step_records, time_interleaved,
+from tread.perf.benchmark import (StepBench, Timed, allow_compiled_configs, bucket_records, split_steps,
+                                  step_records, time_interleaved,
                                   time_one_at_a_time)
 from tread.perf.fit import largest_fitting
 from tread.perf.geometry import choose_geometry, resolution_for_tokens
@@ -24,6 +27,7 @@ from tread.perf.throughput import eval_feature_throughput, loader_throughput, sa
 from tread.schema import CONFIG_DIR
 from tread.utils.threads import cpu_threads
 from tread.utils.errors import UserError
+from tread.utils.numbers import MAX_SIDE
 from tread.utils.readers import parse_json
 
 DENSE_NAMES = ("none", "dense")
@@ -52,6 +56,7 @@ class BenchRequest:
     batch: int = 32                               # global batch per step (train.batch_size)
     fit_batch: tuple[int, ...] = ()               # candidate batches: the largest that fits on CUDA replaces batch
     routes: tuple[str, ...] = ("paper",)          # none/dense, a configs/routing preset, or a JSON list of routes
+    grids: tuple[str, ...] = ()                   # bucket grids "HxW": each config then steps on each in turn
     sets: tuple[str, ...] = ()                    # Hydra overrides of the training config, as for train.py
     steps: int = 10                               # timed steps per config
     warmup: int = 3                               # untimed steps per config
@@ -81,7 +86,25 @@ class BenchRequest:
         object.__setattr__(self, "routes", tuple(self.routes))
         object.__setattr__(self, "sets", tuple(self.sets))
         object.__setattr__(self, "fit_batch", tuple(self.fit_batch or ()))
+        object.__setattr__(self, "grids", tuple(self.grids or ()))
         check_request(self)
+
+    @property
+    def grid_sizes(self) -> list[tuple[int, int]]:
+        """--grids as (H, W) pairs (checked when the request is built)."""
+        return [parse_grid(g) for g in self.grids]
+
+
+GRID = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
+
+
+def parse_grid(text: str) -> tuple[int, int]:
+    """'24x16' -> (24, 16): a bucket's latent height x width, each 1..MAX_SIDE."""
+    m = GRID.match(text)
+    if not m or max(int(m[1]), int(m[2])) > MAX_SIDE:
+        raise BenchError(f"--grids {text!r} is not a latent grid; allowed: HxW with H and W integers in "
+                         f"[1, {MAX_SIDE}], e.g. 24x16")
+    return int(m[1]), int(m[2])
 
 
 def check_request(args: BenchRequest) -> None:
@@ -100,6 +123,11 @@ def check_request(args: BenchRequest) -> None:
     if args.fit_batch and (args.device == "cpu" or not torch.cuda.is_available()):
         raise BenchError("--fit-batch finds the largest batch that fits in a CUDA device's memory and this run has "
                          "no CUDA device; allowed here: --batch N")
+    for grid in args.grids:
+        parse_grid(grid)
+    if args.grids and args.one_at_a_time:
+        raise BenchError("--grids steps each built config on every grid after timing, and --one-at-a-time frees each "
+                         "config after its round; allowed: one of them")
     if args.warmup < 0:
         raise BenchError(f"--warmup {args.warmup} is not allowed; it must be an integer >= 0")
     check_sets(args.sets, RESERVED, BenchError)
@@ -120,6 +148,16 @@ def is_dense(routing_ov: Sequence[str]) -> bool:
 
 def routing_spec(spec: str) -> list[str]:
     """A preset name from configs/routing (paper, balanced, ...), none/dense, or a JSON list of routes."""
+    return list(_routing_spec(spec))
+
+
+@functools.lru_cache(maxsize=64)
+def _routing_spec(spec: str) -> tuple[str, ...]:
+    """routing_spec, once per spec in a process (a preset is read by composing a config: most of a second)."""
+    return tuple(_read_routing_spec(spec))
+
+
+def _read_routing_spec(spec: str) -> list[str]:
     presets = sorted(p.stem for p in (CONFIG_DIR / "routing").glob("*.yaml") if not p.stem.startswith("_"))
     if spec in DENSE_NAMES:
         return ["routing=none"]
@@ -198,6 +236,9 @@ def bench_model(args: BenchRequest, family: Optional[str], peak: Optional[float]
     else:
         benches = [StepBench(c) for c in checked]
         meas = time_interleaved(benches, args.steps, args.warmup, args.rounds, MemoryMeter(benches[0].device))
+    if args.grids:
+        for bench, m in zip(benches, meas):
+            m["buckets"] = bucket_records(bench, args.grid_sizes, args.steps, args.warmup)
     dev = benches[0].device
     meter = MemoryMeter(dev)
     timed = [Timed(label, b, m) for (label, _, _), b, m in zip(configs, benches, meas)]

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from tread.models.families import FAMILIES, FAMILY_MODULES, family_module
-from tread.perf.benchmark import StepBench
+from tread.perf.benchmark import StepBench, timed
 from tread.perf.memory import build_on_meta, count_params, data_channels, memory_per_gpu
 from tread.perf.overrides import compose_or_raise, run_overrides
 from tread.utils.errors import UserError
@@ -201,8 +201,9 @@ def peak_step(bench: StepBench, batch: tuple) -> dict:
 
 def gpu_rows(family: str, preset: str, frames: Sequence[int], latents: Sequence[int], routes: Sequence[str],
              precision: str = "bf16", device: str = "cuda", sets: Sequence[str] = ()) -> list[dict]:
-    """Per route and frame count on CUDA: a warm-up step, then peak_step (a step that runs out of memory is
-    recorded as such, and the larger frame counts are skipped)."""
+    """Per route and frame count on CUDA: a warm-up step, then peak_step, then a timed step (a step that runs out of
+    memory is recorded as such, and the larger frame counts are skipped); per route whether every loss was finite
+    and the trained parameters moved."""
     rows = []
     for route in routes:
         bench, oom = build_bench(family, preset, route, latents, frames, precision, device, sets), False
@@ -216,11 +217,14 @@ def gpu_rows(family: str, preset: str, frames: Sequence[int], latents: Sequence[
                     row.update(peak_step(bench, batch) if bench.device.type == "cuda" else
                                {"activations": saved_bytes(lambda: bench.step(batch),
                                                            bench.model.parameters()).activations})
+                    row["step_ms"] = 1e3 * timed(lambda: bench.step(batch), bench.device)
                 except torch.OutOfMemoryError:
                     oom = True
             row["oom"] = oom
             rows.append(row)
         bench.release()
+        for row in rows[-len(frames):]:
+            row.update({k: v for k, v in bench.loss_record().items() if k != "losses"})
         if bench.device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -247,12 +251,14 @@ def activation_table(rows: Sequence[dict]) -> str:
 
 
 def gpu_table(rows: Sequence[dict]) -> str:
-    """Markdown of gpu_rows (MiB): peak, held before the step, the step's transient, saved activations, per route."""
+    """Markdown of gpu_rows (MiB): peak, held before the step, the step's transient, saved activations, per route,
+    and the step's time."""
     keys = ("peak", "held", "transient", "activations")
-    lines = ["| model | route | T | tokens | peak (MiB) | held (MiB) | step transient (MiB) | saved activations (MiB) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | route | T | tokens | peak (MiB) | held (MiB) | step transient (MiB) | saved activations (MiB) "
+             "| step (ms) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = ["out of memory"] * 4 if r["oom"] else [f"{r[k] / MiB:,.1f}" if k in r else "-" for k in keys]
+        cells = ["out of memory"] * 5 if r["oom"] else [f"{r[k] / MiB:,.1f}" if k in r else "-" for k in keys] + [
+            f"{r['step_ms']:,.1f}"]
         lines.append(f"| {r['family']} {r['preset']} | {r['route']} | {r['frames']} | {r['tokens']:,} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
