@@ -21,8 +21,8 @@ from tread.cli.errors import user_errors
 from tread.schema.builders import build_model
 from tread.models.families import FAMILIES, family_module
 from tread.perf.benchmark import StepBench
-from tread.perf.memory import (ParamCounts, count_params, data_channels, markdown_table, memory_per_gpu, memory_rows,
-                               map_large_allocations, proc_status_kb, release_free_memory, reset_hwm, static_bytes,
+from tread.perf.memory import (MemoryMeter, ParamCounts, count_params, data_channels, map_large_allocations,
+                               markdown_table, memory_per_gpu, memory_rows, release_free_memory, static_bytes,
                                table_presets)
 from tread.perf.overrides import check_sets, compose_or_raise
 from tread.perf.video_memory import (CPU_FRAMES, CPU_LATENTS, GPU_FRAMES, GPU_LATENTS, activation_rows,
@@ -91,41 +91,19 @@ def measure(family: str, preset: str, sets: Sequence[str] = (), *, lora_rank: in
     estimate = memory_per_gpu(run_counts(model, lora_rank), "ddp", 1, True, model.quantize, **settings)
     map_large_allocations()
     bench = StepBench(config)
-    meter = PeakMeter(bench.device)
-    built = meter.built()
+    release_free_memory()
+    meter = MemoryMeter(bench.device)       # CUDA's allocator, or the RSS and its peak from /proc/self
+    if meter.method == "cpu_ru_maxrss_delta":
+        raise MemoryTableError("--measure reads the peak RSS from /proc/self (Linux); it is not readable here.")
+    meter.start()
+    built = meter.base
     for _ in range(steps):
         bench.step()
     return {**settings, "quantize": model.quantize, "precision": bench.accelerator.mixed_precision,
             "device": str(bench.device), "method": meter.method, "resolution": resolution, "batch": batch,
             "tokens": int(bench.model.num_tokens), "static": static_bytes(bench.parts),
-            "estimate": estimate["total"] - estimate["grads"], "built": built, "peak": meter.peak(),
+            "estimate": estimate["total"] - estimate["grads"], "built": built, "peak": built + meter.stop(),
             **bench.loss_record()}
-
-
-class PeakMeter:
-    """What the process holds once a run is built and its peak after: CUDA's allocator (memory_allocated, then
-    max_memory_allocated) on a CUDA device, else the RSS and peak RSS from /proc/self (Linux)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.method = "cuda_max_memory_allocated" if device.type == "cuda" else "cpu_vmhwm_clear_refs"
-
-    def built(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return torch.cuda.memory_allocated(self.device)
-        release_free_memory()
-        built = proc_status_kb("VmRSS") * 1024
-        if not reset_hwm():
-            raise MemoryTableError("--measure reads the peak RSS from /proc/self (Linux); it is not readable here.")
-        return built
-
-    def peak(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
-        return proc_status_kb("VmHWM") * 1024
 
 
 def measure_line(name: str, sets: Sequence[str], m: dict[str, Any]) -> str:
