@@ -121,8 +121,9 @@ class FileGroupScheduling(LoadGroupScheduling):
     few tests that keep one worker busy for minutes, which at the end would leave the other worker idle."""
     # test_slurm: 4 tests, ~2.5 min of one worker where SLURM is installed (make test-all); test_faults and test_fsdp:
     # 7 tests each (by count among the last 20 of ~100 groups), about 2 and 1.5 min of real faults and 2-process runs;
-    # test_precompute_faults: 7 tests, about 1.5 min of signalled and racing precompute subprocesses.
-    LONG_FIRST = ("test_slurm", "test_faults", "test_fsdp", "test_precompute_faults")
+    # test_precompute_faults: 7 tests, about 1.5 min of signalled and racing precompute subprocesses;
+    # test_context_parallel: its 2- and 4-process spawns and 2-process training runs, about 3 min.
+    LONG_FIRST = ("test_slurm", "test_faults", "test_fsdp", "test_context_parallel", "test_precompute_faults")
 
     def schedule(self) -> None:
         initial = self.collection is None

@@ -82,7 +82,8 @@ def fixed_selection(model, pick: Callable[[torch.Tensor, int], torch.Tensor]):
     real = router.select
     calls = []
 
-    def select(x, num_keep, force_keep=None, noise=None):
+    def select(x, num_keep, force_keep=None, noise=None, shards=1):
+        assert shards == 1, "fixed_selection replaces the choice of an unsplit sequence"
         ids = pick(x, num_keep) if force_keep is None else real(x, num_keep, force_keep, noise=noise)
         calls.append(ids.clone())
         return ids

@@ -112,3 +112,21 @@ def test_shared_sampling_keys_in_sample_fid_and_eval():
 def test_sample_and_fid_configs_compose():
     assert OmegaConf.is_missing(compose_cfg("sample"), "checkpoint")
     assert OmegaConf.is_missing(compose_cfg("fid"), "mode")
+
+
+def test_compose_cache_hands_out_copies_and_follows_edits(tmp_path, monkeypatch):
+    """Repeated compositions come from a cache (tread/schema/compose.py): each caller gets its own copy, and a
+    config file edited since composes afresh (the key holds every file's size and mtime)."""
+    import importlib
+    import shutil
+
+    composing = importlib.import_module("tread.schema.compose")   # the module: tread.schema.compose is the function
+
+    shutil.copytree(CONFIG_DIR, tmp_path / "configs")
+    monkeypatch.setattr(composing, "CONFIG_DIR", tmp_path / "configs")
+    first = composing.compose(["debug=tiny"])
+    first.train.max_steps = 999
+    assert composing.compose(["debug=tiny"]).train.max_steps == 4
+    tiny = tmp_path / "configs" / "debug" / "tiny.yaml"
+    tiny.write_text(tiny.read_text().replace("max_steps: 4", "max_steps: 7"))
+    assert composing.compose(["debug=tiny"]).train.max_steps == 7

@@ -395,3 +395,30 @@ def test_family_flops_are_the_training_loops_count():
     dense = build_model(compose(s["overrides"] + ["routing=none"]).model)
     assert model_forward_flops(dense) == res["dense"]["forward_flops_per_sample"]
     assert all(c["forward_flops_per_sample"] < res["dense"]["forward_flops_per_sample"] for c in rows)
+
+
+def test_context_parallel_adds_what_a_process_sends():
+    """--context-parallel D: per sample and step, one process sends (D - 1) / D of its query, key, value and output
+    shards at every block's attention, three times (forward, checkpointed recompute, backward); a routed block
+    sends its kept tokens' only. A degree that does not split the tokens is a flag error."""
+    from tread.perf.context_memory import PASSES
+
+    res = plan_request(PlanRequest(arch="DiT-B/2", resolution=32, channels=4, batch=2, target_speedup=1.2,
+                                   context_parallel=4))
+    tokens, depth, width = res["settings"]["tokens"], res["settings"]["depth"], 768
+    per_block = 4 * tokens / 4 * width * 2 * 3 / 4
+    assert res["dense"]["exchange_bytes"] == pytest.approx(PASSES * depth * per_block)
+    row = res["candidates"][0]
+    route = Route(**row["routes"][0]) if isinstance(row["routes"][0], dict) else row["routes"][0]
+    span = route.end_layer_idx - route.start_layer_idx + 1
+    kept = route.num_keep(tokens) / tokens
+    assert row["exchange_bytes"] == pytest.approx(PASSES * per_block * (depth - span + span * kept))
+    assert f"{tokens // 4} tokens per process" in res["markdown"]
+    assert "all-to-all / process (GB) |" in res["markdown"].splitlines()[5]
+    assert "all-to-all" not in plan_request(PlanRequest(arch="DiT-B/2", resolution=32, channels=4, batch=2,
+                                                        target_speedup=1.2))["markdown"]
+    with pytest.raises(PlanError, match=r"--context-parallel=3: the sequence has 256 routable tokens"):
+        plan_request(PlanRequest(arch="DiT-B/2", resolution=32, channels=4, batch=2, target_speedup=1.2,
+                                 context_parallel=3))
+    with pytest.raises(PlanError, match="--context-parallel 0 is not allowed"):
+        PlanRequest(target_speedup=1.2, context_parallel=0)

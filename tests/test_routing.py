@@ -250,7 +250,7 @@ def test_full_keep_in_random_order_equals_dense():
     routed = tiny(routes_cfg((0.0, 1, 4)))
     routed.load_state_dict(dense.state_dict())
     g = torch.Generator().manual_seed(0)
-    routed.routing.router.select = lambda h, k, force_keep=None, noise=None: torch.stack(
+    routed.routing.router.select = lambda h, k, force_keep=None, noise=None, shards=1: torch.stack(
         [torch.randperm(h.shape[1], generator=g) for _ in range(h.shape[0])])
     routed.train()
     out = routed(x, t, y)

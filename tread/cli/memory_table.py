@@ -25,6 +25,7 @@ from tread.perf.memory import (MemoryMeter, ParamCounts, count_params, data_chan
                                markdown_table, memory_per_gpu, memory_rows, release_free_memory, static_bytes,
                                table_presets)
 from tread.perf.overrides import check_sets, compose_or_raise
+from tread.perf.context_memory import context_table
 from tread.perf.video_memory import (CPU_FRAMES, CPU_LATENTS, GPU_FRAMES, GPU_LATENTS, activation_rows,
                                      activation_table, video_table)
 from tread.schema.model import AdamW8bit, FamilyModel
@@ -174,6 +175,8 @@ def add_video_args(parser: argparse.ArgumentParser) -> None:
     add("--to-frames", type=int_in(1, MAX_FRAMES), nargs="+", default=list(GPU_FRAMES),
         help="with --video: frames of the table")
     add("--to-latents", default="x".join(map(str, GPU_LATENTS)), help="with --video: latent HxW of the table")
+    add("--context-parallel", type=int_in(1, MAX_WORLD), default=1, metavar="DEGREE",
+        help="with --video: also the table per process of a context group of DEGREE (tokens, activations, all-to-all)")
 
 
 def latent_size(flag: str, value: str) -> tuple[int, int]:
@@ -193,6 +196,8 @@ def video_main(args: argparse.Namespace) -> None:
                                f"allowed: two or more distinct frame counts >= 1, routes starting with none.")
     rows = activation_rows(family, preset, args.frames, latents, args.routes)
     print(activation_table(rows) + "\n\n" + video_table(rows, args.to_frames, to_latents))
+    if args.context_parallel > 1:
+        print("\n" + context_table(rows, args.context_parallel, args.to_frames, to_latents))
 
 
 MEASURE_HEAD = ("| run | settings | autocast | latents | static counted (GiB) | table (GiB) | built (GiB) | peak (GiB) "

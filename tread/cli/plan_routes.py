@@ -37,6 +37,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--resolution", type=int, default=None, help="latent side (default: the arch's usual data)")
     g.add_argument("--channels", type=int, default=None, help="latent channels (default: the arch's usual data)")
     g.add_argument("--batch", type=int, default=None, help="global batch per step (default: train.batch_size)")
+    g.add_argument("--context-parallel", type=int, default=1, metavar="D",
+                   help="processes per context group: add what one sends per step by all-to-all (default 1: none)")
     g = p.add_argument_group("target (at least one)")
     g.add_argument("--target-speedup", type=float, default=None, help="step speedup vs dense >= X (X > 1)")
     g.add_argument("--flops-fraction", type=float, default=None, help="training FLOPs <= F x dense (0 < F < 1)")

@@ -5,7 +5,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any, ClassVar, Iterator, Mapping, Optional
 
+from tread.models.errors import ModelConfigError
 from tread.routing import RoutedBackbone
+
+# model= configs whose sequence can split over a context group (train.context_parallel, docs/scaling.md): DiT's
+# own attention, the families whose text reaches the image tokens by cross-attention (whole on every process of the
+# group) and those that attend text and image jointly (the text split with them).
+CONTEXT_PARALLEL_MODELS = ("dit", "tread", "wan", "ltx_video", "cosmos", "hunyuan_video", "flux", "flux2",
+                           "qwen_image")
 
 
 class Backbone(RoutedBackbone):
@@ -45,6 +52,17 @@ class Backbone(RoutedBackbone):
 
     def check_text_data(self, conditioning: Mapping[str, Any], where: str) -> None:
         """Raise a one-line UserError when the data's text conditioning does not fit (class models ignore text)."""
+
+    def attention_width(self) -> int:
+        """heads x head dim of the blocks' attention: what an all-to-all of context parallelism moves per token."""
+        raise NotImplementedError
+
+    def use_context_parallel(self, split: Any) -> None:
+        """Run on this process's shard of every sequence of a context group (`split`: a ContextParallel), with
+        attention across the group; backbones that can implement it, the rest refuse in one line."""
+        raise ModelConfigError(f"train.context_parallel.degree={split.degree}: model {self.arch or type(self).__name__} "
+                               f"cannot split its sequence over processes; allowed: train.context_parallel.degree=1, "
+                               f"or model={' | '.join(CONTEXT_PARALLEL_MODELS)}.")
 
     def repa_flops(self, routes: Any = None, grid: Any = None) -> float:
         """Forward FLOPs per sample of an alignment head (REPA; none by default)."""

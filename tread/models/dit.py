@@ -106,10 +106,17 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
+    context_parallel: Any = None   # a ContextParallel: x is this process's shard, keys and values the group's
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, C))
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+        if self.context_parallel is None:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)                      # (B, H, N, Dh)
+            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)      # (B, N, H, Dh)
+        else:
+            out = self.context_parallel.attention(*qkv.unbind(2))              # (B, N, H, Dh) over the group's
+        return self.proj(out.reshape(B, N, C))
 
 
 class Mlp(nn.Module):
@@ -346,6 +353,19 @@ class DiT(Backbone):
         x = x.reshape(x.shape[0], h, w, p, p, c)
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(x.shape[0], c, h * p, w * p)
+
+    def attention_width(self) -> int:
+        return self.blocks[0].attn.qkv.in_features
+
+    def use_context_parallel(self, split: Any) -> None:
+        """Blocks on this process's shard, attention over the group's (heads divide by the degree: Ulysses)."""
+        if self.repa_head is not None:
+            raise ModelConfigError(f"train.context_parallel.degree={split.degree} cannot be combined with model.repa "
+                                   f"(the alignment loss reads one block's whole sequence); allowed: model.repa=null.")
+        split.check_heads(self.blocks[0].attn.num_heads, self.arch or "DiT")
+        self.context_split = split
+        for block in self.blocks:
+            block.attn.context_parallel = split
 
     def routed_forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor, plan: RoutePlan,
                        force_keep: Optional[torch.Tensor] = None, return_aux: bool = False) -> Any:

@@ -6,3 +6,7 @@ from tread.utils.errors import UserError
 
 class ModelConfigError(UserError):
     """A model config that cannot be built; the message names the key, the value and what is allowed."""
+
+
+class FamilyConfigError(ModelConfigError):
+    """A family config that cannot be built; the message names the key, the value and what is allowed."""

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from tread.models.backbone import Backbone
 from tread.models.dit import DiT, build_dit
 from tread.models.errors import ModelConfigError
 from tread.models.repa import repa_output, repa_tap
@@ -34,6 +35,10 @@ class SprintDiT(DiT):
         nn.init.zeros_(self.fuse.bias)
         for routes in [self.routing.routes, *(self.routing.schedule.route_lists() if self.routing.schedule else [])]:
             self.check_routes(routes)
+
+    def use_context_parallel(self, split: Any) -> None:
+        """Refused: the deep span routes outside the split block loop (Backbone's one-line error)."""
+        Backbone.use_context_parallel(self, split)
 
     def check_routes(self, routes: Sequence[Route]) -> None:
         """A SPRINT model routes its deep span only: no route (dense) or exactly one route over the span."""

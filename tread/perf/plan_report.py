@@ -28,6 +28,11 @@ def header_lines(res: dict) -> list[str]:
              f"{s['span'][0]}..{s['span'][1]} (start >= {s['min_start']}, end <= {s['max_end']}), >= "
              f"{s['min_blocks']} blocks: {res['num_candidates']} candidates, {res['num_meet_theory']} meet the "
              f"target by FLOPs; {res['num_measured']} timed (--measure {s['measure']}{stopped})."]
+    if s.get("context_parallel", 1) > 1:
+        d = s["context_parallel"]
+        lines.append(f"Context parallelism over {d} processes: {s['tokens'] // d} tokens per process; the last "
+                     f"column is what one process sends per sample and step by Ulysses all-to-all (bf16; forward, "
+                     f"checkpointed recompute, backward): dense {res['dense']['exchange_bytes'] / 1e9:.3g} GB.")
     if res["num_measured"]:
         lines.append(f"Timing: THE training step on {s['device_name']} ({s['device']}), {s['threads']} threads, "
                      f"{s['precision']}, {'compiled' if s['compile'] else 'eager'}; per pairing {s['warmup']} warm-up "
@@ -47,7 +52,12 @@ def candidate_row(c: dict, rec: str) -> str:
         timed = "not timed | - | - | -"
     return (f"| {c['rule_rank'] or '-'} | {name} | {100 * c['tokens_fraction']:.1f}% | "
             f"{fmt_flops(c['train_flops_per_step'])} | {c['flops_ratio']:.3f} | {c['speedup_bound']:.3f}x | "
-            f"{'yes' if c['meets_theory'] else 'no'} | {timed} |")
+            f"{'yes' if c['meets_theory'] else 'no'} | {timed} |" + exchange_cell(c))
+
+
+def exchange_cell(row: dict) -> str:
+    """The all-to-all column (--context-parallel): GB one process sends per sample and step; none without it."""
+    return f" {row['exchange_bytes'] / 1e9:.3g} |" if "exchange_bytes" in row else ""
 
 
 def pilot_lines(p: dict) -> list[str]:
@@ -71,12 +81,13 @@ def pilot_lines(p: dict) -> list[str]:
 
 def markdown(res: dict) -> str:
     s, d, r = res["settings"], res["dense"], res["recommendation"]
+    extra = (" all-to-all / process (GB) |", "---|") if "exchange_bytes" in d else ("", "")
     lines = header_lines(res) + [
         "", "| # | route | tokens processed | train FLOPs/step | FLOPs ratio | bound | meets (FLOPs) | step | "
-        "speedup | of bound | meets (timed) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "speedup | of bound | meets (timed) |" + extra[0], "|---|---|---|---|---|---|---|---|---|---|---|" + extra[1]]
     dense_t = f"{d['step_ms']:.1f} ms | 1.000x" if d.get("step_ms") is not None else "- | -"
     lines.append(f"| - | dense | 100.0% | {fmt_flops(d['train_flops_per_step'])} | 1.000 | 1.000x | - | {dense_t} | "
-                 f"- | - |")
+                 f"- | - |" + exchange_cell(d))
     shown = [c for c in res["candidates"] if c["meets_theory"]][:s["show"]]
     shown += [c for c in res["candidates"] if c.get("measured") and c not in shown]
     lines += [candidate_row(c, r["label"]) for c in shown]

@@ -27,7 +27,11 @@ from tread.perf.pilot import Pilot, check_pilot_data, run_pilot
 from tread.perf.plan import (PAPER_END_FROM_END, PAPER_START, RULE, PlanError, Space, TimeFn, evaluate_candidates,
                              flops_function, generate_candidates, measure_candidates, paired_time_fn, ratio_grid,
                              recommend, resolve_span, train_command, unreachable_message)
+from tread.perf.context_memory import exchange_per_step, route_stats
 from tread.perf.plan_report import markdown
+from tread.perf.routes import label_of
+from tread.routing.shards import check_split
+from tread.routing.spec import RouteConfigError
 from tread.schema import CONFIG_DIR
 from tread.schema.train import TrainConfig
 from tread.utils.device import resolve_device
@@ -75,6 +79,7 @@ class PlanRequest:
     compile: bool = False                         # torch.compile the timed steps and pilots
     pilot: int = 0                                # pilot steps per run (0: no pilot, unless pilot_seconds)
     pilot_seconds: Optional[float] = None         # pilot at equal training time
+    context_parallel: int = 1                     # processes per context group: per-process all-to-all (1: none)
     pilot_top: int = 2                            # candidates in the pilot
     pilot_fid: bool = False                       # rank the pilot by FID at its end
     out: Optional[str] = None                     # pilot run dirs (None: outputs/plan_routes/<timestamp>)
@@ -99,7 +104,7 @@ def check_request(a: PlanRequest) -> None:
             raise PlanError(f"{flag} {value} is not a {group} config; allowed: {', '.join(names)}")
     positive = {"--resolution": a.resolution, "--channels": a.channels, "--batch": a.batch, "--steps": a.steps,
                 "--rounds": a.rounds, "--threads": a.threads, "--min-blocks": a.min_blocks,
-                "--pilot-top": a.pilot_top, "--show": a.show}
+                "--pilot-top": a.pilot_top, "--show": a.show, "--context-parallel": a.context_parallel}
     for flag, v in positive.items():
         if v is not None and v < 1:
             raise PlanError(f"{flag} {v} is not allowed; it must be an integer >= 1")
@@ -230,7 +235,23 @@ def candidates(a: PlanRequest, c: Configs) -> dict:
     dense, rows = evaluate_candidates(route_sets, flops_function(model), depth, num_tokens, batch, a.target)
     if not any(r["meets_theory"] for r in rows):
         raise PlanError(unreachable_message(rows, a.target, space, depth))
+    if a.context_parallel > 1:
+        add_exchange(model, dense, rows, dict(zip(map(label_of, route_sets), route_sets)), a.context_parallel)
     return {"depth": depth, "tokens": num_tokens, "batch": batch, "space": space, "dense": dense, "rows": rows}
+
+
+def add_exchange(model: Any, dense: dict, rows: list[dict], routes_of: dict, degree: int) -> None:
+    """--context-parallel D: the bytes one process of a group sends per sample and step (Ulysses, bf16, with the
+    checkpointed recompute: tread/perf/context_memory.py), into the dense row and each candidate's."""
+    tokens, depth, width = int(model.num_tokens), int(model.depth), model.attention_width()
+    try:
+        check_split(tokens, degree, "--context-parallel")
+    except RouteConfigError as err:
+        raise PlanError(str(err)) from None
+    dense["exchange_bytes"] = exchange_per_step([], depth, tokens, width, degree)
+    for row in rows:
+        row["exchange_bytes"] = exchange_per_step(route_stats(routes_of[row["label"]], tokens), depth, tokens, width,
+                                                  degree)
 
 
 def plan_device(a: PlanRequest) -> torch.device:
@@ -275,7 +296,7 @@ def settings_of(a: PlanRequest, c: Configs, found: dict, timing: dict) -> dict:
             "gradient_checkpointing": dense.model.gradient_checkpointing,
             "fused_adamw": fused_adamw(dense.optimizer), "show": a.show,
             "flops": "theoretical: 3 x forward x batch, matmuls + attention, multiply-add = 2 (tread/models/flops.py)",
-            "timing": timing["timing"]}
+            "timing": timing["timing"], "context_parallel": a.context_parallel}
 
 
 def apply_pilot(a: PlanRequest, c: Configs, res: dict, pilot: Pilot) -> None:

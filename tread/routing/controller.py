@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 
 from tread.routing.router import TokenRouter, gather_tokens, keep_count, scatter_tokens
 from tread.routing.schedule import RouteSchedule, schedule_from_config
+from tread.routing.shards import SequenceSplit, check_split, shard_keep
 from tread.routing.spec import Route, RouteConfigError, resolve_routes, routing_from_config, tokens_processed_fraction
 
 
@@ -29,6 +30,8 @@ class RoutePlan:
     noise: list[torch.Tensor] = field(default_factory=list)    # (B, N) scores per route, in [0, 1]
     fp32_blocks: frozenset[int] = frozenset()                  # blocks run outside autocast
     num_tokens: int = 0
+    shards: int = 1                                            # contiguous shards that each keep keep / shards
+    split: Optional[SequenceSplit] = None                      # the context group holding the shards, if split
 
     @property
     def stats(self) -> list[tuple[int, int, int, int]]:
@@ -77,13 +80,21 @@ class RoutingController:
         return self.schedule.routes_at(step) if self.schedule is not None else list(self.routes)
 
     def plan(self, batch: int, num_tokens: int, device: torch.device, training: bool,
-             force_keep: Optional[torch.Tensor] = None, grid: Optional[Sequence[int]] = None) -> RoutePlan:
+             force_keep: Optional[torch.Tensor] = None, grid: Optional[Sequence[int]] = None, shards: int = 1,
+             split: Optional[SequenceSplit] = None) -> RoutePlan:
         """The routes this forward takes, with their keep counts and scores drawn now, in route order, from the router's
-        generator(s). `grid`: the batch's token grid, which structured selection needs."""
+        generator(s). `grid`: the batch's token grid, which structured selection needs. `split`: the sequence is
+        split over a context group (its degree is the shard count); `shards` without a split routes one process's
+        whole sequence as that many shards would (shards.py). Scores and keep counts are of the whole sequence."""
+        shards = split.degree if split is not None else shards
         routes = self.active_routes(training)
-        keep = [keep_count(r.num_keep(num_tokens), force_keep) for r in routes]
+        if shards > 1:
+            check_split(num_tokens, shards)
+            keep = [shard_keep(r.num_keep(num_tokens), num_tokens, shards, force_keep) for r in routes]
+        else:
+            keep = [keep_count(r.num_keep(num_tokens), force_keep) for r in routes]
         noise = [self.router.draw(batch, num_tokens, device, grid, r.selection_ratio, force_keep) for r in routes]
-        return RoutePlan(routes, keep, noise, self.fp32_blocks(routes), num_tokens)
+        return RoutePlan(routes, keep, noise, self.fp32_blocks(routes), num_tokens, shards, split)
 
     def fp32_blocks(self, routes: Sequence[Route]) -> frozenset[int]:
         """Blocks to run in fp32 (outside autocast): the one after each route's end, when enabled."""
@@ -139,11 +150,14 @@ class RoutedBackbone(nn.Module):
 
     routing: RoutingController
     last_route_plan: Optional[RoutePlan] = None   # the plan of the last forward (routes, keep counts)
+    context_split: Optional[SequenceSplit] = None  # train.context_parallel: this process's share of the sequence
+    route_shards: int = 1                         # without a split: route as that many shards would (shards.py)
 
     def forward(self, x: torch.Tensor, noise_level: torch.Tensor, labels: torch.Tensor,
                 force_keep: Optional[torch.Tensor] = None, *, return_aux: bool = False, **cond: Any) -> Any:
         grid = self.grid_of(x) if self.routing.router.needs_grid else None
-        plan = self.routing.plan(x.shape[0], self.tokens_in(x), x.device, self.training, force_keep, grid)
+        plan = self.routing.plan(x.shape[0], self.tokens_in(x), x.device, self.training, force_keep, grid,
+                                 self.route_shards, self.context_split)
         self.last_route_plan = plan
         routed = self.__dict__.get("_compiled_routed_forward") or self.routed_forward
         if return_aux:
@@ -197,9 +211,15 @@ def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, plan: Rout
     `block(x, context, per_token) -> (x, context)`; context is never routed, per_token tensors (B, N, ...) are
     gathered with the tokens; returns (x, context). `force_keep` (B, N) marks tokens never dropped, `checkpoint`
     recomputes each block in backward, `plan.fp32_blocks` run outside autocast, and `tap` = {"block": i}
-    receives that block's tokens (and the kept ids inside a route) for REPA.
+    receives that block's tokens (and the kept ids inside a route) for REPA. With `plan.split`, x, per_token and
+    force_keep are of the whole sequence: this process runs the blocks on its shard (routing within it, keep /
+    degree tokens) and returns the whole sequence gathered from the group; context is the same on every process.
     """
     plain = context is None and per_token is None
+    split, shards = plan.split, plan.shards
+    if split is not None:
+        x, per_token, force_keep = _local(split, x), _local(split, per_token), _local(split, force_keep)
+        shards = 1
     full_tokens = dict(per_token or {})
     tokens = full_tokens
     starts = {r.start_layer_idx: j for j, r in enumerate(plan.routes)}
@@ -209,7 +229,10 @@ def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, plan: Rout
         if i in starts:
             j = starts[i]
             route, x_start = plan.routes[j], x
-            ids_keep = router.select(x, plan.keep[j], force_keep, noise=plan.noise[j])    # (B, K)
+            keep, noise = plan.keep[j], plan.noise[j]
+            if split is not None:
+                keep, noise = keep // split.degree, split.local(noise)
+            ids_keep = router.select(x, keep, force_keep, noise=noise, shards=shards)    # (B, K)
             x = gather_tokens(x, ids_keep)                                              # (B, K, D)
             tokens = {k: gather_tokens(v, ids_keep) for k, v in full_tokens.items()}
         fp32 = i in plan.fp32_blocks
@@ -225,7 +248,18 @@ def run_blocks(blocks: Sequence[Callable[..., Any]], x: torch.Tensor, plan: Rout
             x = scatter_tokens(x_start, x, ids_keep)                                    # (B, N, D)
             tokens = full_tokens
             route = x_start = ids_keep = None
+    if split is not None:
+        x = split.gather(x)
     return x if plain else (x, context)
+
+
+def _local(split: SequenceSplit, value: Any) -> Any:
+    """This process's shard of a whole-sequence tensor (or of each tensor of a dict; None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return {k: split.local(v) for k, v in value.items()}
+    return split.local(value)
 
 
 def _f32(value: Any) -> Any:

@@ -10,6 +10,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from tread.routing.shards import top_per_shard
 from tread.routing.structured import group_side, order_size, structured_scores, token_grid3
 
 SELECTION_MODES = ("random", "importance", "structured")
@@ -90,11 +91,14 @@ class TokenRouter:
 
     # -- selection -------------------------------------------------------------------
     def select(self, x: torch.Tensor, num_keep: int, force_keep: Optional[torch.Tensor] = None,
-               noise: Optional[torch.Tensor] = None, grid: Optional[Sequence[int]] = None) -> torch.Tensor:
+               noise: Optional[torch.Tensor] = None, grid: Optional[Sequence[int]] = None,
+               shards: int = 1) -> torch.Tensor:
         """Indices (B, K) of the tokens to keep from `x` (B, N, D); force-kept tokens are never dropped.
 
         `noise` (B, N): scores drawn beforehand (then num_keep is final: no host sync); without it they are
         drawn here and K grows for the batch when a sample force-keeps more (keep_count). `grid`: structured mode.
+        `shards`: pick K / shards in each of that many contiguous shards, as a split sequence does (shards.py; the
+        importance score is then normalised per shard, as each process of a context group sees only its own).
         """
         B, N, _ = x.shape
         if noise is None:
@@ -103,9 +107,9 @@ class TokenRouter:
         score = noise                                                                   # (B, N) in [0, 1]
         if self.mode == "importance":
             with torch.no_grad():
-                l1 = x.detach().float().abs().mean(dim=-1)                              # (B, N)
-                lo, hi = l1.amin(dim=1, keepdim=True), l1.amax(dim=1, keepdim=True)
-                l1 = (l1 - lo) / (hi - lo).clamp_min(1e-12)                             # per-sample [0, 1]
+                l1 = x.detach().float().abs().mean(dim=-1).view(B, shards, N // shards)  # (B, P, N / P)
+                lo, hi = l1.amin(dim=2, keepdim=True), l1.amax(dim=2, keepdim=True)
+                l1 = ((l1 - lo) / (hi - lo).clamp_min(1e-12)).view(B, N)                 # per-shard [0, 1]
             w = self.importance_weight
             score = w * l1 + (1.0 - w) * score
         if force_keep is not None:
@@ -113,7 +117,7 @@ class TokenRouter:
                 raise ValueError(f"force_keep mask must have shape (B, N) = {(B, N)}, got {tuple(force_keep.shape)}.")
             # Scores lie in [0, 1]; +2 puts every forced token above every free one.
             score = score + 2.0 * force_keep.to(device=x.device, dtype=score.dtype)
-        return score.topk(min(num_keep, N), dim=1, sorted=False).indices              # (B, K)
+        return top_per_shard(score, num_keep, shards)                                   # (B, K)
 
 
 def keep_count(num_keep: int, force_keep: Optional[torch.Tensor]) -> int:

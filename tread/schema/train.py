@@ -29,6 +29,7 @@ WANDB_MODES = ("disabled", "offline", "online")
 NONFINITE = ("skip", "stop")
 TRACKERS = ("wandb", "tensorboard")   # train.log_with: accelerate's trackers (tread/training/run_log.py)
 PARALLEL = ("ddp", "fsdp")
+CONTEXT_MODES = ("ulysses", "ring")   # train.context_parallel.mode (tread/runtime/context_parallel.py)
 EMA_MODES = ("full", "trained", "cpu", "off")   # ema.mode (tread/training/ema.py make_ema)
 
 
@@ -40,6 +41,16 @@ class Fsdp(Section):
                                       "all-gather less per block, more memory)")
     cpu_offload: Flag = key("true (sharded weights, gradients and optimizer state live in host memory; CUDA "
                             "only) or false")
+
+
+class ContextParallelSettings(Section):
+    """train.context_parallel (tread/training/context_parallel.py; docs/scaling.md)"""
+
+    degree: int = key("a positive integer dividing the number of processes (processes one sample's sequence is "
+                      "split over; 1: none)", ge=1, default=1)
+    mode: Literal[CONTEXT_MODES] = key("ulysses (attention heads exchanged by all-to-all: the degree divides the "
+                                       "heads) or ring (key/value blocks passed round the group; CUDA)",
+                                       default="ulysses")
 
 
 class Train(Section):
@@ -96,6 +107,7 @@ class Train(Section):
                                       "optimizer state and EMA sharded over the processes, one group per routable "
                                       "block; needs >= 2 processes)")
     fsdp: Fsdp
+    context_parallel: ContextParallelSettings
 
 
 class EMA(Section):
@@ -209,8 +221,18 @@ class TrainConfig:
         return sharded_layout(self.checkpoint.layout, self.train.parallel)
 
     def micro_batch(self, world_size: int) -> int:
-        """The per-process micro-batch: train.batch_size is global, over processes and accumulation steps."""
-        return micro_batch(self.train.batch_size, world_size, self.train.grad_accum_steps, "train.batch_size")
+        """The per-process micro-batch: train.batch_size is global, over data-parallel replicas (the processes, a
+        context group of train.context_parallel.degree counting once) and accumulation steps."""
+        return micro_batch(self.train.batch_size, self.data_world(world_size), self.train.grad_accum_steps,
+                           "train.batch_size")
+
+    def data_world(self, world_size: int) -> int:
+        """Data-parallel replicas of `world_size` processes: the processes of a context group share a batch."""
+        return max(1, world_size // self.train.context_parallel.degree)
+
+    def data_rank(self, process_index: int) -> int:
+        """The data-parallel replica a process belongs to (its batches, noise and route draws)."""
+        return process_index // self.train.context_parallel.degree
 
 
 def sharded_layout(layout: str, parallel: str) -> bool:
@@ -222,8 +244,8 @@ def micro_batch(batch: int, world_size: int, accum: int, name: str) -> int:
     """A global batch split over processes and accumulation steps, or one error line naming the key."""
     denom = world_size * accum
     if batch % denom:
-        raise ConfigError(f"{name}={batch} is the global batch and must be divisible by num_processes ({world_size}) "
-                          f"x train.grad_accum_steps ({accum}) = {denom}.")
+        raise ConfigError(f"{name}={batch} is the global batch and must be divisible by the data-parallel processes "
+                          f"({world_size}: processes / train.context_parallel.degree) x train.grad_accum_steps ({accum}) = {denom}.")
     return batch // denom
 
 

@@ -21,6 +21,7 @@ from tread.schema.builders import build, build_diffusion, build_model
 from tread.models.backbone import Backbone
 from tread.schema import ConfigError
 from tread.schema.train import TrainConfig, micro_batch
+from tread.training.context_parallel import check_context_parallel, split_backbone
 from tread.training.ema import make_ema
 from tread.training.fsdp import check_parallel, shard_backbone
 from tread.schema.phases import TrainPhases
@@ -109,6 +110,7 @@ def build_parts(config: TrainConfig, accelerator: Accelerator) -> TrainingParts:
     train = config.train
     check_shared_base(config.model, train)
     check_parallel(train, config.eval, accelerator.num_processes, accelerator.device.type == "cuda")
+    check_context_parallel(train, accelerator.num_processes, accelerator.device.type == "cuda")
     repa = build_repa(config.model, config.data.resolution, config.paths.cache_dir, decode_options(config.eval),
                       accelerator.device)           # the encoder first: it sizes the REPA head
     torch.manual_seed(train.seed)
@@ -119,6 +121,7 @@ def build_parts(config: TrainConfig, accelerator: Accelerator) -> TrainingParts:
     net = diffusion.precondition(model)
     # ema.mode (tread/training/ema.py): a copy (a quantized frozen base shared), the trained parameters only, ...
     ema = make_ema(net, model, config.ema.mode)
+    split_backbone(train, model, accelerator.device)        # the EMA samples whole sequences: it stays unsplit
     sharded = maybe_shard(train, model, ema.model)          # before the optimizer: parameters become shards
     compiled = maybe_compile(train, model, accelerator.device)
     # LoRA (model.lora) freezes the base weights: only parameters that require grad are optimised.
@@ -150,6 +153,8 @@ def maybe_compile(train: Any, model: nn.Module, device: torch.device) -> bool:
     names and checkpoints are unchanged. The router draws outside the compiled graph and keep counts are
     static per route, so one graph per route shape compiles in the first step and nothing after."""
     setting = train.compile
+    if train.context_parallel.degree > 1 and setting == "auto":      # true is refused (check_context_parallel)
+        return False
     if not (setting is True or (setting == "auto" and compile_by_default(device))):
         return False
     model.compile(backend=train.compile_backend, mode=train.compile_mode)
@@ -258,8 +263,9 @@ def make_loader(config: TrainConfig, dataset, accelerator: Accelerator) -> Laten
     data draws each batch from one bucket (data.resolution_schedule: the phases' buckets), a bucket too small
     for a batch on every process is dropped with a warning."""
     train, data, phases = config.train, config.data, config.phases
-    batch, rank, world = config.micro_batch(accelerator.num_processes), accelerator.process_index, \
-        accelerator.num_processes
+    # a context group's processes are one replica: they read the same batches
+    batch, rank, world = config.micro_batch(accelerator.num_processes), config.data_rank(accelerator.process_index), \
+        config.data_world(accelerator.num_processes)
     sampler = None
     if phases.changes_batch():          # routing.schedule phases with their own train.batch_size
         sampler = batch_phase_sampler(train, data.path, dataset, phases, rank, world)
@@ -310,6 +316,7 @@ def warn_dropped_buckets(dataset: BucketedDataset, sampler: Any, need: int) -> N
 
 
 def seed_streams(train_seed: int, routing_seed: int, model: nn.Module, rank: int) -> None:
-    """Each process's training stream (noise, label dropout, moments) and the router's own stream."""
+    """Each data-parallel replica's training stream (noise, label dropout, moments) and the router's own stream; `rank`
+    is the replica's (the processes of a context group draw alike: their noise and routes must agree)."""
     torch.manual_seed(train_seed * 1_000_003 + rank)
     model.routing.router.manual_seed(routing_seed * 1_000_003 + rank)

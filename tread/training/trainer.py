@@ -81,7 +81,7 @@ class Trainer:
                               config.model.text_encoders,
                               learned_unconditional(config.train.caption_dropout, config.train.caption_dropout_mode,
                                                     config.model.family)) if config.eval_on else None
-        seed_streams(config.train.seed, config.routing.seed, parts.model, accelerator.process_index)
+        seed_streams(config.train.seed, config.routing.seed, parts.model, config.data_rank(accelerator.process_index))
         if resumed is not None:
             state.load_state_dict(resumed, adapter_only=resumed["adapter_only"], where=str(resume_from))
         if accelerator.is_main_process:

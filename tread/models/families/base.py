@@ -12,19 +12,15 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from tread.models.errors import ModelConfigError
+from tread.models.errors import FamilyConfigError
 from tread.models.families.first_frame import FIRST_FRAME, condition_inputs, conditioned
 from tread.models.families.norms import norms_follow_input
-from tread.models.backbone import Backbone
+from tread.models.families.split import SplitSequence
 from tread.routing import RoutePlan, RoutingController, run_blocks
 from tread.routing.masks import token_keep_mask
 
 
 Grid = tuple[int, int, int]   # a token grid (t, h, w): frames, rows, columns of tokens
-
-
-class FamilyConfigError(ModelConfigError):
-    """A family config that cannot be built; the message names the key, the value and what is allowed."""
 
 
 @dataclass
@@ -69,7 +65,7 @@ def null_text(cond: Mapping[str, torch.Tensor], drop: torch.Tensor) -> dict[str,
     return out
 
 
-class RoutedFamily(Backbone):
+class RoutedFamily(SplitSequence):
     """Base class of the diffusers families: config checks, conditioning, routing and the forward loop."""
 
     family: ClassVar[str] = ""
@@ -396,6 +392,8 @@ class RoutedFamily(Backbone):
         self.check_reference(text, x)
         xm = self.to_model_layout(x)
         emb = self.embed(xm, self.timestep(noise_level), text)                   # emb.grid: this batch's grid
+        if self.joint_text and self.context_split is not None:
+            self.split_text(emb, self.context_split)
         h, emb.context = run_blocks(self.block_fns(emb), emb.x, plan, self.routing.router, force_keep,
                                     context=emb.context, per_token=emb.per_token,
                                     checkpoint=self.gradient_checkpointing and self.training)

@@ -138,6 +138,9 @@ class CosmosFamily(RoutedFamily):
         for block in self.blocks_of(self.transformer):
             block.attn1.set_processor(BatchedRopeCosmosAttnProcessor())
 
+    def group_attention_modules(self) -> list[nn.Module]:
+        return [block.attn1 for block in self.routable_blocks()]
+
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
 

@@ -129,6 +129,12 @@ class FluxFamily(RoutedFamily):
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
 
+    # context parallelism: the joint attention of both block kinds; the text and its RoPE rows split with the image
+    joint_text, text_rows = True, ("text_cos", "text_sin")
+
+    def group_attention_modules(self) -> list[nn.Module]:
+        return [block.attn for block in self.routable_blocks()]
+
     def timestep(self, noise_level: torch.Tensor) -> torch.Tensor:
         return noise_level / 1000.0   # diffusers' FLUX takes t in [0, 1] and scales by 1000 itself
 

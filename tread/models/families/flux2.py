@@ -122,6 +122,9 @@ class Flux2Family(RoutedFamily):
     latent_patch = FluxFamily.latent_patch
     pack, unpack = FluxFamily.pack, FluxFamily.unpack
     blocks_of = FluxFamily.blocks_of
+    # context parallelism: FLUX's (joint attention of both block kinds; the text and its RoPE rows split too)
+    joint_text, text_rows = FluxFamily.joint_text, FluxFamily.text_rows
+    group_attention_modules = FluxFamily.group_attention_modules
     timestep = FluxFamily.timestep
     _guidance = FluxFamily._guidance
 

@@ -128,6 +128,13 @@ class HunyuanVideo15Family(RoutedFamily):
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
 
+    # context parallelism: joint attention over [video, context]; the context rows (text, glyph, image) and their
+    # mask split with the video tokens
+    joint_text, text_columns = True, ("mask",)
+
+    def group_attention_modules(self) -> list[nn.Module]:
+        return [block.attn for block in self.routable_blocks()]
+
     # noise_level = t * 1000 is what the pipelines feed (scheduler timesteps, sigma * 1000): the default timestep().
 
     # -- conditioning --------------------------------------------------------------------------------------------

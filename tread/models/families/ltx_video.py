@@ -86,6 +86,9 @@ class LTXVideoFamily(RoutedFamily):
                 f"model.config.cross_attention_dim={c.cross_attention_dim} must equal the width num_attention_heads x "
                 f"attention_head_dim = {inner}: the captions are projected to the model width before attn2.")
 
+    def group_attention_modules(self) -> list[nn.Module]:
+        return [block.attn1 for block in self.routable_blocks()]
+
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
 

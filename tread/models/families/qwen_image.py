@@ -150,6 +150,12 @@ class QwenImageFamily(RoutedFamily):
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
 
+    # context parallelism: joint attention; the text, its RoPE rows and its mask split with the image tokens
+    joint_text, text_rows, text_columns = True, ("txt_freqs",), ("mask",)
+
+    def group_attention_modules(self) -> list[nn.Module]:
+        return [block.attn for block in self.routable_blocks()]
+
     def timestep(self, noise_level: torch.Tensor) -> torch.Tensor:
         return noise_level / 1000.0   # the pipelines feed t / 1000; Timesteps(scale=1000) scales back
 

@@ -81,6 +81,9 @@ class WanFamily(RoutedFamily):
                 f"beyond the RoPE table (model.config.rope_max_seq_len={limit}); allowed: token grid sides (frames "
                 f"included) <= {limit}.")
 
+    def group_attention_modules(self) -> list[nn.Module]:
+        return [block.attn1 for block in self.routable_blocks()]
+
     def blocks_of(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.blocks)
 
