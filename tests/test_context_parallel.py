@@ -44,8 +44,8 @@ CASES = {
     "flux-half": ("flux", HALF, False, False),
     "flux2-half": ("flux2", HALF, False, False),
     "qwen_image-half-masked-text": ("qwen_image", HALF, False, False),
-    "wan-zero": ("wan", ZERO, False, False),
-    "flux-zero": ("flux", ZERO, False, False),
+    **{f"{name}-zero": (name, ZERO, False, False)
+       for name in ("wan", "ltx_video", "cosmos", "hunyuan_video", "flux", "flux2", "qwen_image")},
 }
 MASKED = {"qwen_image-half-masked-text"}     # text of 4 tokens with a keep-mask per sample (split 2 + 2)
 VIDEO = {"wan", "ltx_video", "cosmos", "hunyuan_video"}        # at T = 3 (48 tokens); images at 8 x 8 latents (16 tokens)
@@ -172,7 +172,7 @@ def test_every_process_keeps_the_same_count(split_two, case):
         assert chosen[0], "the route ran"
 
 
-@pytest.mark.parametrize("name", ["dit", "wan", "flux"])
+@pytest.mark.parametrize("name", ["dit", "wan", "ltx_video", "cosmos", "hunyuan_video", "flux", "flux2", "qwen_image"])
 def test_ratio_zero_under_the_split_equals_dense(split_two, name):
     """A route keeping every token, split over 2 processes, equals the dense model on one process."""
     got = torch.load(split_two / f"{name}-zero-2.pt")
@@ -245,9 +245,11 @@ def test_bad_degrees_are_one_error_before_work(tiny_cfg, tmp_path):
     ring = check_train(tiny_cfg("train.context_parallel.degree=2", "train.context_parallel.mode=ring"))
     with pytest.raises(ConfigError, match="mode=ring merges partial attentions .* on the CPU"):
         check_context_parallel(ring.train, 2, False)
-    compiled = check_train(tiny_cfg("train.context_parallel.degree=2", "train.compile=true"))
     with pytest.raises(ConfigError, match="train.compile=true cannot be combined"):
-        check_context_parallel(compiled.train, 2, False)
+        check_train(tiny_cfg("train.context_parallel.degree=2", "train.compile=true"))
+    with pytest.raises(ConfigError, match="ema.mode=off cannot be combined with train.context_parallel.degree=2"):
+        check_train(tiny_cfg("train.context_parallel.degree=2", "ema.mode=off"))
+    check_train(tiny_cfg("train.context_parallel.degree=2", "ema.mode=trained"))
     with pytest.raises(ConfigError, match=r"degree=2 must divide the number of processes \(1\)"):
         train(tiny_cfg("train.context_parallel.degree=2"), tmp_path / "run")
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
@@ -350,3 +352,33 @@ def test_per_process_table_divides_tokens_and_counts_the_exchange():
     assert float(cells[8]) == round(exchange_per_step([], depth, 48, width, 4) / 1e9, 1)
     routed = exchange_per_step([(2, 4, 1, 2)], depth, 48, width, 4)
     assert routed == pytest.approx(exchange_per_step([], depth, 48, width, 4) * (5 + 3 / 2) / 8)
+
+
+def test_a_grid_that_does_not_split_is_refused_before_the_group_forms():
+    """split_backbone checks the default grid before it builds the mesh (no process group is needed to refuse)."""
+    from types import SimpleNamespace
+
+    from tread.training.context_parallel import split_backbone
+
+    train = SimpleNamespace(context_parallel=SimpleNamespace(degree=3, mode="ulysses"))
+    model = build_dit("DiT-T/2", input_size=8, in_channels=4, num_classes=5)
+    with pytest.raises(RouteConfigError, match=r"train.context_parallel.degree=3: the sequence has 16 routable tokens"):
+        split_backbone(train, model, torch.device("cpu"))
+    assert model.context_split is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["wan", "flux"])
+def test_split_family_training_equals_one_process(cache_dir, tiny_cfg, tmp_path, monkeypatch, family):
+    """A family trained split over 2 processes (cross-attended text: Wan; joint text: FLUX) logs the losses of one
+    process routing the same shards (rel. 1e-5)."""
+    from test_fsdp import QUIET, losses, torchrun
+    from tread.routing.controller import RoutedBackbone
+    from tread.training.loop import train
+
+    common = [*QUIET, f"model={family}", "checkpoint.every_steps=0", "train.max_steps=3"]
+    torchrun(cache_dir, tmp_path / "split", *common, "train.context_parallel.degree=2")
+    monkeypatch.setattr(RoutedBackbone, "route_shards", 2)
+    train(tiny_cfg(*common), tmp_path / "one")
+    a, b = losses(tmp_path / "split"), losses(tmp_path / "one")
+    assert sorted(a) == [1, 2, 3] and all(abs(a[s] - b[s]) <= 1e-5 * abs(b[s]) for s in a), (a, b)

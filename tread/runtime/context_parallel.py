@@ -46,7 +46,7 @@ class ContextParallel:
         """(B, N / degree, ...) from every process -> (B, N, ...) in shard order. Backward is the reduce-scatter:
         every process computes the same loss from the same gathered output, so each shard's gradient arrives
         `degree` times, which the data-parallel mean over all processes (degree per replica) divides out."""
-        return funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=1, group=self.group)
+        return funcol.all_gather_single_autograd(x.contiguous(), gather_dim=1, group=self.group)
 
     def check_heads(self, heads: int, model: str) -> None:
         """Ulysses hands each process heads / degree of every attention's heads: a one-line error otherwise."""

@@ -298,6 +298,7 @@ def _cross_checks(s: dict[str, Any]) -> None:
         raise ConfigError("checkpoint.adapter_only=true needs LoRA adapters (model.lora={rank: ..., target_modules: "
                           "[...]}); without them every weight trains and must be saved.")
     _check_memory_options(s)
+    _check_context_parallel(s["train"], s["ema"].mode)
     _check_phases(s)
     if s["train"].compile is not False:
         _check_backend(s["train"].compile_backend)
@@ -327,6 +328,22 @@ def _check_phases(s: dict[str, Any]) -> None:
         if batch is not None and batch % accum:
             raise ConfigError(f"routing.schedule[{i}].train.batch_size={batch} is not allowed; allowed: a global "
                               f"batch divisible by train.grad_accum_steps={accum}.")
+
+
+def _check_context_parallel(train: Train, ema_mode: str) -> None:
+    """train.context_parallel against the other keys (the launch's checks: tread/training/context_parallel.py): the
+    EMA samples whole sequences on each process, so it cannot be the split model itself, and the split's
+    collectives run eagerly."""
+    degree = train.context_parallel.degree
+    if degree == 1:
+        return
+    if ema_mode == "off":
+        raise ConfigError(f"ema.mode=off cannot be combined with train.context_parallel.degree={degree} (evaluation "
+                          f"would sample the split model, each process its own seeds); allowed: ema.mode=full, "
+                          f"trained or cpu.")
+    if train.compile is True:
+        raise ConfigError(f"train.compile=true cannot be combined with train.context_parallel.degree={degree} (the "
+                          f"split's collectives run eagerly); allowed: train.compile=false or auto (off here).")
 
 
 def _check_memory_options(s: dict[str, Any]) -> None:

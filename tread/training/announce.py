@@ -32,7 +32,8 @@ def announce(run: Any) -> None:
     precision_why = mixed_precision(cfg.train.mixed_precision, acc.device)[1]
     tqdm.write(f"{cfg.model.arch} ({n_params:.2f}M params, {model.num_tokens} tokens, depth {model.depth}); routes: "
                f"{routes}; tokens processed {100 * run.summary.data['tokens_fraction']:.1f}%{reference_share(run)}\n"
-               f"data: {dataset.root} ({len(dataset)} samples) | world size {acc.num_processes}, global batch "
+               f"data: {dataset.root} ({len(dataset)} samples) | world size {acc.num_processes}{context_groups(cfg, acc)}, "
+               f"global batch "
                f"{cfg.train.batch_size} ({cfg.micro_batch(acc.num_processes)} per micro-batch) | "
                f"{acc.device}, mixed precision {acc.mixed_precision} ({precision_why}){compiled}\n"
                f"run dir: {run.run_dir}")
@@ -57,3 +58,12 @@ def announce(run: Any) -> None:
                    f"{bool(cfg.train.mask_force_keep and model.routing.enabled)}")
     if cfg.ema.mode in EMA_NOTES:
         tqdm.write(EMA_NOTES[cfg.ema.mode])
+
+
+def context_groups(cfg: Any, acc: Any) -> str:
+    """The start-up line's note of train.context_parallel: how the processes group (nothing without a split)."""
+    degree = cfg.train.context_parallel.degree
+    if degree == 1:
+        return ""
+    groups = cfg.data_world(acc.num_processes)
+    return f" ({groups} context group{'s' if groups > 1 else ''} of {degree}: one sequence over each)"

@@ -15,8 +15,8 @@ from tread.schema import ConfigError
 
 def check_context_parallel(t: Any, world_size: int, cuda: bool) -> None:
     """train.context_parallel (of the train section `t`) against the launch, before any work: the degree divides
-    the processes, ring attention has a CUDA backend that returns the log-sum-exp it merges with, the step is
-    not compiled (the split's collectives are not traced yet)."""
+    the processes, and ring attention has a CUDA backend that returns the log-sum-exp it merges with (the checks
+    against other keys are the schema's: tread/schema/train.py)."""
     cp = t.context_parallel
     if cp.degree == 1:
         return
@@ -27,9 +27,6 @@ def check_context_parallel(t: Any, world_size: int, cuda: bool) -> None:
     if cp.mode == "ring" and not cuda:
         raise ConfigError("train.context_parallel.mode=ring merges partial attentions by their log-sum-exp, which "
                           "only diffusers' CUDA backends return; this run is on the CPU (allowed here: ulysses).")
-    if t.compile is True:
-        raise ConfigError(f"train.compile=true cannot be combined with train.context_parallel.degree={cp.degree} (the "
-                          f"split's collectives run eagerly); allowed: train.compile=false or auto (off here).")
 
 
 def split_backbone(t: Any, model: nn.Module, device: torch.device) -> Optional[ContextParallel]:
