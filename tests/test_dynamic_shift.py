@@ -144,3 +144,65 @@ def test_direct_construction_errors_and_the_grid_needs_a_shape():
     with pytest.raises(ShiftConfigError, match="pass latent_shape"):
         RectifiedFlow(dynamic_shift=FLUX1).t_steps(4)
     torch.testing.assert_close(RectifiedFlow(shift=3.0).t_steps(4), shift_t(torch.linspace(1, 0, 5).double(), 3.0))
+
+
+LTX = dict(base_shift=0.95, max_shift=2.05, base_seq_len=1024, max_seq_len=4096, patch_size=1)
+
+
+@pytest.mark.parametrize("cells", [1024, 2048, 6144])
+@pytest.mark.parametrize("num_steps", [2, 8, 50])
+def test_shift_terminal_grid_equals_the_ltx_pipeline_schedule(cells, num_steps):
+    """diffusion.shift_terminal (LTX-Video's scheduler: 0.1): the grid LTXPipeline drives the scheduler with
+    (sigmas np.linspace(1, 1/N, N), mu from the video's latent cells), shifted and stretched so its last non-zero t
+    is 0.1, within one float32 ulp; the endpoints 1 and 0 exact."""
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift as ltx_shift
+
+    rf = RectifiedFlow(dynamic_shift=LTX, shift_terminal=0.1)
+    shape = (1, 128, cells // 256, 16, 16)
+    sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                                            base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps),
+                        mu=ltx_shift(cells, 1024, 4096, 0.95, 2.05))
+    ours = rf.t_steps(num_steps, latent_shape=shape)
+    torch.testing.assert_close(ours.float(), sched.sigmas, atol=2.4e-7, rtol=0)
+    assert ours[0] == 1 and ours[-1] == 0 and ours[-2] == pytest.approx(0.1, abs=1e-12)
+    plain = RectifiedFlow(dynamic_shift=LTX).t_steps(num_steps, latent_shape=shape)
+    ratio = (1 - ours[:-1]) / (1 - plain[:-1])                             # one scale of 1 - t fixes t = 1
+    torch.testing.assert_close(ratio[1:], torch.full_like(ratio[1:], float(ratio[-1])), atol=1e-12, rtol=0)
+    assert (ours[1:] < ours[:-1]).all()
+
+
+def test_shift_terminal_leaves_training_t_and_is_checked(tiny_cfg):
+    x = torch.randn(16, 4, 8, 8)
+    nets = [RecordT(), RecordT()]
+    for net, obj in zip(nets, (RectifiedFlow(shift=3.0), RectifiedFlow(shift=3.0, shift_terminal=0.1))):
+        torch.manual_seed(0)
+        obj.loss(net, x, torch.zeros(16, dtype=torch.long))
+    assert torch.equal(nets[0].t, nets[1].t)
+    with pytest.raises(ShiftConfigError, match=r"diffusion.shift_terminal=1.5 is not allowed; allowed: null .* \(0, 1\)"):
+        RectifiedFlow(shift_terminal=1.5)
+    with pytest.raises(ConfigError, match="diffusion.shift_terminal"):
+        check_train(tiny_cfg("diffusion=rf", "diffusion.shift_terminal=0"))
+    assert check_train(compose_cfg("train", TINY + ["model=ltx_video"])).diffusion.shift_terminal == 0.1
+    assert build_diffusion(compose_cfg("train", TINY + ["model=ltx_video"])["diffusion"]).shift_terminal == 0.1
+    assert check_train(compose_cfg("train", TINY + ["model=qwen_image"])).diffusion.shift_terminal == 0.02
+    assert check_train(compose_cfg("train", TINY + ["model=flux"])).diffusion.shift_terminal is None
+
+
+def test_exported_scheduler_carries_the_shift_terminal():
+    """scripts/export_pipeline's scheduler (tread/cli/diffusers_pipeline.py) is the run's: driven as LTXPipeline
+    drives it, it gives our sampling grid."""
+    from types import SimpleNamespace
+
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift as ltx_shift
+
+    from tread.cli.diffusers_pipeline import scheduler
+
+    diffusion = check_train(compose_cfg("train", TINY + ["model=ltx_video"])).diffusion
+    sched = scheduler(SimpleNamespace(diffusion=diffusion))
+    assert sched.config.shift_terminal == 0.1
+    dyn = diffusion.dynamic_shift
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / 8, 8), mu=ltx_shift(64, dyn.base_seq_len, dyn.max_seq_len,
+                                                                       dyn.base_shift, dyn.max_shift))
+    ours = build_diffusion(diffusion.plain()).t_steps(8, latent_shape=(1, 128, 1, 16, 16))
+    torch.testing.assert_close(ours.float(), sched.sigmas, atol=2.4e-7, rtol=0)

@@ -100,15 +100,16 @@ def video_size(pipe: Any, shape: Sequence[int]) -> dict[str, int]:
 
 
 def scheduler(config: SavedConfig):
-    """FlowMatchEulerDiscreteScheduler with the run's shift: static diffusion.shift or FLUX's dynamic one."""
+    """FlowMatchEulerDiscreteScheduler with the run's shift (static diffusion.shift or FLUX's dynamic one) and its
+    diffusion.shift_terminal."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    dyn = config.diffusion.dynamic_shift
+    dyn, terminal = config.diffusion.dynamic_shift, config.diffusion.shift_terminal
     if dyn:
         return FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=dyn.base_shift,
                                                max_shift=dyn.max_shift, base_image_seq_len=dyn.base_seq_len,
-                                               max_image_seq_len=dyn.max_seq_len)
-    return FlowMatchEulerDiscreteScheduler(shift=float(config.diffusion.shift))
+                                               max_image_seq_len=dyn.max_seq_len, shift_terminal=terminal)
+    return FlowMatchEulerDiscreteScheduler(shift=float(config.diffusion.shift), shift_terminal=terminal)
 
 
 def pipeline_latents(family: str, model: Any, noise: torch.Tensor) -> torch.Tensor:

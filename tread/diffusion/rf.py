@@ -97,8 +97,14 @@ class RectifiedFlow:
         dynamic_shift: Optional[Mapping[str, Any]] = None,   # DynamicShift's keys: FLUX's shift instead of `shift`
         weighting_scheme: str = "logit_normal",   # WEIGHTING_SCHEMES: t's density and the loss weight
         mode_scale: float = 1.29,  # "mode" sampling's scale (SD3 paper, diffusers' default)
+        shift_terminal: Optional[float] = None,   # the sampling grid's last non-zero t (LTX-Video's scheduler: 0.1)
     ):
         self.P_mean, self.P_std, self.shift, self.t_scale, self.num_steps = P_mean, P_std, shift, t_scale, num_steps
+        if shift_terminal is not None and not 0 < shift_terminal < 1:
+            raise ShiftConfigError(f"diffusion.shift_terminal={shift_terminal} is not allowed; allowed: null (no "
+                                   f"stretch) or a number in (0, 1), the last non-zero t of the sampling grid "
+                                   f"(LTX-Video: 0.1).")
+        self.shift_terminal = shift_terminal
         if weighting_scheme not in WEIGHTING_SCHEMES or not -1 <= mode_scale <= MODE_SCALE_MAX:
             raise ShiftConfigError(
                 f"diffusion.weighting_scheme={weighting_scheme!r} with diffusion.mode_scale={mode_scale} is not allowed; "
@@ -168,12 +174,18 @@ class RectifiedFlow:
     def t_steps(self, num_steps: Optional[int] = None, device: Any = None,
                 latent_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
         """The sampler's t grid: num_steps + 1 points from 1 to 0, uniform then shifted (a dynamic shift needs
-        the latents' shape)."""
+        the latents' shape); with shift_terminal, the points before the final 0 stretched so that the last of them
+        is shift_terminal (diffusers' FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal; one step has none
+        to stretch). Training t is never stretched, as in diffusers."""
         if self.dynamic_shift is not None and latent_shape is None:
             raise ShiftConfigError("diffusion.dynamic_shift: the sampling t grid depends on the latents' shape; "
                                    "pass latent_shape.")
         t = torch.linspace(1.0, 0.0, (num_steps or self.num_steps) + 1, dtype=torch.float64, device=device)
-        return shift_t(t, self.shift if latent_shape is None else self.shift_for(latent_shape))
+        t = shift_t(t, self.shift if latent_shape is None else self.shift_for(latent_shape))
+        if self.shift_terminal is not None and len(t) > 2:
+            one_minus = 1 - t[:-1]
+            t = torch.cat([1 - one_minus * (1 - self.shift_terminal) / one_minus[-1], t[-1:]])
+        return t
 
     @torch.no_grad()
     def sample(self, velocity: Denoiser, noise: torch.Tensor, labels: torch.Tensor, *, num_steps: Optional[int] = None,

@@ -400,6 +400,9 @@ class RFConfig(Section):
         "(SD3's mode sampling, mode_scale), cosmap or sigma_sqrt (uniform t, the loss weighted by cosmap or "
         "t^-2), uniform", default="logit_normal")
     mode_scale: Number = key("a number in [-1, 2 / (pi - 2)] (mode sampling's scale; SD3: 1.29)", default=1.29)
+    shift_terminal: Optional[Number] = key("null (no stretch) or a number in (0, 1): the sampling grid's last "
+                                           "non-zero t (LTX-Video's scheduler: 0.1; training t is unchanged)",
+                                           gt=0, lt=1, default=None)
 
     @model_validator(mode="after")
     def check_one_shift(self) -> "RFConfig":
