@@ -92,11 +92,18 @@ NEW_PIPELINES = {
     "lumina2": ("Lumina2Pipeline", ["to_q", "to_k", "to_v", "to_out.0", "linear_1"]),
     "z_image": ("ZImagePipeline", ["to_q", "to_k", "to_v", "to_out.0", "feed_forward.w2"]),
     "ltx_video": ("LTXPipeline", ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]),
+    "ernie_image": ("ErnieImagePipeline", ["to_q", "to_k", "to_v", "to_out.0", "mlp.gate_proj", "linear_fc2"]),
+    "ltx2": ("LTX2Pipeline", ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]),
+    "kandinsky5": ("Kandinsky5T2VPipeline", ["to_query", "to_key", "to_value", "self_attention.out_layer",  # + the
+                                             "cross_attention.out_layer", "visual_modulation.out_layer"]),  # zero gates
+    "wan_vace": ("WanVACEPipeline", ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2", "proj_out"]),
+    # -- new families above this line --
 }
 
 
 @pytest.mark.parametrize("family", list(NEW_PIPELINES))
 @pytest.mark.parametrize("adapter", ["lora", "lokr"])
+@pytest.mark.usefixtures("no_bf16_rounding")   # Kandinsky 5's q, k rounding: float32 for the exact comparison
 def test_family_pipeline_loads_the_exact_adapter(family, adapter, tmp_path):
     """The exported LoRA / LoKr (as an exact plain LoRA) loads with the family pipeline's load_lora_weights and
     gives what our adapted model gives."""
@@ -110,10 +117,16 @@ def test_family_pipeline_loads_the_exact_adapter(family, adapter, tmp_path):
     cls = getattr(diffusers, pipeline_name)
     kw = {k: None for k in inspect.signature(cls.__init__).parameters if k != "self"}
     pipe = cls(**{**kw, "transformer": base.pristine_transformer(), "scheduler": FlowMatchEulerDiscreteScheduler()})
+    pipeline_applies_the_adapter(model, base, pipe, tmp_path)
+
+
+def pipeline_applies_the_adapter(model, base, pipe, folder) -> None:
+    """`pipe` (holding base's pristine transformer) loads the export in `folder` with its load_lora_weights: its
+    transformer then gives what the adapted `model` gives, and the adapter changes the output."""
     x, noise, labels = inputs(model)
     with torch.no_grad():
         plain = base.reference_forward(x, noise, labels, transformer=pipe.transformer)
-        pipe.load_lora_weights(tmp_path)
+        pipe.load_lora_weights(folder)
         ours = model(x, noise, labels)
         theirs = base.reference_forward(x, noise, labels, transformer=pipe.transformer)
     assert (ours - plain).abs().max() > 0.02            # the adapter matters ...

@@ -16,6 +16,7 @@ import pytest
 
 from bad_input_table import fid, refused, train
 from tread.data import record_integrity
+from tread.schema.model import FAMILY_ONLY
 
 pytestmark = pytest.mark.slow   # ~35 program runs in the harness beside the other tables
 
@@ -35,7 +36,7 @@ SCHEMA_CASES = [
           needles=("model.sprint.end=40 must be a block index in -12..11",)),
     train("dit_key_on_flux", "model=flux", "+model.depth=4", needles=("model.depth is not a known key",)),
     train("wan_key_on_flux", "model=flux", "+model.frames=2",
-          needles=("model.frames is a key of model.family=wan | ltx_video | cosmos | hunyuan_video; model.family=flux "
+          needles=(f"model.frames is a key of model.family={' | '.join(FAMILY_ONLY['frames'])}; model.family=flux "
                   "does not take it",)),
     # DiT architecture overrides: each in its range, and fitting together (DiT-T/4 under debug=tiny)
     train("mlp_ratio_tiny", "+model.mlp_ratio=0.001", needles=("model.mlp_ratio=0.001 is not allowed", "[0.25, 16]")),

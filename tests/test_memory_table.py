@@ -30,15 +30,17 @@ def test_data_channels_come_from_the_family_modules():
     """No table of channels per family: a preset's own geometry (FLUX: 4 transformer channels per latent channel,
     packed 2x2), else the family's first released one; the VAEs' latent channels (FLUX, SD3, Wan 2.1: 16;
     AuraFlow and PixArt, SD-VAE: 4; Wan 2.2: 48; FLUX.2, Sana's DC-AE: 32; Qwen-Image, and Chroma, HiDream, Z-Image,
-    Lumina2 on FLUX's VAE: 16; LTX-Video's: 128; Cosmos-Predict2 on the Wan 2.1 VAE: 16)."""
+    Lumina2 on FLUX's VAE: 16; LTX-Video's: 128; Cosmos-Predict2 on the Wan 2.1 VAE: 16; Qwen-Image 2.1: 64;
+    Kandinsky 5 and Krea 2: 16; LTX-2: 128; FLUX.3 and ERNIE-Image on the FLUX.2 VAE: 32; MiniMax-H3: 24; WanVACE on Wan 2.1's: 16)."""
     got = {f: data_channels(f, "mid") for f in FAMILIES}
     assert got == {"flux": 16, "sd3": 16, "wan": 16, "auraflow": 4, "pixart": 4, "flux2": 32, "qwen_image": 16,
                    "chroma": 16, "sana": 32, "hidream": 16, "z_image": 16, "lumina2": 16, "ltx_video": 128,
-                   "cosmos": 16, "hunyuan_video": 32}
+                   "cosmos": 16, "hunyuan_video": 32, "qwen_image21": 64, "kandinsky5": 16, "ltx2": 128,
+                   "krea2": 16, "flux3": 32, "ernie_image": 32, "minimax_h3": 24, "wan_vace": 16}
     assert data_channels("flux", "dev") == 16 and data_channels("wan", "wan2.2-5b") == 48
     for family in FAMILIES:                # the meta build takes exactly the channels its preset states
         for preset, config in family_module(family).PRESETS.items():
-            if "in_channels" in config and preset != "tiny":
+            if family_module(family).FAMILY.channel_keys[0] in config and preset != "tiny":
                 assert build_on_meta(family, preset).in_channels == data_channels(family, preset)
 
 

@@ -322,7 +322,7 @@ def test_pilot_at_equal_training_time(tmp_path, cache_dir):
 # ----------------------------------------------------------------------------- bad inputs
 T = ["--target-speedup", "1.2"]
 BAD = [
-    (["--model", "nope"] + T, "--model nope is not a model config; allowed: auraflow, chroma, cosmos, dit, flux"),
+    (["--model", "nope"] + T, "--model nope is not a model config; allowed: auraflow, chroma, cosmos, dit, "),
     (["--arch", "DiT-Q/2"] + T, "--arch DiT-Q/2 is not a known DiT; allowed: DiT-T/2"),
     (["--model", "flux", "--arch", "DiT-B/2"] + T, "--arch DiT-B/2 applies to model=tread|dit"),
     (["--preset", "tiny"] + T, "--preset tiny applies to the diffusers families"),

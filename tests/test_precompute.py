@@ -17,12 +17,14 @@ import pytest
 import torch
 from PIL import Image
 
+from test_conditioning import shapes
 import tread.cli.precompute as pl
 import tread.data.precompute.run as work
 from tread.data import LatentDataset, LatentDatasetError, LatentDatasetExistsError, read_meta
 from tread.data.images import ImageFolderError, center_crop_arr, list_image_folder
 from tread.data.precompute.request import PrecomputeError, PrecomputeRequest, check_request
 from tread.encoders.errors import EncoderError
+from tread.encoders.text_families import TEXT_FAMILIES
 from tread.encoders.vae import clear_vae_cache, encode, load_vae
 from tread.data.writer import LatentDatasetWriter
 
@@ -414,8 +416,7 @@ def test_captions_text_embeddings_and_loss_masks_end_to_end(tmp_path, class_fold
         "--loss-masks", masks)
     ds = LatentDataset(out)
     assert len(ds) == 12 and ds.has_extras
-    assert ds.conditioning == {"text": (8, 32), "text_mask": True, "pooled": None, "llama": None,
-                               "loss_mask": (RES, RES)}
+    assert ds.conditioning == shapes(text=(8, 32), text_mask=True, loss_mask=(RES, RES))
     meta = ds.meta
     assert meta["conditioning"]["text"] == {"seq_len": 8, "dim": 32, "mask": True, "family": "pixart",
                                             "encoders": [str(text_dirs["pixart"] / "text_encoder")],
@@ -465,7 +466,7 @@ def test_flux_pooled_with_per_encoder_paths_and_flat_folder(tmp_path, vae_dir, t
         "--text-encoder-path", f"tokenizer={flux / 'tokenizer'}", "--text-encoder-path", f"text_encoder_2={flux}",
         "--max-text-length", "5")
     ds = LatentDataset(out)
-    assert ds.conditioning == {"text": (5, 32), "text_mask": False, "pooled": 32, "llama": None, "loss_mask": None}
+    assert ds.conditioning == shapes(text=(5, 32), pooled=32)
     assert sorted(p.name for p in out.iterdir()) == ["labels.npy", "latents.npy", "meta.json", "pooled_embeds.npy",
                                                      "text_embeds.npy"]
     assert ds.meta["conditioning"]["text"]["encoders"] == [str(flux / "text_encoder"), str(flux / "text_encoder_2")]
@@ -489,9 +490,8 @@ def test_changed_captions_refuse_the_parts_folder(tmp_path, class_folder, vae_di
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--captions", "{captions}"], r"--captions/--caption-from-class need --text-family \(one of flux, sd3, wan, "
-                                   r"auraflow, pixart, flux2, qwen_image, chroma, sana, z_image, lumina2, "
-                                   r"hidream, ltx_video, cosmos, hunyuan_video\)"),
+    (["--captions", "{captions}"], r"--captions/--caption-from-class need --text-family \(one of "
+                                   + ", ".join(TEXT_FAMILIES) + r"\)"),
     (["--captions", "{missing}"], r"--captions='.*missing' is not valid: no such file"),
     (["--text-family", "pixart"], r"--text-family pixart needs captions: --captions FILE and/or --caption-from-class"),
     (["--text-family", "sdxl", "--captions", "{captions}"],

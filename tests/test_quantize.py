@@ -70,7 +70,16 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 # Every mode on FLUX and SD3; the other families (their Linear layers are the same kind) with int8.
 QUANTIZED = [(f, m) for f in ("flux", "sd3") for m in QUANTIZE_MODES] + \
     [(f, "int8") for f in ("chroma", "sana", "flux2", "hidream", "qwen_image", "lumina2", "z_image", "ltx_video",
-                              "hunyuan_video", "cosmos")]
+                              "hunyuan_video", "cosmos",
+                              "qwen_image21",
+                              "krea2",
+                              "ernie_image",
+                              "ltx2",
+                              "minimax_h3",
+                              "flux3",
+                              "wan_vace",
+                              # -- new families above this line --
+                              )]
 
 
 @pytest.mark.parametrize("family,mode", QUANTIZED)

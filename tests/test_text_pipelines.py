@@ -78,7 +78,8 @@ def test_encode_prompts_shapes_masks_determinism(loaded, family):
     enc, length = loaded[family], LENGTH[family]
     out = encode_prompts(family, enc, PROMPTS, max_length=length)
     masked = family not in ("flux2", "hidream")
-    assert list(out) == ["text"] + (["text_mask"] if masked else []) + list(OTHER.get(family, {}))
+    glyph = ["glyph", "glyph_mask"] if family == "hunyuan_video" else []   # quoted text: tests/test_hunyuan_glyph.py
+    assert list(out) == ["text"] + (["text_mask"] if masked else []) + list(OTHER.get(family, {})) + glyph
     for key, shape in OTHER.get(family, {}).items():
         assert out[key].shape == (3, *shape) and out[key].dtype == np.float32 and np.isfinite(out[key]).all()
         assert not np.allclose(out[key][0], out[key][2])
@@ -140,9 +141,10 @@ def _reference(family, pipe, length):
     if family == "z_image":
         return pipe.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False,
                                   max_sequence_length=length)[0], None
-    if family == "hunyuan_video":   # (Qwen text, mask, ByT5 glyph, mask): encode_prompts keeps the Qwen stream
+    if family == "hunyuan_video":   # (Qwen text, mask, ByT5 glyph, its mask)
         pipe.tokenizer_max_length = length
-        return pipe.encode_prompt(prompts, device="cpu", batch_size=len(prompts))[:2]
+        r = pipe.encode_prompt(prompts, device="cpu", batch_size=len(prompts))
+        return r[0], r[1], {"glyph": r[2], "glyph_mask": r[3]}
     r = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=length)
     if family == "hidream":   # (t5, neg, llama (layers, B, L, Dl), neg, pooled, neg)
         return r[0], None, {"pooled": r[4], "llama": r[2].transpose(0, 1)}
@@ -157,8 +159,8 @@ def test_encode_prompts_matches_the_diffusers_pipeline(loaded, family):
         text, mask, *other = _reference(family, _pipeline(family, enc), length)
     extra = other[0] if other else {}   # hidream: pooled, llama
     assert set(ours) - {"text", "text_mask"} == set(extra)
-    for key, value in extra.items():
-        np.testing.assert_allclose(ours[key], value.float().numpy(), rtol=1e-5, atol=1e-6)
+    for key, value in extra.items():   # glyph_mask: the pipeline's 0/1 mask, ours bool
+        np.testing.assert_allclose(ours[key].astype(np.float32), value.float().numpy(), rtol=1e-5, atol=1e-6)
     if isinstance(text, list):  # Z-Image: one row per prompt, its real tokens only
         mask = torch.stack([torch.arange(length) < len(row) for row in text])
         text = torch.stack([torch.cat([row, row.new_zeros(length - len(row), row.shape[1])]) for row in text])

@@ -15,10 +15,12 @@ from tread.cli.errors import user_errors
 from tread.data import LatentDataset, model_shape, read_meta
 from tread.encoders.errors import EncoderError
 from tread.encoders.features import build_dino_features
+from tread.encoders.videomae import build_video_features
 from tread.evaluation.checkpoint_fid import (BenchError, append_row, bench_settings, benchmark_checkpoint,
                                        expand_checkpoints, min_samples, read_rows, settings_key)
 from tread.evaluation.evaluator import decode_options
 from tread.evaluation.fdd import FDD, load_fdd_reference, without_fdd
+from tread.evaluation.fvd import FVD, build_fvd_reference, load_fvd_reference, score_fvd, video_source
 from tread.evaluation.extractors import feature_extractor
 from tread.evaluation.images import check_image_folder, image_files, iter_image_folder, npz_images_shape
 from tread.schema.metric_names import METRICS, TOY_METRICS, without_toy
@@ -28,6 +30,7 @@ from tread.sampling import Guidance, parse_seeds
 from tread.schema import check_fid
 from tread.checkpoint.saved_config import check_checkpoint_config
 from tread.checkpoint.files import load_model_file
+from tread.utils.device import resolve_device
 from tread.utils.io import atomic_write_json
 from tread.utils.readers import image_size, iter_npz_batches, read_npz
 
@@ -40,6 +43,8 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> Any:
     """Everything fid.py does, callable without Hydra (cfg: the keys of configs/fid.yaml)."""
     validate(cfg)
+    if is_fvd(cfg):
+        return run_fvd(cfg)
     state = PartialState(cpu=cfg.device == "cpu") if cfg.mode == "bench" else None   # seeds shard over processes
     device = state.device if state else cfg.device
     try:
@@ -64,9 +69,36 @@ def needs_fdd(cfg: DictConfig) -> bool:
     return (cfg.mode == "ref" and cfg.fdd_out is not None) or (cfg.mode == "calc" and FDD in cfg.metrics)
 
 
+def is_fvd(cfg: DictConfig) -> bool:
+    """FVD runs alone (the schema says so): mode=ref fvd_out=..., mode=calc metrics=[fvd]."""
+    return cfg.fvd_out is not None or FVD in cfg.metrics
+
+
+def run_fvd(cfg: DictConfig) -> dict[str, Any]:
+    """An FVD reference of the clips at `source` (ref), or the FVD of the clips at `images` against `fvd_ref`."""
+    try:
+        net = build_video_features(cfg.videomae_weights, "videomae_weights", resolve_device(cfg.device))
+    except EncoderError as err:
+        raise BenchError(str(err)) from None
+    if cfg.mode == "ref":
+        stats = build_fvd_reference(cfg.fvd_out, net, cfg.source, cfg.batch_size)
+        print(f"FVD reference ({net.name}, {stats.n} clips from {cfg.source}) written to {cfg.fvd_out}")
+        return {"fvd_out": str(cfg.fvd_out), "num_clips": stats.n, "fvd_features": net.name}
+    score = score_fvd(net, cfg.images, load_fvd_reference(cfg.fvd_ref, net), cfg.batch_size)
+    result = {FVD: score, "fvd_features": net.name, "fvd_ref": str(cfg.fvd_ref), "images": str(cfg.images)}
+    print_metrics(f"{net.name}, clips of {cfg.images} vs {Path(str(cfg.fvd_ref)).name}", {FVD: score})
+    if cfg.out_json:
+        atomic_write_json(cfg.out_json, result)
+        print(f"Metrics written to {cfg.out_json}")
+    return result
+
+
 def validate(cfg: DictConfig) -> None:
     """Every key (the schema), then the files and amounts this mode needs, before any network is loaded."""
     check_fid(cfg)
+    if is_fvd(cfg):
+        validate_fvd(cfg)
+        return
     toy = [m for m in cfg.metrics if m in TOY_METRICS]
     if toy:   # in-training evaluation only: they need the samples' labels and the dataset's images
         raise BenchError(f"metrics={list(cfg.metrics)}: {toy} are computed by in-training evaluation only "
@@ -95,6 +127,23 @@ def validate(cfg: DictConfig) -> None:
     if len(seeds) < need:
         raise BenchError(f"{len(seeds)} images (num_samples/seeds) are too few for metrics={list(cfg.metrics)}: "
                          f"need at least {need} (ADM reports 50000)")
+
+
+def validate_fvd(cfg: DictConfig) -> None:
+    """FVD's files: the source clips or the scored clips and the reference (their headers), and no output that
+    exists already."""
+    if cfg.mode == "ref":
+        existing(cfg, "source")
+        if Path(str(cfg.fvd_out)).expanduser().exists():
+            raise FileExistsError(f"fvd_out={cfg.fvd_out} already exists; refusing to overwrite it. Delete it or "
+                                  f"choose another path.")
+        video_source(existing(cfg, "source"), "source")
+        return
+    video_source(existing(cfg, "images"), "images")
+    load_fvd_reference(existing(cfg, "fvd_ref"))
+    if cfg.out_json is not None and Path(str(cfg.out_json)).expanduser().exists():
+        raise FileExistsError(f"out_json={cfg.out_json} already exists; refusing to overwrite it. Delete it or "
+                              f"choose another path.")
 
 
 def check_inputs(cfg: DictConfig) -> None:

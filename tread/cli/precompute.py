@@ -33,6 +33,9 @@ from tread.utils.errors import UserError
 from tread.utils.io import WriteError
 from tread.encoders.text_families import TEXT_FAMILIES
 from tread.evaluation.extractors import feature_extractor
+from tread.encoders.videomae import build_video_features
+from tread.evaluation.frechet import FeatureStats
+from tread.evaluation.fvd import save_fvd_reference, video_stats
 from tread.evaluation.reference import ReferenceBuilder
 
 
@@ -60,6 +63,10 @@ def _io_args(p: argparse.ArgumentParser) -> None:
                                                                  "clip gets the most frames it has among them")
     io.add_argument("--first-frame", action="store_true", help="--videos: also store each clip's first frame "
                                                                "encoded alone (first_frame_latents.npy)")
+    io.add_argument("--image-encoder", metavar="DIR", help="--first-frame: also store each first frame's image "
+                                                           "embeddings (image_embeds.npy) by the image-to-video "
+                                                           "pipeline's image_encoder/ and feature_extractor/ in DIR "
+                                                           "(HunyuanVideo 1.5 I2V: SigLIP)")
     io.add_argument("--vae-class", metavar="NAME", help="--videos: the video VAE's diffusers class when its folder's "
                                                         "config.json does not say (e.g. AutoencoderKLWan)")
     io.add_argument("--images", metavar="DIR", help="image folder: one sub-folder per class, or flat with --labels "
@@ -187,6 +194,10 @@ def _reference_args(p: argparse.ArgumentParser) -> None:
                                                                  "format; offline machines)")
     ref.add_argument("--ref-store-images", type=int, default=10000, help="images kept in the reference as arr_0 "
                                                                          "(ADM: 10000)")
+    ref.add_argument("--fvd-out", metavar="PATH", help="--videos: also write an FVD reference (.npz: mu, sigma of "
+                                                       "VideoMAE features) of the clips as they are encoded")
+    ref.add_argument("--videomae-weights", metavar="DIR", help="--fvd-out's network: a local transformers "
+                                                               "VideoMAEModel folder (e.g. MCG-NJU/videomae-base)")
     ref.add_argument("--cache-dir", default=os.environ.get("TREAD_CACHE_DIR", ".cache"),
                      help="cache of the toy-classifier feature network (default $TREAD_CACHE_DIR or .cache)")
 
@@ -233,6 +244,28 @@ def run_reference(plan: Plan, state, device) -> Optional[Path]:
     return out
 
 
+def run_fvd_reference(plan: Plan, state, device) -> Path:
+    """The FVD reference (tread.evaluation.fvd) of the clips exactly as they were encoded (frames, stride, crop):
+    every process adds the clips of its shards, the statistics are reduced, the main process saves them."""
+    req = plan.request
+    extractor = build_video_features(req.videomae_weights, "--videomae-weights", device)
+    stats = FeatureStats(extractor.dim, device)
+
+    def add_mine():
+        for shard in plan.shards_of(state.process_index, state.num_processes):
+            clips = (clip for _, clip, *_ in iter_images(plan, *plan.shard_range(shard), req.batch_size, None))
+            video_stats(extractor, clips, stats)
+
+    collective(add_mine)
+    stats.all_reduce()
+    out = Path(req.fvd_out).expanduser().absolute()
+    source = f"{plan.root} ({plan.num_images} clips as precomputed)"
+    collective(lambda: save_fvd_reference(out, stats, extractor, source) if state.is_main_process else None)
+    if state.is_main_process:
+        print(f"Wrote the FVD reference ({extractor.name}, {plan.num_images} clips) to {out}", flush=True)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Run the CLI; returns a summary. Bad arguments or inputs raise PrecomputeError / data.LatentDatasetError /
     encoders.EncoderError (a VAE or text encoder that cannot be loaded); a stop signal raises run.Interrupted, a
@@ -240,7 +273,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     with prepare(request_of(build_parser().parse_args(argv))) as run:   # checks every flag before any work
         summary = encode_dataset(run)
         ref = run_reference(run.plan, run.state, run.device) if run.request.ref_out else None
-    return {**summary, "ref_out": ref}
+        fvd = run_fvd_reference(run.plan, run.state, run.device) if run.request.fvd_out else None
+    return {**summary, "ref_out": ref, "fvd_out": fvd}
 
 
 # A failed write's cause, for its error line (the writes keep what was finished, so a rerun resumes).

@@ -22,18 +22,23 @@ LATENT_KINDS = ("sample", "moments")
 DEFAULT_FILES = {"latents": "latents.npy", "labels": "labels.npy"}
 # Optional per-sample files: meta "files" key -> default file name.
 EXTRA_FILES = {"text_embeds": "text_embeds.npy", "text_mask": "text_mask.npy", "pooled_embeds": "pooled_embeds.npy",
-               "llama_embeds": "llama_embeds.npy", "loss_mask": "loss_mask.npy",
+               "llama_embeds": "llama_embeds.npy", "glyph_embeds": "glyph_embeds.npy", "glyph_mask": "glyph_mask.npy",
+               "loss_mask": "loss_mask.npy",
                "reference_latents": "reference_latents.npy", "first_frame_latents": "first_frame_latents.npy",
-               "repa_features": "repa_features.npy"}
+               "repa_features": "repa_features.npy", "image_embeds": "image_embeds.npy"}
 # A caption table (several captions per sample, docs/data.md "Captions"): the offsets file, and the extras with one row
 # per caption in it.
 CAPTION_FILES = {"caption_offsets": "caption_offsets.npy"}
-CAPTION_KEYS = ("text", "text_mask", "pooled", "llama")
+# glyph / glyph_mask: HunyuanVideo 1.5's ByT5 embeddings of a caption's quoted text (mask all False without any).
+CAPTION_KEYS = ("text", "text_mask", "pooled", "llama", "glyph", "glyph_mask")
 # Keys of an extras dict (writer input, reader output), in this order, and the files holding them.
-EXTRA_KEYS = ("text", "text_mask", "pooled", "llama", "loss_mask", "reference", "first_frame", "repa_features")
+# image_embeds: a clip's first frame through the image-to-video pipeline's image encoder (HunyuanVideo 1.5: SigLIP).
+EXTRA_KEYS = ("text", "text_mask", "pooled", "llama", "glyph", "glyph_mask", "loss_mask", "reference", "first_frame",
+              "image_embeds", "repa_features")
 EXTRA_FILE_OF = {"text": "text_embeds", "text_mask": "text_mask", "pooled": "pooled_embeds", "llama": "llama_embeds",
+                 "glyph": "glyph_embeds", "glyph_mask": "glyph_mask",
                  "loss_mask": "loss_mask", "reference": "reference_latents", "first_frame": "first_frame_latents",
-                 "repa_features": "repa_features"}
+                 "repa_features": "repa_features", "image_embeds": "image_embeds"}
 # meta "repa_features" (REPA targets stored beside the latents): key -> what is allowed.
 REPA_FEATURE_KEYS = {"encoder": "a non-empty string (model.repa.encoder's name)",
                      "digest": "a non-empty string (sha256 of the encoder's weights)",
@@ -43,7 +48,7 @@ REPA_FEATURE_KEYS = {"encoder": "a non-empty string (model.repa.encoder's name)"
 INTEGRITY_KEY = "integrity"
 # The extras that are the model's per-sample conditioning (cond=...): text embeddings (HiDream's Llama states too),
 # Kontext reference latents, a clip's first frame (image-to-video).
-COND_KEYS = ("text", "text_mask", "pooled", "llama", "reference", "first_frame")
+COND_KEYS = ("text", "text_mask", "pooled", "llama", "glyph", "glyph_mask", "reference", "first_frame", "image_embeds")
 # meta "video" (video data only): key -> what is allowed.
 VIDEO_KEYS = {"frames": "a positive integer (pixel frames per clip)",
               "frame_stride": "a positive integer (source frames between two frames read)",
@@ -217,6 +222,8 @@ def _validate_video(meta: dict, where: str, advice: str) -> None:
 
 
 LLAMA_KEYS = ("layers", "seq_len", "dim")   # conditioning.llama: the (n, L, Dl) of each sample's Llama states
+GLYPH_KEYS = ("seq_len", "dim")            # conditioning.glyph: the (Lg, Dg) of each caption's ByT5 glyph rows
+IMAGE_EMBEDS_KEYS = ("seq_len", "dim")     # conditioning.image_embeds: the (S, Di) of each clip's image embeddings
 
 
 def _pos_int(v: Any) -> bool:
@@ -229,6 +236,8 @@ def _validate_conditioning(meta: dict, where: str, advice: str) -> None:
         return LatentDatasetError(f"{where}: key '{key}' is {value!r} but must be {expected}. {advice}")
 
     text, pooled, llama, lm = _described_parts(meta, bad)
+    glyph = _glyph_part(meta, bad, text)
+    image = _image_embeds_part(meta, bad)
     captions = caption_table(meta, bad)
     files = meta["files"]
     if captions is not None and text is None:
@@ -239,11 +248,42 @@ def _validate_conditioning(meta: dict, where: str, advice: str) -> None:
                                  ("text_mask", bool(text and text.get("mask")), "conditioning.text.mask=true"),
                                  ("pooled_embeds", pooled is not None, "conditioning.pooled"),
                                  ("llama_embeds", llama is not None, "conditioning.llama"),
+                                 ("glyph_embeds", glyph is not None, "conditioning.glyph"),
+                                 ("glyph_mask", glyph is not None, "conditioning.glyph"),
+                                 ("image_embeds", image is not None, "conditioning.image_embeds"),
                                  ("loss_mask", lm is not None, "loss_mask")):
         if (key in files) != described:
             have, lack = (f"files.{key}", what) if key in files else (what, f"files.{key}")
             raise LatentDatasetError(f"{where}: meta has {have} but no {lack}; an optional file and its "
                                      f"description go together (both or neither). {advice}")
+
+
+def _glyph_part(meta: dict, bad: Any, text: Any) -> Optional[dict]:
+    """The meta's conditioning.glyph (None, or checked): HunyuanVideo 1.5's glyph rows go with its text."""
+    glyph = (meta.get("conditioning") or {}).get("glyph")
+    if glyph is None:
+        return None
+    if not isinstance(glyph, dict) or not all(_pos_int(glyph.get(k)) for k in GLYPH_KEYS):
+        raise bad("conditioning.glyph", glyph, "an object with positive integers 'seq_len' (Lg) and 'dim' (Dg) (the "
+                                               "shape of each caption's glyph embeddings)")
+    if text is None:
+        raise bad("conditioning.glyph", glyph, "absent without conditioning.text: the glyph embeddings go with the "
+                                               "text embeddings (HunyuanVideo 1.5), so text_embeds.npy is needed too")
+    return glyph
+
+
+def _image_embeds_part(meta: dict, bad: Any) -> Optional[dict]:
+    """The meta's conditioning.image_embeds (None, or checked): they embed each clip's first frame, which is stored."""
+    image = (meta.get("conditioning") or {}).get("image_embeds")
+    if image is None:
+        return None
+    if not isinstance(image, dict) or not all(_pos_int(image.get(k)) for k in IMAGE_EMBEDS_KEYS):
+        raise bad("conditioning.image_embeds", image, "an object with positive integers 'seq_len' (S) and 'dim' (Di) "
+                                                      "(the shape of each clip's first-frame image embeddings)")
+    if "first_frame_latents" not in meta["files"]:
+        raise bad("conditioning.image_embeds", image, "absent without files.first_frame_latents: the image "
+                                                      "embeddings are of each clip's first frame")
+    return image
 
 
 def _described_parts(meta: dict, bad: Any) -> tuple[Any, Any, Any, Any]:

@@ -12,8 +12,8 @@ import torch
 
 from tread.utils.readers import read_npy
 
-from .meta import (CAPTION_KEYS, DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, INTEGRITY_KEY, LLAMA_KEYS, REBUILD,
-                   LatentDatasetError, PathLike, first_frame_shape, latent_kind, model_shape, read_meta,
+from .meta import (CAPTION_KEYS, DTYPES, EXTRA_FILE_OF, EXTRA_KEYS, GLYPH_KEYS, IMAGE_EMBEDS_KEYS, INTEGRITY_KEY,
+                   LLAMA_KEYS, REBUILD, LatentDatasetError, PathLike, first_frame_shape, latent_kind, model_shape, read_meta,
                    repa_features_shape)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -154,15 +154,17 @@ class LatentMeta:
     @property
     def conditioning(self) -> dict[str, Any]:
         """The optional per-sample data's shapes: {"text": (L, D) or None, "text_mask": bool, "pooled": P or None,
-        "llama": (n, L, Dl) or None, "loss_mask": (Hm, Wm) or None}, plus "reference" (C, H, W) and "first_frame"
+        "llama": (n, L, Dl) or None, "glyph": (Lg, Dg) or None, "loss_mask": (Hm, Wm) or None}, plus "reference" (C, H, W) and "first_frame"
         (C, 1, H, W) only where those files exist (read them with .get)."""
         cond = self._meta.get("conditioning") or {}
         text, pooled, lm = cond.get("text"), cond.get("pooled"), self._meta.get("loss_mask")
-        llama = cond.get("llama")
+        llama, glyph, image = cond.get("llama"), cond.get("glyph"), cond.get("image_embeds")
         out = {"text": None if text is None else (text["seq_len"], text["dim"]),
                "text_mask": bool(text is not None and text.get("mask", False)),
                "pooled": None if pooled is None else pooled["dim"],
                "llama": None if llama is None else tuple(llama[k] for k in LLAMA_KEYS),
+               "glyph": None if glyph is None else tuple(glyph[k] for k in GLYPH_KEYS),
+               "image_embeds": None if image is None else tuple(image[k] for k in IMAGE_EMBEDS_KEYS),
                "loss_mask": None if lm is None else tuple(lm["shape"])}
         if "reference_latents" in self._meta["files"]:
             out["reference"] = model_shape(self._meta)
@@ -180,7 +182,8 @@ class LatentMeta:
     def has_extras(self) -> bool:
         """True when items carry an extras dict (text / pooled embeddings, loss masks, references) after (x, y)."""
         c = self.conditioning
-        return any(c.get(k) is not None for k in ("text", "pooled", "llama", "loss_mask", "reference", "first_frame")) \
+        return any(c.get(k) is not None for k in ("text", "pooled", "llama", "glyph", "loss_mask", "reference",
+                                                   "first_frame", "image_embeds")) \
             or (self.reads_repa_features and "repa_features" in self.meta["files"])
 
     def __len__(self) -> int:
@@ -262,11 +265,15 @@ class LatentDataset(LatentMeta, torch.utils.data.Dataset):
                     "pooled": ((t, c["pooled"]), DTYPES, f"{rows}, conditioning.pooled dim"),
                     "llama": ((t, *(c["llama"] or ())), DTYPES,
                               f"{rows}, conditioning.llama layers, seq_len and dim"),
+                    "glyph": ((t, *(c["glyph"] or ())), DTYPES, f"{rows}, conditioning.glyph seq_len and dim"),
+                    "glyph_mask": ((t, (c["glyph"] or (0,))[0]), ("bool",), f"{rows}, conditioning.glyph seq_len"),
                     "loss_mask": ((n, *(c["loss_mask"] or ())), ("uint8",), "num_samples, loss_mask.shape"),
                     "reference": ((n, *(c.get("reference") or ())), (m["dtype"],),
                                   "num_samples, dtype and the model-space shape"),
                     "first_frame": ((n, *(c.get("first_frame") or ())), (m["dtype"],),
                                     "num_samples, dtype and the model-space shape with T = 1"),
+                    "image_embeds": ((n, *(c["image_embeds"] or ())), DTYPES,
+                                     "num_samples, conditioning.image_embeds seq_len and dim"),
                     "repa_features": ((n, *(repa_features_shape(m) or ())), (m["dtype"],),
                                       "num_samples, dtype, repa_features.dim and grid")}
         for key, array in (self._stored or {}).items():
@@ -382,7 +389,7 @@ def _extra_tensor(key: str, batch: np.ndarray, latent_scale: float) -> torch.Ten
     t = torch.from_numpy(batch)
     if key in ("reference", "first_frame"):
         return t.float() * latent_scale
-    if key == "text_mask":
+    if key in ("text_mask", "glyph_mask"):
         return t
     if key == "loss_mask":
         return t.unsqueeze(1).float().div_(255.0)

@@ -68,7 +68,7 @@ class LatentDatasetWriter:
             writer.write(start, latents, labels, extras={...})   # stored values (N_i, ...), labels (N_i,), any order
 
     Each optional file declared here (text_shape=(L, D), text_mask=True, pooled_dim=P, llama_shape=(n, L, Dl),
-    loss_mask_shape=(Hm, Wm), reference_latents=True, first_frame_latents=True with video=meta "video",
+    glyph_shape=(Lg, Dg) (with its glyph_mask), loss_mask_shape=(Hm, Wm), reference_latents=True, first_frame_latents=True with video=meta "video",
     repa_features=meta "repa_features") must come with every write as its extras key (EXTRA_KEYS). caption_counts
     and/or empty_prompt make the text parts a caption table, written with write_captions(start_row, ...) instead;
     conditioning_meta adds free keys to meta "conditioning". A clean exit checks every sample was written, records
@@ -85,7 +85,8 @@ class LatentDatasetWriter:
                  conditioning_meta: Optional[Mapping[str, Any]] = None, reference_latents: bool = False,
                  llama_shape: Optional[Sequence[int]] = None, caption_counts: Optional[Sequence[int]] = None,
                  empty_prompt: bool = False, video: Optional[Mapping[str, Any]] = None,
-                 first_frame_latents: bool = False, repa_features: Optional[Mapping[str, Any]] = None):
+                 first_frame_latents: bool = False, repa_features: Optional[Mapping[str, Any]] = None,
+                 glyph_shape: Optional[Sequence[int]] = None, image_embeds_shape: Optional[Sequence[int]] = None):
         self.root = root = Path(path).expanduser().absolute()
         to_int = lambda v: int(v) if isinstance(v, np.integer) else v  # numpy ints are not JSON-serialisable
         self.meta = {"format": FORMAT, "version": VERSION, "shape": [to_int(s) for s in shape], "dtype": dtype,
@@ -109,7 +110,8 @@ class LatentDatasetWriter:
         captions = None if self._offsets is None else {"rows": int(self._offsets[-1]) + bool(empty_prompt),
                                                        "empty_prompt": bool(empty_prompt)}
         extra, self._specs = conditioning_layout(root, dtype, text_shape, text_mask, pooled_dim, loss_mask_shape,
-                                                  conditioning_meta, llama_shape, captions)
+                                                  conditioning_meta, llama_shape, captions, glyph_shape,
+                                                  image_embeds_shape)
         self.meta.update(extra)
         if captions is not None:
             self.meta["files"].update(CAPTION_FILES)
@@ -200,11 +202,12 @@ class LatentDatasetWriter:
                 want = ", ".join(map(str, (n, *tail)))
                 raise LatentDatasetError(f"{head} must be a {EXTRA_WHAT[key]} of shape ({want}) (one per "
                                          f"{'caption row' if captions else 'latent'}), got shape {a.shape}")
-            if key in ("text", "pooled", "llama", "reference", "first_frame", "repa_features"):
+            if key in ("text", "pooled", "llama", "glyph", "reference", "first_frame", "image_embeds",
+                       "repa_features"):
                 if not (np.issubdtype(a.dtype, np.floating) or a.size == 0):
                     raise LatentDatasetError(f"{head} must be a float array, got {a.dtype}")
                 a = _cast_finite(a, dtype, f"{head} contains", start, start + n, "use dtype='float32'")
-            elif key == "text_mask":
+            elif key in ("text_mask", "glyph_mask"):
                 if a.dtype != np.bool_:
                     if not (np.issubdtype(a.dtype, np.integer) and np.isin(a, (0, 1)).all()):
                         raise LatentDatasetError(f"{head} must be bool (True = real token) or 0/1 integers, got "
@@ -212,7 +215,7 @@ class LatentDatasetWriter:
                                                                  if a.size else ""))
                     a = a.astype(bool)
                 empty = np.flatnonzero(~a.any(axis=1)) if a.shape[1] else np.arange(n)
-                if len(empty):
+                if len(empty) and key == "text_mask":   # a glyph mask is all False without quoted text
                     raise LatentDatasetError(f"{head}: sample(s) {(start + empty[:5]).tolist()} have no real token "
                                              f"(all False); attention over no tokens is undefined (a tokenized "
                                              f"prompt keeps at least its end-of-sequence token)")
@@ -398,6 +401,7 @@ def write_latent_dataset(path: PathLike, latents: np.ndarray, labels: np.ndarray
                              pooled_dim=extras["pooled"].shape[1] if "pooled" in extras else None,
                              loss_mask_shape=shape_of("loss_mask"), conditioning_meta=conditioning_meta,
                              reference_latents="reference" in extras, llama_shape=shape_of("llama"),
+                             glyph_shape=shape_of("glyph"), image_embeds_shape=shape_of("image_embeds"),
                              caption_counts=caption_counts, empty_prompt=empty_prompt is not None, video=video,
                              first_frame_latents="first_frame" in extras, repa_features=repa_features) as writer:
         if not (labels.min() >= 0 and labels.max() < writer.meta["num_classes"]):  # checked before any copying

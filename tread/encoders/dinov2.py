@@ -48,11 +48,16 @@ def load_dinov2(weights: Optional[Union[str, Path]], key: str, model_id: str = R
 def check_dinov2_folder(weights: Optional[Union[str, Path]], key: str, model_id: str = REPA_DINOV2) -> None:
     """One EncoderError naming `key` unless `weights` is a saved Dinov2Model folder whose config.json is there and
     whose safetensors files open (their headers read, not the weights): cheap, so callers check before any work."""
-    how = how_to_provide(key, model_id)
+    check_weights_folder(weights, key, "DINOv2", "Dinov2Model", how_to_provide(key, model_id))
+
+
+def check_weights_folder(weights: Optional[Union[str, Path]], key: str, what: str, cls: str, how: str) -> None:
+    """One EncoderError naming `key` unless `weights` is a saved transformers `cls` folder (`what` weights) whose
+    config.json is there and whose safetensors files open (headers only)."""
     if not weights:
-        raise EncoderError(f"{key} is not set; DINOv2 weights are read from a local folder only: {how}.")
+        raise EncoderError(f"{key} is not set; {what} weights are read from a local folder only: {how}.")
     if not (Path(weights).expanduser() / "config.json").is_file():
-        raise EncoderError(f"{key}={str(weights)!r} is not a saved Dinov2Model folder (no config.json there): {how}.")
+        raise EncoderError(f"{key}={str(weights)!r} is not a saved {cls} folder (no config.json there): {how}.")
     broken = broken_safetensors(Path(weights).expanduser())
     if broken is not None:
         raise EncoderError(f"{key}={str(weights)!r}: '{broken[0]}' is not a whole safetensors file ({broken[1]}; "
@@ -71,11 +76,11 @@ def broken_safetensors(folder: Path) -> Optional[tuple[Path, str]]:
     return None
 
 
-def fdd_pixels(images: torch.Tensor) -> torch.Tensor:
-    """uint8 (B, 3, H, W) images -> float32 (B, 3, 224, 224) DINOv2 input as dgm-eval makes it: antialiased bicubic
-    resize (no crop), / 255, ImageNet mean and std."""
+def fdd_pixels(images: torch.Tensor, side: int = DINO_SIZE) -> torch.Tensor:
+    """uint8 (B, 3, H, W) images -> float32 (B, 3, side, side) DINOv2 input as dgm-eval makes it (side 224):
+    antialiased bicubic resize (no crop), / 255, ImageNet mean and std. FVD's VideoMAE frames are made the same way."""
     x = images.float()
-    for size in ((x.shape[-2], DINO_SIZE), (DINO_SIZE, DINO_SIZE)):      # PIL: the width pass, then the height
+    for size in ((x.shape[-2], side), (side, side)):                      # PIL: the width pass, then the height
         if tuple(x.shape[-2:]) != size:                                   # pass, each rounded to uint8
             x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 255).round()
     mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)

@@ -298,7 +298,7 @@ def encode_prompts(family: str, encoders: Union[TextEncoders, Mapping[str, Any]]
             out = _encode_masked_t5(family, models, enc.tokenizers, prompts, length, device)
     arrays = {k: v.detach().cpu().numpy() if v.dtype == torch.bool else v.detach().float().cpu().numpy()
               for k, v in out.items()}
-    return {k: arrays[k] for k in ("text", "text_mask", "pooled", "llama") if k in arrays}
+    return {k: arrays[k] for k in ("text", "text_mask", "pooled", "llama", "glyph", "glyph_mask") if k in arrays}
 
 
 def _encode_flux(models: dict, tok: dict, prompts: list[str], length: int, device: torch.device

@@ -10,8 +10,6 @@ from typing import Optional, Union
 
 from tread.encoders.errors import TextEncoderError
 
-TEXT_FAMILIES = ("flux", "sd3", "wan", "auraflow", "pixart", "flux2", "qwen_image", "chroma", "sana", "z_image",
-                 "lumina2", "hidream", "ltx_video", "cosmos", "hunyuan_video")
 PathLike = Union[str, os.PathLike]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
 CLIP_DEFAULT_LENGTH = 77
@@ -114,6 +112,79 @@ FAMILIES.update({
                                 mask=True, pooled=False, repo="hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
                                 pipeline="HunyuanVideo15Pipeline", via_pipeline=True),
 })
+# Qwen-Image 2.1: QwenImage21Pipeline.encode_prompt: Qwen3-VL (its processor: the pipeline's raw chat-template string,
+# left padding) hidden_states[-1] before the final norm, the system message dropped, right-padded with a mask; no
+# max_sequence_length in the pipeline (512 is the stored length here).
+FAMILIES.update({
+    "qwen_image21": FamilySpec((EncoderSlot("text_encoder", "processor", "qwen3_vl",
+                                            "Qwen3-VL (Qwen3VLForConditionalGeneration)", processor=True),), 512,
+                               mask=True, pooled=False, repo="Qwen/Qwen-Image-2.1", pipeline="QwenImage21Pipeline",
+                               via_pipeline=True),
+})
+# Kandinsky 5.0: Kandinsky5T2VPipeline.encode_prompt (the T2V / I2V template; its 128-token prefix dropped): Qwen2.5-VL
+# hidden_states[-1] (run without a mask; right padding) + cu_seqlens (-> the mask), and CLIP-L's pooler_output (77
+# tokens) as "pooled". The T2I pipeline's template (40-token prefix) is not offered here.
+FAMILIES.update({
+    "kandinsky5": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "qwen2_5_vl_kandinsky5",
+                                          "Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration)"),
+                              EncoderSlot("text_encoder_2", "tokenizer_2", "clip", "CLIP-L (CLIPTextModel)")), 512,
+                             mask=True, pooled=True, repo="kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers",
+                             pipeline="Kandinsky5T2VPipeline", via_pipeline=True),
+})
+# LTX-2: LTX2Pipeline.encode_prompt: Gemma-3 (Gemma3ForConditionalGeneration), every hidden state stacked per token
+# (embeddings + each layer: width x 49 for Gemma-3-12B), left-padded to max_sequence_length=1024, + the tokenizer's
+# mask. The text connectors run in the model (tread/models/families/ltx2.py), as the pipeline runs them after this.
+FAMILIES.update({
+    "ltx2": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "gemma3", "Gemma-3 (Gemma3ForConditionalGeneration)"),),
+                       1024, mask=True, pooled=False, repo="Lightricks/LTX-2", pipeline="LTX2Pipeline",
+                       via_pipeline=True),
+})
+# Krea 2: Krea2Pipeline.encode_prompt: Qwen3VLModel (Qwen3-VL-4B-Instruct) on the Qwen-Image template padded to a
+# fixed max_sequence_length in the middle ([prompt | PAD | 5 suffix tokens], positions counting real tokens only), the
+# hidden states text_encoder_select_layers (2, 5, ..., 35) stacked per token, the 34-token prefix dropped; stored with
+# the layers side by side: text (L, 12 x 2560) and the mask (True at the prompt and the suffix).
+FAMILIES.update({
+    "krea2": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "qwen3_vl_model", "Qwen3-VL (Qwen3VLModel)"),), 512,
+                        mask=True, pooled=False, repo="krea/Krea-2-Turbo", pipeline="Krea2Pipeline",
+                        via_pipeline=True),
+})
+# ERNIE-Image: ErnieImagePipeline.encode_prompt: Mistral3Model (Ministral-3 3B, 3072 wide) hidden_states[-2] on the bare
+# prompt (tokenizer with its bos, no template, no padding): one (T_i, D) row block per prompt. The pipeline has no
+# max_sequence_length (the tokenizer truncates at its model_max_length): 512 is the stored length here, and the
+# tokenizer truncates at it. Its prompt enhancer (`pe`, a Ministral3ForCausalLM rewriting prompts) is not used.
+FAMILIES.update({
+    "ernie_image": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "mistral3_model",
+                                           "Ministral-3 3B (Mistral3Model)"),), 512, mask=True, pooled=False,
+                              repo="baidu/ERNIE-Image", pipeline="ErnieImagePipeline", via_pipeline=True),
+})
+# FLUX.3: modular only (Flux3ModularPipeline; no encode_prompt): its Flux3TextEncoderStep, one prompt per call, the
+# chat template, Qwen3-VL hidden states 4, 8, ..., 32 stacked per token (8 x 2560 = 20480), pad tokens encoded and kept
+# (the transformer attends to them; no mask). The step pads to a multiple of 80 tokens; a batch needs one window, so
+# each prompt gets exactly max_length tokens: the pipeline's own window for every prompt when max_length <= 80.
+FAMILIES.update({
+    "flux3": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "qwen3_vl_flux3",
+                                     "Qwen3-VL (Qwen3VLForConditionalGeneration)", processor=True),), 80, mask=False,
+                        pooled=False, repo="black-forest-labs/FLUX.3", pipeline="Flux3ModularPipeline",
+                        via_pipeline=True),
+})
+# MiniMax-H3: modular only (MiniMaxH3ModularPipeline, no encode_prompt): its t2va text step MiniMaxH3TextEncoderStep, one
+# prompt per call, the prompt verbatim (no chat template, no special tokens), Qwen3-VL hidden_states[50] (5120 wide),
+# unpadded (stored right-padded with a mask); components text_encoder, tokenizer, processor (the slot loads the
+# processor; its tokenizer is the pipeline's tokenizer). No max length in the pipeline (512 stored here).
+FAMILIES.update({
+    "minimax_h3": FamilySpec((EncoderSlot("text_encoder", "processor", "qwen3_vl_h3",
+                                          "Qwen3-VL (Qwen3VLForConditionalGeneration)", processor=True),), 512,
+                             mask=True, pooled=False, repo="MiniMaxAI/MiniMax-H3", pipeline="MiniMaxH3ModularPipeline",
+                             via_pipeline=True),
+})
+# WanVACE: WanVACEPipeline.encode_prompt (WanPipeline's: UMT5, prompts cleaned, rows after each prompt zeroed).
+FAMILIES.update({
+    "wan_vace": FamilySpec((EncoderSlot("text_encoder", "tokenizer", "umt5_vace", "UMT5 (UMT5EncoderModel)"),), 512,
+                           mask=True, pooled=False, repo="Wan-AI/Wan2.1-VACE-1.3B-diffusers", pipeline="WanVACEPipeline",
+                           via_pipeline=True),
+})
+# -- new text families above this line --
+TEXT_FAMILIES = tuple(FAMILIES)
 PIXART_SIGMA_LENGTH = 300
 # transformers model classes by encoder kind and config.json model_type (the classes the pipelines load)
 MODEL_TYPES: dict[str, dict[str, str]] = {
@@ -124,6 +195,15 @@ MODEL_TYPES: dict[str, dict[str, str]] = {
     "gemma2": {"gemma2": "Gemma2Model"},
     "qwen3": {"qwen3": "Qwen3Model"},
     "llama": {"llama": "LlamaForCausalLM"},
+    "qwen3_vl": {"qwen3_vl": "Qwen3VLForConditionalGeneration"},
+    "qwen2_5_vl_kandinsky5": {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"},   # own tiny tokenizer only
+    "gemma3": {"gemma3": "Gemma3ForConditionalGeneration"},
+    "qwen3_vl_model": {"qwen3_vl": "Qwen3VLModel"},   # Krea 2: the base model, no LM head
+    "mistral3_model": {"mistral3": "Mistral3Model"},   # ERNIE-Image: the base model, no LM head
+    "qwen3_vl_flux3": {"qwen3_vl": "Qwen3VLForConditionalGeneration"},   # FLUX.3: 32 tiny layers (hidden states to 32)
+    "qwen3_vl_h3": {"qwen3_vl": "Qwen3VLForConditionalGeneration"},   # MiniMax-H3: 51 tiny layers (reads 50)
+    "umt5_vace": {"umt5": "UMT5EncoderModel"},   # wan_vace: UMT5 as Wan's (its own kind: built by tiny_text as UMT5)
+    # -- new encoder kinds above this line --
 }
 
 

@@ -208,8 +208,137 @@ def _tiny_llama(words: Sequence[str]):
     return LlamaForCausalLM(config), tokenizer
 
 
+# QWEN_CHAT for content given as a list of {"type": "text", ...} parts (QwenImage21Pipeline's system message).
+QWEN_VL_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+                "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}"
+                "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tiny_qwen3_vl(words: Sequence[str]):
+    """qwen_image21: Qwen3VLForConditionalGeneration (interleaved multimodal RoPE sections 2 + 1 + 1 of the 8-wide
+    heads; a 1-block vision tower) + a Qwen3VLProcessor (the pipeline's `processor`) with QWEN_VL_CHAT."""
+    from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor,
+                              Qwen3VLVideoProcessor)
+
+    tokenizer, vocab = _tiny_chat_tokenizer("qwen", words)
+    tokenizer.chat_template = QWEN_VL_CHAT
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    text = dict(_lm_sizes(vocab), rope_parameters=rope, pad_token_id=vocab["<|endoftext|>"])
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=vocab["<|image_pad|>"],
+                           video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
+                           vision_end_token_id=vocab["<|vision_end|>"])
+    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2),
+                                 tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2),
+                                 chat_template=QWEN_VL_CHAT)
+    return Qwen3VLForConditionalGeneration(config), processor
+
+
+# Two multi-word tokens stand in for the real Qwen BPE's merges, so that Kandinsky5T2VPipeline's template prefix is
+# the 128 tokens it drops (131 words and marks otherwise).
+KANDINSKY5_MERGES = ("video game", "user generated content")
+
+
+def _tiny_qwen2_5_vl_kandinsky5(words: Sequence[str]):
+    """kandinsky5: _tiny_qwen2_5_vl with KANDINSKY5_MERGES in its tokenizer (and embedding rows for them)."""
+    model, tokenizer = _tiny_qwen2_5_vl(words)
+    tokenizer.add_tokens(list(KANDINSKY5_MERGES))
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    return model, tokenizer
+
+
+def _tiny_gemma3(words: Sequence[str]):
+    """ltx2: Gemma3ForConditionalGeneration (2 text layers: LTX2Pipeline stacks embeddings + 2 = 3 hidden states;
+    a 1-layer SigLIP vision tower, image tokens past the word vocabulary: encode_prompt sends none)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tokenizer, vocab = _tiny_chat_tokenizer("gemma", words)
+    text = dict(_lm_sizes(vocab), pad_token_id=vocab["<pad>"], eos_token_id=vocab["<eos>"],
+                bos_token_id=vocab["<bos>"])
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    n = len(vocab)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=n,
+                          boi_token_index=n + 1, eoi_token_index=n + 2)
+    return Gemma3ForConditionalGeneration(config), tokenizer
+
+
+QWEN3_VL_4B_LAYERS = 36   # Qwen3-VL-4B-Instruct's text layers: Krea2Pipeline's taps 2, 5, ..., 35 are inner ones
+
+
+def _tiny_qwen3_vl_model(words: Sequence[str]):
+    """krea2: Qwen3VLModel (Krea2Pipeline's text_encoder class; interleaved multimodal RoPE sections 2 + 1 + 1, a
+    1-block vision tower) with Qwen3-VL-4B's 36 text layers, so that the pipeline's own text_encoder_select_layers
+    exist and stay inner layers; its tokenizer is a plain AutoTokenizer (the pipeline writes the template itself)."""
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    tokenizer, vocab = _tiny_chat_tokenizer("qwen", words)
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    text = dict(_lm_sizes(vocab), num_hidden_layers=QWEN3_VL_4B_LAYERS, rope_parameters=rope,
+                pad_token_id=vocab["<|endoftext|>"])
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=vocab["<|image_pad|>"],
+                           video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
+                           vision_end_token_id=vocab["<|vision_end|>"])
+    return Qwen3VLModel(config), tokenizer
+
+
+def _tiny_mistral3_model(words: Sequence[str]):
+    """ernie_image: Mistral3Model (ERNIE-Image's text_encoder, Ministral-3 3B: the base model, no LM head; 3 text
+    layers: the pipeline takes hidden_states[-2]; a 1-layer Pixtral vision tower) + a plain tokenizer (the pipeline's
+    AutoTokenizer, bos prepended, no template)."""
+    from transformers import Mistral3Config, Mistral3Model
+
+    tokenizer, vocab = _tiny_chat_tokenizer("mistral", words)
+    text = dict(_lm_sizes(vocab), model_type="mistral", num_hidden_layers=3, bos_token_id=vocab["<s>"],
+                eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
+    vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, head_dim=8, patch_size=8, image_size=64)
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=vocab["[IMG]"],
+                            spatial_merge_size=2)
+    return Mistral3Model(config), tokenizer
+
+
+def _tiny_qwen3_vl_flux3(words: Sequence[str]):
+    """flux3: _tiny_qwen3_vl with 32 text layers: Flux3TextEncoderStep stacks hidden states 4, 8, ..., 32 (8 x 32 =
+    256 wide, the tiny preset's joint_attention_dim)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model, processor = _tiny_qwen3_vl(words)
+    model.config.text_config.num_hidden_layers = 32
+    return Qwen3VLForConditionalGeneration(model.config), processor
+
+
+def _tiny_qwen3_vl_h3(words: Sequence[str]):
+    """minimax_h3: _tiny_qwen3_vl with 51 text layers: MiniMaxH3TextEncoderStep reads hidden_states[50] and refuses a
+    stack of 50 or fewer layers (the 50th state of a 50-layer stack is post-norm)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model, processor = _tiny_qwen3_vl(words)
+    model.config.text_config.num_hidden_layers = 51
+    return Qwen3VLForConditionalGeneration(model.config), processor
+
+
+
+def _tiny_umt5_vace(words):
+    """wan_vace: Wan's tiny UMT5 (WanVACEPipeline loads the same UMT5EncoderModel)."""
+    return _tiny_encoder("wan", EncoderSlot("text_encoder", "tokenizer", "t5", "UMT5"), words, None)
+
 LM_BUILDERS = {"mistral3": _tiny_mistral3, "qwen2_5_vl": _tiny_qwen2_5_vl, "gemma2": _tiny_gemma2,
-               "qwen3": _tiny_qwen3, "llama": _tiny_llama, "qwen2_5_vl_text": _tiny_qwen2_5_vl_text}
+               "qwen3": _tiny_qwen3, "llama": _tiny_llama, "qwen2_5_vl_text": _tiny_qwen2_5_vl_text,
+               "qwen3_vl": _tiny_qwen3_vl,
+               "qwen2_5_vl_kandinsky5": _tiny_qwen2_5_vl_kandinsky5,
+               "gemma3": _tiny_gemma3,
+               "qwen3_vl_model": _tiny_qwen3_vl_model,
+               "mistral3_model": _tiny_mistral3_model,
+               "qwen3_vl_flux3": _tiny_qwen3_vl_flux3,
+               "qwen3_vl_h3": _tiny_qwen3_vl_h3,
+               "umt5_vace": _tiny_umt5_vace,
+               # -- new encoder kinds above this line --
+               }
 # CLIP positions (and tokenizer model_max_length) per family: HiDreamImagePipeline feeds its CLIPs
 # min(max_sequence_length, 218) tokens (128 by default), more than the usual 77.
 CLIP_POSITIONS = {"hidream": 218}

@@ -11,6 +11,7 @@ import torch
 
 from tread.data import check_decodable, decode_to_uint8
 from tread.evaluation.fdd import FDD, FddScorer, without_fdd
+from tread.evaluation.fvd import FVD, FvdScorer, without_fvd
 from tread.evaluation.extractors import feature_extractor, reference_cache_path
 from tread.evaluation.images import as_frames, save_image_grid
 from tread.schema.metric_names import TOY_METRICS, without_toy
@@ -51,8 +52,8 @@ class Evaluator:
         self.device = accelerator.device
         self.decode = decode_options(settings)
         self.metrics = tuple(settings.metrics)
-        # fdd and the toy checks have networks of their own (tread/evaluation/fdd.py, toy_checks.py)
-        self.main_metrics = without_toy(without_fdd(self.metrics))
+        # fdd, fvd and the toy checks have networks of their own (tread/evaluation/fdd.py, fvd.py, toy_checks.py)
+        self.main_metrics = without_toy(without_fvd(without_fdd(self.metrics)))
         check_toy_metrics(self.metrics, settings.features, dataset.meta, dataset.buckets is not None)
         self.guidance = Guidance.from_settings(settings)
         self.validation = ValidationPrompts(settings, text_encoders, model, dataset, self.device, unconditional) \
@@ -86,6 +87,7 @@ class Evaluator:
         self.reference = load_reference_full(self.ref_path, self.extractor, need=self.main_metrics or ("fid",))
         self.fdd = FddScorer(settings, dataset, cache_dir, accelerator, self.decode, self.square) \
             if FDD in self.metrics else None
+        self.fvd = FvdScorer(settings, accelerator, self.frames) if FVD in self.metrics else None
         self.toy = ToyScorer(self.metrics, dataset, cache_dir, accelerator, self.decode, self.image_shape[0],
                              settings.reference_max_images) if set(TOY_METRICS) & set(self.metrics) else None
 
@@ -98,6 +100,7 @@ class Evaluator:
         feats = FeatureAccumulator(self.extractor, self.main_metrics or ("fid",), device=self.device)  # a rank
         fdd = self.fdd.accumulator() if self.fdd is not None else None                             # may get none
         toy = self.toy.accumulator() if self.toy is not None else None
+        fvd = self.fvd.accumulator() if self.fvd is not None else None                             # whole clips
         grid_n = min(cfg.grid_size, cfg.num_samples)
         grid: dict[int, torch.Tensor] = {}
         for batch, labels, x in generate(net, diffusion, seeds, shape, self.dataset.num_classes, self.device,
@@ -109,6 +112,8 @@ class Evaluator:
             feats.add(images.permute(0, 3, 1, 2), index)
             if fdd is not None:
                 fdd.add(images.permute(0, 3, 1, 2), index)
+            if fvd is not None:
+                self.fvd.add(fvd, decoded)
             if toy is not None:                                                # image data: one frame per label
                 toy.add(images.permute(0, 3, 1, 2), labels, index)
             stills = decoded[:, decoded.shape[1] // 2] if decoded.dim() == 5 else decoded   # video: middle frame
@@ -117,6 +122,8 @@ class Evaluator:
         scores = compute_metrics(feats, self.reference, self.main_metrics) if self.main_metrics else {}
         if fdd is not None:
             scores[FDD] = self.fdd.score(fdd)
+        if fvd is not None:
+            scores[FVD] = self.fvd.score(fvd)
         if toy is not None:
             scores.update(self.toy.score(toy))
         grid_images = self._gather_grid(grid, grid_n, self.image_shape)

@@ -242,13 +242,14 @@ def data_channels(family: str, preset: str) -> int:
     """Latent channels of the data a family preset trains on: the preset's out_channels, else its in_channels mapped
     back through data_config, else those of the family's first released geometry."""
     module = family_module(family)
-    out_per_channel = module.FAMILY.data_config(1, 64, {}).get("out_channels")
-    if module.PRESETS[preset].get("out_channels") and out_per_channel:   # the predicted latent: the data's channels
-        return int(module.PRESETS[preset]["out_channels"]) // int(out_per_channel)   # (Cosmos V2W: in = data + mask)
-    fixed = int(module.FAMILY.data_config(0, 64, {})["in_channels"])     # e.g. HunyuanVideo 1.5's mask channel
-    per_data_channel = int(module.FAMILY.data_config(1, 64, {})["in_channels"]) - fixed
-    stated = [c["in_channels"] for c in module.PRESETS.values() if "in_channels" in c]
-    own = module.PRESETS[preset].get("in_channels")
+    in_key, out_key = module.FAMILY.channel_keys
+    out_per_channel = module.FAMILY.data_config(1, 64, {}).get(out_key)
+    if module.PRESETS[preset].get(out_key) and out_per_channel:   # the predicted latent: the data's channels
+        return int(module.PRESETS[preset][out_key]) // int(out_per_channel)   # (Cosmos V2W: in = data + mask)
+    fixed = int(module.FAMILY.data_config(0, 64, {})[in_key])     # e.g. HunyuanVideo 1.5's mask channel
+    per_data_channel = int(module.FAMILY.data_config(1, 64, {})[in_key]) - fixed
+    stated = [c[in_key] for c in module.PRESETS.values() if in_key in c]
+    own = module.PRESETS[preset].get(in_key)
     return (int(own if own is not None else stated[0]) - fixed) // per_data_channel
 
 

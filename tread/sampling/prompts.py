@@ -25,6 +25,8 @@ CAPTION_DROPOUT_MODES = ("auto", "empty", "zeros")
 FAMILY_MODES = {"flux": "empty", "sd3": "empty", "wan": "empty", "auraflow": "empty", "pixart": "empty",
                 "flux2": "zeros", "qwen_image": "empty", "chroma": "empty", "sana": "empty", "z_image": "empty",
                 "lumina2": "empty", "hidream": "empty"}
+# pipelines that encode "" as their default negative prompt (negative_prompt or "" in their __call__)
+FAMILY_MODES.update({f: "empty" for f in ("ltx_video", "ltx2", "krea2", "ernie_image", "wan_vace")})
 
 
 def resolve_mode(mode: str, family: Optional[str]) -> str:
@@ -98,7 +100,7 @@ def check_text_model(model: Any, meta: Mapping[str, Any], what: str = "prompts")
 
 @dataclass
 class PromptEmbeddings:
-    """Encoded prompts: `cond` holds one row per prompt ({"text", "text_mask", "pooled", "llama"} as the family
+    """Encoded prompts: `cond` holds one row per prompt ({"text", "text_mask", "pooled", "llama", "glyph"} as the family
     has them), `negative` one row for CFG's unconditional branch (None: the null label)."""
     prompts: list[str]
     cond: dict[str, torch.Tensor]
@@ -155,9 +157,12 @@ def encode_for_model(model: Any, meta: Mapping[str, Any], prompts: Sequence[str]
 
 
 def _trained_keys(meta: Mapping[str, Any]) -> tuple[str, ...]:
-    """The encode_prompts keys the model saw in training: HiDream's Llama states only where its data stored
-    them (llama_embeds.npy); a model trained without them has only seen zeros there."""
-    return ("text", "text_mask", "pooled") + (("llama",) if (meta.get("conditioning") or {}).get("llama") else ())
+    """The encode_prompts keys the model saw in training: HiDream's Llama states and HunyuanVideo 1.5's glyph
+    embeddings only where its data stored them (llama_embeds.npy, glyph_embeds.npy); a model trained without them
+    has only seen zeros there."""
+    cond = meta.get("conditioning") or {}
+    return ("text", "text_mask", "pooled") + (("llama",) if cond.get("llama") else ()) + \
+        (("glyph", "glyph_mask") if cond.get("glyph") else ())
 
 
 def check_widths(model: Any, tensors: Mapping[str, torch.Tensor], where: str) -> None:

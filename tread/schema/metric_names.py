@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Iterable, Union
 
-# fdd: DINOv2 features (tread/evaluation/fdd.py); TOY_METRICS: the built-in data's independent evaluator
+# fdd: DINOv2 features (tread/evaluation/fdd.py); fvd: VideoMAE clip features (tread/evaluation/fvd.py); TOY_METRICS: the built-in data's independent evaluator
 # (tread/evaluation/toy_checks.py), networks of their own.
 TOY_METRICS = ("fd_ae", "class_acc", "shape_acc", "colour_acc")
-METRICS = ("fid", "sfid", "is", "precision", "recall", "kid", "fdd", *TOY_METRICS)
+METRICS = ("fid", "sfid", "is", "precision", "recall", "kid", "fdd", "fvd", *TOY_METRICS)
 ROW_METRICS = ("precision", "recall", "kid")  # need the pool feature rows of samples and reference images
 
 

@@ -235,6 +235,16 @@ def check_sprint_key(m: DiTModel, depth: int) -> None:
 FAMILY_ONLY = {"guidance": ("flux", "sana", "flux2"), "kontext": ("flux", "flux2", "qwen_image"), "use_t5": ("sd3",),
                "frames": ("wan", "ltx_video", "cosmos", "hunyuan_video"), "frame_rate": ("ltx_video", "cosmos"),
                "expand_timesteps": ("wan", "ltx_video", "cosmos"), "i2v": ("wan", "ltx_video", "hunyuan_video"), "vae_scale_factor": ("pixart",)}
+# the 2026-12 wave: one line per family and key, e.g. FAMILY_ONLY["frames"] += ("wan_vace",)
+FAMILY_ONLY["frames"] += ("kandinsky5",)
+FAMILY_ONLY["frames"] += ("ltx2",)
+FAMILY_ONLY["frame_rate"] += ("ltx2",)
+FAMILY_ONLY["expand_timesteps"] += ("ltx2",)
+FAMILY_ONLY["i2v"] += ("cosmos",)          # Video2World conditioning frames (cosmos.py)
+FAMILY_ONLY["frames"] += ("minimax_h3",)
+FAMILY_ONLY["kontext"] += ("flux3",)       # FLUX.3 image-to-image references (flux3.py)
+FAMILY_ONLY["frames"] += ("wan_vace",)
+# -- new family keys above this line --
 
 
 class FamilyModel(Backbone):
@@ -304,11 +314,11 @@ class FamilyModel(Backbone):
 
 
 # model.config keys of the families' diffusers configs (where a family has them) and their allowed ranges. Block
-# counts are the preset keys named num_*layers (LAYER_KEY), each in [0, 256] and together at least 1.
+# counts are the preset keys named num_*layers or num_*blocks (LAYER_KEY), each in [0, 256] and together at least 1.
 FAMILY_CONFIG_RANGES = {"num_attention_heads": (1, 256), "attention_head_dim": (1, 1024), "patch_size": (1, 16),
                         "mlp_ratio": (0.25, 16.0), "ffn_dim": (1, 1 << 16)}
 LAYER_RANGE = (0, 256)
-LAYER_KEY = re.compile(r"^n(?:um)?_\w*layers$")   # n_*layers: Z-Image (n_layers, n_refiner_layers)
+LAYER_KEY = re.compile(r"^n(?:um)?_\w*(?:layers|blocks)$")   # n_*layers: Z-Image; num_*_blocks: Kandinsky 5
 
 
 def check_family_config(family: str, preset: str, config: dict[str, Any]) -> None:

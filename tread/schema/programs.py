@@ -70,6 +70,9 @@ class FidConfig(SamplingSettings, DecodeSettings, MetricSettings):
     fdd_out: Optional[str] = key("null or an FDD (DINOv2) reference .npz to write from the same images (mode=ref)",
                                  default=None)
     fdd_ref: Optional[str] = key("null or an FDD reference .npz (mode=calc with fdd in metrics)", default=None)
+    fvd_out: Optional[str] = key("null or an FVD (VideoMAE) reference .npz to write from the clips at source "
+                                 "(mode=ref, alone)", default=None)
+    fvd_ref: Optional[str] = key("null or an FVD reference .npz (mode=calc metrics=[fvd])", default=None)
     out_json: Optional[str] = key("null or a JSON file for the metrics (mode=calc)")
     checkpoints: Union[None, str, list[str]] = key("null or run dirs / checkpoint dirs / files in them / globs")
     num_samples: int = key("a positive integer (images per checkpoint, used when seeds is null)", ge=1)
@@ -116,14 +119,15 @@ def check_fid(cfg: Union[DictConfig, dict]) -> FidConfig:
                           f"against a reference) or mode=bench (sample and score checkpoints)")
     s = check(FidConfig, tree, "")
     check_fdd_keys(s)
+    check_fvd_keys(s)
     check_guidance(s, "")
     check_seeds(s.seeds, num_samples=s.num_samples if s.mode == "bench" else None)
     check_device(s.device)
     for name in NEEDS[s.mode]:
-        if getattr(s, name) is None and not fdd_alone(s, name):
+        if getattr(s, name) is None and not fdd_alone(s, name) and not fvd_alone(s, name):
             raise ConfigError(f"mode={s.mode} needs {name}=<{WHAT[name]}>")
     check_dirs({"cache_dir": s.cache_dir, **({"out_dir": s.out_dir} if s.mode == "bench" else {})},
-               files={"ref": {"out": s.out, "fdd_out": s.fdd_out}, "calc": {"out_json": s.out_json},
+               files={"ref": {"out": s.out, "fdd_out": s.fdd_out, "fvd_out": s.fvd_out}, "calc": {"out_json": s.out_json},
                       "bench": {}}[s.mode])
     return s
 
@@ -132,6 +136,32 @@ def fdd_alone(s: FidConfig, name: str) -> bool:
     """FDD alone needs no main reference: mode=ref with only fdd_out, mode=calc with metrics=[fdd]."""
     return (name == "out" and s.fdd_out is not None) or (name == "ref" and s.mode == "calc" and
                                                          list(s.metrics) == ["fdd"])
+
+
+def fvd_alone(s: FidConfig, name: str) -> bool:
+    """FVD runs alone: mode=ref with fvd_out needs no out, mode=calc metrics=[fvd] no ref."""
+    return (name == "out" and s.fvd_out is not None) or (name == "ref" and s.mode == "calc" and
+                                                         list(s.metrics) == ["fvd"])
+
+
+def check_fvd_keys(s: FidConfig) -> None:
+    """fvd scores clips, not images: alone in calc (with fvd_ref), fvd_out alone in ref; both need VideoMAE weights;
+    bench does not compute it."""
+    how = ("(nothing is downloaded: save MCG-NJU/videomae-base with transformers' save_pretrained on a machine with "
+           "network)")
+    if "fvd" in s.metrics and (s.mode != "calc" or list(s.metrics) != ["fvd"]):
+        raise ConfigError(f"metrics={list(s.metrics)} with mode={s.mode}: fvd scores clips, so it runs alone, as "
+                          f"mode=calc metrics=[fvd] images=<videos .npz | clips folder> fvd_ref=<FVD reference .npz>.")
+    if s.mode == "calc" and "fvd" in s.metrics and (s.fvd_ref is None or not s.videomae_weights):
+        raise ConfigError(f"metrics=[fvd] needs fvd_ref=<an FVD reference .npz> (got {show(s.fvd_ref)}) and "
+                          f"videomae_weights=<a local VideoMAEModel folder> (got {show(s.videomae_weights)}) {how}.")
+    if s.fvd_out is not None and (s.mode != "ref" or s.out is not None or s.fdd_out is not None):
+        raise ConfigError(f"fvd_out={show(s.fvd_out)} writes an FVD reference of clips, alone: allowed with mode=ref "
+                          f"and out=null, fdd_out=null (got mode={s.mode}, out={show(s.out)}, "
+                          f"fdd_out={show(s.fdd_out)}).")
+    if s.fvd_out is not None and not s.videomae_weights:
+        raise ConfigError(f"fvd_out={show(s.fvd_out)} writes an FVD reference, which needs videomae_weights=<a local "
+                          f"VideoMAEModel folder> {how}.")
 
 
 def check_fdd_keys(s: FidConfig) -> None:

@@ -66,6 +66,8 @@ class MetricSettings(Section):
     metrics: list[Literal[METRICS]] = key(f"a non-empty list of {one_of(METRICS)}", min_length=1)
     dinov2_weights: Optional[str] = key("null or a local transformers Dinov2Model folder (the fdd metric; e.g. "
                                         "facebook/dinov2-large saved with save_pretrained)", default=None)
+    videomae_weights: Optional[str] = key("null or a local transformers VideoMAEModel folder (the fvd metric; e.g. "
+                                          "MCG-NJU/videomae-base saved with save_pretrained)", default=None)
 
 
 def check_guidance(s: SamplingSettings, prefix: str) -> None:
@@ -88,6 +90,11 @@ def check_guidance(s: SamplingSettings, prefix: str) -> None:
         raise ConfigError(f"{prefix}metrics={list(s.metrics)} asks for fdd (Fréchet distance on DINOv2 features), "
                           f"which needs {prefix}dinov2_weights=<a local Dinov2Model folder> (nothing is downloaded: "
                           f"save facebook/dinov2-large with transformers' save_pretrained on a machine with network).")
+    if isinstance(s, MetricSettings) and "fvd" in s.metrics and not s.videomae_weights:
+        raise ConfigError(f"{prefix}metrics={list(s.metrics)} asks for fvd (Fréchet distance on VideoMAE clip "
+                          f"features), which needs {prefix}videomae_weights=<a local VideoMAEModel folder> (nothing is "
+                          f"downloaded: save MCG-NJU/videomae-base with transformers' save_pretrained on a machine "
+                          f"with network).")
     if isinstance(s, MetricSettings) and len(set(s.metrics)) != len(s.metrics):
         raise ConfigError(f"{prefix}metrics={list(s.metrics)} repeats a metric; allowed: each of {list(METRICS)} once.")
 

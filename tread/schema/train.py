@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from pydantic import Field
 
 from tread.encoders.dinov2 import FDD_DINOV2, check_dinov2_folder
+from tread.encoders.videomae import check_videomae_folder
 from tread.schema.base import (SEED_LIMIT, ConfigError, Flag, Number, PositiveNumber, Section, check, check_dirs, key,
                                one_of, show)
 from tread.schema.builders import section_types
@@ -162,6 +163,9 @@ class Eval(SamplingSettings, DecodeSettings, MetricSettings):
                                        "FDD reference .npz of real images (fid.py mode=ref fdd_out=...)", default=None)
     fdd_reference_max_images: Optional[int] = key("null or an integer >= 2 (images of the auto-built FDD "
                                                   "reference)", ge=2, default=None)
+    fvd_reference: Optional[str] = key("null or an FVD reference .npz of real clips (scripts/precompute_latents.py "
+                                       "--fvd-out, fid.py mode=ref fvd_out=...); needed by the fvd metric",
+                                       default=None)
     grid_size: int = key("an integer >= 1 (images in the saved sample grid)", ge=1)
     validation_prompts: Optional[list[Prompt]] = key(
         f"null or {PROMPTS}: sampled at every evaluation into a captioned grid (not counted in the metrics)",
@@ -277,6 +281,12 @@ def check_train_files(config: TrainConfig) -> None:
                           f"cached) or a reference .npz (`python fid.py mode=ref ...` builds one).")
     if config.eval_on and "fdd" in config.eval.metrics:    # FDD's DINOv2 folder: its files' headers
         check_dinov2_folder(config.eval.dinov2_weights, "eval.dinov2_weights", FDD_DINOV2)
+    if config.eval_on and "fvd" in config.eval.metrics:    # FVD's VideoMAE folder and its reference of real clips
+        check_videomae_folder(config.eval.videomae_weights, "eval.videomae_weights")
+        if not config.eval.fvd_reference or not Path(config.eval.fvd_reference).expanduser().is_file():
+            raise ConfigError(f"eval.fvd_reference={config.eval.fvd_reference!r} is not a file; fvd needs an FVD "
+                              f"reference .npz of real clips: scripts/precompute_latents.py --videos ... --fvd-out "
+                              f"REF.npz --videomae-weights DIR (or fid.py mode=ref fvd_out=...) builds one.")
 
 
 def _eval_on(cfg: Any) -> bool:

@@ -6,7 +6,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from tread.models.families.first_frame import FIRST_FRAME, I2V_MASK, frame_loss_weight
+from tread.models.families.first_frame import FIRST_FRAME, I2V_KEYS, I2V_MASK, frame_loss_weight
 from tread.data.info import DatasetInfo
 from tread.schema.train import TrainConfig
 from tread.training.feature import Feature
@@ -32,7 +32,7 @@ class FirstFrames(Feature):
                   batch: int) -> dict[str, torch.Tensor]:
         if FIRST_FRAME not in extras:
             return cond
-        cond = {**cond, FIRST_FRAME: extras[FIRST_FRAME]}
+        cond = {**cond, **{k: extras[k] for k in I2V_KEYS if k in extras}}   # the frames (+ image embeddings)
         if self.probability < 1:
             cond[I2V_MASK] = torch.rand(batch, device=extras[FIRST_FRAME].device) < self.probability
         return cond

@@ -17,7 +17,7 @@ import torch
 
 from tread.data import COND_KEYS, draw_latents
 from tread.diffusion.common import call_with_aux
-from tread.models.families.first_frame import FIRST_FRAME
+from tread.models.families.first_frame import I2V_KEYS
 from tread.routing import resize_loss_mask
 from tread.training.ema import ema_decay_at, ema_update
 from tread.utils.dtensor import full
@@ -143,8 +143,8 @@ class TrainStep:
         x, y, extras = split_batch(batch, p.accelerator.device)
         x = draw_latents(x, s.data_meta)                   # moments data: one latent drawn per read (training RNG)
         y = drop_labels(y, s.label_dropout, self.null_label)
-        # text; Kontext references: never dropped; first frames only through model.i2v (FirstFrames)
-        cond = {k: extras[k] for k in COND_KEYS if k in extras and k != FIRST_FRAME}
+        # text; Kontext references: never dropped; first frames (and their image embeddings) only through model.i2v
+        cond = {k: extras[k] for k in COND_KEYS if k in extras and k not in I2V_KEYS}
         for feature in self.features:
             cond = feature.condition(cond, extras, x.shape[0])
         mask = extras.get("loss_mask") if s.use_mask else None

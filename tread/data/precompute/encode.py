@@ -58,6 +58,7 @@ class Encoder:
     text: Optional[TextEncoder] = None
     repa: Optional[PatchEncoder] = None   # --repa-encoder: its features of each image are stored too
     repa_meta: Optional[dict] = None      # their meta "repa_features" but the grid (encoder, digest, dim, ...)
+    image: None = None                    # image embeddings of first frames: clips only (VideoEncoder.image)
 
     def __call__(self, images: np.ndarray, sample_indices: np.ndarray) -> np.ndarray:
         """uint8 (B, H, W, 3) -> stored values: raw (mean, logvar) for moments; raw draw - shift for sample.
@@ -141,9 +142,10 @@ def encode_shard(plan: Plan, shard: int, encoder: Encoder, pool: Optional[Thread
         arrays["flipped"] = np.concatenate(flipped)
     arrays.update({key: np.concatenate(values) for key, values in refs.items()})   # reference[, flipped_reference]
     for key, value in arrays.items():
-        ref, repa = "reference" in key or key == "first_frame", "repa_features" in key
-        arrays[key] = _cast_stored(value, store, plan, start, "REPA features" if repa else "reference latents" if ref
-                                   else "latents", "the references of " if ref else "", f16 + ("" if repa else
+        ref, repa = "reference" in key or key == "first_frame", "repa_features" in key or key == "image_embeds"
+        what = "image embeddings" if key == "image_embeds" else "REPA features" if repa else \
+            "reference latents" if ref else "latents"
+        arrays[key] = _cast_stored(value, store, plan, start, what, "the references of " if ref else "", f16 + ("" if repa else
                                                                                                vae_advice))
     if masks:
         arrays["loss_mask"] = np.concatenate(masks).astype(np.uint8)
@@ -179,6 +181,9 @@ def _encode_images(plan: Plan, start: int, stop: int, encoder: Encoder, pool: Op
                 refs.setdefault(key, []).append(value)
         if plan.video and plan.settings["video"]["first_frame"]:   # each clip's first frame encoded alone
             refs.setdefault("first_frame", []).append(_finite(encoder.first_frame(images), plan, idx, "first frame "))
+        if encoder.image is not None:   # --image-encoder: the first frame's image embeddings (HunyuanVideo 1.5 I2V)
+            refs.setdefault("image_embeds", []).append(_finite(encoder.image(images[:, 0]), plan, idx,
+                                                               "first-frame image embeddings of "))
         if encoder.repa is not None:  # the REPA encoder's features of the images (and of the flipped images)
             for key, value in _repa_features(plan, encoder.repa, images).items():
                 refs.setdefault(key, []).append(value)
@@ -219,7 +224,7 @@ def _stored_text(plan: Plan, key: str, value: np.ndarray, rows: np.ndarray) -> n
     """One batch's text array (`rows`: the image of each row, for errors) as stored: embeddings cast to --dtype
     at once, so a shard never holds float32 copies (HiDream's Llama states are 32 layers x L x 4096 per caption);
     masks as they are."""
-    if key == "text_mask":
+    if key in ("text_mask", "glyph_mask"):
         return value
     store = np.dtype(plan.settings["dtype"])
     advice = (" (float16 overflows above 65504: try --dtype float32)" if store == np.float16 else "") + \
@@ -335,7 +340,8 @@ def _merge(plan: Plan, out: Path, shards: list[int], meta: dict, empty: Optional
                              num_classes=plan.num_classes, class_names=plan.class_names,
                              dtype=plan.settings["dtype"], text_shape=shapes.get("text"),
                              text_mask="text_mask" in shapes, pooled_dim=shapes["pooled"][0] if "pooled" in shapes
-                             else None, llama_shape=shapes.get("llama"), loss_mask_shape=shapes.get("loss_mask"),
+                             else None, llama_shape=shapes.get("llama"), glyph_shape=shapes.get("glyph"),
+                             loss_mask_shape=shapes.get("loss_mask"), image_embeds_shape=shapes.get("image_embeds"),
                              reference_latents="reference" in shapes, empty_prompt=empty is not None,
                              first_frame_latents="first_frame" in shapes,
                              video=video_meta(plan, vae, plan.target(plan.shard_range(shards[0])[0]).frames)

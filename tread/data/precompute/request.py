@@ -11,7 +11,10 @@ from typing import Any, Optional, Sequence
 from tread.encoders.text import TextEncoderError, resolve_text_encoder_paths
 from tread.encoders.text_families import FAMILIES, TEXT_FAMILIES, encoder_keys
 from tread.encoders.patch import ENCODERS as REPA_ENCODERS
+from tread.encoders.errors import EncoderError
+from tread.encoders.image_embeds import check_image_encoder_folder
 from tread.encoders.vae import VIDEO_VAE_CLASSES
+from tread.encoders.videomae import check_videomae_folder
 from tread.utils.errors import UserError
 from tread.utils.numbers import in_range, span
 from tread.utils.io import file_in_the_way, unwritable_dir
@@ -49,6 +52,7 @@ class PrecomputeRequest:
     frame_stride: Optional[int] = None            # read every s-th source frame (None: 1)
     frame_buckets: Optional[str] = None           # frame counts 'F1,F2,...': each clip the most it fills
     first_frame: bool = False                     # also store each clip's first frame encoded alone
+    image_encoder: Optional[str] = None           # and its image embeddings (an i2v pipeline's image encoder folder)
     vae_class: Optional[str] = None               # the video VAE's diffusers class (default: its config.json's)
     labels: Optional[str] = None                  # labels file of a flat folder
     out: Optional[str] = None                     # latent dataset to write (required; must not exist)
@@ -88,6 +92,8 @@ class PrecomputeRequest:
     ref_features: str = "inception"               # inception | toy_classifier
     inception_weights: Optional[str] = None       # local Inception weights file
     ref_store_images: int = 10000                 # images kept in the reference as arr_0
+    fvd_out: Optional[str] = None                 # also write an FVD reference of the clips here (--videos)
+    videomae_weights: Optional[str] = None        # its VideoMAE network (a local VideoMAEModel folder)
     cache_dir: str = field(default_factory=lambda: os.environ.get("TREAD_CACHE_DIR", ".cache"))   # toy classifier
     explicit: frozenset = field(init=False, repr=False, compare=False)      # the DEFAULTS fields that were set
 
@@ -136,6 +142,29 @@ def check_request(req: PrecomputeRequest) -> None:
         check_image_only_flags(req)
         check_images_flag(req)
     check_common(req)
+    check_fvd_flags(req)
+
+
+def check_fvd_flags(req: PrecomputeRequest) -> None:
+    """--fvd-out and --videomae-weights (cheap: the folder's config.json and safetensors headers)."""
+    if req.fvd_out is None:
+        if req.videomae_weights is not None:
+            raise PrecomputeError("--videomae-weights only applies with --fvd-out PATH (an FVD reference of the clips)")
+        return
+    if req.videos is None:
+        raise PrecomputeError(f"--fvd-out '{req.fvd_out}' is an FVD reference of clips: it needs --videos (an image "
+                              f"run writes FID references with --ref-out)")
+    out = Path(req.fvd_out).expanduser().absolute()
+    if out.exists():
+        raise PrecomputeError(f"--fvd-out '{out}' already exists; refusing to overwrite it. Delete it or choose "
+                              f"another path.")
+    _check_writable("--fvd-out", out)
+    _check_apart("--fvd-out", out, [("--videos", Path(req.videos).expanduser().absolute()),
+                                    ("--out", Path(req.out).expanduser().absolute())])
+    try:
+        check_videomae_folder(req.videomae_weights, "--videomae-weights")
+    except EncoderError as err:
+        raise PrecomputeError(str(err)) from None
 
 
 def check_images_flag(req: PrecomputeRequest) -> None:
@@ -430,12 +459,21 @@ def check_video_request(req: PrecomputeRequest) -> None:
         frame_counts(req)
     except BucketError as err:
         raise PrecomputeError(str(err)) from None
+    if req.image_encoder is not None:
+        if not req.first_frame:
+            raise PrecomputeError(f"--image-encoder '{req.image_encoder}' embeds each clip's first frame, which needs "
+                                  f"--first-frame (image-to-video data)")
+        try:
+            check_image_encoder_folder(req.image_encoder, "--image-encoder")
+        except EncoderError as err:
+            raise PrecomputeError(str(err)) from None
 
 
 def check_image_only_flags(req: PrecomputeRequest) -> None:
     """The video flags without --videos: one error naming them."""
     used = [f for f, v in (("--frames", req.frames), ("--frame-buckets", req.frame_buckets),
                            ("--first-frame", req.first_frame), ("--vae-class", req.vae_class),
+                           ("--image-encoder", req.image_encoder),
                            ("--frame-stride", req.given("frame_stride"))) if v]
     if used:
         raise PrecomputeError(f"{'/'.join(used)} only apply with --videos DIR (a folder of clips)")

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from tread.encoders.dinov2 import weights_digest
+from tread.encoders.image_embeds import ImageEncoder, load_image_encoder
 from tread.encoders.vae import VIDEO_VAE_CLASSES, encode_video, load_vae, to_model_space, video_vae_info
 
 from tread.data.buckets import Bucket, BucketError, assign_bucket, check_frame_counts, fit_crop, frames_for, video_buckets
@@ -88,6 +90,7 @@ def plan_clips(req: PrecomputeRequest, root: Path) -> dict[str, Any]:
                       .encode("utf-8", "surrogateescape"))
     settings = {"frames": counts if req.frame_buckets is not None else counts[0], "frame_stride": stride,
                 "first_frame": bool(req.first_frame), "vae_class": req.vae_class, "clips_sha256": digest.hexdigest(),
+                "image_encoder": weights_digest(req.image_encoder) if req.image_encoder else None,
                 "fps": sorted({round(info.fps / stride, 6) for info in infos})}
     return {"paths": paths, "labels": labels, "class_names": class_names, "buckets": buckets if bucketed else None,
             "clip_bucket": clip_bucket if bucketed else None, "target": buckets[0] if not bucketed else None,
@@ -120,6 +123,7 @@ class VideoEncoder:
     text: Optional[Any] = None     # precompute.TextEncoder with captions
     repa: None = None              # clips store no REPA features (precompute.Encoder.repa: images only)
     repa_meta: None = None
+    image: Optional[ImageEncoder] = None   # --image-encoder: the first frame's image embeddings are stored too
 
     def _encode(self, clips: np.ndarray) -> np.ndarray:
         x = torch.from_numpy(np.ascontiguousarray(clips)).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
@@ -168,7 +172,8 @@ def load_video_encoder(plan, device) -> VideoEncoder:
         flag = "--bucket-stride" if plan.buckets is not None and (req.buckets or req.bucket_pixels) else "--resolution"
         raise bad_value(flag, req.bucket_stride if flag == "--bucket-stride" else req.resolution,
                         f"a multiple of {s} (the VAE '{req.vae}' downsamples frames by {s})")
-    return VideoEncoder(vae, info)
+    image = load_image_encoder(req.image_encoder, "--image-encoder", device) if req.image_encoder else None
+    return VideoEncoder(vae, info, image=image)
 
 
 def video_meta(plan, vae, frames: int) -> dict:

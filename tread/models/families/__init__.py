@@ -14,6 +14,17 @@ FAMILY_MODULES = {"flux": "flux", "sd3": "sd3", "wan": "wan", "auraflow": "auraf
                   "flux2": "flux2", "qwen_image": "qwen_image", "chroma": "chroma", "sana": "sana",
                   "hidream": "hidream", "z_image": "z_image", "lumina2": "lumina2",
                   "ltx_video": "ltx_video", "hunyuan_video": "hunyuan_video", "cosmos": "cosmos"}
+FAMILY_MODULES.update({   # the 2026-12 wave: one line each
+    "qwen_image21": "qwen_image21",
+    "kandinsky5": "kandinsky5",
+    "ltx2": "ltx2",
+    "krea2": "krea2",
+    "flux3": "flux3",
+    "ernie_image": "ernie_image",
+    "minimax_h3": "minimax_h3",
+    "wan_vace": "wan_vace",
+    # -- new families above this line --
+})
 FAMILIES = tuple(FAMILY_MODULES)
 
 
@@ -55,6 +66,7 @@ def build_family(family: str, *, input_size: int, in_channels: int, num_classes:
         except TypeError as err:
             raise FamilyConfigError(f"model.config for {family} has a key that "
                                     f"{cls.transformer_class().__name__} does not take: {err}") from None
+        cls.init_fresh(transformer)
     model = cls(transformer, input_size=input_size, in_channels=in_channels, num_classes=num_classes,
                 routing=routing, text_len=text_len, arch=arch or f"{family}-{'pretrained' if pretrained else preset}",
                 gradient_checkpointing=gradient_checkpointing, **family_kwargs)

@@ -73,6 +73,7 @@ class RoutedFamily(SplitSequence):
     text_conditioned: ClassVar[bool] = True
     diffusers_class: ClassVar[str] = ""   # the diffusers transformer class, e.g. "FluxTransformer2DModel"
     text_dim_key: ClassVar[str] = ""      # the transformer config key holding the text embedding width
+    channel_keys: ClassVar[tuple[str, str]] = ("in_channels", "out_channels")   # the config's latent channel keys
     pooled_dim_key: ClassVar[Optional[str]] = None   # ... the pooled text width (None: no pooled embedding)
     # How the absolute position table (config pos_embed_max_size) is sized from the data's token grid:
     # "side" (SD3: the grid side), "area" (AuraFlow: side^2 positions) or "" (no such table).
@@ -90,8 +91,11 @@ class RoutedFamily(SplitSequence):
     # How a family takes image-to-video conditioning frames (model.i2v, cond["first_frame"]: first_frame.py): "frames"
     # (the clean frames in place at timestep 0, force-kept, left out of the loss, put back after sampling: the families
     # whose embed takes (B, N) timesteps), "channels" (the family's embed builds its pipeline's condition channels
-    # itself: HunyuanVideo 1.5), "" (none).
+    # itself: HunyuanVideo 1.5), "" (none). "frames": the given frames' noise level, and whether the levels go to
+    # the model per latent frame (B, T) instead of per token (Cosmos-Predict2 Video2World: sigma_conditioning, per frame).
     i2v_mode: ClassVar[str] = ""
+    i2v_given_level: ClassVar[float] = 0.0
+    i2v_per_frame: ClassVar[bool] = False
 
     def __init__(self, transformer: nn.Module, *, input_size: int, in_channels: int, num_classes: int,
                  routing: Optional[Mapping[str, Any]] = None, text_len: int = 8, arch: str = "",
@@ -105,7 +109,8 @@ class RoutedFamily(SplitSequence):
         self.i2v = bool(i2v)
         if self.i2v and not (self.frames_axis and self.i2v_mode):
             raise FamilyConfigError(f"model.i2v=true: model.family={self.family} takes no image-to-video conditioning "
-                                    f"frames; allowed: false (model.i2v is for wan, ltx_video and hunyuan_video).")
+                                    f"frames; allowed: false (model.i2v is for wan, ltx_video, cosmos and "
+                                    f"hunyuan_video).")
         self.check_shapes()
         self.conditioner = ClassTextEmbedder(num_classes, text_len, self.text_dim, self.pooled_dim) \
             if num_classes else None
@@ -131,6 +136,11 @@ class RoutedFamily(SplitSequence):
             side = max(1, input_size // int(diffusers_config.get("patch_size", 2)))
             out["pos_embed_max_size"] = side if cls.pos_table == "side" else side * side
         return out
+
+    @classmethod
+    def init_fresh(cls, transformer: nn.Module) -> None:
+        """build_family's hook for a transformer built from a preset (fresh weights, never pretrained ones): redo what
+        the diffusers constructor leaves degenerate (ERNIE-Image's zeroed layers). Default: diffusers' init as it is."""
 
     @property
     def text_dim(self) -> int:
@@ -373,8 +383,8 @@ class RoutedFamily(SplitSequence):
         if use is not None:
             pt, ph, pw = self.latent_patch()
             t, h, w = self.grid_of(x)
-            x, noise_level, given = condition_inputs(self.to_model_layout(x), noise_level,
-                                                     kwargs["cond"][FIRST_FRAME], use, h * w, pt)
+            x, noise_level, given = condition_inputs(self.to_model_layout(x), noise_level, kwargs["cond"][FIRST_FRAME],
+                                                     use, h * w, pt, self.i2v_given_level, self.i2v_per_frame)
             force_keep = given if force_keep is None else force_keep | given
         return super().forward(x, noise_level, labels, force_keep, return_aux=return_aux, **kwargs)
 
@@ -398,6 +408,11 @@ class RoutedFamily(SplitSequence):
                                     context=emb.context, per_token=emb.per_token,
                                     checkpoint=self.gradient_checkpointing and self.training)
         return self.from_model_layout(self.head(h, emb), x)
+
+    def save_pretrained(self, folder: str) -> None:
+        """The diffusers pipeline folder model.pretrained loads back: transformer/ (a family whose model holds other
+        parts of its pipeline, such as LTX-2's text connectors, writes those too)."""
+        self.transformer.save_pretrained(f"{folder}/transformer")
 
     def pristine_transformer(self) -> nn.Module:
         """A fresh diffusers transformer (diffusers' default attention processors) with our weights."""

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from tread.models.families.base import Embedded, FamilyConfigError, Grid, RoutedFamily, cond32, unpack_patches
+from tread.models.families.first_frame import FIRST_FRAME, I2V_MASK, conditioned
 
 _GEOMETRY = dict(mlp_ratio=4.0, adaln_lora_dim=256, max_size=(128, 240, 240), patch_size=(1, 2, 2),
                  concat_padding_mask=True, extra_pos_embed_type=None)
@@ -70,6 +71,10 @@ class BatchedRopeCosmosAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+# Cosmos2VideoToWorldPipeline's sigma_conditioning default: the given frames' EDM sigma, t = sigma / (sigma + 1).
+SIGMA_CONDITIONING = 1e-4
+
+
 class CosmosFamily(RoutedFamily):
     family = "cosmos"
     hub_hint = "nvidia/Cosmos-Predict2-2B-Text2Image"
@@ -77,6 +82,11 @@ class CosmosFamily(RoutedFamily):
     text_dim_key = "text_embed_dim"
     frames_axis = True
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    # model.i2v (Video2World geometry): the clean first frames in place at the pipeline's t_conditioning, per latent
+    # frame, with the condition-mask channel 1 on them (Cosmos2VideoToWorldPipeline's cond_indicator / cond_mask).
+    i2v_mode = "frames"
+    i2v_given_level = 1000.0 * SIGMA_CONDITIONING / (SIGMA_CONDITIONING + 1.0)
+    i2v_per_frame = True
 
     @classmethod
     def data_config(cls, in_channels: int, input_size: int, diffusers_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,6 +119,10 @@ class CosmosFamily(RoutedFamily):
         if c.in_channels not in (C, C + 1):
             raise FamilyConfigError(f"model.config.in_channels={c.in_channels} does not fit data.channels={C}; "
                                     f"allowed: {C} (Text2Image) or {C + 1} (Video2World: + the condition mask).")
+        if self.i2v and c.in_channels != C + 1:
+            raise FamilyConfigError(f"model.i2v=true needs the Video2World geometry: model.config.in_channels="
+                                    f"{c.in_channels}, allowed: {C + 1} (data.channels + the condition-mask channel; "
+                                    f"e.g. model.preset=cosmos-predict2-2b-video2world).")
         if c.out_channels != C:
             raise FamilyConfigError(f"model.config.out_channels={c.out_channels} must equal data.channels={C}: "
                                     f"Cosmos predicts a latent of the input's shape (the Wan 2.1 VAE: 16 channels).")
@@ -153,13 +167,29 @@ class CosmosFamily(RoutedFamily):
         text, mask = cond["text"], cond.get("text_mask")
         return text if mask is None else text * mask.to(text.dtype).unsqueeze(-1)
 
-    def _channels(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, C, T, H, W) + the zero condition mask (Video2World geometry) + the zero padding mask, as diffusers'
+    def conditioning(self, labels: torch.Tensor, cond: Optional[Mapping[str, torch.Tensor]]) -> dict:
+        """RoutedFamily's text conditioning plus the I2V inputs (the given frames mark the condition mask)."""
+        text = super().conditioning(labels, cond)
+        text.update({k: cond[k] for k in (FIRST_FRAME, I2V_MASK) if cond and cond.get(k) is not None})
+        return text
+
+    def condition_mask(self, x: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(B, 1, T, H, W): 1 on the given frames of the conditioned samples (model.i2v), else 0 (text-to-world)."""
+        mask = x.new_zeros(x.shape[0], 1, *x.shape[2:])
+        use = conditioned(cond, x.shape[0], x.device) if self.i2v else None
+        if use is not None:
+            mask[:, :, :cond[FIRST_FRAME].shape[2]] = use.to(x.dtype).view(-1, 1, 1, 1, 1)
+        return mask
+
+    def _channels(self, x: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """x (B, C, T, H, W) + the condition mask (Video2World geometry) + the zero padding mask, as diffusers'
         forward concatenates them from the pipelines' inputs."""
-        zero = x.new_zeros(x.shape[0], 1, *x.shape[2:])
-        extra = int(self.transformer.config.in_channels == self.in_channels + 1) + \
-            int(bool(self.transformer.config.concat_padding_mask))
-        return torch.cat([x, *([zero] * extra)], dim=1) if extra else x
+        parts = [x]
+        if self.transformer.config.in_channels == self.in_channels + 1:
+            parts.append(self.condition_mask(x, cond))
+        if self.transformer.config.concat_padding_mask:
+            parts.append(x.new_zeros(x.shape[0], 1, *x.shape[2:]))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else x
 
     def _timestep(self, timestep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """(B,) per sample, or (B, T) per latent frame (refused otherwise); expand_timesteps turns (B,) into (B, T), the
@@ -176,7 +206,7 @@ class CosmosFamily(RoutedFamily):
     def embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> Embedded:
         tr, B, grid = self.transformer, x.shape[0], self.grid_of(x)
         timestep = self._timestep(timestep, x)
-        xin = self._channels(x)
+        xin = self._channels(x, cond)
         cos, sin = tr.rope(xin, fps=self.frame_rate)                                # (N, Dh) each
         hidden = tr.patch_embed(xin).flatten(1, 3)                                  # (B, N, D)
         per_token = {"rope_cos": cos.expand(B, -1, -1), "rope_sin": sin.expand(B, -1, -1)}
@@ -215,7 +245,7 @@ class CosmosFamily(RoutedFamily):
         timestep = self._timestep(timestep, x)
         kw: dict[str, Any] = {}
         if transformer.config.in_channels == C + 1:
-            kw["condition_mask"] = x.new_zeros(B, 1, T, H, W)
+            kw["condition_mask"] = self.condition_mask(x, cond)
         return transformer(hidden_states=x, timestep=timestep if timestep.dim() == 1 else timestep.view(B, 1, T, 1, 1),
                            encoder_hidden_states=self._text(cond), fps=self.frame_rate,
                            padding_mask=x.new_zeros(1, 1, H * VAE_SPATIAL, W * VAE_SPATIAL), return_dict=False,

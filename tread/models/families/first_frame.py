@@ -10,6 +10,8 @@ from typing import Mapping, Optional
 import torch
 
 FIRST_FRAME, I2V_MASK = "first_frame", "i2v"
+IMAGE_EMBEDS = "image_embeds"           # the first frame through the pipeline's image encoder (HunyuanVideo 1.5)
+I2V_KEYS = (FIRST_FRAME, IMAGE_EMBEDS)  # the data's image-to-video inputs: passed on only with model.i2v
 
 
 def conditioned(cond: Optional[Mapping[str, torch.Tensor]], batch: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -22,11 +24,13 @@ def conditioned(cond: Optional[Mapping[str, torch.Tensor]], batch: int, device: 
 
 
 def condition_inputs(x: torch.Tensor, noise_level: torch.Tensor, first: torch.Tensor, use: torch.Tensor,
-                     tokens_per_frame: int, frames_per_token: int = 1
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     tokens_per_frame: int, frames_per_token: int = 1, given_level: float = 0.0,
+                     per_frame: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pipeline's inputs at one step: x (B, C, T, H, W) noisy latents, noise_level (B,) or (B, N), first
     (B, C, Tc, H, W) clean latents, use (B,) bool. Returns (x with the `use` samples' first Tc frames replaced,
-    (B, N) noise levels that are 0 on their tokens, (B, N) bool marking those tokens)."""
+    (B, N) noise levels that are `given_level` on their tokens (Wan, LTX-Video: 0; Cosmos: its sigma_conditioning),
+    (B, N) bool marking those tokens). per_frame (a (B,) noise_level only): the levels as (B, T') per token frame,
+    the form a per-frame model (Cosmos) takes."""
     B, Tc = x.shape[0], first.shape[2]
     if tuple(first.shape[:2]) != tuple(x.shape[:2]) or tuple(first.shape[3:]) != tuple(x.shape[3:]) or \
             Tc > x.shape[2] or Tc % frames_per_token:
@@ -35,12 +39,19 @@ def condition_inputs(x: torch.Tensor, noise_level: torch.Tensor, first: torch.Te
                          f"frames (a multiple of {frames_per_token}).")
     sel = use.view(B, 1, 1, 1, 1)
     x = torch.cat([torch.where(sel, first.to(x.dtype), x[:, :, :Tc]), x[:, :, Tc:]], dim=2)
-    n = x.shape[2] // frames_per_token * tokens_per_frame
-    level = noise_level[:, None].expand(B, n) if noise_level.dim() == 1 else noise_level
+    frames = x.shape[2] // frames_per_token
+    n = frames * tokens_per_frame
     given = torch.zeros(B, n, dtype=torch.bool, device=x.device)
     given[:, :Tc // frames_per_token * tokens_per_frame] = True
     given &= use[:, None]
-    return x, torch.where(given, torch.zeros_like(level), level), given
+    if per_frame:
+        if noise_level.dim() != 1:
+            raise ValueError(f"per-frame conditioning takes one noise level per sample, got {tuple(noise_level.shape)}")
+        at = given.view(B, frames, tokens_per_frame)[:, :, 0]
+        level = noise_level[:, None].expand(B, frames)
+    else:
+        at, level = given, noise_level[:, None].expand(B, n) if noise_level.dim() == 1 else noise_level
+    return x, torch.where(at, torch.full_like(level, given_level), level), given
 
 
 def restore_frames(x: torch.Tensor, first: torch.Tensor, use: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tread.models.families.base import Embedded, FamilyConfigError, RoutedFamily, cond32
-from tread.models.families.first_frame import FIRST_FRAME, I2V_MASK
+from tread.models.families.first_frame import FIRST_FRAME, I2V_MASK, IMAGE_EMBEDS
 
 GLYPH_LEN = 256        # the pipelines' tokenizer_2_max_length: zero ByT5 rows when a prompt has no glyph text
 SIGLIP_TOKENS = 729    # the pipelines' vision_num_semantic_tokens: zero SigLIP rows in text-to-video
@@ -143,9 +143,11 @@ class HunyuanVideo15Family(RoutedFamily):
         the null label, as the pipeline's glyph-less negative prompt) and I2V inputs (kept in both CFG branches)."""
         text = super().conditioning(labels, cond)
         cond = cond or {}
-        for key in ("image_embeds", FIRST_FRAME, I2V_MASK):
+        for key in (IMAGE_EMBEDS, FIRST_FRAME, I2V_MASK):
             if cond.get(key) is not None:
                 text[key] = cond[key]
+        if text.get(IMAGE_EMBEDS) is not None and cond.get(I2V_MASK) is not None:   # text-to-video samples: none
+            text[IMAGE_EMBEDS] = text[IMAGE_EMBEDS] * cond[I2V_MASK].to(text[IMAGE_EMBEDS].dtype)[:, None, None]
         if cond.get("text") is not None and cond.get("glyph") is not None:
             glyph = cond["glyph"]
             gmask = cond.get("glyph_mask")
@@ -186,12 +188,14 @@ class HunyuanVideo15Family(RoutedFamily):
             glyph = kind(tr.context_embedder_2(cond["glyph"]), 1)
             rows.insert(0, glyph * gmask[..., None].to(glyph.dtype))
             masks.insert(0, gmask)
-        if cond.get("image_embeds") is not None:
-            img = cond["image_embeds"]
-            used = (img != 0).any()                                            # diffusers: not all zero (no sync)
-            proj = tr.image_embedder(img) * used.to(ctx.dtype)
+        if cond.get(IMAGE_EMBEDS) is not None:
+            img = cond[IMAGE_EMBEDS]
+            # diffusers: the image rows count when the batch's embeddings are not all zero; per sample here, so a
+            # batch mixing image- and text-to-video samples (train.i2v_probability < 1) gives each its own
+            used = (img != 0).flatten(1).any(1)                               # (B,), no host sync
+            proj = tr.image_embedder(img) * used.to(ctx.dtype)[:, None, None]
             rows.insert(0, kind(proj, 2))
-            masks.insert(0, used.expand(img.shape[:2]))
+            masks.insert(0, used[:, None].expand(img.shape[:2]))
         rows, valid = torch.cat(rows, 1), torch.cat(masks, 1)
         order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices   # valid first, order kept
         return rows.gather(1, order[..., None].expand_as(rows)), valid.gather(1, order)
