@@ -27,7 +27,7 @@ _QWEN3_VL_4B = dict(text_hidden_dim=2560, text_num_attention_heads=20, text_num_
 
 KREA2_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the built-in data: 8 blocks, width 64 (4 query heads x 16, 2 key/value heads: GQA as released),
-    # the 12 tapped layers of a 32-wide Qwen3-VL stand-in (tiny_text's 35-layer encoder: the pipeline's own taps).
+    # the 12 tapped layers of a 32-wide Qwen3-VL stand-in (tiny_text's 36-layer encoder: the pipeline's own taps).
     "tiny": dict(num_layers=8, attention_head_dim=16, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, timestep_embed_dim=32, text_hidden_dim=32, text_num_attention_heads=4,
                  text_num_key_value_heads=2, text_intermediate_size=64, axes_dims_rope=(4, 6, 6), **_FUSION),
