@@ -22,6 +22,13 @@ refusal takes about a second) is stuck, and its process group is killed.
     result = harness.run("train.py", ["train.seed=abc"], out_dir)       # or harness.submit(...) -> a Future
     harness.close()
 
+A request with "world": N forks N ranks of one run, each with the variables torchrun sets (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...): the multi-process tests (FSDP against DDP, context parallelism) get
+their gloo worlds without N interpreters importing torch. A failed rank kills the others and the request's rc is
+the first failure; rank i > 0 writes stdout.rank<i>.txt (rank_file). The server answers {"id", "pids"} as soon
+as the children are forked, so `Harness.popen()` can hand back a Popen-like `Forked` (pid, poll, wait,
+communicate, send_signal, kill) for the fault tests, which signal and kill -9 the real training process.
+
 Also here: what a refused launch may leave (fingerprint, leftover_work: the check that no work was done) and
 refusal_report, the line of refusal times tests/conftest.py prints at the end of a session (a figure, never
 asserted: a loaded machine makes every refusal slower, and it is still a refusal).
@@ -37,6 +44,7 @@ import os
 import runpy
 import select
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -62,18 +70,25 @@ JOB_LOGS = {f"{Path(program).stem}.log" for program in PROGRAMS}      # Hydra's 
 
 # ----------------------------------------------------------------------------- the server (its own process)
 
-def _child(request: dict[str, Any]) -> None:
-    """In the forked child: become the program, then _exit with its status. Never returns."""
+def _child(request: dict[str, Any], rank: int) -> None:
+    """In the forked child: become the program (rank `rank` of the request's world), then _exit with its status.
+    Never returns."""
     code = 1
     try:
         os.setpgid(0, 0)
         out = Path(request["out"])
         os.environ.update(request.get("env") or {})
+        world = int(request.get("world", 1))
+        if world > 1:                                   # what torchrun hands each process it starts
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                              LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", ROLE_RANK=str(rank),
+                              ROLE_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(request["master_port"]))
         os.chdir(REPO)
         sys.argv = [str(REPO / request["program"]), *request["args"]]
         null = os.open(os.devnull, os.O_RDONLY)
-        stdout = os.open(out / "stdout.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        stderr = os.open(out / "stderr.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        stdout = os.open(out / rank_file("stdout", rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        stderr = os.open(out / rank_file("stderr", rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(null, 0)
         os.dup2(stdout, 1)
         os.dup2(stderr, 2)
@@ -136,7 +151,7 @@ def serve(jobs: int) -> None:
                           "timed_out": timed_out}), file=reply, flush=True)
 
     queue: deque = deque()
-    running: dict[int, tuple[dict[str, Any], float]] = {}       # pid -> (request, start)
+    running: list[_Launch] = []
     pending, eof = b"", False
     while not (eof and not queue and not running):
         if not eof and select.select([0], [], [], 0.005 if running or queue else None)[0]:
@@ -148,24 +163,68 @@ def serve(jobs: int) -> None:
         elif eof:
             time.sleep(0.005)
         while queue and len(running) < jobs:
-            request = queue.popleft()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            start = time.monotonic()
+            running.append(_Launch(queue.popleft(), reply))
+            print(json.dumps({"id": running[-1].request.get("id"), "pids": list(running[-1].pids)}), file=reply,
+                  flush=True)
+        for launch in list(running):
+            if launch.poll():
+                answer(launch.request, launch.rc(), launch.start, launch.timed_out)
+                running.remove(launch)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a multi-process test's rendezvous: two such tests may run at once (one per
+    pytest-xdist worker), so none may rely on torch.distributed's default 29500."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_file(stream: str, rank: int) -> str:
+    """Where a child's stdout/stderr goes: stdout.txt for rank 0 (or a single process), stdout.rank1.txt, ..."""
+    return f"{stream}.txt" if rank == 0 else f"{stream}.rank{rank}.txt"
+
+
+class _Launch:
+    """One request's processes (one, or `world` ranks forked together): as torchrun, when a rank fails the others
+    are killed, and the launch's status is the first failure's."""
+
+    def __init__(self, request: dict[str, Any], reply: Any):
+        self.request, self.start, self.timed_out = request, time.monotonic(), False
+        self.codes: dict[int, int] = {}                       # rank -> exit status
+        self.pids: dict[int, int] = {}                        # pid -> rank, while running
+        self.failed: Optional[int] = None                     # the first rank seen failing
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for rank in range(int(request.get("world", 1))):
             pid = os.fork()
             if pid == 0:
                 reply.close()
-                _child(request)
-            running[pid] = request, start
-        for pid, (request, start) in list(running.items()):
+                _child(request, rank)
+            self.pids[pid] = rank
+
+    def poll(self) -> bool:
+        """Reap what has exited; kill the rest after a failure or past the timeout. True when all are done."""
+        for pid, rank in list(self.pids.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                answer(request, os.waitstatus_to_exitcode(status), start, False)
-            elif time.monotonic() - start > float(request.get("timeout", HANG_SECS)):
-                answer(request, _kill(pid), start, True)
-            else:
-                continue
-            del running[pid]
+                self.codes[rank] = os.waitstatus_to_exitcode(status)
+                del self.pids[pid]
+                if self.codes[rank] != 0 and self.failed is None:
+                    self.failed = rank
+        if self.pids and time.monotonic() - self.start > float(self.request.get("timeout", HANG_SECS)):
+            self.timed_out = True
+        if self.pids and (self.timed_out or self.failed is not None):
+            for pid, rank in list(self.pids.items()):
+                code = _kill(pid)
+                self.codes.setdefault(rank, code)
+                del self.pids[pid]
+        return not self.pids
+
+    def rc(self) -> int:
+        if self.timed_out and self.failed is None:
+            return next((c for c in self.codes.values() if c != 0), -signal.SIGKILL)
+        return self.codes[self.failed] if self.failed is not None else 0
 
 
 # ----------------------------------------------------------------------------- what a refused launch leaves
@@ -233,6 +292,39 @@ def refusal_report(harness: dict[str, float], real: dict[str, float]) -> str:
 
 # ----------------------------------------------------------------------------- the client (the test process)
 
+class Forked:
+    """A program the server forked, as a test drives a subprocess.Popen: the child is a real process (its own
+    process group) that signals reach directly; its output is read from its files once it has exited."""
+
+    def __init__(self, result: Future, pid: int):
+        self._result, self.pid, self.returncode = result, pid, None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and self._result.done():
+            self.returncode = self._result.result()["rc"]
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self.communicate(timeout)
+        return self.returncode
+
+    def communicate(self, timeout: Optional[float] = None) -> tuple[str, str]:
+        """(stdout, stderr) once it has exited; subprocess.TimeoutExpired if it is still running after timeout."""
+        try:
+            result = self._result.result(timeout=timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout) from None
+        self.returncode = result["rc"]
+        return result["stdout"], result["stderr"]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 class Harness:
     """The server as a subprocess. submit() queues one program invocation (a Future of its result); up to `jobs`
     run at once. `on_done(result)` runs (in the reader thread) as each finishes, before its Future is set."""
@@ -252,16 +344,19 @@ class Harness:
         self._reader.start()
 
     def submit(self, program: str, args: list[str], out: Path, env: Optional[dict[str, str]] = None,
-               timeout: float = HANG_SECS, on_done: Any = None) -> Future:
-        """`python <program> <args>` from the repo root: a Future of {rc, secs, timed_out, stdout, stderr}."""
+               timeout: float = HANG_SECS, on_done: Any = None, world: int = 1) -> Future:
+        """`python <program> <args>` from the repo root: a Future of {rc, secs, timed_out, stdout, stderr}. With
+        world > 1, that many ranks with torchrun's environment (RANK, WORLD_SIZE, MASTER_PORT, ...); stdout and
+        stderr are then rank 0's followed by each other rank's."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         future: Future = Future()
+        future.started = Future()                       # set to the processes' pids once they are forked
         with self._lock:
             self._next += 1
-            self._pending[self._next] = future, out, on_done
+            self._pending[self._next] = future, out, on_done, world
             request = {"id": self._next, "program": program, "args": [str(a) for a in args], "out": str(out),
-                       "env": env or {}, "timeout": timeout}
+                       "env": env or {}, "timeout": timeout, "world": world, "master_port": free_port()}
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
         return future
@@ -269,14 +364,24 @@ class Harness:
     def run(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.submit(*args, **kwargs).result()
 
+    def popen(self, program: str, args: list[str], out: Path, env: Optional[dict[str, str]] = None) -> "Forked":
+        """`python <program> <args>` started now, as a handle with subprocess.Popen's pid, poll, send_signal, kill
+        and communicate (a test's faults: signals, kill -9, a second run beside the first)."""
+        future = self.submit(program, args, out, env)
+        return Forked(future, future.started.result(timeout=HANG_SECS)[0])
+
     def _read(self) -> None:
         for line in self.proc.stdout:
             result = json.loads(line)
             with self._lock:
-                future, out, on_done = self._pending.pop(result.pop("id"))
+                if "pids" in result:
+                    self._pending[result["id"]][0].started.set_result(result["pids"])
+                    continue
+                future, out, on_done, world = self._pending.pop(result.pop("id"))
             try:
-                result["stdout"] = (out / "stdout.txt").read_text(errors="replace")
-                result["stderr"] = (out / "stderr.txt").read_text(errors="replace")
+                for stream in ("stdout", "stderr"):
+                    result[stream] = "".join((out / rank_file(stream, r)).read_text(errors="replace")
+                                             for r in range(world))
                 if on_done is not None:
                     on_done(result)
                 future.set_result(result)
@@ -284,7 +389,7 @@ class Harness:
                 future.set_exception(err)
         with self._lock:
             left, self._pending = list(self._pending.values()), {}
-        for future, _, _ in left:
+        for future, *_ in left:
             future.set_exception(RuntimeError(f"bad-input harness died (exit status {self.proc.poll()})"))
 
     def close(self) -> None:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import os
-import socket
+import shutil
+import tempfile
 from pathlib import Path
 
 # Under pytest-xdist, one intra-op thread per worker (see pytest_configure), set before torch and numpy load:
@@ -15,7 +16,7 @@ import torch
 from transformers import Dinov2Config, Dinov2Model
 from xdist.scheduler import LoadGroupScheduling
 
-from bad_input_harness import refusal_report
+from bad_input_harness import Forked, Harness, free_port, refusal_report  # noqa: F401 - free_port: for the tests
 from bad_input_table import make_world
 from tread.encoders.dinov2 import DINO_SIZE
 from tread.schema import compose
@@ -29,12 +30,46 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 TINY = ["debug=tiny"]
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 for a multi-process test's rendezvous: two such tests may run at once (one per
-    pytest-xdist worker), so none may rely on torch.distributed's default 29500."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_SERVER: list[Harness] = []     # the programs' fork server, started by the first launch of a session
+_LOGS: list[Path] = []          # where the launches' stdout/stderr files go (removed as the session ends)
+
+
+def program_server() -> Harness:
+    """One fork server a session (tests/bad_input_harness.py) that has imported the entry points once, so a launch
+    does not pay the imports (about 3-4 s of CPU a process, 10 s a 2-process torchrun). Its children are real
+    processes with one intra-op thread (the server's OMP_NUM_THREADS: OpenMP reads it once, as torch loads)."""
+    if not _SERVER:
+        _SERVER.append(Harness(env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, jobs=16))
+        _LOGS.append(Path(tempfile.mkdtemp(prefix="tread-test-launches-")))
+    return _SERVER[0]
+
+
+def _log_dir() -> Path:
+    program_server()
+    return Path(tempfile.mkdtemp(dir=_LOGS[0]))
+
+
+def start_program(program: str, args: list[str]) -> Forked:
+    """`python <program> <args>` (a path from the repo root) in this test's environment, started now: a handle
+    with subprocess.Popen's pid, poll, send_signal, kill and communicate, for tests that signal or kill it."""
+    return program_server().popen(program, [str(a) for a in args], _log_dir(), env=dict(os.environ))
+
+
+def launch_ranks(program: str, args: list[str], world: int = 2) -> dict:
+    """`torchrun --nproc_per_node <world> <program> <args>` on the CPU (gloo), as far as the program can tell: each
+    rank is a forked real process with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) and, as
+    under torchrun, a failed rank ends the others. The real launchers are proved in tests/test_train.py
+    (accelerate launch --multi_gpu, which runs torchrun), tests/test_train_buckets.py and tests/test_fid.py.
+    {rc, stdout, stderr, secs, timed_out}: the ranks' output in rank order."""
+    return program_server().run(program, [str(a) for a in args], _log_dir(), env=dict(os.environ), timeout=1200,
+                                world=world)
+
+
+def pytest_sessionfinish(session):
+    for harness in _SERVER:
+        harness.close()
+    for logs in _LOGS:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def compose_cfg(config_name: str = "train", overrides: list[str] | None = None):

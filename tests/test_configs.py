@@ -130,3 +130,45 @@ def test_compose_cache_hands_out_copies_and_follows_edits(tmp_path, monkeypatch)
     tiny = tmp_path / "configs" / "debug" / "tiny.yaml"
     tiny.write_text(tiny.read_text().replace("max_steps: 4", "max_steps: 7"))
     assert composing.compose(["debug=tiny"]).train.max_steps == 7
+
+
+SPLIT_CASES = [   # (config name, overrides): every kind of override, alone and mixed with group choices
+    ("train", ["debug=tiny", "train.max_steps=7", "train.seed=3", "train.max_steps=9"]),
+    ("train", ["model=flux", "debug=tiny", "routing=paper", "optimizer.lr=0.001", "data.resolution=16"]),
+    ("train", ["routing.routes=[{selection_ratio: 0.25, start_layer_idx: 1, end_layer_idx: 3}]", "routing=balanced"]),
+    ("train", ["+foo.bar=1", "++train.seed=5", "++new.key=x", "~eval.num_steps", "debug=tiny"]),
+    ("train", ["train.log_with=[tb,jsonl]", "paths.output_dir='/a b/c'", "data.path=null", "train.seed=${train.max_steps}"]),
+    ("train", ["eval=toy", "eval.every_steps=0", "data.resolution=8"]),
+    ("train", ["hydra.run.dir=/tmp/x", "train.seed=1", "model=tread"]),
+    ("sample", ["checkpoint=x", "num_steps=4"]),
+    ("fid", ["mode=calc", "+extra=1"]),
+    # refusals: each must be the very error Hydra gives
+    ("train", ["debug=tiny", "model.no_such_key=2"]),
+    ("train", ["+train.seed=2"]),
+    ("train", ["~train.no_such_key"]),
+    ("train", ["model=no_such_model", "train.seed=1"]),
+    ("train", ["train.seed=1,2"]),
+    ("train", ["train.seed"]),
+    ("train", ["train.seed=1", "train.=2"]),
+]
+
+
+@pytest.mark.parametrize("name,overrides", SPLIT_CASES)
+def test_value_overrides_applied_to_a_kept_composition_equal_hydra(name, overrides):
+    """compose() composes the group choices through Hydra once and applies value overrides to a copy
+    (tread/schema/compose.py): the config, or the refusal, is exactly what one Hydra composition gives."""
+    import importlib
+
+    composing = importlib.import_module("tread.schema.compose")
+
+    def outcome(fn):
+        try:
+            return OmegaConf.to_yaml(fn())
+        except composing.COMPOSE_ERRORS as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    direct = outcome(lambda: composing._compose(list(overrides), name, False))
+    assert outcome(lambda: composing.compose(overrides, name)) == direct
+    assert outcome(lambda: composing.compose(overrides, name)) == direct     # again, from the kept part
+    if direct.startswith("ConfigCompositionException: Could not override"):
+        assert composing.split_overrides(overrides)[1], "a value refusal must come from the split's second part"

@@ -5,18 +5,17 @@ mid-training waits for the run to be there (a held step), never for a time: the 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TINY
+from conftest import TINY, start_program
+from bad_input_harness import Forked
 from hang_guard import communicate
 from tread.runtime.preempt import EXIT_PREEMPTED
 from tread.training.run_log import read_metrics
@@ -29,14 +28,13 @@ COMMON = [*TINY, "eval.every_steps=0", "eval.at_end=false", "checkpoint.every_st
           f"train.max_steps={STEPS}", "train.lr_warmup_steps=3"]
 
 
-def launch(fault: str, run: Path, cache: Path, *extra: str) -> subprocess.Popen:
-    args = [sys.executable, str(REPO / "tests" / "fault_train.py"), fault, *COMMON, f"paths.cache_dir={cache}",
-            f"hydra.run.dir={run}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def launch(fault: str, run: Path, cache: Path, *extra: str) -> Forked:
+    """tests/fault_train.py, a real process (forked from the session's program server, conftest.start_program)."""
+    return start_program("tests/fault_train.py", [fault, *COMMON, f"paths.cache_dir={cache}", f"hydra.run.dir={run}",
+                                                  *extra])
 
 
-def finish(proc: subprocess.Popen) -> tuple[int, str]:
+def finish(proc: Forked) -> tuple[int, str]:
     return communicate(proc, HANG_SEC, "a launch")
 
 
@@ -83,7 +81,7 @@ def test_kill_9_then_resume_is_exact(fault, reference, tmp_path):
     assert_same_as_reference(run, ref)
 
 
-def wait_for(condition, proc: subprocess.Popen) -> None:
+def wait_for(condition, proc: Forked) -> None:
     """Poll until `condition()`; fails if `proc` ended first or nothing happened for HANG_SEC (a hang)."""
     end = time.monotonic() + HANG_SEC
     while not condition():

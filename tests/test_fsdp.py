@@ -3,15 +3,12 @@ DDP, with checkpoints a single-process run resumes from."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY, free_port
+from conftest import TINY, launch_ranks
 from tread.schema import ConfigError, check_train
 from tread.training.fsdp import check_parallel
 from tread.training.loop import train
@@ -28,13 +25,10 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def torchrun(cache_dir: Path, run: Path, *overrides: str) -> None:
-    """train.py on 2 CPU processes (torchrun; a process group of several makes accelerate use gloo)."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([*launcher, "train.py", *TINY, f"paths.cache_dir={cache_dir}", f"hydra.run.dir={run}",
-                           *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    """train.py on 2 CPU processes with torchrun's environment (conftest.launch_ranks; a process group of several
+    makes accelerate use gloo)."""
+    done = launch_ranks("train.py", [*TINY, f"paths.cache_dir={cache_dir}", f"hydra.run.dir={run}", *overrides])
+    assert done["rc"] == 0 and not done["timed_out"], done["stderr"][-4000:]
 
 
 def max_diff(a: Path, b: Path, name: str) -> float:

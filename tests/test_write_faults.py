@@ -12,23 +12,22 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY
+from bad_input_harness import Forked
+from conftest import TINY, start_program
 from test_faults import finish, wait_for   # a launch's end, and a condition mid-run: hang guards only
 from tread.runtime.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from tread.utils.errors import UserError
 from tread.utils.io import WriteError, append_whole, atomic_write, atomic_write_text, create_new, unwritable_dir
 
 
-def launch(faults: str, run: Path, cache: Path, *extra: str) -> subprocess.Popen:
-    args = [sys.executable, str(REPO / "tests" / "write_fault_train.py"), faults, *TINY, f"paths.cache_dir={cache}",
-            f"hydra.run.dir={run}", *extra]
-    return subprocess.Popen(args, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def launch(faults: str, run: Path, cache: Path, *extra: str) -> Forked:
+    """tests/write_fault_train.py, a real process (forked from the session's program server)."""
+    return start_program("tests/write_fault_train.py", [faults, *TINY, f"paths.cache_dir={cache}",
+                                                        f"hydra.run.dir={run}", *extra])
 
 
 def files(run: Path, launch_records: bool = False) -> dict[str, bytes]:
