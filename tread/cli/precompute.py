@@ -67,8 +67,9 @@ def _io_args(p: argparse.ArgumentParser) -> None:
                                                            "embeddings (image_embeds.npy) by the image-to-video "
                                                            "pipeline's image_encoder/ and feature_extractor/ in DIR "
                                                            "(HunyuanVideo 1.5 I2V: SigLIP)")
-    io.add_argument("--vae-class", metavar="NAME", help="--videos: the video VAE's diffusers class when its folder's "
-                                                        "config.json does not say (e.g. AutoencoderKLWan)")
+    io.add_argument("--vae-class", metavar="NAME", help="the VAE's diffusers class when its config.json does not say "
+                                                        "(e.g. AutoencoderKLFlux2; clips: AutoencoderKLWan); default: "
+                                                        "its config.json's, else AutoencoderKL")
     io.add_argument("--images", metavar="DIR", help="image folder: one sub-folder per class, or flat with --labels "
                                                     "(required)")
     io.add_argument("--labels", metavar="FILE", help="labels of a flat image folder: CSV/TSV 'file name,label' "
@@ -105,8 +106,9 @@ def _encoding_args(p: argparse.ArgumentParser) -> None:
     enc.add_argument("--vae-subfolder", metavar="NAME", help="folder of the VAE inside the model (e.g. 'vae' for a "
                                                              "full pipeline repo)")
     enc.add_argument("--kind", help="moments: store posterior (mean, logvar), training draws a latent each step "
-                                     "(default for images, as the paper); sample: store one draw per image; clips "
-                                     "store the posterior mean (mean, their only kind)")
+                                     "(AutoencoderKL's default, as the paper); sample: store one draw per image; "
+                                     "mean: the posterior mean (the other image VAEs' default, normalised as their "
+                                     "pipelines do; clips: the only kind)")
     enc.add_argument("--flip", action="store_true", help="also store a horizontally flipped copy of every image")
     enc.add_argument("--seed", type=int, default=0, help="seed of the per-image draws of --kind sample and of the "
                                                          "--max-images subset (default 0)")

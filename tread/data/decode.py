@@ -10,8 +10,9 @@ from typing import Any, Mapping, Optional
 import torch
 
 from tread.encoders.errors import EncoderError
-from tread.encoders.vae import (VIDEO_VAE_CLASSES, decode_raw_to_uint8, decode_video, latent_channels, load_vae,
-                                vae_dtype as check_dtype)
+from tread.encoders.image_vaes import decode_model_space
+from tread.encoders.vae import (MODEL_SPACE_IMAGE_VAES, VIDEO_VAE_CLASSES, decode_raw_to_uint8, decode_video,
+                                latent_channels, load_vae, pixels_to_uint8, vae_dtype as check_dtype)
 
 from .meta import DECODE_TYPES, LatentDatasetError, latent_kind, model_shape, shift_factor
 
@@ -63,14 +64,19 @@ def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any], *, vae: Opti
 
     identity: pixels = latents / latent_scale. vae: latents / latent_scale + shift_factor decoded by decode.vae (or
     the local directory `vae`) in `vae_dtype`, `batch_size` at a time; rule="paper" (eval.decode_rule) decodes
-    image VAE data as the paper code does (paper_decode_to_uint8, in bfloat16). Video VAE data decodes latents / latent_scale as
-    model space with decode_video. The VAE is loaded once per process.
+    AutoencoderKL data as the paper code does (paper_decode_to_uint8, in bfloat16). Video VAE data and model-space
+    image VAE data (decode.class one of MODEL_SPACE_IMAGE_VAES) decode latents / latent_scale as model space with
+    decode_video / decode_model_space; check_decodable refuses rule="paper" for them. The VAE is loaded once per process.
     """
     decode = meta.get("decode") or {"type": "identity"}
     if decode.get("type") == "vae" and decode.get("class") in VIDEO_VAE_CLASSES:
         model = _load_decoder(meta, vae, vae_dtype, latents.device)
         return decode_video(model, latents.float() / float(meta.get("latent_scale", 1.0)), decode,
                             batch_size=batch_size)
+    if decode.get("type") == "vae" and decode.get("class") in MODEL_SPACE_IMAGE_VAES:
+        model = _load_decoder(meta, vae, vae_dtype, latents.device)
+        return decode_model_space(model, latents.float() / float(meta.get("latent_scale", 1.0)), decode,
+                                  batch_size=batch_size)
     if decode.get("type") == "vae":
         model = _load_decoder(meta, vae, "bfloat16" if rule == "paper" else vae_dtype, latents.device)
         raw = latents.float() / float(meta.get("latent_scale", 1.0)) + shift_factor(meta)
@@ -83,9 +89,7 @@ def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any], *, vae: Opti
         raise LatentDatasetError(f"identity decoding needs (B, C, H, W) or (B, C, T, H, W) latents with C = 1 or 3 "
                                  f"(pixels), got shape {list(latents.shape)}; data with other channel counts needs a "
                                  f"decoder (meta decode.type='vae')")
-    x = latents.float() / float(meta.get("latent_scale", 1.0))
-    channels_last = (0, 2, 3, 1) if x.ndim == 4 else (0, 2, 3, 4, 1)
-    images = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(*channels_last)  # [-1, 1] -> [0, 255]
+    images = pixels_to_uint8(latents.float() / float(meta.get("latent_scale", 1.0)))  # [-1, 1] -> [0, 255]
     return images.expand(*images.shape[:-1], 3).contiguous() if images.shape[-1] == 1 else images.contiguous()
 
 
@@ -100,6 +104,9 @@ def check_decodable(meta: Mapping[str, Any], *, vae: Optional[str] = None, vae_d
         return
     if rule not in DECODE_RULES:
         raise LatentDatasetError(f"decode_rule={rule!r} is unknown; allowed: {list(DECODE_RULES)}")
+    if rule == "paper" and (decode.get("class") or "AutoencoderKL") != "AutoencoderKL":
+        raise LatentDatasetError(f"decode_rule='paper' is the paper code's decode of AutoencoderKL latents, but this "
+                                 f"data's VAE is {decode.get('class')} (meta decode.class); use decode_rule=ours")
     check_dtype(vae_dtype)
     if batch_size < 1:
         raise LatentDatasetError(f"VAE decode batch size is {batch_size}; it must be >= 1")

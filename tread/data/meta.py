@@ -98,6 +98,9 @@ DECODE_VAE_KEYS = (
      "null or a list of finite numbers (per-channel latent mean)"),
     ("latents_std", lambda v: v is None or (isinstance(v, list) and all(_number(x) and x > 0 for x in v)),
      "null or a list of finite numbers > 0 (per-channel latent std)"),
+    # model-space image VAEs (tread/encoders/image_vaes.py image_vae_info; docs/data.md "Other image VAEs")
+    ("patch_size", lambda v: v is None or _pos_int(v),
+     "null or a positive integer (latents_mean / latents_std are per channel of the p x p patchified latents)"),
     ("temporal_factor", lambda v: _pos_int(v), "a positive integer (pixel frames per latent frame)"),
     ("spatial_factor", lambda v: _pos_int(v), "a positive integer (pixels per latent along each side)"),
 )

@@ -25,7 +25,11 @@ VAE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": t
 ENCODE_KINDS = ("moments", "sample", "mean")
 # diffusers classes of video VAEs (clips (B, 3, F, H, W) <-> latents (B, C, T, h, w)); load_vae's `cls`
 VIDEO_VAE_CLASSES = ("AutoencoderKLWan", "AutoencoderKLLTXVideo", "AutoencoderKLHunyuanVideo15")
-VAE_CLASSES = ("AutoencoderKL",) + VIDEO_VAE_CLASSES
+# image VAEs whose pipelines feed the transformer normalised latents (tread/encoders/image_vaes.py): FLUX.2's (FLUX.2,
+# ERNIE-Image, FLUX.3), Qwen-Image's (Qwen-Image, Krea 2), Qwen-Image 2.1's and Sana's deep-compression autoencoder
+MODEL_SPACE_IMAGE_VAES = ("AutoencoderKLFlux2", "AutoencoderKLQwenImage", "AutoencoderKLQwenImage21", "AutoencoderDC")
+IMAGE_VAE_CLASSES = ("AutoencoderKL",) + MODEL_SPACE_IMAGE_VAES
+VAE_CLASSES = IMAGE_VAE_CLASSES + VIDEO_VAE_CLASSES
 HUB_PROBE_TIMEOUT_S = 3.0
 
 _CACHE: dict[tuple[str, Optional[str], str, str, str], Any] = {}
@@ -45,15 +49,15 @@ def vae_dtype(name: str) -> torch.dtype:
     return VAE_DTYPES[name]
 
 
-def how_to_provide(name: str, subfolder: Optional[str] = None) -> str:
-    """The steps that make VAE `name` loadable on an offline machine."""
+def how_to_provide(name: str, subfolder: Optional[str] = None, cls: str = "AutoencoderKL") -> str:
+    """The steps that make VAE `name` (of diffusers class `cls`) loadable on an offline machine."""
     hub_id = name if _looks_like_hub_id(name) else DEFAULT_VAE
     sub = f" --include '{subfolder}/*'" if subfolder else ""
     local = f"/path/{hub_id.split('/')[-1]}"
     sub_py = f", subfolder='{subfolder}'" if subfolder else ""
     return (f"To provide it: on a machine with network run `hf download {hub_id}{sub} --local-dir {local}` "
             f"(older huggingface_hub: `huggingface-cli download ...` with the same arguments), or `python -c "
-            f"\"from diffusers import AutoencoderKL; AutoencoderKL.from_pretrained('{hub_id}'{sub_py})"
+            f"\"from diffusers import {cls}; {cls}.from_pretrained('{hub_id}'{sub_py})"
             f".save_pretrained('{local}')\"`; copy that directory here and pass it with vae={local} (sample.py, "
             f"fid.py), eval.vae={local} (training) or --vae {local} (scripts/precompute_latents.py). "
             f"Alternatively put the model into this machine's Hugging Face cache (HF_HOME).")
@@ -102,9 +106,9 @@ def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
         return False
 
 
-def _fail(name: str, subfolder: Optional[str], reason: str) -> EncoderError:
+def _fail(name: str, subfolder: Optional[str], reason: str, cls: str = "AutoencoderKL") -> EncoderError:
     where = f"'{name}'" + (f" (subfolder '{subfolder}')" if subfolder else "")
-    return EncoderError(f"cannot load the VAE {where}: {reason}. {how_to_provide(name, subfolder)}")
+    return EncoderError(f"cannot load the VAE {where}: {reason}. {how_to_provide(name, subfolder, cls)}")
 
 
 def _from_disk_or_hub(name: str, subfolder: Optional[str], cls: str = "AutoencoderKL"):
@@ -126,20 +130,20 @@ def _from_disk_or_hub_(name: str, subfolder: Optional[str], cls: str):
             return AutoencoderKL.from_pretrained(str(local), **kwargs)
         except Exception as err:  # noqa: BLE001 - any failure to read the directory is reported the same way
             raise _fail(name, subfolder, f"the directory '{local}' is not a loadable {cls} "
-                                         f"({type(err).__name__}: {str(err).strip()[:300]})") from None
+                                         f"({type(err).__name__}: {str(err).strip()[:300]})", cls) from None
     try:
         return AutoencoderKL.from_pretrained(name, local_files_only=True, **kwargs)
     except (OSError, ValueError):
         pass  # not in the local cache
     if _hub_offline():
-        raise _fail(name, subfolder, "it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
+        raise _fail(name, subfolder, "it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set", cls)
     if not _hub_reachable():
         raise _fail(name, subfolder, "it is not in the local Hugging Face cache and the hub cannot be reached "
-                                     "(no network)")
+                                     "(no network)", cls)
     try:
         return AutoencoderKL.from_pretrained(name, **kwargs)
     except Exception as err:  # noqa: BLE001
-        raise _fail(name, subfolder, f"download failed ({type(err).__name__}: {str(err).strip()[:300]})") from None
+        raise _fail(name, subfolder, f"download failed ({type(err).__name__}: {str(err).strip()[:300]})", cls) from None
 
 
 def load_vae(name_or_path: str, *, subfolder: Optional[str] = None, device: DeviceLike = "cpu",
@@ -175,7 +179,7 @@ def downsample_factor(vae) -> int:
     return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
-def _vae_device_dtype(vae) -> tuple[torch.device, torch.dtype]:
+def vae_device_dtype(vae) -> tuple[torch.device, torch.dtype]:
     p = next(vae.parameters())
     return p.device, p.dtype
 
@@ -203,7 +207,7 @@ def encode(vae, images: Union[torch.Tensor, np.ndarray], *, kind: str = "moments
     """
     if kind not in ENCODE_KINDS:
         raise ValueError(f"encode kind={kind!r}; allowed: {list(ENCODE_KINDS)}")
-    device, dtype = _vae_device_dtype(vae)
+    device, dtype = vae_device_dtype(vae)
     x = images_to_vae_input(images).to(device=device, dtype=dtype)
     dist = vae.encode(x).latent_dist
     mean, logvar = dist.mean.float(), dist.logvar.float()
@@ -215,20 +219,29 @@ def encode(vae, images: Union[torch.Tensor, np.ndarray], *, kind: str = "moments
     return mean + torch.exp(0.5 * logvar) * eps
 
 
+def pixels_to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """Pixels in [-1, 1], channels on dim 1 ((B, C, H, W) or (B, C, F, H, W)) -> uint8, channels last."""
+    return ((x.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, *range(2, x.ndim), 1)
+
+
 @torch.no_grad()
-def decode_raw_to_uint8(vae, raw: torch.Tensor, batch_size: int = 32) -> torch.Tensor:
-    """Raw latents (B, C, h, w) -> uint8 (B, H, W, 3) on raw's device, decoded `batch_size` at a time."""
+def decode_in_batches(vae, raw: torch.Tensor, batch_size: int, decode) -> torch.Tensor:
+    """Raw latents -> uint8 pixels, channels last, on raw's device: `decode(z)` (pixels in [-1, 1]) on the VAE's
+    device and dtype, `batch_size` latents at a time."""
     if batch_size < 1:
         raise ValueError(f"decode batch_size must be >= 1, got {batch_size}")
-    device, dtype = _vae_device_dtype(vae)
+    device, dtype = vae_device_dtype(vae)
+    out = [pixels_to_uint8(decode(raw[start:start + batch_size].to(device=device, dtype=dtype))).to(raw.device)
+           for start in range(0, len(raw), batch_size)]
+    return torch.cat(out).contiguous()
+
+
+def decode_raw_to_uint8(vae, raw: torch.Tensor, batch_size: int = 32) -> torch.Tensor:
+    """Raw latents (B, C, h, w) -> uint8 (B, H, W, 3) on raw's device, decoded `batch_size` at a time."""
     if raw.ndim != 4 or raw.shape[1] != vae.config.latent_channels:
         raise EncoderError(f"the VAE takes (B, {vae.config.latent_channels}, h, w) latents, got shape "
                                  f"{list(raw.shape)}: the data and the VAE do not match")
-    out = []
-    for start in range(0, len(raw), batch_size):
-        x = vae.decode(raw[start:start + batch_size].to(device=device, dtype=dtype)).sample.float()
-        out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).to(raw.device))
-    return torch.cat(out).contiguous()
+    return decode_in_batches(vae, raw, batch_size, lambda z: vae.decode(z).sample)
 
 
 # ----------------------------------------------------------------------------- video VAEs
@@ -283,31 +296,49 @@ def video_vae_info(vae) -> dict:
 
 
 def _normalisation(info: dict, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(shift + mean, std) as (1, C, 1, ...) tensors like `like` (channels on dim 1), and the scaling factor."""
-    c = like.shape[1]
-    view = (1, c) + (1,) * (like.ndim - 2)
+    """(shift + mean, std) shaped to broadcast over `like` (channels on dim 1; with decode.patch_size p > 1, over
+    `like` viewed as (B, C, h / p, p, w / p, p), see _patched), and the scaling factor."""
+    c, p = like.shape[1], int(info.get("patch_size") or 1)
+    # p > 1: one statistic per channel of the p x p space-to-depth latents, channel c * p * p + i * p + j for the
+    # pixel (i, j) of each p x p cell (FLUX.2's _patchify_latents order)
+    count, view = (c * p * p, (1, c, 1, p, 1, p)) if p > 1 else (c, (1, c) + (1,) * (like.ndim - 2))
 
     def per_channel(key: str, neutral: float) -> torch.Tensor:
         values = info.get(key)
-        t = torch.full((c,), neutral) if values is None else torch.as_tensor(values, dtype=torch.float32)
-        if t.numel() != c:
-            raise EncoderError(f"decode.{key} has {t.numel()} values but the latents have {c} channels")
+        t = torch.full((count,), neutral) if values is None else torch.as_tensor(values, dtype=torch.float32)
+        if t.numel() != count:
+            raise EncoderError(f"decode.{key} has {t.numel()} values but the latents have {c} channels"
+                               + (f" ({count} after the {p} x {p} patchify of decode.patch_size)" if p > 1 else ""))
         return t.view(view).to(like.device, torch.float32)
 
     offset = per_channel("latents_mean", 0.0) + float(info.get("shift_factor") or 0.0)
     return offset, per_channel("latents_std", 1.0), float(info.get("scaling_factor") or 1.0)
 
 
+def _patched(x: torch.Tensor, info: dict) -> torch.Tensor:
+    """x (B, C, h, w) viewed as (B, C, h / p, p, w / p, p) for decode.patch_size p > 1; x itself otherwise."""
+    p = int(info.get("patch_size") or 1)
+    if p == 1:
+        return x
+    if x.ndim != 4 or x.shape[2] % p or x.shape[3] % p:
+        raise EncoderError(f"latents of shape {list(x.shape)} do not patchify by decode.patch_size {p}: (B, C, h, w) "
+                           f"with h and w multiples of {p} expected")
+    b, c, h, w = x.shape
+    return x.reshape(b, c, h // p, p, w // p, p)
+
+
 def to_model_space(raw: torch.Tensor, info: dict) -> torch.Tensor:
-    """Raw video latents (B, C, ...) -> model space (float32), per `info` (video_vae_info / meta "decode")."""
+    """Raw latents (B, C, ...) -> model space (float32), per `info` (video_vae_info, image_vae_info, meta "decode")."""
+    patched = _patched(raw.float(), info)
     offset, std, scale = _normalisation(info, raw)
-    return (raw.float() - offset) * scale / std
+    return ((patched - offset) * scale / std).reshape(raw.shape)
 
 
 def from_model_space(latents: torch.Tensor, info: dict) -> torch.Tensor:
     """Model-space latents (B, C, ...) -> raw latents the VAE decodes (float32); the inverse of to_model_space."""
+    patched = _patched(latents.float(), info)
     offset, std, scale = _normalisation(info, latents)
-    return latents.float() * std / scale + offset
+    return (patched * std / scale + offset).reshape(latents.shape)
 
 
 def _check_clips(vae, clips: torch.Tensor) -> tuple[int, int]:
@@ -329,7 +360,7 @@ def encode_video(vae, clips: torch.Tensor, kind: str = "mean",
     if kind not in ("mean", "sample"):
         raise ValueError(f"encode_video kind={kind!r}; allowed: ['mean', 'sample']")
     _check_clips(vae, clips)
-    device, dtype = _vae_device_dtype(vae)
+    device, dtype = vae_device_dtype(vae)
     step = _clips_per_call(vae, len(clips))
     dists = [vae.encode(clips[i:i + step].to(device=device, dtype=dtype)).latent_dist for i in range(0, len(clips), step)]
     mean = torch.cat([d.mean.float() for d in dists])
@@ -345,23 +376,19 @@ def _clips_per_call(vae, wanted: int) -> int:
     return 1 if type(vae).__name__ == "AutoencoderKLHunyuanVideo15" else max(1, wanted)
 
 
-@torch.no_grad()
 def decode_video(vae, latents: torch.Tensor, info: dict, batch_size: int = 1) -> torch.Tensor:
     """Model-space latents (B, C, T, h, w) -> uint8 clips (B, 1 + (T - 1) * temporal_factor, H, W, 3), `batch_size`
     clips at a time; timestep-conditioned LTX VAEs decode at timestep 0, as LTXPipeline."""
-    if batch_size < 1:
-        raise ValueError(f"decode batch_size must be >= 1, got {batch_size}")
     channels = latent_channels(vae)
     if latents.ndim != 5 or latents.shape[1] != channels:
         raise EncoderError(f"{type(vae).__name__} takes (B, {channels}, T, h, w) latents, got shape "
                            f"{list(latents.shape)}: the data and the VAE do not match")
-    device, dtype = _vae_device_dtype(vae)
-    raw = from_model_space(latents, info)
-    out, batch_size = [], _clips_per_call(vae, batch_size)
-    for start in range(0, len(raw), batch_size):
-        z = raw[start:start + batch_size].to(device=device, dtype=dtype)
-        timestep = {"temb": torch.zeros(len(z), device=device, dtype=dtype)} \
-            if vae.config.get("timestep_conditioning", False) else {}
-        x = vae.decode(z, **timestep).sample.float()
-        out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 4, 1).to(latents.device))
-    return torch.cat(out).contiguous()
+    timestep = vae.config.get("timestep_conditioning", False)
+
+    def decode(z: torch.Tensor) -> torch.Tensor:
+        extra = {"temb": torch.zeros(len(z), device=z.device, dtype=z.dtype)} if timestep else {}
+        return vae.decode(z, **extra).sample
+
+    if batch_size < 1:
+        raise ValueError(f"decode batch_size must be >= 1, got {batch_size}")
+    return decode_in_batches(vae, from_model_space(latents, info), _clips_per_call(vae, batch_size), decode)

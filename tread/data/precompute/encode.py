@@ -18,7 +18,8 @@ import torch
 from tread.encoders.text import default_max_length, encode_prompts
 from tread.encoders.text_families import family_slots
 from tread.encoders.patch import PatchEncoder
-from tread.encoders.vae import encode
+from tread.encoders.image_vaes import encode_model_space, image_posterior, image_vae_info
+from tread.encoders.vae import encode, to_model_space
 from tread.utils.io import atomic_write
 from tread.utils.readers import parse_json, read_image, read_npz
 
@@ -50,7 +51,8 @@ class TextEncoder:
 
 @dataclass
 class Encoder:
-    """Images -> the values --kind stores (the VAE's posterior moments, or one seeded draw); captions: `text`."""
+    """Images -> the values --kind stores (the VAE's posterior moments, or one seeded draw; with `info`, a model-space
+    image VAE's (tread/encoders/image_vaes.py) posterior mean or one draw, normalised); captions: `text`."""
     vae: Any
     kind: str
     seed: int
@@ -59,24 +61,35 @@ class Encoder:
     repa: Optional[PatchEncoder] = None   # --repa-encoder: its features of each image are stored too
     repa_meta: Optional[dict] = None      # their meta "repa_features" but the grid (encoder, digest, dim, ...)
     image: None = None                    # image embeddings of first frames: clips only (VideoEncoder.image)
+    info: Optional[dict] = None           # a model-space image VAE's image_vae_info; None: AutoencoderKL
 
     def __call__(self, images: np.ndarray, sample_indices: np.ndarray) -> np.ndarray:
-        """uint8 (B, H, W, 3) -> stored values: raw (mean, logvar) for moments; raw draw - shift for sample.
+        """uint8 (B, H, W, 3) -> stored values: raw (mean, logvar) for moments; raw draw - shift for sample; model
+        space (mean or draw) with `info`.
 
         Draws use one numpy generator per dataset sample (seeded by [--seed, sample index]), so they do not
         depend on batching, device or the number of processes."""
+        if self.info is not None:
+            mean, std = image_posterior(self.vae, images)
+            draw = mean if self.kind == "mean" else mean + std * self._eps(sample_indices, mean)
+            return to_model_space(draw, self.info).cpu().numpy()
         moments = encode(self.vae, images, kind="moments")
         if self.kind == "moments":
             return moments.cpu().numpy()
         mean, logvar = moments.chunk(2, dim=1)
-        eps = np.stack([np.random.default_rng([self.seed, int(i)]).standard_normal(mean.shape[1:], np.float32)
+        return (mean + torch.exp(0.5 * logvar) * self._eps(sample_indices, mean) - self.shift).cpu().numpy()
+
+    def _eps(self, sample_indices: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        eps = np.stack([np.random.default_rng([self.seed, int(i)]).standard_normal(like.shape[1:], np.float32)
                         for i in sample_indices])
-        eps = torch.from_numpy(eps).to(mean.device)
-        return (mean + torch.exp(0.5 * logvar) * eps - self.shift).cpu().numpy()
+        return torch.from_numpy(eps).to(like.device)
 
     def reference(self, images: np.ndarray) -> np.ndarray:
         """uint8 (B, H, W, 3) reference images -> stored reference latents: the posterior mean - shift, as
-        FluxKontextPipeline encodes its image (sample_mode "argmax"), whatever --kind the targets use."""
+        FluxKontextPipeline encodes its image (sample_mode "argmax"), whatever --kind the targets use; with `info`
+        the posterior mean in model space (Flux2Pipeline's _encode_vae_image)."""
+        if self.info is not None:
+            return encode_model_space(self.vae, images, self.info).cpu().numpy()
         mean, _ = encode(self.vae, images, kind="moments").chunk(2, dim=1)
         return (mean - self.shift).cpu().numpy()
 
@@ -398,17 +411,25 @@ def dataset_meta(plan: Plan, vae) -> dict:
 
 
 def _image_meta(plan: Plan, vae) -> dict:
-    """dataset_meta's VAE and image part."""
-    scale = float(vae.config.scaling_factor)
-    shift = getattr(vae.config, "shift_factor", None)
+    """dataset_meta's VAE and image part: AutoencoderKL data is scaled when drawn (latent_scale, decode shift_factor);
+    a model-space image VAE's data is stored normalised (latent_scale 1, decode its image_vae_info)."""
     s = plan.settings
     size = f"{s['resolution']}px" if "buckets" not in s else f"{len(s['buckets']['sizes'])} bucket sizes"
     source = (f"scripts/precompute_latents.py: {s['num_images']} images from {plan.root}"
               f"{' (+ horizontal flips)' if s['flip'] else ''} at {size}, VAE {s['vae']}")
-    return {"latent_scale": scale, "source": source,
-            "decode": {"type": "vae", "vae": s["vae"], "subfolder": s["vae_subfolder"], "scaling_factor": scale,
-                       "shift_factor": None if shift is None else float(shift)},
-            "extra_meta": {"latent_kind": s["kind"], "image_resolution": None if "buckets" in s else s["resolution"], "flip": s["flip"],
+    where = {"vae": s["vae"], "subfolder": s["vae_subfolder"]}
+    if "vae_class" in s:
+        scale, kind = 1.0, "sample"
+        decode = {**image_vae_info(vae), **where}
+        encoding = {"encoding": f"{'posterior mean' if s['kind'] == 'mean' else 'one posterior draw'}, model space"}
+    else:
+        scale, kind, encoding = float(vae.config.scaling_factor), s["kind"], {}
+        shift = vae.config.get("shift_factor", None)
+        decode = {"type": "vae", **where, "scaling_factor": scale,
+                  "shift_factor": None if shift is None else float(shift)}
+    return {"latent_scale": scale, "source": source, "decode": decode,
+            "extra_meta": {**encoding, "latent_kind": kind,
+                           "image_resolution": None if "buckets" in s else s["resolution"], "flip": s["flip"],
                            "num_source_images": s["num_images"], "encode_vae_dtype": s["vae_dtype"], "seed": s["seed"],
                            "labels_file": None if plan.request.labels is None
                            else str(Path(plan.request.labels).expanduser().absolute()),

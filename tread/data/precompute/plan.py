@@ -25,6 +25,7 @@ from tread.data.video import frame_files
 
 from .captions import read_caption_manifest, read_sidecar, sidecar_of, with_trigger
 from .request import PrecomputeError, PrecomputeRequest, request_buckets
+from .vae_class import image_kind, image_vae_class
 from .video import plan_clips
 
 SETTINGS_FILE = "settings.json"
@@ -110,6 +111,7 @@ def make_plan(req: PrecomputeRequest) -> Plan:
         return make_video_plan(req)
     root = Path(req.images).expanduser().absolute()
     out = Path(req.out).expanduser().absolute()
+    vae_class = image_vae_class(req)
     skipped: list[Path] = []
     paths, labels, class_names = list_image_folder(root, req.labels, skipped)
     num_classes = len(class_names) if class_names is not None else int(labels.max()) + 1
@@ -139,9 +141,11 @@ def make_plan(req: PrecomputeRequest) -> Plan:
     settings = {
         "parts_version": PARTS_VERSION, "images": str(root), "num_images": len(paths),
         "images_sha256": digest.hexdigest(), "resolution": req.resolution, **_vae_settings(req),
-        "kind": req.kind or "moments", "flip": bool(req.flip), "dtype": req.dtype,
+        "kind": image_kind(req, vae_class), "flip": bool(req.flip), "dtype": req.dtype,
         "shard_size": req.shard_size, "seed": req.seed, "max_images": req.max_images,
     }
+    if vae_class != "AutoencoderKL":   # only when used, so AutoencoderKL runs' settings (and resumes) stay as they were
+        settings["vae_class"] = vae_class
     text_paths = _shared_settings(settings, req, buckets, image_bucket, captions)
     if mask_paths is not None:
         settings["loss_masks"] = {"dir": str(Path(req.loss_masks).expanduser().absolute()),

@@ -23,7 +23,7 @@ from tread.data.buckets import (MAX_BUCKETS, MAX_BUDGETS, MAX_FRAMES, MAX_PIXELS
                                 check_stride, derive_buckets, parse_buckets, parse_frame_buckets)
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
-KINDS = ("moments", "sample")
+KINDS = ("moments", "sample", "mean")   # which one a VAE class allows: vae_class.IMAGE_KINDS
 STORE_DTYPES = ("float16", "float32")
 VAE_DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -53,7 +53,7 @@ class PrecomputeRequest:
     frame_buckets: Optional[str] = None           # frame counts 'F1,F2,...': each clip the most it fills
     first_frame: bool = False                     # also store each clip's first frame encoded alone
     image_encoder: Optional[str] = None           # and its image embeddings (an i2v pipeline's image encoder folder)
-    vae_class: Optional[str] = None               # the video VAE's diffusers class (default: its config.json's)
+    vae_class: Optional[str] = None               # the VAE's diffusers class (default: its config.json's)
     labels: Optional[str] = None                  # labels file of a flat folder
     out: Optional[str] = None                     # latent dataset to write (required; must not exist)
     max_images: Optional[int] = None              # a fixed random subset of N images
@@ -64,7 +64,7 @@ class PrecomputeRequest:
     max_aspect: Optional[float] = None            # derived buckets' widest width/height (and height/width; 2)
     vae: str = DEFAULT_VAE                        # VAE hub id or local AutoencoderKL folder
     vae_subfolder: Optional[str] = None           # folder of the VAE inside the model
-    kind: Optional[str] = None                    # moments | sample (None: moments; clips: mean, the only choice)
+    kind: Optional[str] = None                    # moments | sample | mean (None: the VAE class's default)
     flip: bool = False                            # also store a flipped copy of every image
     seed: int = 0                                 # per-image draws (kind sample) and the max_images subset
     dtype: str = "float16"                        # storage dtype
@@ -472,7 +472,7 @@ def check_video_request(req: PrecomputeRequest) -> None:
 def check_image_only_flags(req: PrecomputeRequest) -> None:
     """The video flags without --videos: one error naming them."""
     used = [f for f, v in (("--frames", req.frames), ("--frame-buckets", req.frame_buckets),
-                           ("--first-frame", req.first_frame), ("--vae-class", req.vae_class),
+                           ("--first-frame", req.first_frame),
                            ("--image-encoder", req.image_encoder),
                            ("--frame-stride", req.given("frame_stride"))) if v]
     if used:

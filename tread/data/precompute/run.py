@@ -23,6 +23,7 @@ from accelerate.utils import gather_object
 from tqdm import tqdm
 
 from tread.encoders.text import load_text_encoders
+from tread.encoders.image_vaes import image_vae_info, spatial_factor
 from tread.encoders.vae import downsample_factor, load_vae
 from tread.runtime.lock import RunDirLock, RunDirLocked, read_lock
 from tread.runtime.preempt import handling, stop_exit_status, stop_status
@@ -38,6 +39,7 @@ from .encode import Encoder, TextEncoder, dataset_meta, encode_shard, merge_shar
 from .plan import (Plan, check_parts_settings, make_plan, parts_dir_of, read_shard, skipped_note,
                    unfinished_images, unreadable_images_error, write_parts_settings)
 from .request import PrecomputeError, PrecomputeRequest, bad_value, check_request
+from .vae_class import image_kind, image_vae_class
 from .video import load_video_encoder
 
 
@@ -204,17 +206,20 @@ def load_encoder(plan: Plan, device) -> Encoder:
         encoder = load_video_encoder(plan, device)
         encoder.text = _text_encoder(plan, device)
         return encoder
-    vae = load_vae(req.vae, subfolder=req.vae_subfolder, device=device, dtype=req.vae_dtype)
-    factor = downsample_factor(vae)
-    if plan.buckets is not None and req.bucket_stride % factor:
-        raise bad_value("--bucket-stride", req.bucket_stride, f"a multiple of {factor} (the VAE '{req.vae}' "
-                                                              f"downsamples by {factor}), so every bucket is whole "
-                                                              f"latents")
-    if plan.buckets is None and req.resolution % factor:
-        raise bad_value("--resolution", req.resolution, f"a multiple of {factor} (the VAE '{req.vae}' downsamples by "
-                                                        f"{factor})")
-    shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
-    encoder = Encoder(vae, plan.settings["kind"], req.seed, shift, _text_encoder(plan, device))
+    cls = plan.settings.get("vae_class", "AutoencoderKL")
+    vae = load_vae(req.vae, subfolder=req.vae_subfolder, device=device, dtype=req.vae_dtype, cls=cls)
+    info = None if cls == "AutoencoderKL" else image_vae_info(vae)
+    factor = spatial_factor(vae)
+    multiple = factor * int((info or {}).get("patch_size") or 1)   # FLUX.2's VAE: latents the pipelines patchify
+    why = f"the VAE '{req.vae}' downsamples by {factor}" + (f" and its latents patchify {multiple // factor} x "
+                                                            f"{multiple // factor}" if multiple > factor else "")
+    if plan.buckets is not None and req.bucket_stride % multiple:
+        raise bad_value("--bucket-stride", req.bucket_stride, f"a multiple of {multiple} ({why}), so every bucket "
+                                                              f"is whole latents")
+    if plan.buckets is None and req.resolution % multiple:
+        raise bad_value("--resolution", req.resolution, f"a multiple of {multiple} ({why})")
+    shift = float(vae.config.get("shift_factor", None) or 0.0)
+    encoder = Encoder(vae, plan.settings["kind"], req.seed, shift, _text_encoder(plan, device), info=info)
     if req.repa_encoder is not None:
         encoder.repa, weights = load_repa_encoder(req.repa_encoder, req.repa_encoder_weights, cache_dir=req.cache_dir,
                                                   resolution=req.resolution, device=device)
@@ -290,6 +295,8 @@ def prepare(request: PrecomputeRequest) -> Run:
     folder of other settings; note the files that are not images. Nothing is loaded or encoded yet; close the run
     (`with prepare(request) as run:`) to release the lock."""
     check_request(request)
+    if request.videos is None:    # the VAE class's --kind, from its config.json: before --out is locked
+        image_kind(request, image_vae_class(request))
     state = PartialState()
     device = process_device(state, request.device)
     out = Path(request.out).expanduser().absolute()
@@ -313,7 +320,7 @@ def encode_dataset(run: Run) -> dict:
     with stop_at_shards() as stop:
         vae, encoded, encoder = _encode(run, stop)
     plan, state = run.plan, run.state
-    factor = encoder.info["spatial_factor"] if plan.video else downsample_factor(vae)
+    factor = encoder.info["spatial_factor"] if encoder.info else downsample_factor(vae)
     out = collective(lambda: merge_shards(plan, dataset_meta(plan, vae), factor, vae)
                      if state.is_main_process else None)
     if state.is_main_process:

@@ -4,7 +4,6 @@ clips (probed once, each given its frame count and bucket), reading and cropping
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -15,13 +14,14 @@ from PIL import Image
 
 from tread.encoders.dinov2 import weights_digest
 from tread.encoders.image_embeds import ImageEncoder, load_image_encoder
-from tread.encoders.vae import VIDEO_VAE_CLASSES, encode_video, load_vae, to_model_space, video_vae_info
+from tread.encoders.vae import encode_video, load_vae, to_model_space, video_vae_info
 
 from tread.data.buckets import Bucket, BucketError, assign_bucket, check_frame_counts, fit_crop, frames_for, video_buckets
 from tread.data.images import IMAGE_EXTS, short_list
 from tread.data.video import VIDEO_SUFFIXES, VideoError, clip_tree, frames_needed, probe_clip, read_clip
 
 from .request import PrecomputeError, PrecomputeRequest, bad_value, frame_counts, request_buckets
+from .vae_class import video_vae_class
 
 # ----------------------------------------------------------------------------- the plan
 
@@ -138,27 +138,10 @@ class VideoEncoder:
         return self._encode(clips[:, :1])
 
 
-def vae_class(req: PrecomputeRequest) -> str:
-    """--vae-class, else the `_class_name` of the VAE folder's config.json (local folders only); one error when
-    neither gives a video VAE class."""
-    if req.vae_class is not None:
-        return req.vae_class
-    folder = Path(req.vae).expanduser() / (req.vae_subfolder or "")
-    try:
-        name = json.loads((folder / "config.json").read_text()).get("_class_name")
-    except (OSError, ValueError, AttributeError):
-        name = None
-    if name not in VIDEO_VAE_CLASSES:
-        found = f"its config.json says {name!r}" if name else "it has no readable config.json with _class_name"
-        raise PrecomputeError(f"--vae '{req.vae}' is not a video VAE this can load ({found}); pass --vae-class, one "
-                              f"of {', '.join(VIDEO_VAE_CLASSES)}, or a local VAE folder of such a class")
-    return name
-
-
 def load_video_encoder(plan, device) -> VideoEncoder:
     """The video VAE, checked against the frame counts (temporal factor) and the frame sizes (spatial factor)."""
     req = plan.request
-    vae = load_vae(req.vae, subfolder=req.vae_subfolder, device=device, dtype=req.vae_dtype, cls=vae_class(req))
+    vae = load_vae(req.vae, subfolder=req.vae_subfolder, device=device, dtype=req.vae_dtype, cls=video_vae_class(req))
     info = video_vae_info(vae)
     k, s = info["temporal_factor"], info["spatial_factor"]
     flag = "--frame-buckets" if req.frame_buckets is not None else "--frames"
