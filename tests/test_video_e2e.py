@@ -12,16 +12,16 @@ from tread.data import Bucket, LatentDataset
 from tread.data.builtin.toy_clips import write_clip_files
 from tread.training.loop import train
 from conftest import TINY, compose_cfg
-from test_video_vae import tiny_hunyuan, tiny_ltx, tiny_wan
+from test_video_vae import tiny_hunyuan, tiny_hunyuan10, tiny_ltx, tiny_ltx2, tiny_wan
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-# family -> its pipeline's VAE class (Cosmos-Predict2 and WanVACE use the Wan 2.1 VAE), tiny: spatial 4, temporal 4.
-# Stand-ins where precompute has no loader for the pipeline's own VAE class (the transformers take any latent
-# channels): Kandinsky 5 (AutoencoderKLHunyuanVideo) and MiniMax-H3 a Wan VAE, LTX-2 (AutoencoderKLLTX2Video, the
-# same 32x / 8x layout) LTX-Video's.
+# family -> its pipeline's VAE class (Cosmos-Predict2 and WanVACE use the Wan 2.1 VAE, Kandinsky 5 HunyuanVideo
+# 1.0's AutoencoderKLHunyuanVideo), tiny: spatial 4, temporal 4. A stand-in where precompute has no loader for the
+# pipeline's own VAE class (the transformer takes any latent channels): MiniMax-H3 (AutoencoderKLMiniMaxH3, whose
+# pipeline feeds it pixels normalised by its own pixel mean and std) a Wan VAE.
 VAES = {"wan": tiny_wan, "ltx_video": tiny_ltx, "hunyuan_video": tiny_hunyuan, "cosmos": tiny_wan,
-        "kandinsky5": tiny_wan, "ltx2": tiny_ltx, "minimax_h3": tiny_wan, "wan_vace": tiny_wan}
+        "kandinsky5": tiny_hunyuan10, "ltx2": tiny_ltx2, "minimax_h3": tiny_wan, "wan_vace": tiny_wan}
 ROUTE = "routing.routes=[{selection_ratio: 0.5, start_layer_idx: 1, end_layer_idx: 5}]"
 
 

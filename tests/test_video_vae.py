@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from diffusers import (AutoencoderKLHunyuanVideo15, AutoencoderKLLTXVideo, AutoencoderKLWan, HunyuanVideo15ImageToVideoPipeline,
+from diffusers import (AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo15, AutoencoderKLLTX2Video,
+                       AutoencoderKLLTXVideo, AutoencoderKLWan, HunyuanVideo15ImageToVideoPipeline, LTX2Pipeline,
                        LTXPipeline, WanImageToVideoPipeline)
 from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 from PIL import Image
@@ -51,7 +52,32 @@ def tiny_hunyuan(seed: int = 0) -> AutoencoderKLHunyuanVideo15:
                                        scaling_factor=1.03682).eval()
 
 
-TINY = {"AutoencoderKLWan": tiny_wan, "AutoencoderKLLTXVideo": tiny_ltx, "AutoencoderKLHunyuanVideo15": tiny_hunyuan}
+def tiny_hunyuan10(seed: int = 0) -> AutoencoderKLHunyuanVideo:
+    """Kandinsky 5's video VAE class (HunyuanVideo 1.0's)."""
+    torch.manual_seed(seed)
+    return AutoencoderKLHunyuanVideo(latent_channels=4, block_out_channels=(8, 8, 16), layers_per_block=1,
+                                     down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+                                     up_block_types=("HunyuanVideoUpBlock3D",) * 3, norm_num_groups=4,
+                                     spatial_compression_ratio=4, temporal_compression_ratio=4,
+                                     scaling_factor=0.476986).eval()
+
+
+def tiny_ltx2(seed: int = 0) -> AutoencoderKLLTX2Video:
+    torch.manual_seed(seed)
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=8, block_out_channels=(8, 8), down_block_types=("LTX2VideoDownBlock3D",) * 2,
+        decoder_block_out_channels=(8, 8), layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+        spatio_temporal_scaling=(True, True), decoder_spatio_temporal_scaling=(True, True),
+        decoder_inject_noise=(False,) * 3, downsample_type=("spatiotemporal",) * 2,
+        upsample_type=("spatiotemporal",) * 2, upsample_residual=(False, False), upsample_factor=(1, 1), patch_size=1,
+        patch_size_t=1, scaling_factor=0.8).eval()
+    vae.latents_mean.copy_(torch.linspace(-0.4, 0.6, 8))
+    vae.latents_std.copy_(torch.linspace(0.6, 1.8, 8))
+    return vae
+
+
+TINY = {"AutoencoderKLWan": tiny_wan, "AutoencoderKLLTXVideo": tiny_ltx, "AutoencoderKLHunyuanVideo15": tiny_hunyuan,
+        "AutoencoderKLHunyuanVideo": tiny_hunyuan10, "AutoencoderKLLTX2Video": tiny_ltx2}
 
 
 def clips(batch: int = 2, frames: int = 9, side: int = 16, seed: int = 0) -> torch.Tensor:
@@ -87,6 +113,29 @@ def test_ltx_normalisation_is_the_pipelines():
     back = LTXPipeline._denormalize_latents(model, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
     assert torch.allclose(from_model_space(model, info), back, rtol=1e-6, atol=1e-6)
     assert torch.allclose(back, raw, atol=1e-5)
+
+
+def test_ltx2_normalisation_is_the_pipelines():
+    vae = tiny_ltx2()
+    info = video_vae_info(vae)
+    raw = encode_video(vae, clips())
+    model = to_model_space(raw, info)
+    expected = LTX2Pipeline._normalize_latents(raw, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    torch.testing.assert_close(model, expected)
+    assert (model - raw).abs().max() > 0.05
+    back = LTX2Pipeline._denormalize_latents(model, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    torch.testing.assert_close(from_model_space(model, info), back)
+
+
+def test_kandinsky5_normalisation_is_the_pipelines():
+    """Kandinsky5I2VPipeline encodes its image as latent_dist.sample(generator) * scaling_factor and the video
+    pipelines decode latents / scaling_factor: model space is raw * scaling_factor, as for HunyuanVideo 1.5."""
+    vae = tiny_hunyuan10()
+    info = video_vae_info(vae)
+    assert info["scaling_factor"] == pytest.approx(0.476986) and info["latents_mean"] is None
+    raw = encode_video(vae, clips())
+    torch.testing.assert_close(to_model_space(raw, info), raw * vae.config.scaling_factor)
+    torch.testing.assert_close(from_model_space(raw * vae.config.scaling_factor, info), raw)
 
 
 def test_wan_normalisation_is_the_pipelines():

@@ -24,7 +24,10 @@ DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 VAE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENCODE_KINDS = ("moments", "sample", "mean")
 # diffusers classes of video VAEs (clips (B, 3, F, H, W) <-> latents (B, C, T, h, w)); load_vae's `cls`
-VIDEO_VAE_CLASSES = ("AutoencoderKLWan", "AutoencoderKLLTXVideo", "AutoencoderKLHunyuanVideo15")
+# Kandinsky 5's video pipelines use AutoencoderKLHunyuanVideo (HunyuanVideo 1.0's), LTX-2's AutoencoderKLLTX2Video
+VIDEO_VAE_CLASSES = ("AutoencoderKLWan", "AutoencoderKLLTXVideo", "AutoencoderKLHunyuanVideo15",
+                     "AutoencoderKLHunyuanVideo", "AutoencoderKLLTX2Video")
+LTX_VAES = ("AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video")   # statistics in buffers, compression as attributes
 # image VAEs whose pipelines feed the transformer normalised latents (tread/encoders/image_vaes.py): FLUX.2's (FLUX.2,
 # ERNIE-Image, FLUX.3), Qwen-Image's (Qwen-Image, Krea 2), Qwen-Image 2.1's and Sana's deep-compression autoencoder
 MODEL_SPACE_IMAGE_VAES = ("AutoencoderKLFlux2", "AutoencoderKLQwenImage", "AutoencoderKLQwenImage21", "AutoencoderDC")
@@ -250,7 +253,9 @@ def decode_raw_to_uint8(vae, raw: torch.Tensor, batch_size: int = 32) -> torch.T
 #     model = (raw - shift_factor - latents_mean) * scaling_factor / latents_std      (per channel, dim 1)
 # Wan (WanPipeline):                  (raw - latents_mean) / latents_std          (config latents_mean / latents_std)
 # LTX-Video (LTXPipeline._normalize_latents): (raw - latents_mean) * scaling_factor / latents_std  (the VAE's buffers)
+# LTX-2 (LTX2Pipeline._normalize_latents): the same, AutoencoderKLLTX2Video's buffers
 # HunyuanVideo 1.5 (its pipelines):   raw * scaling_factor
+# Kandinsky 5 (Kandinsky5I2VPipeline; its decode: latents / scaling_factor): raw * scaling_factor, AutoencoderKLHunyuanVideo
 
 def check_frame_count(frames: int, temporal_factor: int) -> None:
     """Raise EncoderError unless a clip of `frames` pixel frames suits a VAE of this temporal factor: frames =
@@ -268,7 +273,7 @@ def _video_factors(vae) -> tuple[int, int]:
     if type(vae).__name__ == "AutoencoderKLWan":
         stages = len(config.dim_mult) - 1
         return 2 ** sum(map(bool, config.temperal_downsample[:stages])), 2 ** stages * (config.patch_size or 1)
-    if type(vae).__name__ == "AutoencoderKLLTXVideo":
+    if type(vae).__name__ in LTX_VAES:
         return int(vae.temporal_compression_ratio), int(vae.spatial_compression_ratio)
     return int(config.temporal_compression_ratio), int(config.spatial_compression_ratio)
 
@@ -286,7 +291,7 @@ def video_vae_info(vae) -> dict:
     config = vae.config
     if name == "AutoencoderKLWan":
         scale, mean, std = None, _floats(config.latents_mean), _floats(config.latents_std)
-    elif name == "AutoencoderKLLTXVideo":
+    elif name in LTX_VAES:
         scale, mean, std = float(config.scaling_factor), _floats(vae.latents_mean), _floats(vae.latents_std)
     else:
         scale, mean, std = float(config.scaling_factor), None, None
