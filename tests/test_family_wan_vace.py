@@ -14,8 +14,11 @@ import pytest
 import torch
 
 import family_checks as fc
+from conftest import compose_cfg
 from test_families import SPAN, VIDEO
 from tread.models.families import FamilyConfigError
+from tread.schema import ConfigError, check_train
+from tread.schema.builders import build_model
 
 FAMILY = "wan_vace"
 SCALES = [1.0, 0.5, 2.0, 1.5]          # a different conditioning_scale per VACE layer (tiny: vace_layers 0, 2, 4, 6)
@@ -229,6 +232,24 @@ def test_per_sample_timesteps_only_and_config_errors():
             fc.make(FAMILY, conditioning_scale=bad)
     with pytest.raises(FamilyConfigError, match="model.i2v"):
         fc.make(FAMILY, frames=3, i2v=True)
+
+
+def test_conditioning_scale_is_a_config_key():
+    """model.conditioning_scale (configs/model/wan_vace.yaml: 1.0, the pipeline's default) reaches the family: a
+    number for every VACE layer or one per layer; a wrong count, a string or the key on another family is one
+    error naming it."""
+    def built(*overrides):
+        config = check_train(compose_cfg(overrides=["model=wan_vace", "debug=tiny", *overrides]))
+        return build_model(config.model.plain())
+
+    assert built().conditioning_scale == [1.0] * 4
+    assert built("model.conditioning_scale=[0.5,1,1.5,2]").conditioning_scale == [0.5, 1.0, 1.5, 2.0]
+    with pytest.raises(FamilyConfigError, match=r"conditioning_scale=\[0.5, 1.0\]: allowed: a number or a list of 4"):
+        built("model.conditioning_scale=[0.5,1]")
+    with pytest.raises(ConfigError, match="model.conditioning_scale"):
+        check_train(compose_cfg(overrides=["model=wan_vace", "model.conditioning_scale=strong"]))
+    with pytest.raises(ConfigError, match="model.conditioning_scale is a key of model.family=wan_vace"):
+        check_train(compose_cfg(overrides=["model=wan", "+model.conditioning_scale=0.5"]))
 
 
 def test_released_geometries_on_meta():

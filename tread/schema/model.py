@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import model_validator
 
@@ -244,6 +244,7 @@ FAMILY_ONLY["i2v"] += ("cosmos",)          # Video2World conditioning frames (co
 FAMILY_ONLY["frames"] += ("minimax_h3",)
 FAMILY_ONLY["kontext"] += ("flux3",)       # FLUX.3 image-to-image references (flux3.py)
 FAMILY_ONLY["frames"] += ("wan_vace",)
+FAMILY_ONLY["conditioning_scale"] = ("wan_vace",)   # WanVACEPipeline's weight of each VACE hint (wan_vace.py)
 # -- new family keys above this line --
 
 
@@ -282,6 +283,9 @@ class FamilyModel(Backbone):
                               "first_frame_latents.npy, condition the clip as the image-to-video pipelines do)",
                               default=None)
     vae_scale_factor: Optional[int] = key("a positive integer (PixArt)", ge=1, default=None)
+    conditioning_scale: Optional[Union[Number, list[Number]]] = key(
+        "a number, or a list of one number per VACE layer (WanVACE: WanVACEPipeline's conditioning_scale, the weight "
+        "of each VACE hint; 1.0 trains as the pipeline samples by default)", default=None)
 
     repa: Optional[Any] = key("null (REPA, repa=toy|toy_random|toy_fid|dinov2, is for DiT models: "
                               "model=dit|tread|sprint)", default=None)
