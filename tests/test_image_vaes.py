@@ -17,6 +17,7 @@ from PIL import Image
 import tread.cli.precompute as pl
 from tread.cli.sample import run as sample_run
 from tread.data import LatentDataset, check_decodable, decode_to_uint8
+from tread.data.buckets import assign_bucket, fit_crop, parse_buckets
 from tread.data.precompute.request import PrecomputeError
 from tread.encoders.image_vaes import (decode_model_space, encode_model_space, image_posterior, image_vae_info,
                                        spatial_factor)
@@ -249,3 +250,36 @@ def test_family_trains_on_its_vaes_latents_and_samples_images(family, tmp_path, 
                                       f"out_dir={out}"]))
     samples = np.load(out / "samples.npz")["arr_0"]
     assert samples.shape == (2, 32, 32, 3) and samples.dtype == np.uint8
+
+
+def test_buckets_and_references_are_model_space_too(tmp_path, vae_dirs):
+    """FLUX.2-style edit data: bucketed images and their reference images through AutoencoderKLFlux2: every bucket's
+    latents and references are the posterior means of the bucket's crops in model space; a bucket stride the
+    latents cannot patchify is one error."""
+    images, refs = tmp_path / "images", tmp_path / "refs"
+    rng = np.random.default_rng(5)
+    for root in (images, refs):
+        (root / "a").mkdir(parents=True)
+        for name, size in (("0.png", (20, 16)), ("1.png", (16, 30)), ("2.png", (18, 18))):
+            random_image(rng, size).save(root / "a" / name)
+    name, buckets = "AutoencoderKLFlux2", "16x16,20x12,12x20"
+    out = tmp_path / "ds"
+    argv = ["--images", str(images), "--vae", str(vae_dirs[name]), "--device", "cpu", "--buckets", buckets,
+            "--workers", "0"]
+    pl.main([*argv, "--out", str(out), "--bucket-stride", "4", "--reference-images", str(refs), "--dtype", "float32"])
+    vae = load_vae(str(vae_dirs[name]), cls=name)
+    info = image_vae_info(vae)
+    sizes = parse_buckets(buckets)
+    paths = sorted((images / "a").iterdir())
+    for b, bucket in enumerate(sizes):
+        mine = [p for p in paths if assign_bucket(*Image.open(p).size, sizes) == b]
+        if not mine:
+            continue
+        meta = LatentDataset(out / bucket.name).meta
+        assert meta["decode"]["class"] == name and meta["latent_scale"] == 1.0
+        for folder, key in ((images, "latents"), (refs, "reference_latents")):
+            pics = np.stack([fit_crop(Image.open(folder / "a" / p.name), bucket)[0] for p in mine])
+            np.testing.assert_allclose(np.load(out / bucket.name / f"{key}.npy"),
+                                       encode_model_space(vae, pics, info).numpy(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(PrecomputeError, match=r"--bucket-stride=2 .*multiple of 4"):
+        pl.main([*argv, "--out", str(tmp_path / "ds2"), "--bucket-stride", "2"])
