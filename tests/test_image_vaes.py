@@ -16,8 +16,9 @@ from PIL import Image
 
 import tread.cli.precompute as pl
 from tread.cli.sample import run as sample_run
-from tread.data import LatentDataset, check_decodable, decode_to_uint8
+from tread.data import LatentDataset, LatentDatasetError, check_decodable, decode_to_uint8
 from tread.data.buckets import assign_bucket, fit_crop, parse_buckets
+from tread.data.meta import validate_meta
 from tread.data.precompute.request import PrecomputeError
 from tread.encoders.image_vaes import (decode_model_space, encode_model_space, image_posterior, image_vae_info,
                                        spatial_factor)
@@ -283,3 +284,20 @@ def test_buckets_and_references_are_model_space_too(tmp_path, vae_dirs):
                                        encode_model_space(vae, pics, info).numpy(), rtol=1e-5, atol=1e-5)
     with pytest.raises(PrecomputeError, match=r"--bucket-stride=2 .*multiple of 4"):
         pl.main([*argv, "--out", str(tmp_path / "ds2"), "--bucket-stride", "2"])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"latents_mean": [0.0] * 15}, r"decode.latents_mean has 15 values but the latents have 4 channels \(16 after"),
+    ({"patch_size": 3}, r"do not patchify by decode.patch_size 3"),
+    ({"patch_size": 0}, r"patch_size"),
+])
+def test_a_decode_record_that_does_not_fit_is_one_error_at_start_up(change, message, tmp_path, vae_dirs,
+                                                                     class_images):
+    """A meta.json whose normalisation does not fit its latents is refused by the start-up check (before training),
+    not by the first evaluation hours later."""
+    out = tmp_path / "ds"
+    precompute(class_images, out, vae_dirs["AutoencoderKLFlux2"])
+    meta = json.loads((out / "meta.json").read_text())
+    meta["decode"].update(change)
+    with pytest.raises(LatentDatasetError, match=message):
+        check_decodable(validate_meta(meta, str(out / "meta.json")))

@@ -12,7 +12,8 @@ import torch
 from tread.encoders.errors import EncoderError
 from tread.encoders.image_vaes import decode_model_space
 from tread.encoders.vae import (MODEL_SPACE_IMAGE_VAES, VIDEO_VAE_CLASSES, decode_raw_to_uint8, decode_video,
-                                latent_channels, load_vae, pixels_to_uint8, vae_dtype as check_dtype)
+                                from_model_space, latent_channels, load_vae, pixels_to_uint8,
+                                vae_dtype as check_dtype)
 
 from .meta import DECODE_TYPES, LatentDatasetError, latent_kind, model_shape, shift_factor
 
@@ -117,3 +118,9 @@ def check_decodable(meta: Mapping[str, Any], *, vae: Optional[str] = None, vae_d
         raise LatentDatasetError(f"the data has {c}-channel latents (meta.json shape {meta['shape']}, latent_kind "
                                  f"{latent_kind(meta)!r}) but the VAE '{name}' takes {latent_channels(model)} "
                                  f"channels: the data was encoded with another VAE")
+    if decode.get("class") in VIDEO_VAE_CLASSES + MODEL_SPACE_IMAGE_VAES:
+        try:                # the normalisation fits the latents (statistics per channel, the patch divides the grid)
+            from_model_space(torch.zeros(1, *model_shape(meta)), decode)
+        except EncoderError as err:
+            raise LatentDatasetError(f"meta.json decode does not fit the data's latents (shape {meta['shape']}): "
+                                     f"{err}") from None
