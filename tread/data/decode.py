@@ -70,14 +70,10 @@ def decode_to_uint8(latents: torch.Tensor, meta: Mapping[str, Any], *, vae: Opti
     decode_video / decode_model_space; check_decodable refuses rule="paper" for them. The VAE is loaded once per process.
     """
     decode = meta.get("decode") or {"type": "identity"}
-    if decode.get("type") == "vae" and decode.get("class") in VIDEO_VAE_CLASSES:
+    if decode.get("type") == "vae" and decode.get("class") in VIDEO_VAE_CLASSES + MODEL_SPACE_IMAGE_VAES:
         model = _load_decoder(meta, vae, vae_dtype, latents.device)
-        return decode_video(model, latents.float() / float(meta.get("latent_scale", 1.0)), decode,
-                            batch_size=batch_size)
-    if decode.get("type") == "vae" and decode.get("class") in MODEL_SPACE_IMAGE_VAES:
-        model = _load_decoder(meta, vae, vae_dtype, latents.device)
-        return decode_model_space(model, latents.float() / float(meta.get("latent_scale", 1.0)), decode,
-                                  batch_size=batch_size)
+        decoder = decode_video if decode["class"] in VIDEO_VAE_CLASSES else decode_model_space
+        return decoder(model, latents.float() / float(meta.get("latent_scale", 1.0)), decode, batch_size=batch_size)
     if decode.get("type") == "vae":
         model = _load_decoder(meta, vae, "bfloat16" if rule == "paper" else vae_dtype, latents.device)
         raw = latents.float() / float(meta.get("latent_scale", 1.0)) + shift_factor(meta)
